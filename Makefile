@@ -1,0 +1,31 @@
+# Two commands on a fresh machine: `make serve` and `make test`. Both install what is missing first.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: serve test lint protos bench clean
+
+# torch is pinned to the CPU build that lies on local disk (PIP_FIND_LINKS); a bare `torch` requirement
+# would make pip fetch a multi-GB CUDA build. The GPU image brings its own torch and skips this step.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "torch==2.13.0"
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+serve: $(STAMP)
+	$(VENV)/bin/indexer-service serve
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+protos: $(STAMP)
+	$(PY) -m protos.generate
+
+clean:
+	rm -rf $(VENV)
