@@ -1,0 +1,152 @@
+"""Chunk planning of a prefill batch (spec section 2) and the builder's prefill loop.
+
+A chunk is bounded by two budgets: the compressed tokens it gathers must fit the KV workspace, and the
+logits of its queries against those tokens (``sum(q) * sum(C)`` fp32 values) must fit the logits budget.
+A single request too large for the logits budget is split along its queries.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from kernels.inputs import (
+    ChunkInputs,
+    ChunkMetadata,
+    DcpConfig,
+    InvalidInputError,
+    compressed_lens,
+    validate_batch,
+)
+from kernels.specialization import normalize_compress_ratio
+
+DEFAULT_MAX_LOGITS_BYTES = 512 * 2**20  # VLLM_SPARSE_INDEXER_MAX_LOGITS_MB default
+WORKSPACE_TOKENS_PER_MODEL_LEN = 40
+
+
+@dataclass(frozen=True)
+class ChunkSpec:
+    """Requests ``[req_start, req_end)`` (absolute) and chunk-local query rows ``[query_start, query_stop)``."""
+
+    req_start: int
+    req_end: int
+    query_start: int
+    query_stop: int
+
+
+def prefill_workspace_size(max_model_len: int, compress_ratio: int) -> int:
+    """Compressed KV tokens one chunk may gather (vLLM's ``get_max_prefill_buffer_size``)."""
+    return (max_model_len * WORKSPACE_TOKENS_PER_MODEL_LEN) // normalize_compress_ratio(compress_ratio)
+
+
+def plan_prefill_chunks(
+    compressed_seq_lens: Sequence[int] | np.ndarray,
+    query_lens: Sequence[int] | np.ndarray,
+    workspace_size: int,
+    max_logits_elems: int,
+    request_offset: int = 0,
+) -> list[ChunkSpec]:
+    """Greedy plan over contiguous requests (spec section 2); ``request_offset`` is added to request indices."""
+    seq = [int(x) for x in compressed_seq_lens]
+    queries = [int(x) for x in query_lens]
+    if len(seq) != len(queries):
+        raise InvalidInputError(
+            "query_lens", f"has {len(queries)} elements, compressed_seq_lens has {len(seq)}"
+        )
+    if workspace_size < 0:
+        raise InvalidInputError("workspace_size", f"must be >= 0, got {workspace_size}")
+    if max_logits_elems < 1:
+        raise InvalidInputError("max_logits_elems", f"must be >= 1, got {max_logits_elems}")
+
+    plan: list[ChunkSpec] = []
+    start, count = 0, len(seq)
+    while start < count:
+        total_q, total_kv = 0, 0
+        end = start
+        while end < count:
+            next_q, next_kv = total_q + queries[end], total_kv + seq[end]
+            fits = next_kv <= workspace_size and next_q * next_kv <= max_logits_elems
+            if not fits and end > start:
+                break
+            total_q, total_kv = next_q, next_kv
+            end += 1
+            if not fits:  # the first request of a chunk is taken alone even when it does not fit
+                break
+        max_q = max(1, max_logits_elems // total_kv) if total_kv > 0 else max(1, total_q)
+        for offset in range(0, total_q, max_q):
+            plan.append(
+                ChunkSpec(start + request_offset, end + request_offset, offset, min(offset + max_q, total_q))
+            )
+        start = end
+    return plan
+
+
+@dataclass(frozen=True)
+class BatchInputs:
+    """A whole batch: the first ``num_decodes`` requests are decodes and are not planned."""
+
+    query_start_loc: np.ndarray
+    seq_lens: np.ndarray
+    compress_ratio: int
+    num_decodes: int
+    max_model_len: int
+    max_logits_bytes: int = DEFAULT_MAX_LOGITS_BYTES
+    dcp: DcpConfig = DcpConfig()
+
+
+@dataclass
+class PrefillPlan:
+    chunks: list[ChunkSpec]
+    metadata: list[ChunkMetadata]  # one per non-empty chunk, in plan order
+    max_prefill_seq_len: int
+
+
+ChunkBuilder = Callable[[ChunkInputs], "ChunkMetadata | None"]
+
+
+def plan_prefill_batch(batch: BatchInputs) -> list[ChunkSpec]:
+    """Validate a batch and plan its prefill requests into chunks."""
+    qsl, seq = validate_batch(batch.query_start_loc, batch.seq_lens)
+    try:
+        ratio = normalize_compress_ratio(batch.compress_ratio)
+    except ValueError as exc:
+        raise InvalidInputError("compress_ratio", str(exc)) from None
+    if not 0 <= batch.num_decodes <= seq.size:
+        raise InvalidInputError("num_decodes", f"must be in [0, {seq.size}], got {batch.num_decodes}")
+    if batch.max_model_len < 1:
+        raise InvalidInputError("max_model_len", f"must be >= 1, got {batch.max_model_len}")
+    if batch.max_logits_bytes < 4:
+        raise InvalidInputError("max_logits_bytes", f"must be >= 4, got {batch.max_logits_bytes}")
+    nd = batch.num_decodes
+    return plan_prefill_chunks(
+        compressed_lens(seq[nd:], ratio),
+        np.diff(qsl[nd:]),
+        prefill_workspace_size(batch.max_model_len, ratio),
+        batch.max_logits_bytes // 4,
+        request_offset=nd,
+    )
+
+
+def build_prefill_batch(batch: BatchInputs, build_chunk: ChunkBuilder) -> PrefillPlan:
+    """The builder's prefill part: plan, build every chunk, drop the chunks with no compressed token."""
+    chunks = plan_prefill_batch(batch)
+    metadata = []
+    for spec in chunks:
+        built = build_chunk(
+            ChunkInputs(
+                query_start_loc=batch.query_start_loc,
+                seq_lens=batch.seq_lens,
+                compress_ratio=batch.compress_ratio,
+                req_start=spec.req_start,
+                req_end=spec.req_end,
+                query_slice=(spec.query_start, spec.query_stop),
+                skip_kv_gather=spec.query_start > 0,
+                dcp=batch.dcp,
+            )
+        )
+        if built is not None:
+            metadata.append(built)
+    prefill_seq = np.asarray(batch.seq_lens)[batch.num_decodes :]
+    return PrefillPlan(chunks, metadata, int(prefill_seq.max()) if prefill_seq.size else 0)
