@@ -122,9 +122,7 @@ def validate_batch(query_start_loc: np.ndarray, seq_lens: np.ndarray) -> tuple[n
     query_lens = np.diff(qsl)
     if (query_lens < 0).any():
         i = _first(query_lens < 0) + 1
-        raise InvalidInputError(
-            "query_start_loc", f"must be non-decreasing, got {qsl[i]} after {qsl[i - 1]}", i
-        )
+        raise InvalidInputError("query_start_loc", f"must be non-decreasing, got {qsl[i]} after {qsl[i - 1]}", i)
     if qsl[-1] > INT32_MAX:
         raise InvalidInputError("query_start_loc", f"exceeds int32 ({qsl[-1]})", qsl.size - 1)
     if (seq < 0).any():
@@ -135,9 +133,7 @@ def validate_batch(query_start_loc: np.ndarray, seq_lens: np.ndarray) -> tuple[n
         raise InvalidInputError("seq_lens", f"exceeds int32 ({seq[i]})", i)
     if (seq < query_lens).any():
         i = _first(seq < query_lens)
-        raise InvalidInputError(
-            "seq_lens", f"must be >= the request's query length {query_lens[i]}, got {seq[i]}", i
-        )
+        raise InvalidInputError("seq_lens", f"must be >= the request's query length {query_lens[i]}, got {seq[i]}", i)
     return qsl, seq
 
 

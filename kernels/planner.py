@@ -52,9 +52,7 @@ def plan_prefill_chunks(
     seq = [int(x) for x in compressed_seq_lens]
     queries = [int(x) for x in query_lens]
     if len(seq) != len(queries):
-        raise InvalidInputError(
-            "query_lens", f"has {len(queries)} elements, compressed_seq_lens has {len(seq)}"
-        )
+        raise InvalidInputError("query_lens", f"has {len(queries)} elements, compressed_seq_lens has {len(seq)}")
     if workspace_size < 0:
         raise InvalidInputError("workspace_size", f"must be >= 0, got {workspace_size}")
     if max_logits_elems < 1:
@@ -76,9 +74,7 @@ def plan_prefill_chunks(
                 break
         max_q = max(1, max_logits_elems // total_kv) if total_kv > 0 else max(1, total_q)
         for offset in range(0, total_q, max_q):
-            plan.append(
-                ChunkSpec(start + request_offset, end + request_offset, offset, min(offset + max_q, total_q))
-            )
+            plan.append(ChunkSpec(start + request_offset, end + request_offset, offset, min(offset + max_q, total_q)))
         start = end
     return plan
 

@@ -11,9 +11,7 @@ import numpy as np
 from kernels.inputs import ChunkInputs, ChunkMetadata, DcpConfig
 
 REPO = Path(__file__).resolve().parent.parent
-GOLDEN_PATH = (
-    Path(os.environ.get("INDEXER_SHARED_DIR", REPO.parent / "shared")) / "testdata/golden-cases.json"
-)
+GOLDEN_PATH = Path(os.environ.get("INDEXER_SHARED_DIR", REPO.parent / "shared")) / "testdata/golden-cases.json"
 GOLDEN = json.loads(GOLDEN_PATH.read_text())
 
 ARRAY_FIELDS = ("cu_seq_lens", "token_to_seq", "cu_seqlen_ks", "cu_seqlen_ke", "local_cu_seq_lens")
@@ -37,9 +35,7 @@ def chunk_inputs(case: dict) -> ChunkInputs:
         req_start=spec["start"],
         req_end=spec["end"],
         query_slice=tuple(spec["qslice"]) if "qslice" in spec else None,
-        dcp=DcpConfig(
-            rank=spec.get("rank", 0), world_size=spec.get("world", 1), interleave=spec.get("inter", 1)
-        ),
+        dcp=DcpConfig(rank=spec.get("rank", 0), world_size=spec.get("world", 1), interleave=spec.get("inter", 1)),
     )
 
 

@@ -1,0 +1,77 @@
+"""Every Prometheus metric of the service, defined in one place.
+
+Naming follows Prometheus conventions: base units (seconds, counts), ``_seconds`` and ``_total``
+suffixes, histograms rather than summaries. Every label set is bounded: ``method`` by the proto,
+``code`` by gRPC's status codes, ``key`` by the model's warmup set, ``backend`` by two values.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+# Request latency spans ~100 us (tiny batch, loopback) to seconds (huge batch through the interpreter).
+LATENCY_BUCKETS = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+)  # fmt: skip
+COMPILE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
+TOKEN_BUCKETS = tuple(float(4**i) for i in range(0, 11))  # 1 .. ~1M
+REQUEST_COUNT_BUCKETS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 4096.0)
+
+WARMUP_STATES = ("planned", "compiled", "failed")
+
+
+class Metrics:
+    """The service's metrics on their own registry (tests start several servers in one process)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.warmup_keys = Gauge(
+            "indexer_warmup_keys", "Compile keys of the warmup set, by state (planned = size of the set).",
+            ["state"], registry=r,
+        )  # fmt: skip
+        self.warmup_key_compile_seconds = Gauge(
+            "indexer_warmup_key_compile_seconds", "Seconds the last warmup spent compiling each key.",
+            ["key"], registry=r,
+        )  # fmt: skip
+        self.compile_duration_seconds = Histogram(
+            "indexer_compile_duration_seconds", "Seconds per kernel compile (warmup and after ready).",
+            ["phase"], buckets=COMPILE_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.warmup_duration_seconds = Gauge(
+            "indexer_warmup_duration_seconds", "Wall seconds of the start-up warmup, all keys.", registry=r
+        )
+        self.warmup_failures_total = Counter(
+            "indexer_warmup_failures_total", "Keys whose warmup compile failed.", registry=r
+        )
+        self.ready = Gauge("indexer_ready", "1 when warmup has finished and the server takes requests.", registry=r)
+        self.compiles_after_ready_total = Counter(
+            "indexer_compiles_after_ready_total",
+            "Kernel compiles (including disk-cache loads) after the server turned ready; should stay 0.",
+            registry=r,
+        )
+        self.request_duration_seconds = Histogram(
+            "indexer_request_duration_seconds", "RPC latency inside the server, by method and gRPC status code.",
+            ["method", "code"], buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.backend_duration_seconds = Histogram(
+            "indexer_backend_duration_seconds", "Seconds spent in the compute backend per RPC.",
+            ["method", "backend"], buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.request_query_tokens = Histogram(
+            "indexer_request_query_tokens", "Query tokens per RPC.", ["method"], buckets=TOKEN_BUCKETS, registry=r
+        )
+        self.request_batch_requests = Histogram(
+            "indexer_request_batch_requests", "Requests (sequences) per RPC.", ["method"],
+            buckets=REQUEST_COUNT_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.request_errors_total = Counter(
+            "indexer_request_errors_total", "RPCs answered with a non-OK status, by method and code.",
+            ["method", "code"], registry=r,
+        )  # fmt: skip
+        self.requests_in_flight = Gauge(
+            "indexer_requests_in_flight", "RPCs being served right now.", ["method"], registry=r
+        )
+        for state in WARMUP_STATES:
+            self.warmup_keys.labels(state=state).set(0)
+        self.ready.set(0)
