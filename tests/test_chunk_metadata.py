@@ -1,0 +1,100 @@
+"""The numpy twin and the Triton kernel (through the interpreter) against the golden cases and each other."""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import pytest
+import torch
+
+from kernels import triton_kernel
+from kernels.inputs import ChunkInputs, DcpConfig
+from kernels.naive import build_chunk_metadata_numpy
+from kernels.testing import BatchShape, random_chunk_inputs
+from kernels.triton_kernel import TritonChunkBuilder, interpreted_kernel
+from tests.golden import ARRAY_FIELDS, GOLDEN, SCALAR_FIELDS, case_id, chunk_inputs, metadata_as_dict
+
+SENTINEL = -0x5EED
+
+
+@pytest.fixture(scope="module")
+def triton_cpu() -> TritonChunkBuilder:
+    return TritonChunkBuilder("cpu", kernel=interpreted_kernel())
+
+
+@pytest.fixture
+def sentinel_outputs(monkeypatch):
+    """Output buffers pre-filled with a sentinel: any element the kernel leaves unwritten shows up."""
+    monkeypatch.setattr(
+        triton_kernel,
+        "_alloc_output",
+        lambda n, device: torch.full((n,), SENTINEL, dtype=torch.int32, device=device),
+    )
+
+
+def expected_fields(case: dict) -> dict | None:
+    expected = case["expected"]
+    return None if expected is None else {k: expected[k] for k in (*ARRAY_FIELDS, *SCALAR_FIELDS)}
+
+
+@pytest.mark.parametrize("case", GOLDEN["chunk_metadata"], ids=case_id)
+def test_numpy_matches_golden(case):
+    result = build_chunk_metadata_numpy(chunk_inputs(case))
+    assert (None if result is None else metadata_as_dict(result)) == expected_fields(case)
+
+
+@pytest.mark.parametrize("case", GOLDEN["chunk_metadata"], ids=case_id)
+def test_triton_interpreter_matches_golden(case, triton_cpu, sentinel_outputs):
+    result = triton_cpu(chunk_inputs(case))
+    assert (None if result is None else metadata_as_dict(result)) == expected_fields(case)
+
+
+def test_local_cu_is_cu_without_dcp():
+    case = next(c for c in GOLDEN["chunk_metadata"] if c["name"].startswith("E1"))
+    result = build_chunk_metadata_numpy(chunk_inputs(case))
+    assert result.local_cu_seq_lens is result.cu_seq_lens
+
+
+# Irregular shapes: odd sizes, zero-length queries, requests that compress away entirely, slices, DCP.
+SHAPES = {
+    "one-request": BatchShape(1, 37, 300),
+    "odd-small": BatchShape(7, 13, 50),
+    "zero-heavy": BatchShape(9, 5, 6, zero_query_share=0.6),
+    "short-contexts": BatchShape(12, 3, 3),  # many S < ratio: whole requests compress away
+    "wide": BatchShape(33, 40, 2000),
+    "multi-block": BatchShape(3, 1500, 3000),  # rows and tokens span several BLOCK_SIZE loops
+}
+DCP_SETTINGS = {
+    "nodcp": DcpConfig(),
+    "dcp2r1": DcpConfig(rank=1, world_size=2),
+    "dcp4r3i2": DcpConfig(rank=3, world_size=4, interleave=2),
+    "dcp2r0i2": DcpConfig(rank=0, world_size=2, interleave=2),
+}
+
+
+@pytest.mark.parametrize("ratio", [1, 4, 128], ids=lambda r: f"ratio{r}")
+@pytest.mark.parametrize("dcp_name", list(DCP_SETTINGS))
+@pytest.mark.parametrize("shape_name", list(SHAPES))
+def test_triton_interpreter_equals_numpy(shape_name, dcp_name, ratio, triton_cpu, sentinel_outputs):
+    rng = np.random.default_rng(zlib.crc32(f"{shape_name}-{dcp_name}-{ratio}".encode()))
+    for _ in range(2):
+        inputs = random_chunk_inputs(rng, SHAPES[shape_name], ratio, DCP_SETTINGS[dcp_name])
+        expected = build_chunk_metadata_numpy(inputs)
+        got = triton_cpu(inputs)
+        if expected is None:
+            assert got is None
+            continue
+        want, have = metadata_as_dict(expected), metadata_as_dict(got)
+        assert have == want
+        assert SENTINEL not in np.concatenate([got.token_to_seq, got.cu_seqlen_ks, got.cu_seqlen_ke])
+
+
+def test_outputs_are_int32_and_sized():
+    inputs = ChunkInputs(np.array([0, 3, 10]), np.array([9, 40]), 4, 0, 2, query_slice=(2, 9))
+    result = build_chunk_metadata_numpy(inputs)
+    for name in ARRAY_FIELDS:
+        assert getattr(result, name).dtype == np.int32, name
+    assert result.token_to_seq.size == result.total_seq_lens == 2 + 10
+    assert result.cu_seqlen_ks.size == result.cu_seqlen_ke.size == 7
+    assert (result.token_start, result.token_end, result.skip_kv_gather) == (2, 9, True)
