@@ -8,6 +8,8 @@ import numpy as np
 
 from kernels.inputs import ChunkInputs, DcpConfig
 
+NO_DCP = DcpConfig()
+
 
 @dataclass(frozen=True)
 class BatchShape:
@@ -43,7 +45,7 @@ def random_chunk_inputs(
     rng: np.random.Generator,
     shape: BatchShape,
     ratio: int,
-    dcp: DcpConfig = DcpConfig(),
+    dcp: DcpConfig = NO_DCP,
     with_slice: bool = True,
 ) -> ChunkInputs:
     """A chunk over a random request range of a random batch, with a random query slice half the time."""
