@@ -1,0 +1,82 @@
+"""The compile engine: ahead-of-time compilation with no GPU, refusal before the compiler, progress."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from kernels.compile_engine import KeyRefusedError, compile_keys, parse_target, watch_compiles
+from kernels.specialization import CompileKey, ModelConfig, warmup_keys
+
+DEFAULT_MODEL = ModelConfig((0, 0, *([4, 128] * 20), 4, 0))
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton-cache"))
+    return tmp_path / "triton-cache"
+
+
+@pytest.mark.parametrize("workers", [1, 2], ids=["sequential", "parallel"])
+def test_aot_compiles_the_default_warmup_set_for_cuda90(cache_dir, workers):
+    keys = warmup_keys(DEFAULT_MODEL)
+    seen = []
+    outcomes = compile_keys(keys, keys, target="cuda:90", workers=workers, progress=lambda *a: seen.append(a))
+    assert [o.key for o in outcomes] == list(keys)
+    assert all(o.ok and o.error is None and o.seconds > 0 for o in outcomes), outcomes
+    assert [(done, total) for done, total, _ in seen] == [(i, len(keys)) for i in range(1, len(keys) + 1)]
+    assert {o.key for _, _, o in seen} == set(keys)
+    cubins = list(cache_dir.rglob("*.cubin"))
+    assert len(cubins) == len(keys)
+
+
+def test_aot_for_amd_gfx942(cache_dir):
+    keys = warmup_keys(ModelConfig((4,)))
+    outcomes = compile_keys(keys, keys, target="hip:gfx942")
+    assert all(o.ok for o in outcomes), outcomes
+    assert list(cache_dir.rglob("*.hsaco"))
+
+
+def test_second_run_loads_from_disk_cache_and_fires_the_compile_hook(cache_dir):
+    keys = warmup_keys(ModelConfig((4, 128)))
+    compile_keys(keys, keys, target="cuda:90")
+    hooked = []
+    uninstall = watch_compiles(hooked.append)
+    try:
+        outcomes = compile_keys(keys, keys, target="cuda:90")
+    finally:
+        uninstall()
+    assert all(o.ok for o in outcomes)
+    assert len(hooked) == len(keys)  # a disk-cache load counts, as Triton's hook reports it
+
+
+def test_key_with_ratio_zero_never_reaches_the_compiler(cache_dir):
+    keys = warmup_keys(DEFAULT_MODEL)
+    smuggled = dataclasses.replace(keys[0])
+    object.__setattr__(smuggled, "compress_ratio", 0)  # what the seed bug produced
+    with pytest.raises(KeyRefusedError, match="not normalised"):
+        compile_keys([smuggled], [*keys, smuggled], target="cuda:90")
+    assert not cache_dir.exists()
+
+
+def test_key_outside_the_warmup_set_is_refused(cache_dir):
+    keys = warmup_keys(DEFAULT_MODEL)
+    with pytest.raises(KeyRefusedError, match=r"keys\[1\]: r32-.* not in the model's warmup set"):
+        compile_keys([keys[0], CompileKey(32)], keys, target="cuda:90")
+    with pytest.raises(KeyRefusedError, match="not a CompileKey"):
+        compile_keys([(4, 1024)], keys, target="cuda:90")
+    assert not cache_dir.exists()
+
+
+def test_compiler_failure_is_an_outcome_with_its_message(cache_dir):
+    keys = warmup_keys(ModelConfig((4,)))[:1]
+    (outcome,) = compile_keys(keys, keys, target="cuda:10")  # no such architecture: the pass pipeline fails
+    assert not outcome.ok
+    assert "RuntimeError" in outcome.error
+
+
+@pytest.mark.parametrize("bad", ["cuda", "cuda:sm90", "metal:1", ":90", "hip:"])
+def test_bad_target_names(bad):
+    with pytest.raises(ValueError, match="target"):
+        parse_target(bad)
