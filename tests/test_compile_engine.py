@@ -71,9 +71,9 @@ def test_key_outside_the_warmup_set_is_refused(cache_dir):
 
 def test_compiler_failure_is_an_outcome_with_its_message(cache_dir):
     keys = warmup_keys(ModelConfig((4,)))[:1]
-    (outcome,) = compile_keys(keys, keys, target="cuda:10")  # no such architecture: the pass pipeline fails
+    (outcome,) = compile_keys(keys, keys, target="cuda:10")  # no such architecture: ptxas refuses it
     assert not outcome.ok
-    assert "RuntimeError" in outcome.error
+    assert "sm_10" in outcome.error  # the compiler's own message
 
 
 @pytest.mark.parametrize("bad", ["cuda", "cuda:sm90", "metal:1", ":90", "hip:"])
