@@ -1,0 +1,135 @@
+"""Backend compute for the batches of the measured facts, each against a bound measured in the same run.
+
+    python benchmarks/bench_kernel.py [--out results.json]
+
+Without a GPU: the numpy backend against ``np.copyto`` of the same output bytes (the memory-copy floor).
+With a GPU, also: the kernel alone (``triton.testing.do_bench``) against a device copy of its output bytes;
+the same kernel with Triton's default scalar specialization (what ``do_not_specialize`` costs or saves);
+and the service's host round trip (pack, one copy in, launch, one copy out) against numpy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+from kernels.inputs import ChunkInputs, chunk_host_part
+from kernels.naive import build_chunk_metadata_numpy
+from kernels.testing import batch_with_tokens
+
+# (requests, query tokens, uncompressed context per request): the measured-facts batches, ratio 4.
+BATCHES = {
+    "small-8": (8, 351, 505),
+    "medium-64": (64, 8_885, 4_185),
+    "large-256": (256, 65_961, 33_148),
+    "one-long": (1, 86_252, 43_564),
+}
+RATIO = 4
+
+
+def make_inputs(name: str) -> ChunkInputs:
+    requests, tokens, context = BATCHES[name]
+    qsl, seq = batch_with_tokens(np.random.default_rng(len(name)), requests, tokens, context)
+    return ChunkInputs(qsl, seq, RATIO, 0, requests)
+
+
+def wall_median(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+def cpu_row(inputs: ChunkInputs) -> dict:
+    result = build_chunk_metadata_numpy(inputs)
+    out_bytes = sum(a.nbytes for a in (result.token_to_seq, result.cu_seqlen_ks, result.cu_seqlen_ke))
+    src, dst = np.ones(out_bytes // 4, np.int32), np.empty(out_bytes // 4, np.int32)
+    numpy_s = wall_median(lambda: build_chunk_metadata_numpy(inputs), 30)
+    copy_s = wall_median(lambda: np.copyto(dst, src), 30)
+    return {"compressed_tokens": result.total_seq_lens, "output_bytes": out_bytes, "numpy_us": numpy_s * 1e6,
+            "copyto_us": copy_s * 1e6, "numpy_vs_copy": numpy_s / copy_s}  # fmt: skip
+
+
+def gpu_row(inputs: ChunkInputs) -> dict:
+    import torch
+    import triton
+    from triton.testing import do_bench
+
+    from kernels.triton_kernel import (
+        KERNEL_JIT_OPTIONS,
+        TritonChunkBuilder,
+        _build_chunk_metadata_kernel_fn,
+        launch_chunk_kernel,
+    )
+
+    host = chunk_host_part(inputs)
+    a, b = host.query_slice
+    cuda = torch.device("cuda")
+
+    def dev(x):
+        return torch.from_numpy(x.astype(np.int32)).to(cuda)
+
+    q, s, cu = dev(host.query_start), dev(host.seq_lens), dev(host.cu_seq_lens)
+    tts = torch.empty(host.total, dtype=torch.int32, device=cuda)
+    ks, ke = (torch.empty(b - a, dtype=torch.int32, device=cuda) for _ in range(2))
+    ours = triton.jit(_build_chunk_metadata_kernel_fn, **KERNEL_JIT_OPTIONS)
+    specialized = triton.jit(_build_chunk_metadata_kernel_fn)
+
+    def launch(kernel):
+        return lambda: launch_chunk_kernel(q, s, cu, cu, tts, ks, ke, query_slice=(a, b), dcp=inputs.dcp,
+                                           compress_ratio=host.ratio, kernel=kernel)  # fmt: skip
+
+    out_elems = host.total + 2 * (b - a)
+    src, dst = torch.ones(out_elems, dtype=torch.int32, device=cuda), torch.empty(out_elems, dtype=torch.int32,
+                                                                                   device=cuda)  # fmt: skip
+    kernel_us = do_bench(launch(ours), warmup=50, rep=300) * 1e3
+    specialized_us = do_bench(launch(specialized), warmup=50, rep=300) * 1e3
+    copy_us = do_bench(lambda: dst.copy_(src), warmup=50, rep=300) * 1e3
+    builder = TritonChunkBuilder(cuda)
+    round_trip_us = wall_median(lambda: builder(inputs), 50) * 1e6
+    numpy_us = wall_median(lambda: build_chunk_metadata_numpy(inputs), 50) * 1e6
+    return {"kernel_us": kernel_us, "device_copy_us": copy_us, "kernel_vs_copy": kernel_us / copy_us,
+            "specialized_kernel_us": specialized_us, "ours_vs_specialized": kernel_us / specialized_us,
+            "round_trip_us": round_trip_us, "numpy_us": numpy_us, "round_trip_vs_numpy": round_trip_us / numpy_us}  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, help="write the figures as JSON here")
+    args = parser.parse_args()
+    try:
+        import torch
+
+        gpu = torch.cuda.is_available()
+    except ImportError:
+        gpu = False
+    results = {}
+    print(f"{'batch':10} {'C tokens':>9} {'numpy us':>9} {'copyto us':>9} {'ratio':>6}", end="")
+    print(f" | {'kernel us':>9} {'dcopy us':>8} {'ratio':>6} {'spec us':>8} {'ours/spec':>9} "
+          f"{'trip us':>8} {'numpy us':>8} {'trip/np':>7}" if gpu else "")  # fmt: skip
+    for name in BATCHES:
+        inputs = make_inputs(name)
+        row = cpu_row(inputs)
+        line = (f"{name:10} {row['compressed_tokens']:>9} {row['numpy_us']:>9.1f} {row['copyto_us']:>9.1f} "
+                f"{row['numpy_vs_copy']:>6.2f}")  # fmt: skip
+        if gpu:
+            g = gpu_row(inputs)
+            row["gpu"] = g
+            line += (f" | {g['kernel_us']:>9.2f} {g['device_copy_us']:>8.2f} {g['kernel_vs_copy']:>6.2f} "
+                     f"{g['specialized_kernel_us']:>8.2f} {g['ours_vs_specialized']:>9.3f} {g['round_trip_us']:>8.1f} "
+                     f"{g['numpy_us']:>8.1f} {g['round_trip_vs_numpy']:>7.2f}")  # fmt: skip
+        print(line)
+        results[name] = row
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+"""On a CUDA GPU: the Triton kernel equals numpy, and warmup leaves nothing to compile. Skipped without CUDA.
+
+Run on the H200 with ``python -m pytest -q tests/test_gpu.py`` (results: benchmarks/RESULTS.md).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kernels.compile_engine import compile_keys, watch_compiles
+from kernels.inputs import DcpConfig
+from kernels.naive import build_chunk_metadata_numpy
+from kernels.specialization import ModelConfig, warmup_compress_ratios, warmup_keys
+from kernels.testing import BatchShape, random_chunk_inputs
+from kernels.triton_kernel import TritonChunkBuilder
+from tests.golden import metadata_as_dict
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+FLASH = ModelConfig((0, 0, *([4, 128] * 20), 4, 0))
+DCPS = (DcpConfig(), DcpConfig(1, 2), DcpConfig(3, 4, 2), DcpConfig(0, 4))
+
+
+def random_case(rng: np.random.Generator, i: int, ratios: tuple[int, ...]):
+    shape = BatchShape(int(rng.integers(1, 65)), int(rng.integers(1, 300)), int(rng.integers(0, 5000)),
+                       zero_query_share=float(rng.choice([0.0, 0.1, 0.5])))  # fmt: skip
+    return random_chunk_inputs(rng, shape, ratios[i % len(ratios)], DCPS[i % len(DCPS)])
+
+
+def test_triton_on_gpu_equals_numpy_on_1000_batches():
+    builder = TritonChunkBuilder("cuda")
+    rng = np.random.default_rng(2026)
+    compared = 0
+    for i in range(1000):
+        inputs = random_case(rng, i, (1, 4, 128))
+        expected, got = build_chunk_metadata_numpy(inputs), builder(inputs)
+        assert (expected is None) == (got is None)
+        if expected is not None:
+            assert metadata_as_dict(got) == metadata_as_dict(expected), f"batch {i}"
+            compared += 1
+    assert compared > 900
+
+
+@pytest.mark.parametrize("model", [FLASH, ModelConfig((0, 0, 4, 128, 0), 32)], ids=["flash", "kpool32"])
+def test_after_warmup_10k_launches_compile_nothing(model):
+    keys = warmup_keys(model)
+    outcomes = compile_keys(keys, keys, target=None, workers=4)
+    assert all(o.ok for o in outcomes), outcomes
+    compiles = []
+    uninstall = watch_compiles(compiles.append)
+    try:
+        builder = TritonChunkBuilder("cuda")
+        rng = np.random.default_rng(10_000)
+        for i in range(10_000):
+            builder(random_case(rng, i, warmup_compress_ratios(model)))
+        torch.cuda.synchronize()
+    finally:
+        uninstall()
+    assert compiles == []
