@@ -95,9 +95,16 @@ def gpu_row(inputs: ChunkInputs) -> dict:
     builder = TritonChunkBuilder(cuda)
     round_trip_us = wall_median(lambda: builder(inputs), 50) * 1e6
     numpy_us = wall_median(lambda: build_chunk_metadata_numpy(inputs), 50) * 1e6
-    return {"kernel_us": kernel_us, "device_copy_us": copy_us, "kernel_vs_copy": kernel_us / copy_us,
-            "specialized_kernel_us": specialized_us, "ours_vs_specialized": kernel_us / specialized_us,
-            "round_trip_us": round_trip_us, "numpy_us": numpy_us, "round_trip_vs_numpy": round_trip_us / numpy_us}  # fmt: skip
+    return {
+        "kernel_us": kernel_us,
+        "device_copy_us": copy_us,
+        "kernel_vs_copy": kernel_us / copy_us,
+        "specialized_kernel_us": specialized_us,
+        "ours_vs_specialized": kernel_us / specialized_us,
+        "round_trip_us": round_trip_us,
+        "numpy_us": numpy_us,
+        "round_trip_vs_numpy": round_trip_us / numpy_us,
+    }
 
 
 def main() -> None:
