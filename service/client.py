@@ -1,0 +1,123 @@
+"""A Python client for schedulers: numpy arrays in and out, deadlines, retries, round-robin over replicas.
+
+    with IndexerClient("dns:///indexer.default.svc.cluster.local:50051") as client:
+        meta = client.build_chunk(ChunkInputs(qsl, seq_lens, compress_ratio=4, req_start=1, req_end=3))
+        plan = client.plan_batch(BatchInputs(qsl, seq_lens, 4, num_decodes=1, max_model_len=1 << 20))
+
+Retries and load balancing live in the gRPC service config, not in Python loops: every RPC is idempotent, so
+UNAVAILABLE (a replica warming up, draining, or gone) is retried with backoff on another replica, within the
+call's deadline. Round-robin spreads calls over every address a target resolves to, and client-side health
+checking keeps calls off replicas that are not SERVING. Failed calls raise ``grpc.RpcError``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kernels.inputs import ChunkInputs, ChunkMetadata
+from kernels.planner import BatchInputs, PrefillPlan
+from protos.indexer.v1 import indexer_pb2 as pb
+from protos.indexer.v1 import indexer_pb2_grpc as pb_grpc
+from service import codec
+from service.codec import SERVICE_NAME
+
+DEFAULT_MAX_MESSAGE_BYTES = 64 * 2**20  # the server's default max_message_bytes
+DEFAULT_TIMEOUT_SECONDS = 10.0
+
+
+def channel_target(addresses: str | Sequence[str]) -> str:
+    """A gRPC target: a string is used as is (``host:port``, ``dns:///name:port``, ``ipv4:a:p1,b:p2``); a list
+    of ``host:port`` literals becomes one ``ipv4:`` or ``ipv6:`` target that round-robin spreads over."""
+    if isinstance(addresses, str):
+        return addresses
+    if not addresses:
+        raise ValueError("no server address given")
+    scheme = "ipv6" if any(a.startswith("[") for a in addresses) else "ipv4"
+    return f"{scheme}:{','.join(addresses)}"
+
+
+def service_config(max_attempts: int = 5, health_check: bool = True) -> str:
+    """The channel's service config: round-robin, retry of UNAVAILABLE with backoff (``max_attempts`` calls in
+    all; 1: no retry), optional client-side health checks."""
+    method: dict[str, object] = {"name": [{"service": SERVICE_NAME}]}
+    if max_attempts > 1:  # gRPC rejects a whole service config whose retryPolicy has maxAttempts < 2
+        method["retryPolicy"] = {
+            "maxAttempts": max_attempts,
+            "initialBackoff": "0.05s",
+            "maxBackoff": "1s",
+            "backoffMultiplier": 2,
+            "retryableStatusCodes": ["UNAVAILABLE"],
+        }
+    config: dict[str, object] = {"loadBalancingConfig": [{"round_robin": {}}], "methodConfig": [method]}
+    if health_check:
+        config["healthCheckConfig"] = {"serviceName": SERVICE_NAME}
+    return json.dumps(config)
+
+
+class IndexerClient:
+    """One channel to one or several servers.
+
+    ``health_check=False`` sends calls to replicas that are not SERVING too (what ``indexer-service check``
+    needs to ask a warming server for its status).
+    """
+
+    def __init__(
+        self,
+        target: str | Sequence[str],
+        *,
+        timeout: float = DEFAULT_TIMEOUT_SECONDS,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        max_attempts: int = 5,
+        health_check: bool = True,
+    ) -> None:
+        self.timeout = timeout
+        self.channel = grpc.insecure_channel(
+            channel_target(target),
+            options=[
+                ("grpc.service_config", service_config(max_attempts, health_check)),
+                ("grpc.enable_retries", 1),
+                ("grpc.max_receive_message_length", max_message_bytes),
+                ("grpc.max_send_message_length", max_message_bytes),
+            ],
+        )
+        self.stub = pb_grpc.PrefillMetadataStub(self.channel)
+        self.health_stub = health_pb2_grpc.HealthStub(self.channel)
+
+    def __enter__(self) -> IndexerClient:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def build_chunk(
+        self, inputs: ChunkInputs, *, omit_token_to_seq: bool = False, timeout: float | None = None
+    ) -> ChunkMetadata | None:
+        """One chunk's metadata; None when the chunk holds no compressed token. ``token_to_seq`` is None when
+        omitted."""
+        request = codec.chunk_inputs_to_proto(inputs, omit_token_to_seq)
+        response = self.stub.BuildChunk(request, timeout=timeout or self.timeout)
+        return codec.metadata_from_proto(response.metadata) if response.HasField("metadata") else None
+
+    def plan_batch(
+        self, batch: BatchInputs, *, omit_token_to_seq: bool = False, timeout: float | None = None
+    ) -> PrefillPlan:
+        """The batch's prefill chunk plan and the metadata of every non-empty chunk."""
+        request = codec.batch_inputs_to_proto(batch, omit_token_to_seq)
+        return codec.plan_from_proto(self.stub.PlanBatch(request, timeout=timeout or self.timeout))
+
+    def warmup_status(self, *, timeout: float | None = None) -> pb.GetWarmupStatusResponse:
+        return self.stub.GetWarmupStatus(pb.GetWarmupStatusRequest(), timeout=timeout or self.timeout)
+
+    def health(self, service: str = SERVICE_NAME, *, timeout: float | None = None) -> str:
+        """``SERVING``, ``NOT_SERVING`` or ``SERVICE_UNKNOWN`` from grpc.health.v1 Check."""
+        response = self.health_stub.Check(
+            health_pb2.HealthCheckRequest(service=service), timeout=timeout or self.timeout
+        )
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)

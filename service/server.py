@@ -1,0 +1,166 @@
+"""The serving process: start-up order, warmup-gated readiness, SIGTERM drain.
+
+Start-up: both listeners come up first (HTTP /readyz 503, gRPC health NOT_SERVING, RPCs UNAVAILABLE), then
+the warmup compiles every key; only when all compiled does the server turn ready. SIGTERM: NOT_SERVING and
+/readyz 503 at once, keep serving for ``shutdown_delay_seconds``, then stop taking calls and give the
+in-flight ones ``shutdown_grace_seconds`` to finish; exit 0.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from pathlib import Path
+
+import uvicorn
+
+from kernels.specialization import warmup_keys
+from service.config import ServiceConfig
+from service.dataplane import DataPlane, launch_admission, make_backend, resolve_backend
+from service.grpc_server import create_grpc_server, create_health_servicer, health_listener, host_port
+from service.http_app import HttpApp
+from service.metrics import Metrics
+from service.warmup import Warmup, use_triton_cache_dir
+
+log = logging.getLogger(__name__)
+
+_HTTP_START_TIMEOUT_SECONDS = 10.0
+
+
+class _HttpServer:
+    """uvicorn (httptools + uvloop) on its own thread and event loop, on a socket bound up front."""
+
+    def __init__(self, app: HttpApp, host: str, port: int, grace: float) -> None:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.socket = socket.socket(family, socket.SOCK_STREAM)
+        self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            self.socket.bind((host, port))
+        except OSError as exc:
+            self.socket.close()
+            raise OSError(f"cannot bind HTTP to {host_port(host, port)}: {exc}") from None
+        self.port = self.socket.getsockname()[1]
+        config = uvicorn.Config(
+            app, loop="uvloop", http="httptools", lifespan="off", access_log=False, log_config=None,
+            timeout_graceful_shutdown=max(grace, 0.1),
+        )  # fmt: skip
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]}, name="http")
+
+    def start(self) -> None:
+        self.thread.start()
+        deadline = time.monotonic() + _HTTP_START_TIMEOUT_SECONDS
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the HTTP server did not start (see the log above)")
+            time.sleep(0.01)
+
+    def stop(self, timeout: float) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout)
+        self.socket.close()
+
+
+class IndexerServer:
+    """Everything one serving process runs; :meth:`start` returns once both listeners are up."""
+
+    def __init__(self, config: ServiceConfig) -> None:
+        self.config = config
+        cache_dir = use_triton_cache_dir(config.triton_cache_dir)
+        self.backend = resolve_backend(config.backend)
+        self.metrics = Metrics()
+        self.warmup = Warmup(
+            warmup_keys(config.model),
+            target=None if self.backend == "triton" else config.warmup_target,
+            enabled=config.warmup_enabled,
+            workers=config.warmup_workers,
+            metrics=self.metrics,
+        )
+        log.info("backend=%s warmup_target=%s triton_cache_dir=%s", self.backend, self.warmup.target_name,
+                 cache_dir or "(Triton's default)")  # fmt: skip
+        admit = launch_admission(self.warmup) if config.strict else None
+        self.plane = DataPlane(config, self.metrics, self.warmup, make_backend(self.backend, admit))
+        self.health = create_health_servicer()
+        self.plane.add_readiness_listener(health_listener(self.health))
+        self.grpc_server, self.grpc_port = create_grpc_server(config, self.plane, self.health)
+        self.http = _HttpServer(HttpApp(self.plane), config.http_host, config.http_port, config.shutdown_grace_seconds)
+        self.http_port = self.http.port
+        self._unwatch = None
+        self._warmup_thread = threading.Thread(target=self._run_warmup, name="warmup", daemon=True)
+
+    def start(self) -> None:
+        self.grpc_server.start()
+        self.http.start()
+        log.info(
+            "listening grpc=%s http=%s",
+            host_port(self.config.grpc_host, self.grpc_port),
+            host_port(self.config.http_host, self.http_port),
+        )
+        if self.backend == "triton":
+            # Only a GPU backend launches kernels after ready; numpy never compiles.
+            from kernels.compile_engine import watch_compiles
+
+            self._unwatch = watch_compiles(self.plane.on_kernel_compile)
+        self._warmup_thread.start()
+
+    def _run_warmup(self) -> None:
+        self.warmup.run()
+        self.plane.refresh_readiness()
+
+    def shutdown(self) -> None:
+        """Drain: NOT_SERVING, optional delay, stop taking calls, let in-flight ones finish within the grace."""
+        config = self.config
+        self.plane.begin_drain()
+        log.info("draining delay_seconds=%.1f grace_seconds=%.1f", config.shutdown_delay_seconds,
+                 config.shutdown_grace_seconds)  # fmt: skip
+        if config.shutdown_delay_seconds:
+            time.sleep(config.shutdown_delay_seconds)
+        start = time.monotonic()
+        self.grpc_server.stop(config.shutdown_grace_seconds).wait()
+        self.http.stop(timeout=config.shutdown_grace_seconds + 1.0)
+        if self._unwatch is not None:
+            self._unwatch()
+        log.info("stopped drain_seconds=%.3f", time.monotonic() - start)
+
+
+def _write_port_file(path: Path, server: IndexerServer) -> None:
+    """Bound ports as JSON, written atomically (tests and wrappers read it once it exists)."""
+    payload = {"grpc_port": server.grpc_port, "http_port": server.http_port, "pid": os.getpid()}
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(payload) + "\n")
+    partial.replace(path)
+
+
+def serve(config: ServiceConfig, port_file: Path | None = None) -> int:
+    """Run until SIGTERM or SIGINT, then drain; returns the exit code."""
+    # The C-level handler writes each signal to this socket: the main thread sleeps on it with no lock a
+    # handler could re-enter and no polling.
+    wake_read, wake_write = socket.socketpair()
+    wake_write.setblocking(False)
+    previous_fd = signal.set_wakeup_fd(wake_write.fileno())
+    signals = (signal.SIGTERM, signal.SIGINT)
+    previous = {s: signal.signal(s, lambda signum, frame: None) for s in signals}
+    try:
+        log.info("start pid=%d config: %s", os.getpid(), config.summary())
+        server = IndexerServer(config)
+        server.start()
+        if port_file is not None:
+            _write_port_file(port_file, server)
+        received = None
+        while received not in signals:
+            received = signal.Signals(wake_read.recv(1)[0])
+        log.info("shutdown signal=%s", received.name)
+        # A second signal during the drain lands in the socket and is ignored: the drain is bounded anyway.
+        server.shutdown()
+    finally:
+        signal.set_wakeup_fd(previous_fd)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        wake_read.close()
+        wake_write.close()
+    return 0

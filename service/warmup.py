@@ -1,0 +1,178 @@
+"""The start-up warmup: compile every key of the model's warmup set, track each key, fail closed.
+
+On the Triton backend the keys compile in-process on the serving GPU (what later launches hit); on the numpy
+backend (no GPU) they compile ahead of time for the configured target, which proves the toolchain works and
+fills the Triton cache. ``precompile`` uses the same :func:`compile_and_log` without a server.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from kernels.specialization import CompileKey
+from service.metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+IN_PROCESS = "in-process"
+
+
+class WarmupState(enum.Enum):
+    RUNNING = "running"
+    READY = "ready"
+    FAILED = "failed"
+    SKIPPED = "skipped"
+
+
+class KeyState(enum.Enum):
+    PENDING = "pending"
+    COMPILED = "compiled"
+    FAILED = "failed"
+    SKIPPED = "skipped"
+
+
+@dataclass(frozen=True)
+class KeyProgress:
+    key: CompileKey
+    state: KeyState
+    seconds: float = 0.0
+    error: str = ""
+
+
+def use_triton_cache_dir(configured: str) -> str | None:
+    """Point Triton at ``configured`` unless TRITON_CACHE_DIR is already set, which always wins.
+
+    Returns the directory Triton will use (None: Triton's default).
+    """
+    existing = os.environ.get("TRITON_CACHE_DIR")
+    if existing:
+        if configured and os.path.abspath(configured) != os.path.abspath(existing):
+            log.warning("triton_cache_dir=%s ignored: TRITON_CACHE_DIR=%s is set and wins", configured, existing)
+        return existing
+    if configured:
+        os.environ["TRITON_CACHE_DIR"] = configured
+        return configured
+    return None
+
+
+def compile_and_log(
+    keys: Sequence[CompileKey],
+    target: str | None,
+    workers: int,
+    phase: str,
+    on_outcome: Callable[[object], None] | None = None,
+) -> list:
+    """Compile ``keys`` (the model's whole warmup set), logging ``<phase> n/N key=... seconds=...`` per key."""
+    from kernels.compile_engine import compile_keys  # torch and Triton: only when something compiles
+
+    def progress(done: int, total: int, outcome) -> None:
+        if outcome.ok:
+            log.info("%s %d/%d key=%s seconds=%.3f", phase, done, total, outcome.key.label(), outcome.seconds)
+        else:
+            log.error(
+                "%s %d/%d key=%s seconds=%.3f failed error=%r",
+                phase, done, total, outcome.key.label(), outcome.seconds, outcome.error,
+            )  # fmt: skip
+        if on_outcome is not None:
+            on_outcome(outcome)
+
+    return compile_keys(keys, keys, target=target, workers=workers, progress=progress)
+
+
+class Warmup:
+    """Runs the warmup once and answers, at any time, how far it got."""
+
+    def __init__(
+        self,
+        keys: Sequence[CompileKey],
+        *,
+        target: str | None,
+        enabled: bool,
+        workers: int,
+        metrics: Metrics,
+    ) -> None:
+        self.keys = tuple(keys)
+        self.target = target  # None: in-process on the serving GPU
+        self.enabled = enabled
+        self.workers = workers
+        self.metrics = metrics
+        self._lock = threading.Lock()
+        initial = KeyState.PENDING if enabled else KeyState.SKIPPED
+        self._progress = {key: KeyProgress(key, initial) for key in self.keys}
+        self._state = WarmupState.RUNNING if enabled else WarmupState.SKIPPED
+        self.seconds = 0.0
+        metrics.warmup_keys.labels(state="planned").set(len(self.keys))
+
+    @property
+    def target_name(self) -> str:
+        if not self.enabled:
+            return "none"
+        return self.target or IN_PROCESS
+
+    @property
+    def state(self) -> WarmupState:
+        with self._lock:
+            return self._state
+
+    @property
+    def finished_ok(self) -> bool:
+        return self.state in (WarmupState.READY, WarmupState.SKIPPED)
+
+    def progress(self) -> list[KeyProgress]:
+        with self._lock:
+            return [self._progress[key] for key in self.keys]
+
+    def compiled_keys(self) -> frozenset[CompileKey]:
+        with self._lock:
+            return frozenset(k for k, p in self._progress.items() if p.state is KeyState.COMPILED)
+
+    def run(self) -> WarmupState:
+        """Compile every key; READY only when all compiled. Never raises: anything unexpected is FAILED."""
+        if not self.enabled:
+            log.info("warmup skipped keys=%d (warmup_target=none)", len(self.keys))
+            return self.state
+        log.info("warmup start keys=%d target=%s workers=%d", len(self.keys), self.target_name, self.workers)
+        start = time.perf_counter()
+        try:
+            compile_and_log(self.keys, self.target, self.workers, "warmup", self._record)
+        except Exception as exc:  # fail closed: a warmup that could not run leaves the server not ready
+            log.exception("warmup aborted target=%s error=%r", self.target_name, exc)
+            with self._lock:
+                for key, p in self._progress.items():
+                    if p.state is KeyState.PENDING:
+                        self._progress[key] = KeyProgress(key, KeyState.FAILED, error=f"warmup aborted: {exc!r}")
+                        self.metrics.warmup_failures_total.inc()
+                self._publish_counts()
+        self.seconds = time.perf_counter() - start
+        self.metrics.warmup_duration_seconds.set(self.seconds)
+        with self._lock:
+            failed = sum(p.state is KeyState.FAILED for p in self._progress.values())
+            self._state = WarmupState.FAILED if failed else WarmupState.READY
+        if failed:
+            log.error("warmup failed failed=%d/%d seconds=%.3f: not ready", failed, len(self.keys), self.seconds)
+        else:
+            log.info("warmup done keys=%d seconds=%.3f", len(self.keys), self.seconds)
+        return self.state
+
+    def _record(self, outcome) -> None:
+        state = KeyState.COMPILED if outcome.ok else KeyState.FAILED
+        label = outcome.key.label()
+        self.metrics.warmup_key_compile_seconds.labels(key=label).set(outcome.seconds)
+        self.metrics.compile_duration_seconds.labels(phase="warmup").observe(outcome.seconds)
+        if not outcome.ok:
+            self.metrics.warmup_failures_total.inc()
+        with self._lock:
+            self._progress[outcome.key] = KeyProgress(outcome.key, state, outcome.seconds, outcome.error or "")
+            self._publish_counts()
+
+    def _publish_counts(self) -> None:
+        """The compiled and failed gauges from the per-key states (caller holds the lock)."""
+        for state, label in ((KeyState.COMPILED, "compiled"), (KeyState.FAILED, "failed")):
+            count = sum(p.state is state for p in self._progress.values())
+            self.metrics.warmup_keys.labels(state=label).set(count)
