@@ -7,6 +7,8 @@ import zlib
 import numpy as np
 import pytest
 import torch
+import triton
+from triton.runtime.errors import InterpreterError
 
 from kernels import triton_kernel
 from kernels.inputs import ChunkInputs, DcpConfig
@@ -20,7 +22,17 @@ SENTINEL = -0x5EED
 
 @pytest.fixture(scope="module")
 def triton_cpu() -> TritonChunkBuilder:
-    return TritonChunkBuilder("cpu", kernel=interpreted_kernel())
+    builder = TritonChunkBuilder("cpu", kernel=interpreted_kernel())
+    try:
+        builder(chunk_inputs(GOLDEN["chunk_metadata"][0]))
+    except InterpreterError as exc:
+        # Triton 3.6's interpreter calls int() on a one-element array for a loop bound loaded from memory,
+        # which numpy 2.5 refuses (seen on the H200 image); Triton 3.9's does not. The compiled kernel is
+        # unaffected (tests/test_gpu.py).
+        if "only 0-dimensional arrays" not in str(exc):
+            raise
+        pytest.skip(f"this Triton {triton.__version__} interpreter cannot run with numpy {np.__version__}: {exc}")
+    return builder
 
 
 @pytest.fixture
