@@ -1,0 +1,169 @@
+"""Shared fixtures. Service processes: real ``indexer-service serve`` processes on 127.0.0.1, each killed in
+teardown whatever the test did."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+
+from service.config import CONFIG_FILE_ENV, ENV_PREFIX, SETTINGS
+
+INDEXER_SERVICE = str(Path(sys.executable).with_name("indexer-service"))
+LOOPBACK = "127.0.0.1"
+_serial = itertools.count()
+
+
+def service_env(**overrides: str) -> dict[str, str]:
+    """The test process's environment without any INDEXER_ setting, so only the test's flags count."""
+    env = {k: v for k, v in os.environ.items() if k != CONFIG_FILE_ENV and k.removeprefix(ENV_PREFIX) not in
+           {name.upper() for name in SETTINGS}}  # fmt: skip
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(overrides)
+    return env
+
+
+def http_get(url: str, timeout: float = 5.0) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+class Scrape:
+    """One real scrape of ``/metrics``, parsed by prometheus_client's own parser."""
+
+    def __init__(self, text: str) -> None:
+        self.families: dict[str, Metric] = {f.name: f for f in text_string_to_metric_families(text)}
+
+    def samples(self, name: str, **labels: str) -> list:
+        """Samples called ``name`` (a family's sample, e.g. ``x_count``) whose labels include ``labels``."""
+        return [
+            s for f in self.families.values() for s in f.samples
+            if s.name == name and labels.items() <= s.labels.items()
+        ]  # fmt: skip
+
+    def value(self, name: str, **labels: str) -> float | None:
+        """The one sample ``name`` with exactly ``labels`` (None when absent)."""
+        found = [s.value for s in self.samples(name, **labels) if s.labels == labels]
+        assert len(found) <= 1, f"{name}{labels} is ambiguous"
+        return found[0] if found else None
+
+
+def scrape(server: ServerProcess) -> Scrape:
+    status, text = http_get(f"{server.http_url}/metrics")
+    assert status == 200, text
+    return Scrape(text)
+
+
+class ServerProcess:
+    """One ``indexer-service serve`` on loopback ports chosen by the OS, found through ``--port-file``."""
+
+    def __init__(self, workdir: Path, args: tuple[str, ...], env: dict[str, str]) -> None:
+        n = next(_serial)
+        self.port_file = workdir / f"server-{n}.ports.json"
+        self.log_path = workdir / f"server-{n}.log"
+        command = [
+            INDEXER_SERVICE, "serve", "--grpc-host", LOOPBACK, "--http-host", LOOPBACK, "--grpc-port", "0",
+            "--http-port", "0", "--port-file", str(self.port_file), *args,
+        ]  # fmt: skip
+        with open(self.log_path, "wb") as log:
+            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+        self.grpc_port = self.http_port = 0
+
+    @property
+    def address(self) -> str:
+        return f"{LOOPBACK}:{self.grpc_port}"
+
+    @property
+    def http_url(self) -> str:
+        return f"http://{LOOPBACK}:{self.http_port}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_listening(self, timeout: float = 60.0) -> ServerProcess:
+        deadline = time.monotonic() + timeout
+        while not self.port_file.exists():
+            if self.process.poll() is not None:
+                pytest.fail(f"server exited with {self.process.returncode} before listening:\n{self.log()}")
+            if time.monotonic() > deadline:
+                pytest.fail(f"server not listening after {timeout} s:\n{self.log()}")
+            time.sleep(0.02)
+        ports = json.loads(self.port_file.read_text())
+        self.grpc_port, self.http_port = ports["grpc_port"], ports["http_port"]
+        return self
+
+    def wait_ready(self, timeout: float = 120.0) -> ServerProcess:
+        deadline = time.monotonic() + timeout
+        while http_get(f"{self.http_url}/readyz")[0] != 200:
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"server not ready (exit code {self.process.poll()}):\n{self.log()}")
+            time.sleep(0.05)
+        return self
+
+    def terminate(self, timeout: float = 30.0) -> int:
+        """SIGTERM and the exit code."""
+        self.process.send_signal(signal.SIGTERM)
+        return self.process.wait(timeout)
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait(10)
+
+
+StartServer = Callable[..., ServerProcess]
+
+
+@pytest.fixture(scope="session")
+def triton_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One Triton cache for the session's servers: after the first warmup, the others load instead of compile."""
+    return tmp_path_factory.mktemp("triton-cache")
+
+
+def _server_factory(workdir: Path, cache_dir: Path) -> tuple[StartServer, list[ServerProcess]]:
+    started: list[ServerProcess] = []
+
+    def start(*args: str, ready: bool = True, env: dict[str, str] | None = None) -> ServerProcess:
+        server = ServerProcess(workdir, args, env or service_env(TRITON_CACHE_DIR=str(cache_dir)))
+        started.append(server)
+        server.wait_listening()
+        return server.wait_ready() if ready else server
+
+    return start, started
+
+
+@pytest.fixture
+def start_server(tmp_path: Path, triton_cache_dir: Path) -> Iterator[StartServer]:
+    """``start_server(*flags, ready=True, env=None)``: a server process for this test, killed afterwards."""
+    start, started = _server_factory(tmp_path, triton_cache_dir)
+    try:
+        yield start
+    finally:
+        for server in started:
+            server.kill()
+
+
+@pytest.fixture(scope="session")
+def live_server(tmp_path_factory: pytest.TempPathFactory, triton_cache_dir: Path) -> Iterator[ServerProcess]:
+    """The default configuration as the README starts it (ahead-of-time warmup for cuda:90), ready."""
+    start, started = _server_factory(tmp_path_factory.mktemp("live-server"), triton_cache_dir)
+    try:
+        yield start()
+    finally:
+        for server in started:
+            server.kill()

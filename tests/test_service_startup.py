@@ -1,0 +1,127 @@
+"""Start-up order against a real server process: listeners first and NOT_SERVING, warmup with progress, then
+SERVING and /readyz 200; a failed compile keeps the server not ready (fail closed)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kernels.specialization import ModelConfig, warmup_keys
+from protos.indexer.v1 import indexer_pb2 as pb
+from protos.indexer.v1 import indexer_pb2_grpc as pb_grpc
+from service.codec import SERVICE_NAME, encode_int32
+from tests.conftest import StartServer, http_get, scrape, service_env
+
+pytestmark = pytest.mark.slow
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+DEFAULT_KEY_LABELS = {key.label() for key in warmup_keys(ModelConfig((0, 0, *([4, 128] * 20), 4, 0)))}
+E1 = pb.BuildChunkRequest(
+    query_start_loc=encode_int32(np.array([0, 1, 4, 9])), seq_lens=encode_int32(np.array([20, 10, 5])),
+    compress_ratio=4, req_start=1, req_end=3,
+)  # fmt: skip
+
+
+def health_statuses(channel: grpc.Channel) -> dict[str, int]:
+    stub = health_pb2_grpc.HealthStub(channel)
+    return {
+        name: stub.Check(health_pb2.HealthCheckRequest(service=name), timeout=5).status for name in ("", SERVICE_NAME)
+    }
+
+
+def test_not_serving_until_warmup_has_compiled_every_key(start_server: StartServer, tmp_path: Path) -> None:
+    # A cold Triton cache makes the warmup take seconds: long enough to see every step.
+    server = start_server(ready=False, env=service_env(TRITON_CACHE_DIR=str(tmp_path / "cold-cache")))
+    with grpc.insecure_channel(server.address) as channel:
+        status, body = http_get(f"{server.http_url}/readyz")
+        assert (status, body.startswith("warming up")) == (503, True), body
+        assert http_get(f"{server.http_url}/livez")[0] == 200
+        assert health_statuses(channel) == {"": NOT_SERVING, SERVICE_NAME: NOT_SERVING}
+        with pytest.raises(grpc.RpcError) as refused:
+            pb_grpc.PrefillMetadataStub(channel).BuildChunk(E1, timeout=5)
+        assert refused.value.code() is grpc.StatusCode.UNAVAILABLE
+        assert "not ready: warming up" in refused.value.details()
+        early = pb_grpc.PrefillMetadataStub(channel).GetWarmupStatus(pb.GetWarmupStatusRequest(), timeout=5)
+        assert early.state == pb.WARMUP_STATE_RUNNING and not early.ready
+
+        watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=SERVICE_NAME),
+                                                          timeout=120)  # fmt: skip
+        seen = []
+        for update in watch:
+            seen.append(update.status)
+            if update.status == SERVING:
+                break
+        watch.cancel()
+        assert seen[0] == NOT_SERVING and seen[-1] == SERVING, seen
+        assert health_statuses(channel) == {"": SERVING, SERVICE_NAME: SERVING}
+        assert http_get(f"{server.http_url}/readyz") == (200, "ready\n")
+        pb_grpc.PrefillMetadataStub(channel).BuildChunk(E1, timeout=5)
+
+    metrics = scrape(server)
+    assert metrics.value("indexer_warmup_keys", state="planned") == 3
+    assert metrics.value("indexer_warmup_keys", state="compiled") == 3
+    assert metrics.value("indexer_warmup_keys", state="failed") == 0
+    per_key = {s.labels["key"]: s.value for s in metrics.samples("indexer_warmup_key_compile_seconds")}
+    assert set(per_key) == DEFAULT_KEY_LABELS and all(v > 0 for v in per_key.values())
+    assert metrics.value("indexer_compile_duration_seconds_count", phase="warmup") == 3
+    assert metrics.value("indexer_warmup_duration_seconds") >= sum(per_key.values()) * 0.99
+    assert metrics.value("indexer_ready") == 1
+
+    log = server.log()
+    order = ["listening grpc=127.0.0.1:", "warmup start keys=3 target=cuda:90", "warmup 1/3 key=",
+             "warmup 3/3 key=", "warmup done keys=3", "ready backend=numpy"]  # fmt: skip
+    positions = [log.find(line) for line in order]
+    assert -1 not in positions and positions == sorted(positions), log
+
+
+def test_a_failed_compile_keeps_the_server_not_ready(start_server: StartServer) -> None:
+    # sm_1 does not exist: ptxas fails every key, with its own message.
+    server = start_server("--warmup-target", "cuda:1", ready=False)
+    with grpc.insecure_channel(server.address) as channel:
+        stub = pb_grpc.PrefillMetadataStub(channel)
+        deadline = time.monotonic() + 60
+        while (status := stub.GetWarmupStatus(pb.GetWarmupStatusRequest(), timeout=5)).state == (
+            pb.WARMUP_STATE_RUNNING
+        ):
+            assert time.monotonic() < deadline, server.log()
+            time.sleep(0.05)
+        assert status.state == pb.WARMUP_STATE_FAILED and not status.ready
+        assert [k.state for k in status.keys] == [pb.KEY_STATE_FAILED] * 3
+        assert all("sm_1" in k.error for k in status.keys), [k.error for k in status.keys]
+
+        assert health_statuses(channel) == {"": NOT_SERVING, SERVICE_NAME: NOT_SERVING}
+        status_code, body = http_get(f"{server.http_url}/readyz")
+        assert status_code == 503 and body.startswith("warmup failed"), body
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.BuildChunk(E1, timeout=5)
+        assert refused.value.code() is grpc.StatusCode.UNAVAILABLE
+        assert "warmup failed" in refused.value.details()
+
+    metrics = scrape(server)
+    assert metrics.value("indexer_warmup_keys", state="failed") == 3
+    assert metrics.value("indexer_warmup_keys", state="compiled") == 0
+    assert metrics.value("indexer_warmup_failures_total") == 3
+    assert metrics.value("indexer_ready") == 0
+    log = server.log()
+    for label in DEFAULT_KEY_LABELS:
+        assert f"key={label}" in log and "failed error=" in log
+    assert "sm_1" in log and "warmup failed failed=3/3" in log
+    assert server.process.poll() is None, "fail closed means not ready, not a crash"
+
+
+def test_warmup_off_reports_keys_skipped_and_is_ready_at_once(start_server: StartServer) -> None:
+    server = start_server("--warmup-target", "none", "--backend", "numpy")
+    with grpc.insecure_channel(server.address) as channel:
+        status = pb_grpc.PrefillMetadataStub(channel).GetWarmupStatus(pb.GetWarmupStatusRequest(), timeout=5)
+    assert status.state == pb.WARMUP_STATE_SKIPPED and status.ready and status.target == "none"
+    assert [k.state for k in status.keys] == [pb.KEY_STATE_SKIPPED] * 3
+    metrics = scrape(server)
+    assert metrics.value("indexer_warmup_keys", state="planned") == 3
+    assert metrics.value("indexer_warmup_keys", state="compiled") == 0
+    assert metrics.value("indexer_ready") == 1
