@@ -18,24 +18,41 @@ from kernels.inputs import (
 )
 
 
+def compressed_positions(positions: np.ndarray, ratio: int) -> np.ndarray:
+    """``positions // ratio`` for non-negative positions; a shift when the ratio is a power of two."""
+    if ratio == 1:
+        return positions
+    if ratio & (ratio - 1) == 0:
+        return positions >> (ratio.bit_length() - 1)
+    return positions // ratio
+
+
 def chunk_arrays_numpy(host: ChunkHostPart, dcp: DcpConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``token_to_seq``, ``cu_seqlen_ks`` and ``cu_seqlen_ke`` of one chunk (int32)."""
     cu = host.cu_seq_lens
-    num_requests = cu.size - 1
-    token_to_seq = np.repeat(np.arange(num_requests, dtype=np.int32), np.diff(cu))
+    token_to_seq = np.repeat(np.arange(cu.size - 1, dtype=np.int32), np.diff(cu))
 
     a, b = host.query_slice
-    rows = np.arange(a, b, dtype=np.int64)
-    # Request of each chunk row: the last request whose first row is <= the row.
-    request = np.searchsorted(host.query_start, rows, side="right") - 1
-    query_lens = np.diff(host.query_start)
-    first_position = host.seq_lens - query_lens  # p0: validated >= 0
-    position = first_position[request] + 1 + (rows - host.query_start[request])
-    visible = position // host.ratio
+    if b == a:
+        empty = np.zeros(0, dtype=np.int32)
+        return token_to_seq, empty, empty
+    starts = host.query_start
+    # Only the requests whose rows meet [a, b) contribute; spread per-request constants over their rows.
+    first = int(np.searchsorted(starts, a, side="right")) - 1
+    last = int(np.searchsorted(starts, b, side="left"))
+    requests = slice(first, last)
+    query_lens = np.diff(starts[first : last + 1])
+    # Row r of request i sees the causal position p0_i + 1 + (r - q'_i) = (S_i - q_i + 1 - q'_i) + r.
+    shift = (host.seq_lens[requests] - query_lens + 1 - starts[requests]).astype(np.int32)
+    skip = a - int(starts[first])
+    rows = slice(skip, skip + (b - a))
+    position = np.repeat(shift, query_lens)[rows]
+    position += np.arange(a, b, dtype=np.int32)
+    visible = compressed_positions(position, host.ratio)
     if dcp.enabled:
         visible = dcp_local_lens(visible, dcp)
-    row_start = host.local_cu_seq_lens[request]
-    return token_to_seq, row_start.astype(np.int32), (row_start + visible).astype(np.int32)
+    row_start = np.repeat(host.local_cu_seq_lens[requests].astype(np.int32), query_lens)[rows]
+    return token_to_seq, row_start, row_start + visible.astype(np.int32, copy=False)
 
 
 def build_chunk_metadata_numpy(inputs: ChunkInputs) -> ChunkMetadata | None:
