@@ -8,18 +8,27 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import re
 import shlex
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
 import tomllib
+import urllib.error
+import urllib.parse
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
+import numpy as np
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -294,3 +303,188 @@ def server_shutdown_seconds(env: dict[str, str]) -> float:
         float(env.get(f"INDEXER_{key.upper()}", defaults[key]))
         for key in ("shutdown_delay_seconds", "shutdown_grace_seconds")
     )
+
+
+# --- processes ----------------------------------------------------------------------------------------------
+
+
+def http_get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.1, process: subprocess.Popen | None = None):
+    """Polls until ``predicate()`` returns a truthy value; fails with ``what`` after ``timeout`` seconds or as
+    soon as ``process`` has exited."""
+    deadline = time.monotonic() + timeout
+    last_error: Exception | None = None
+    while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            raise AssertionError(f"{what}: process exited with {process.returncode}")
+        try:
+            if result := predicate():
+                return result
+        except (OSError, urllib.error.URLError, ValueError) as exc:
+            last_error = exc
+        time.sleep(interval)
+    raise AssertionError(f"{what}: not within {timeout} s (last error: {last_error})")
+
+
+class LoggedProcess:
+    """A child process whose output goes to a file (a pipe nobody reads would block it), stopped for sure."""
+
+    def __init__(self, argv: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
+        self.argv = argv
+        self.log_path = log_path
+        self._log = log_path.open("wb")
+        self.process = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 20.0) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(10)
+        self._log.close()
+        return self.process.returncode
+
+
+class Prometheus:
+    """A real Prometheus on a free loopback port, with its own storage, scraping ``targets`` every second and
+    evaluating the project's rules file, configured from deploy/prometheus/prometheus.yml."""
+
+    def __init__(self, workdir: Path, targets: list[str]) -> None:
+        shipped = yaml.safe_load(PROMETHEUS_CONFIG.read_text())
+        static_job = next(job for job in shipped["scrape_configs"] if "static_configs" in job)
+        # Only the static job: the DNS job would look up cluster names, and the loopback is all there is here.
+        static_job["static_configs"] = [{"targets": targets}]
+        static_job["scrape_interval"] = "1s"
+        config = {
+            "global": {**shipped["global"], "scrape_interval": "1s", "evaluation_interval": "1s"},
+            "rule_files": [str((PROMETHEUS_CONFIG.parent / f).resolve()) for f in shipped["rule_files"]],
+            "scrape_configs": [static_job],
+        }
+        self.job = static_job["job_name"]
+        config_path = workdir / "prometheus.yml"
+        config_path.write_text(yaml.safe_dump(config))
+        (self.port,) = free_ports(1)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = LoggedProcess(
+            [
+                find_tool("prometheus") or "prometheus",
+                f"--config.file={config_path}",
+                f"--storage.tsdb.path={workdir / 'data'}",
+                f"--web.listen-address=127.0.0.1:{self.port}",
+                "--storage.tsdb.retention.time=1h",
+                "--log.level=warn",
+            ],
+            workdir / "prometheus.log",
+        )
+        wait_for(lambda: http_get(f"{self.url}/-/ready")[0] == 200, 60, "prometheus ready", process=self.proc.process)
+
+    def api(self, path: str, **params: str) -> dict:
+        status, body = http_get(f"{self.url}/api/v1/{path}?{urllib.parse.urlencode(params)}")
+        reply = json.loads(body)
+        assert status == 200 and reply["status"] == "success", f"{path} {params}: {reply}"
+        return reply["data"]
+
+    def query(self, expr: str) -> list[dict]:
+        return self.api("query", query=expr)["result"]
+
+    def stop(self) -> None:
+        self.proc.stop()
+
+
+# --- the service, as the image and the pod run it -----------------------------------------------------------
+
+VENV_BIN = Path(sys.executable).parent
+# The three kinds of call a scheduler makes, and a caller's mistake (INVALID_ARGUMENT), so that every
+# label combination the alerts and the dashboard read gets a series.
+QSL, SEQ_LENS, RATIO = np.array([0, 4, 10]), np.array([8, 20]), 4
+
+
+def base_env(**overrides: str) -> dict[str, str]:
+    """The test process's environment without the service's own settings (a developer's INDEXER_* or
+    TRITON_CACHE_DIR must not leak into a server under test), the venv first on PATH, then ``overrides``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("INDEXER_") and k != "TRITON_CACHE_DIR"}
+    env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"
+    env.update(overrides)
+    return env
+
+
+class Server(LoggedProcess):
+    """`indexer-service serve` on 127.0.0.1, both ports chosen by the kernel and read from --port-file."""
+
+    def __init__(self, workdir: Path, name: str, argv: list[str] | None = None, **env: str) -> None:
+        self.port_file = workdir / f"{name}.ports.json"
+        argv = [*(argv or ["indexer-service", "serve"]), "--port-file", str(self.port_file)]
+        # Loopback only, ports chosen by the kernel: these override whatever the caller's (pod's) env says.
+        listen = {"INDEXER_GRPC_HOST": "127.0.0.1", "INDEXER_HTTP_HOST": "127.0.0.1"}
+        listen |= {"INDEXER_GRPC_PORT": "0", "INDEXER_HTTP_PORT": "0"}
+        env = base_env(**{**env, **listen})
+        super().__init__(argv, workdir / f"{name}.log", env)
+        self.grpc_port = self.http_port = 0
+
+    def wait_listening(self, timeout: float = 90) -> Server:
+        ports = wait_for(
+            lambda: self.port_file.exists() and json.loads(self.port_file.read_text()),
+            timeout, f"{self.log_path.stem} listening", process=self.process,
+        )  # fmt: skip
+        self.grpc_port, self.http_port = ports["grpc_port"], ports["http_port"]
+        return self
+
+    def wait_ready(self, timeout: float = 120) -> Server:
+        if not self.grpc_port:
+            self.wait_listening(timeout)
+        wait_for(lambda: self.http("/readyz")[0] == 200, timeout, f"{self.log_path.stem} ready", process=self.process)
+        return self
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    def http(self, path: str) -> tuple[int, bytes]:
+        return http_get(f"http://127.0.0.1:{self.http_port}{path}")
+
+    def samples(self) -> dict[str, list[tuple[dict[str, str], float]]]:
+        """The /metrics scrape, sample name -> [(labels, value)], through prometheus_client's own parser."""
+        status, body = self.http("/metrics")
+        assert status == 200
+        result: dict[str, list[tuple[dict[str, str], float]]] = {}
+        for family in text_string_to_metric_families(body.decode()):
+            for sample in family.samples:
+                result.setdefault(sample.name, []).append((sample.labels, sample.value))
+        return result
+
+    def calls(self, method: str = "BuildChunk", code: str = "OK") -> float:
+        """How many ``method`` calls this server answered with ``code``: how the tests tell replicas apart."""
+        return sum(
+            value
+            for labels, value in self.samples().get("indexer_request_duration_seconds_count", [])
+            if labels["method"] == method and labels["code"] == code
+        )
+
+
+def send_traffic(client, rounds: int) -> None:
+    """``rounds`` x (BuildChunk, PlanBatch, one INVALID_ARGUMENT) through an IndexerClient."""
+    from kernels.inputs import ChunkInputs
+    from kernels.planner import BatchInputs
+
+    for _ in range(rounds):
+        meta = client.build_chunk(ChunkInputs(QSL, SEQ_LENS, RATIO, 0, 2))
+        assert meta is not None and meta.cu_seq_lens.tolist() == [0, 2, 7]
+        assert len(client.plan_batch(BatchInputs(QSL, SEQ_LENS, RATIO, 0, 1 << 20)).chunks) == 1
+        try:
+            client.build_chunk(ChunkInputs(QSL, np.array([2, 20]), RATIO, 0, 2))
+        except grpc.RpcError as exc:
+            assert exc.code() is grpc.StatusCode.INVALID_ARGUMENT
+        else:
+            raise AssertionError("a sequence shorter than its query was accepted")
