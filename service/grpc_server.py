@@ -98,9 +98,12 @@ class AccessLogInterceptor(_ServiceInterceptor):
                 if code is grpc.StatusCode.OK:
                     log.debug("rpc method=%s code=OK ms=%.3f peer=%s", method, ms, context.peer())
                 else:
+                    details = context.details()  # the sync server keeps them encoded
+                    if isinstance(details, bytes):
+                        details = details.decode(errors="replace")
                     level = logging.ERROR if code is grpc.StatusCode.INTERNAL else logging.INFO
                     log.log(level, "rpc method=%s code=%s ms=%.3f peer=%s details=%r", method, code.name, ms,
-                            context.peer(), context.details())  # fmt: skip
+                            context.peer(), details)  # fmt: skip
 
         return logged
 

@@ -1,0 +1,129 @@
+"""The scheduler's client against real server processes: numpy in and out, round-robin over replicas, retries
+through the service config when a replica drains or dies, health checks that skip a replica that is not
+ready, deadlines."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from kernels.inputs import ChunkInputs
+from kernels.naive import build_chunk_metadata_numpy
+from service.client import IndexerClient, channel_target, service_config
+from service.codec import SERVICE_NAME, encode_int32
+from tests.conftest import ServerProcess, StartServer, scrape
+
+pytestmark = pytest.mark.slow
+
+FAST = ("--backend", "numpy", "--warmup-target", "none")
+E1 = ChunkInputs(np.array([0, 1, 4, 9], dtype=np.int64), np.array([20, 10, 5], dtype=np.int64), 4, 1, 3)
+
+
+def served(server: ServerProcess, code: str = "OK") -> float:
+    return scrape(server).value("indexer_request_duration_seconds_count", method="BuildChunk", code=code) or 0.0
+
+
+def test_round_robin_spreads_calls_over_every_replica(start_server: StartServer) -> None:
+    servers = [start_server(*FAST) for _ in range(3)]
+    expected = build_chunk_metadata_numpy(E1)
+    with IndexerClient([s.address for s in servers]) as client:
+        for _ in range(60):
+            got = client.build_chunk(E1)
+            assert got.cu_seqlen_ke.tolist() == expected.cu_seqlen_ke.tolist()
+            assert got.cu_seqlen_ke.dtype == np.int32
+    counts = [served(s) for s in servers]
+    assert sum(counts) == 60 and all(c >= 10 for c in counts), counts
+
+
+def test_no_call_fails_while_one_replica_drains_and_another_dies(start_server: StartServer) -> None:
+    draining, dying, survivor = (start_server(*FAST) for _ in range(3))
+    failures: list[BaseException] = []
+    ok = [0]
+    stop = threading.Event()
+
+    def burst(client: IndexerClient) -> None:
+        while not stop.is_set():
+            try:
+                client.build_chunk(E1, timeout=20)
+                ok[0] += 1
+            except grpc.RpcError as exc:
+                failures.append(exc)
+
+    with IndexerClient([s.address for s in (draining, dying, survivor)]) as client:
+        threads = [threading.Thread(target=burst, args=(client,)) for _ in range(3)]
+        try:
+            for thread in threads:
+                thread.start()
+            time.sleep(0.5)
+            draining.process.send_signal(signal.SIGTERM)
+            time.sleep(0.3)
+            dying.process.kill()
+            before = ok[0]
+            time.sleep(1.0)
+            assert ok[0] > before, "calls stopped after the two replicas left"
+        finally:
+            stop.set()
+            for thread in threads:
+                thread.join(30)
+    assert not failures, [f"{e.code()}: {e.details()}" for e in failures]
+    assert draining.process.wait(30) == 0
+    assert served(survivor) > 0
+
+
+def test_a_replica_that_is_not_ready_gets_no_calls(start_server: StartServer) -> None:
+    ready = start_server(*FAST)
+    failed = start_server("--warmup-target", "cuda:1", ready=False)  # every compile fails: never ready
+    with IndexerClient([failed.address, ready.address]) as client:
+        for _ in range(20):
+            client.build_chunk(E1)
+    assert served(ready) == 20
+    assert served(failed, "UNAVAILABLE") == 0 and served(failed) == 0
+    # Without the health check the same call reaches it, and it answers UNAVAILABLE itself.
+    with (
+        IndexerClient(failed.address, health_check=False, max_attempts=1) as client,
+        pytest.raises(grpc.RpcError) as refused,
+    ):
+        client.build_chunk(E1)
+    assert refused.value.code() is grpc.StatusCode.UNAVAILABLE
+
+
+def test_deadline_is_enforced(start_server: StartServer) -> None:
+    server = start_server(*FAST)
+    heavy = ChunkInputs(np.array([0, 8192]), np.array([1_000_000]), 1, 0, 1)
+    with IndexerClient(server.address) as client:
+        with pytest.raises(grpc.RpcError) as late:
+            client.build_chunk(heavy, timeout=0.001)
+        assert late.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+        assert client.build_chunk(heavy, omit_token_to_seq=True).token_to_seq is None
+
+
+def test_channel_targets() -> None:
+    assert channel_target("dns:///indexer:50051") == "dns:///indexer:50051"
+    assert channel_target(["127.0.0.1:1", "127.0.0.1:2"]) == "ipv4:127.0.0.1:1,127.0.0.1:2"
+    assert channel_target(["[::1]:1", "[::1]:2"]) == "ipv6:[::1]:1,[::1]:2"
+    with pytest.raises(ValueError):
+        channel_target([])
+
+
+def test_service_config_retries_idempotent_calls_round_robin() -> None:
+    config = json.loads(service_config())
+    assert config["loadBalancingConfig"] == [{"round_robin": {}}]
+    assert config["healthCheckConfig"] == {"serviceName": SERVICE_NAME}
+    (method,) = config["methodConfig"]
+    assert method["name"] == [{"service": SERVICE_NAME}]
+    assert "UNAVAILABLE" in method["retryPolicy"]["retryableStatusCodes"]
+    single = json.loads(service_config(max_attempts=1, health_check=False))
+    assert "retryPolicy" not in single["methodConfig"][0] and "healthCheckConfig" not in single
+
+
+def test_arrays_outside_int32_are_refused_before_sending() -> None:
+    with pytest.raises(ValueError, match="seq_lens: values must fit int32"):
+        encode_int32(np.array([2**31]), "seq_lens")
+    with pytest.raises(ValueError, match="integers"):
+        encode_int32(np.array([1.5]), "seq_lens")

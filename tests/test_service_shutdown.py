@@ -1,0 +1,126 @@
+"""SIGTERM during a burst of calls against a real server process: NOT_SERVING and /readyz 503 at once, every
+accepted call finishes (including one that runs for seconds), the process exits 0."""
+
+from __future__ import annotations
+
+import re
+import signal
+import threading
+import time
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from protos.indexer.v1 import indexer_pb2 as pb
+from protos.indexer.v1 import indexer_pb2_grpc as pb_grpc
+from service.codec import SERVICE_NAME, encode_int32
+from tests.conftest import StartServer, http_get, scrape
+
+pytestmark = pytest.mark.slow
+
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+SHUTDOWN_DELAY = 1.0
+GRACE = 30.0
+SMALL = pb.BuildChunkRequest(
+    query_start_loc=encode_int32(np.arange(0, 4097, 64)), seq_lens=encode_int32(np.full(64, 4096)),
+    compress_ratio=4, req_start=0, req_end=64,
+)  # fmt: skip
+# One 1M-token request split into 256 sub-chunks by a small logits budget: seconds of numpy work.
+LONG = pb.PlanBatchRequest(
+    query_start_loc=encode_int32(np.array([0, 8192])), seq_lens=encode_int32(np.array([1_000_000])),
+    compress_ratio=1, max_logits_bytes=4 * 1_000_000 * 32, omit_token_to_seq=True,
+)  # fmt: skip
+
+
+@dataclass
+class Call:
+    start: float
+    end: float
+    code: grpc.StatusCode
+
+
+def burst(address: str, calls: list[Call], stop: threading.Event) -> None:
+    """Small calls back to back on a channel of its own, no retries, until the server is gone."""
+    with grpc.insecure_channel(address) as channel:
+        stub = pb_grpc.PrefillMetadataStub(channel)
+        while not stop.is_set():
+            start = time.monotonic()
+            try:
+                stub.BuildChunk(SMALL, timeout=GRACE)
+                code = grpc.StatusCode.OK
+            except grpc.RpcError as exc:
+                code = exc.code()
+            calls.append(Call(start, time.monotonic(), code))
+            if code is grpc.StatusCode.UNAVAILABLE:
+                time.sleep(0.01)
+
+
+def test_sigterm_during_a_burst_drains_and_exits_0(start_server: StartServer) -> None:
+    server = start_server(
+        "--backend", "numpy", "--warmup-target", "none",
+        "--shutdown-delay-seconds", str(SHUTDOWN_DELAY), "--shutdown-grace-seconds", str(GRACE),
+    )  # fmt: skip
+    calls: list[Call] = []
+    stop = threading.Event()
+    workers = [threading.Thread(target=burst, args=(server.address, calls, stop)) for _ in range(4)]
+    long_result: dict[str, object] = {}
+
+    def long_call() -> None:
+        with grpc.insecure_channel(server.address) as channel:
+            try:
+                long_result["response"] = pb_grpc.PrefillMetadataStub(channel).PlanBatch(LONG, timeout=GRACE)
+            except grpc.RpcError as exc:
+                long_result["error"] = exc
+            long_result["end"] = time.monotonic()
+
+    long_thread = threading.Thread(target=long_call)
+    try:
+        for worker in workers:
+            worker.start()
+        long_thread.start()
+        # Accepted, not just sent: the server counts it in flight.
+        deadline = time.monotonic() + 30
+        while scrape(server).value("indexer_requests_in_flight", method="PlanBatch") != 1:
+            assert time.monotonic() < deadline and long_thread.is_alive(), server.log()
+            time.sleep(0.02)
+
+        sigterm_at = time.monotonic()
+        server.process.send_signal(signal.SIGTERM)
+        readyz, health = None, None
+        with grpc.insecure_channel(server.address) as channel:
+            checker = health_pb2_grpc.HealthStub(channel)
+            while time.monotonic() < sigterm_at + SHUTDOWN_DELAY / 2 and (readyz, health) != (503, NOT_SERVING):
+                readyz = http_get(f"{server.http_url}/readyz")[0]
+                health = checker.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=5).status
+        assert (readyz, health) == (503, NOT_SERVING)
+
+        exit_code = server.process.wait(GRACE + 10)
+        exited_at = time.monotonic()
+    finally:
+        stop.set()
+        for worker in [*workers, long_thread]:
+            worker.join(GRACE + 10)
+
+    assert exit_code == 0, server.log()
+    assert "error" not in long_result, long_result
+    assert len(long_result["response"].chunks) == 256
+    assert long_result["end"] > sigterm_at + SHUTDOWN_DELAY, "the long call should have outlived the delay"
+    assert long_result["end"] <= exited_at
+
+    assert calls, "the burst made no call"
+    # Calls sent before SIGTERM, and during most of the delay while the server says NOT_SERVING, were accepted
+    # and must have succeeded. Once the server stops taking calls, new ones are refused: UNAVAILABLE, or
+    # CANCELLED for a call gRPC had received but not yet handed to the application when it shut down.
+    accepted = [c for c in calls if c.start < sigterm_at + SHUTDOWN_DELAY / 2]
+    assert accepted and all(c.code is grpc.StatusCode.OK for c in accepted)
+    refused = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED}
+    assert {c.code for c in calls} <= {grpc.StatusCode.OK, *refused}, {c.code for c in calls}
+    assert any(c.start > sigterm_at and c.code is grpc.StatusCode.OK for c in calls), "none served while draining"
+
+    log = server.log()
+    drained = re.search(r"stopped drain_seconds=([\d.]+)", log)
+    assert "shutdown signal=SIGTERM" in log and "draining" in log and drained, log
+    assert float(drained.group(1)) < GRACE
