@@ -28,7 +28,7 @@ from triton.backends.driver import DriverBase
 from triton.runtime.driver import driver
 
 from kernels.specialization import POINTER_ALIGNMENT, CompileKey
-from kernels.triton_kernel import KERNEL_JIT_OPTIONS, _build_chunk_metadata_kernel, _build_chunk_metadata_kernel_fn
+from kernels.triton_kernel import KERNEL_JIT_OPTIONS, _build_prefill_metadata_kernel, _build_prefill_metadata_kernel_fn
 
 log = logging.getLogger(__name__)
 
@@ -207,10 +207,10 @@ def compile_keys(
     check_keys(keys, allowed)
     log.debug("Triton compiler start-up took %.3f s", start_compiler())
     if target is None:
-        kernel, gpu_target, device = _build_chunk_metadata_kernel, None, torch.device("cuda")
+        kernel, gpu_target, device = _build_prefill_metadata_kernel, None, torch.device("cuda")
     else:
         # A fresh JITFunction per ahead-of-time run: its per-device caches remember the target.
-        kernel = triton.jit(_build_chunk_metadata_kernel_fn, **KERNEL_JIT_OPTIONS)
+        kernel = triton.jit(_build_prefill_metadata_kernel_fn, **KERNEL_JIT_OPTIONS)
         gpu_target, device = parse_target(target), torch.device("cpu")
     async_mode = _async_compile_mode() if workers > 1 else None
     if workers > 1 and async_mode is None:
@@ -267,13 +267,13 @@ def compile_keys(
 
 
 def watch_compiles(callback: Callable[[str], None]) -> Callable[[], None]:
-    """Call ``callback(kernel_name)`` after every compile of the chunk-metadata kernel in this process.
+    """Call ``callback(kernel_name)`` after every compile of the prefill-metadata kernel in this process.
 
     Chains ``triton.knobs.runtime.jit_post_compile_hook`` (which also fires on a disk-cache load) and
     keeps any hook installed before. Returns a function that uninstalls it.
     """
     previous = triton.knobs.runtime.jit_post_compile_hook
-    kernel_name = _build_chunk_metadata_kernel_fn.__name__
+    kernel_name = _build_prefill_metadata_kernel_fn.__name__
 
     def hook(**kwargs):
         fn = kwargs.get("fn")

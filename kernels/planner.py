@@ -125,24 +125,30 @@ def plan_prefill_batch(batch: BatchInputs) -> list[ChunkSpec]:
     )
 
 
+def chunk_inputs_of_plan(batch: BatchInputs, chunks: Sequence[ChunkSpec]) -> list[ChunkInputs]:
+    """What the builder passes to the per-chunk build for each planned chunk."""
+    return [
+        ChunkInputs(
+            query_start_loc=batch.query_start_loc,
+            seq_lens=batch.seq_lens,
+            compress_ratio=batch.compress_ratio,
+            req_start=spec.req_start,
+            req_end=spec.req_end,
+            query_slice=(spec.query_start, spec.query_stop),
+            skip_kv_gather=spec.query_start > 0,
+            dcp=batch.dcp,
+        )
+        for spec in chunks
+    ]
+
+
+def max_prefill_seq_len(batch: BatchInputs) -> int:
+    prefill_seq = np.asarray(batch.seq_lens)[batch.num_decodes :]
+    return int(prefill_seq.max()) if prefill_seq.size else 0
+
+
 def build_prefill_batch(batch: BatchInputs, build_chunk: ChunkBuilder) -> PrefillPlan:
     """The builder's prefill part: plan, build every chunk, drop the chunks with no compressed token."""
     chunks = plan_prefill_batch(batch)
-    metadata = []
-    for spec in chunks:
-        built = build_chunk(
-            ChunkInputs(
-                query_start_loc=batch.query_start_loc,
-                seq_lens=batch.seq_lens,
-                compress_ratio=batch.compress_ratio,
-                req_start=spec.req_start,
-                req_end=spec.req_end,
-                query_slice=(spec.query_start, spec.query_stop),
-                skip_kv_gather=spec.query_start > 0,
-                dcp=batch.dcp,
-            )
-        )
-        if built is not None:
-            metadata.append(built)
-    prefill_seq = np.asarray(batch.seq_lens)[batch.num_decodes :]
-    return PrefillPlan(chunks, metadata, int(prefill_seq.max()) if prefill_seq.size else 0)
+    built = (build_chunk(inputs) for inputs in chunk_inputs_of_plan(batch, chunks))
+    return PrefillPlan(chunks, [meta for meta in built if meta is not None], max_prefill_seq_len(batch))

@@ -11,12 +11,14 @@ Specialization axes, chosen on purpose (see ``kernels/triton_kernel.py`` for the
 
 * ``COMPRESS_RATIO`` and ``BLOCK_SIZE`` are constexprs: the ratio is a division the compiler turns into
   a shift, worth a variant per ratio.
-* The five integer scalars (query slice start/stop, DCP rank/world/interleave) only bound masks and
-  pick a branch; Triton would otherwise specialize each on ``== 1`` and ``% 16 == 0`` and multiply the
-  variants by up to 3**5. They are ``do_not_specialize``; what is left is their integer width, which
+* The query slice is not an argument at all: it is folded into the per-request program table the host
+  writes (vLLM passes it as two scalars, whose 1 / divisible-by-16 / generic classes make 9 variants).
+* The three DCP scalars only pick a branch and bound a min/max; Triton would specialize each on ``== 1``
+  and ``% 16 == 0``. They are ``do_not_specialize``; what is left is their integer width, which
   validation pins to i32.
-* Pointers would specialize on 16-byte alignment. The service allocates every buffer it passes
-  (fresh torch tensors are 256-byte aligned), so only the aligned class is reachable and warmed.
+* Pointers would specialize on 16-byte alignment. The service allocates every buffer it passes and
+  starts every segment of a shared buffer on a 16-byte boundary, so only the aligned class is reachable
+  and warmed (vLLM passes ``seq_lens[s:e]``, a view that is unaligned whenever ``s % 4 != 0``).
 
 So the warmup set is one key per normalised ratio, and every reachable key is in it
 (``tests/test_specialization.py`` checks both directions).
@@ -33,16 +35,8 @@ BLOCK_SIZE = 1024
 POINTER_ALIGNMENT = 16
 
 # Argument order of the kernel: see kernels/triton_kernel.py.
-POINTER_ARGS = (
-    "query_start",
-    "seq_lens",
-    "cu_seq_lens",
-    "local_cu_seq_lens",
-    "token_to_seq",
-    "cu_seqlen_ks",
-    "cu_seqlen_ke",
-)
-SCALAR_ARGS = ("query_slice_start", "query_slice_stop", "dcp_rank", "dcp_world_size", "dcp_interleave")
+POINTER_ARGS = ("program_table", "token_to_seq", "cu_seqlen_ks", "cu_seqlen_ke")
+SCALAR_ARGS = ("dcp_rank", "dcp_world_size", "dcp_interleave")
 
 _I32 = (-(2**31), 2**31)
 _I64 = (-(2**63), 2**63)

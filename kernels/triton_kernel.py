@@ -1,68 +1,78 @@
-"""The Triton kernel for one prefill chunk's metadata, and its host launcher.
+"""The Triton kernel for prefill chunk metadata, and its host launcher.
 
 Order as in Triton's tutorials: the reference lives in ``kernels/naive.py``; here are the kernel, the
-launcher that takes torch tensors, and the chunk builder the service calls on a GPU.
+launcher that takes torch tensors, and the builder the service calls on a GPU.
 
-One program per request of the chunk writes that request's ``token_to_seq`` entries and the
-``[ks, ke)`` row window of each of its query rows inside the chunk's query slice.
+vLLM launches one program per request of one chunk and passes the chunk's query slice and DCP settings
+as scalars. Here the host first writes a *program table*: one row per (chunk, request) holding where the
+request's ``token_to_seq`` entries and output rows go and the causal position of its first output row.
+The kernel then needs no per-chunk scalar, so every chunk of a prefill plan is built by **one launch**
+from one host-to-device copy, with one device-to-host copy back; the query slice stops being a
+specialization axis.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 import triton
 import triton.language as tl
 
-from kernels.inputs import ChunkHostPart, ChunkInputs, ChunkMetadata, DcpConfig, assemble, chunk_host_part
+from kernels.inputs import (
+    INT32_MAX,
+    ChunkHostPart,
+    ChunkInputs,
+    ChunkMetadata,
+    DcpConfig,
+    assemble,
+    chunk_host_part,
+)
 from kernels.specialization import BLOCK_SIZE, SCALAR_ARGS, CompileKey, key_for_launch
 
-# Scalars only bound masks or pick the DCP branch: specializing them on ==1 / %16 would multiply the
-# compiled variants for no speed (see kernels/specialization.py and benchmarks/bench_specialization.py).
+# The DCP scalars only pick a branch and bound a min/max: specializing them on ==1 / %16 would multiply the
+# compiled variants for no speed (kernel times with and without: benchmarks/bench_kernel.py).
 KERNEL_JIT_OPTIONS = {"do_not_specialize": list(SCALAR_ARGS)}
 
+# Columns of the program table, one row per (chunk, request).
+TABLE_COLUMNS = ("owner", "kv_lo", "kv_hi", "row_lo", "row_hi", "first_position", "row_start")
+_TABLE_WIDTH = tl.constexpr(len(TABLE_COLUMNS))
 
-def _build_chunk_metadata_kernel_fn(
-    query_start_ptr,  # [R+1] chunk-local query offsets q'
-    seq_lens_ptr,  # [R] uncompressed sequence lengths
-    cu_seq_lens_ptr,  # [R+1] cumulative compressed lengths
-    local_cu_seq_lens_ptr,  # [R+1] this DCP rank's cumulative lengths (cu_seq_lens without DCP)
-    token_to_seq_ptr,  # [T] out
-    cu_seqlen_ks_ptr,  # [b-a] out
-    cu_seqlen_ke_ptr,  # [b-a] out
-    query_slice_start,
-    query_slice_stop,
+
+def _build_prefill_metadata_kernel_fn(
+    program_table_ptr,  # [P, 7] int32, columns TABLE_COLUMNS
+    token_to_seq_ptr,  # out: every chunk's token_to_seq, back to back
+    cu_seqlen_ks_ptr,  # out: every chunk's ks rows, back to back
+    cu_seqlen_ke_ptr,  # out: every chunk's ke rows, back to back
     dcp_rank,
     dcp_world_size,
     dcp_interleave,
     BLOCK_SIZE: tl.constexpr,
     COMPRESS_RATIO: tl.constexpr,
 ):
-    req = tl.program_id(0)
-    offsets = tl.arange(0, BLOCK_SIZE)
+    row = program_table_ptr + tl.program_id(0) * _TABLE_WIDTH
+    owner = tl.load(row + 0)  # the request's index inside its chunk
+    kv_lo = tl.load(row + 1)
+    kv_hi = tl.load(row + 2)
+    row_lo = tl.load(row + 3)
+    row_hi = tl.load(row + 4)
+    first_position = tl.load(row + 5)  # uncompressed causal position of output row row_lo
+    row_start = tl.load(row + 6)  # this rank's first KV row of the request: every ks
 
-    kv_lo = tl.load(cu_seq_lens_ptr + req)
-    kv_hi = tl.load(cu_seq_lens_ptr + req + 1)
+    offsets = tl.arange(0, BLOCK_SIZE)
     # tl.full, not tl.zeros: zeros is a jit function of the standard library, which the in-process
     # interpreter cannot call.
-    owner = tl.full([BLOCK_SIZE], 0, dtype=tl.int32) + req
+    owner_block = tl.full([BLOCK_SIZE], 0, dtype=tl.int32) + owner
     for block in range(kv_lo, kv_hi, BLOCK_SIZE):
         idx = block + offsets
-        tl.store(token_to_seq_ptr + idx, owner, mask=idx < kv_hi)
+        tl.store(token_to_seq_ptr + idx, owner_block, mask=idx < kv_hi)
 
-    q_lo = tl.load(query_start_ptr + req)
-    q_hi = tl.load(query_start_ptr + req + 1)
-    first_position = tl.load(seq_lens_ptr + req) - (q_hi - q_lo)
-    row_start = tl.load(local_cu_seq_lens_ptr + req)
-    row_lo = tl.maximum(q_lo, query_slice_start)
-    row_hi = tl.minimum(q_hi, query_slice_stop)
+    ks_block = tl.full([BLOCK_SIZE], 0, dtype=tl.int32) + row_start
     for block in range(row_lo, row_hi, BLOCK_SIZE):
         rows = block + offsets
         mask = rows < row_hi
-        # Causal position (uncompressed) of each row, then how many compressed tokens it may see.
-        visible = first_position + 1 + (rows - q_lo)
+        visible = first_position + (rows - row_lo)
         if COMPRESS_RATIO > 1:
             visible = visible // COMPRESS_RATIO
         if dcp_world_size > 1:
@@ -70,36 +80,31 @@ def _build_chunk_metadata_kernel_fn(
             base = ((visible // dcp_interleave) // dcp_world_size) * dcp_interleave
             remainder = visible - base * dcp_world_size
             visible = base + tl.minimum(tl.maximum(remainder - dcp_rank * dcp_interleave, 0), dcp_interleave)
-        out = rows - query_slice_start
-        tl.store(cu_seqlen_ks_ptr + out, tl.full([BLOCK_SIZE], 0, dtype=tl.int32) + row_start, mask=mask)
-        tl.store(cu_seqlen_ke_ptr + out, row_start + visible, mask=mask)
+        tl.store(cu_seqlen_ks_ptr + rows, ks_block, mask=mask)
+        tl.store(cu_seqlen_ke_ptr + rows, row_start + visible, mask=mask)
 
 
-_build_chunk_metadata_kernel = triton.jit(_build_chunk_metadata_kernel_fn, **KERNEL_JIT_OPTIONS)
+_build_prefill_metadata_kernel = triton.jit(_build_prefill_metadata_kernel_fn, **KERNEL_JIT_OPTIONS)
 
 
 def interpreted_kernel():
     """The same kernel under Triton's CPU interpreter (tests on machines with no GPU)."""
     with triton.knobs.runtime.scope():
         triton.knobs.runtime.interpret = True
-        return triton.jit(_build_chunk_metadata_kernel_fn, **KERNEL_JIT_OPTIONS)
+        return triton.jit(_build_prefill_metadata_kernel_fn, **KERNEL_JIT_OPTIONS)
 
 
-def launch_scalars(query_slice: tuple[int, int], dcp: DcpConfig) -> tuple[int, ...]:
+def launch_scalars(dcp: DcpConfig) -> tuple[int, ...]:
     """The kernel's scalar arguments, in SCALAR_ARGS order."""
-    return (query_slice[0], query_slice[1], dcp.rank, dcp.world_size, dcp.interleave)
+    return (dcp.rank, dcp.world_size, dcp.interleave)
 
 
-def launch_chunk_kernel(
-    query_start: torch.Tensor,
-    seq_lens: torch.Tensor,
-    cu_seq_lens: torch.Tensor,
-    local_cu_seq_lens: torch.Tensor,
+def launch_prefill_metadata_kernel(
+    program_table: torch.Tensor,
     token_to_seq: torch.Tensor,
     cu_seqlen_ks: torch.Tensor,
     cu_seqlen_ke: torch.Tensor,
     *,
-    query_slice: tuple[int, int],
     dcp: DcpConfig,
     compress_ratio: int,
     kernel=None,
@@ -110,28 +115,52 @@ def launch_chunk_kernel(
     ``compress_ratio`` must already be normalised. ``admit`` sees the variant before the launch and may
     refuse it by raising (the service's strict mode).
     """
-    tensors = (
-        query_start,
-        seq_lens,
-        cu_seq_lens,
-        local_cu_seq_lens,
-        token_to_seq,
-        cu_seqlen_ks,
-        cu_seqlen_ke,
-    )
-    scalars = launch_scalars(query_slice, dcp)
+    tensors = (program_table, token_to_seq, cu_seqlen_ks, cu_seqlen_ke)
+    scalars = launch_scalars(dcp)
     key = key_for_launch(compress_ratio, [t.data_ptr() for t in tensors], scalars)
     if admit is not None:
         admit(key)
-    num_requests = seq_lens.numel()
-    if num_requests:
-        (kernel or _build_chunk_metadata_kernel)[(num_requests,)](
+    programs = program_table.shape[0]
+    if programs:
+        (kernel or _build_prefill_metadata_kernel)[(programs,)](
             *tensors, *scalars, BLOCK_SIZE=BLOCK_SIZE, COMPRESS_RATIO=key.compress_ratio
         )
     return key
 
 
-_ALIGN_ELEMS = 4  # 16 bytes of int32: every packed segment starts on Triton's aligned pointer class
+def program_table(hosts: Sequence[ChunkHostPart]) -> tuple[np.ndarray, list[int], list[int]]:
+    """The program table of several chunks, and where each chunk's token_to_seq and rows start."""
+    parts, kv_bases, row_bases = [], [], []
+    kv_base = row_base = 0
+    for host in hosts:
+        starts = host.query_start
+        a, b = host.query_slice
+        row_lo = np.clip(starts[:-1], a, b)
+        row_hi = np.clip(starts[1:], a, b)
+        query_lens = starts[1:] - starts[:-1]
+        cu = host.cu_seq_lens
+        column_values = (
+            np.arange(cu.size - 1),
+            kv_base + cu[:-1],
+            kv_base + cu[1:],
+            row_base + row_lo - a,
+            row_base + row_hi - a,
+            # Row r of request i sees position p0_i + 1 + (r - q'_i), with p0_i = S_i - q_i.
+            host.seq_lens - query_lens + 1 + (row_lo - starts[:-1]),
+            host.local_cu_seq_lens[:-1],
+        )
+        parts.append(np.stack(column_values, axis=1))
+        kv_bases.append(kv_base)
+        row_bases.append(row_base)
+        kv_base += host.total
+        row_base += b - a
+    if max(kv_base, row_base) > INT32_MAX:
+        raise ValueError(f"outputs of {len(hosts)} chunks exceed int32 indexing ({kv_base} tokens, {row_base} rows)")
+    table = np.concatenate(parts) if parts else np.zeros((0, len(TABLE_COLUMNS)), dtype=np.int64)
+    return table.astype(np.int32), [*kv_bases, kv_base], [*row_bases, row_base]
+
+
+_ALIGN_ELEMS = 4  # 16 bytes of int32: every buffer segment starts on Triton's aligned pointer class
 
 
 def _padded(n: int) -> int:
@@ -140,24 +169,15 @@ def _padded(n: int) -> int:
 
 def _alloc_output(num_elements: int, device: torch.device) -> torch.Tensor:
     # Every element that is returned is written by the kernel; tests swap this for a sentinel fill to
-    # prove it (tests/test_triton_kernel.py).
+    # prove it (tests/test_chunk_metadata.py).
     return torch.empty(num_elements, dtype=torch.int32, device=device)
 
 
-def _pack(segments: list[np.ndarray]) -> tuple[np.ndarray, list[slice]]:
-    """Concatenate int32 segments, each starting at a 16-byte-aligned offset (one host-to-device copy)."""
-    offsets, total = [], 0
-    for segment in segments:
-        offsets.append(slice(total, total + segment.size))
-        total += _padded(segment.size)
-    packed = np.zeros(total, dtype=np.int32)
-    for segment, where in zip(segments, offsets, strict=True):
-        packed[where] = segment
-    return packed, offsets
+ChunkArrays = tuple[np.ndarray, np.ndarray, np.ndarray]
 
 
 class TritonChunkBuilder:
-    """Builds one chunk's metadata with the Triton kernel: one copy in, one launch, one copy out."""
+    """Builds chunk metadata with the Triton kernel: one copy in, one launch, one copy out per call."""
 
     def __init__(
         self,
@@ -173,28 +193,38 @@ class TritonChunkBuilder:
         host = chunk_host_part(inputs)
         if host is None:
             return None
-        token_to_seq, ks, ke = self.arrays(host, inputs.dcp)
-        return assemble(inputs, host, token_to_seq, ks, ke)
+        return assemble(inputs, host, *self.arrays(host, inputs.dcp))
 
-    def arrays(self, host: ChunkHostPart, dcp: DcpConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        segments = [host.query_start, host.seq_lens, host.cu_seq_lens]
-        if dcp.enabled:
-            segments.append(host.local_cu_seq_lens)
-        packed, where = _pack([s.astype(np.int32) for s in segments])
-        device_in = torch.from_numpy(packed).to(self.device)
-        views = [device_in[w] for w in where]
-        local_cu = views[3] if dcp.enabled else views[2]
+    def arrays(self, host: ChunkHostPart, dcp: DcpConfig) -> ChunkArrays:
+        """``token_to_seq``, ``cu_seqlen_ks`` and ``cu_seqlen_ke`` of one chunk."""
+        return self.arrays_many([host], dcp)[0]
 
-        a, b = host.query_slice
-        sizes = (host.total, b - a, b - a)
-        out = _alloc_output(sum(_padded(n) for n in sizes), self.device)
-        starts = np.cumsum([0] + [_padded(n) for n in sizes[:-1]])
-        token_to_seq, ks, ke = (out[s : s + n] for s, n in zip(starts, sizes, strict=True))
+    def arrays_many(self, hosts: Sequence[ChunkHostPart], dcp: DcpConfig) -> list[ChunkArrays]:
+        """The three arrays of every chunk (same ratio, same DCP settings), from a single launch."""
+        if not hosts:
+            return []
+        ratios = {host.ratio for host in hosts}
+        if len(ratios) != 1:
+            raise ValueError(f"one launch builds chunks of one compress ratio, got {sorted(ratios)}")
+        table, kv_bases, row_bases = program_table(hosts)
+        device_table = torch.from_numpy(table).to(self.device)
 
-        launch_chunk_kernel(
-            views[0], views[1], views[2], local_cu, token_to_seq, ks, ke,
-            query_slice=host.query_slice, dcp=dcp, compress_ratio=host.ratio,
-            kernel=self.kernel, admit=self.admit,
+        tokens, rows = kv_bases[-1], row_bases[-1]
+        out = _alloc_output(_padded(tokens) + 2 * _padded(rows), self.device)
+        token_to_seq = out[:tokens]
+        ks = out[_padded(tokens) : _padded(tokens) + rows]
+        ke = out[_padded(tokens) + _padded(rows) : _padded(tokens) + _padded(rows) + rows]
+        launch_prefill_metadata_kernel(
+            device_table, token_to_seq, ks, ke,
+            dcp=dcp, compress_ratio=ratios.pop(), kernel=self.kernel, admit=self.admit,
         )  # fmt: skip
-        result = out.cpu().numpy()
-        return tuple(result[s : s + n] for s, n in zip(starts, sizes, strict=True))
+        host_out = out.cpu().numpy()
+        all_tokens = host_out[:tokens]
+        all_ks = host_out[_padded(tokens) : _padded(tokens) + rows]
+        all_ke = host_out[_padded(tokens) + _padded(rows) : _padded(tokens) + _padded(rows) + rows]
+        return [
+            (all_tokens[kv_lo:kv_hi], all_ks[row_lo:row_hi], all_ke[row_lo:row_hi])
+            for kv_lo, kv_hi, row_lo, row_hi in zip(
+                kv_bases[:-1], kv_bases[1:], row_bases[:-1], row_bases[1:], strict=True
+            )
+        ]

@@ -11,9 +11,10 @@ import triton
 from triton.runtime.errors import InterpreterError
 
 from kernels import triton_kernel
-from kernels.inputs import ChunkInputs, DcpConfig
-from kernels.naive import build_chunk_metadata_numpy
-from kernels.testing import BatchShape, random_chunk_inputs
+from kernels.inputs import ChunkInputs, DcpConfig, chunk_host_part
+from kernels.naive import build_chunk_metadata_numpy, chunk_arrays_numpy
+from kernels.planner import BatchInputs, chunk_inputs_of_plan, plan_prefill_batch
+from kernels.testing import BatchShape, random_batch, random_chunk_inputs
 from kernels.triton_kernel import TritonChunkBuilder, interpreted_kernel
 from tests.golden import ARRAY_FIELDS, GOLDEN, SCALAR_FIELDS, case_id, chunk_inputs, metadata_as_dict
 
@@ -110,3 +111,24 @@ def test_outputs_are_int32_and_sized():
     assert result.token_to_seq.size == result.total_seq_lens == 2 + 10
     assert result.cu_seqlen_ks.size == result.cu_seqlen_ke.size == 7
     assert (result.token_start, result.token_end, result.skip_kv_gather) == (2, 9, True)
+
+
+@pytest.mark.parametrize("ratio", [1, 4, 128], ids=lambda r: f"ratio{r}")
+@pytest.mark.parametrize("dcp_name", ["nodcp", "dcp4r3i2"])
+def test_one_launch_builds_every_chunk_of_a_plan(dcp_name, ratio, triton_cpu, sentinel_outputs):
+    """A whole prefill plan (many chunks, sub-chunked requests, empty chunks dropped) is one launch."""
+    rng = np.random.default_rng(zlib.crc32(f"plan-{dcp_name}-{ratio}".encode()))
+    qsl, seq = random_batch(rng, BatchShape(16, 60, 700))
+    # Budgets small enough for many chunks and for requests split along their queries at every ratio.
+    logits = 2000 if ratio < 128 else 40
+    batch = BatchInputs(qsl, seq, ratio, num_decodes=3, max_model_len=60, max_logits_bytes=4 * logits,
+                        dcp=DCP_SETTINGS[dcp_name])  # fmt: skip
+    hosts = [h for h in map(chunk_host_part, chunk_inputs_of_plan(batch, plan_prefill_batch(batch))) if h]
+    assert len(hosts) >= 4 and any(h.query_slice[0] > 0 for h in hosts)
+    launches = []
+    builder = TritonChunkBuilder("cpu", kernel=triton_cpu.kernel, admit=launches.append)
+    built = builder.arrays_many(hosts, batch.dcp)
+    assert len(launches) == 1
+    for host, arrays in zip(hosts, built, strict=True):
+        for got, want in zip(arrays, chunk_arrays_numpy(host, batch.dcp), strict=True):
+            assert got.tolist() == want.tolist()

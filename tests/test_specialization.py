@@ -24,7 +24,7 @@ from kernels.specialization import (
     warmup_keys,
 )
 from kernels.testing import BatchShape, random_chunk_inputs
-from kernels.triton_kernel import KERNEL_JIT_OPTIONS, TritonChunkBuilder, _build_chunk_metadata_kernel_fn
+from kernels.triton_kernel import KERNEL_JIT_OPTIONS, TritonChunkBuilder, _build_prefill_metadata_kernel_fn
 from tests.golden import GOLDEN
 
 FLASH_RATIOS = (0, 0, *([4, 128] * 20), 4, 0)
@@ -92,7 +92,7 @@ def test_triton_integer_classes():
 
 
 def test_key_for_launch_sees_unaligned_pointers_and_wide_scalars():
-    key = key_for_launch(0, [0, 4, 16, 32, 48, 64, 80], [0, 2**40, 0, 1, 1])
+    key = key_for_launch(0, [0, 4, 16, 32], [0, 2**40, 1])
     assert key.compress_ratio == 1
     assert key.pointer_classes[1] == 1 and key.scalar_types[1] == "i64"
     assert key not in warmup_keys(ModelConfig())
@@ -143,7 +143,7 @@ def test_triton_itself_compiles_nothing_beyond_the_warmup_set():
     query slice and DCP setting trigger zero compiles; an unaligned pointer triggers one (the check is live).
     """
     model = ModelConfig(FLASH_RATIOS, index_kpool=32)
-    kernel = triton.jit(_build_chunk_metadata_kernel_fn, **KERNEL_JIT_OPTIONS)
+    kernel = triton.jit(_build_prefill_metadata_kernel_fn, **KERNEL_JIT_OPTIONS)
     compiles = []
     with compile_only_driver(parse_target("cuda:90")):
         for key in warmup_keys(model):
