@@ -1,0 +1,146 @@
+"""The data plane in-process, for what a healthy server process cannot show: an unexpected backend failure is
+INTERNAL (with a logged traceback) and the server keeps serving; the Triton backend path with strict mode's
+launch admission (through Triton's CPU interpreter); compiles after ready counted from Triton's own hook."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+import grpc
+import numpy as np
+import pytest
+
+from kernels.compile_engine import compile_keys, watch_compiles
+from kernels.inputs import ChunkInputs
+from kernels.naive import build_chunk_metadata_numpy, chunk_arrays_numpy
+from kernels.specialization import CompileKey, warmup_keys
+from kernels.triton_kernel import TritonChunkBuilder, interpreted_kernel
+from protos.indexer.v1 import indexer_pb2 as pb
+from protos.indexer.v1 import indexer_pb2_grpc as pb_grpc
+from service import codec
+from service.config import ServiceConfig, load_config
+from service.dataplane import Backend, DataPlane, ServiceError, launch_admission
+from service.grpc_server import create_grpc_server, create_health_servicer
+from service.metrics import Metrics
+from service.warmup import Warmup, WarmupState
+from tests.golden import metadata_as_dict
+
+E1 = ChunkInputs(np.array([0, 1, 4, 9]), np.array([20, 10, 5]), 4, 1, 3)
+
+
+def make_plane(config: ServiceConfig, backend: Backend, warmup_target: str | None = None) -> DataPlane:
+    metrics = Metrics()
+    warmup = Warmup(warmup_keys(config.model), target=warmup_target, enabled=warmup_target is not None, workers=1,
+                    metrics=metrics)  # fmt: skip
+    return DataPlane(config, metrics, warmup, backend)
+
+
+class FlakyBackend:
+    """numpy, except that the first call raises what no validation could foresee."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, host, dcp):
+        self.calls += 1
+        if self.calls == 1:
+            raise RuntimeError("backend exploded")
+        return chunk_arrays_numpy(host, dcp)
+
+
+@pytest.fixture
+def flaky_server() -> Iterator[tuple[DataPlane, pb_grpc.PrefillMetadataStub]]:
+    config = load_config({"grpc_host": "127.0.0.1", "grpc_port": "0", "warmup_target": "none"}, env={})
+    plane = make_plane(config, Backend("numpy", FlakyBackend()))
+    plane.refresh_readiness()
+    server, port = create_grpc_server(config, plane, create_health_servicer())
+    server.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            yield plane, pb_grpc.PrefillMetadataStub(channel)
+    finally:
+        server.stop(None).wait(10)
+
+
+def test_unexpected_failure_is_internal_logged_and_the_server_keeps_serving(flaky_server, caplog) -> None:
+    plane, stub = flaky_server
+    request = codec.chunk_inputs_to_proto(E1)
+    with caplog.at_level(logging.ERROR), pytest.raises(grpc.RpcError) as failed:
+        stub.BuildChunk(request, timeout=5)
+    assert failed.value.code() is grpc.StatusCode.INTERNAL
+    assert failed.value.details() == "internal error (RuntimeError); see the server log"
+    logged = [r for r in caplog.records if r.exc_info and "internal error method=BuildChunk" in r.getMessage()]
+    assert logged and "backend exploded" in str(logged[0].exc_info[1])
+    response = stub.BuildChunk(request, timeout=5)
+    assert metadata_as_dict(codec.metadata_from_proto(response.metadata)) == metadata_as_dict(
+        build_chunk_metadata_numpy(E1)
+    )
+    registry = plane.metrics.registry
+    assert registry.get_sample_value("indexer_request_errors_total", {"method": "BuildChunk", "code": "INTERNAL"}) == 1
+
+
+@pytest.fixture(scope="module")
+def strict_triton() -> tuple[DataPlane, TritonChunkBuilder]:
+    """Strict mode over the Triton kernel (interpreted on the CPU), warmed for ratios 4 and 1 (AOT, cuda:90)."""
+    config = load_config({"strict": True, "compress_ratios": "4"}, env={})
+    metrics = Metrics()
+    warmup = Warmup(warmup_keys(config.model), target="cuda:90", enabled=True, workers=1, metrics=metrics)
+    builder = TritonChunkBuilder("cpu", kernel=interpreted_kernel(), admit=launch_admission(warmup))
+    plane = DataPlane(config, metrics, warmup, Backend("triton", builder.arrays))
+    assert warmup.run() is WarmupState.READY
+    plane.refresh_readiness()
+    return plane, builder
+
+
+def test_triton_backend_answers_warmed_ratios_like_numpy(strict_triton) -> None:
+    plane, _ = strict_triton
+    for ratio in (0, 1, 4):
+        inputs = ChunkInputs(E1.query_start_loc, E1.seq_lens, ratio, 1, 3, query_slice=(1, 7))
+        response = plane.call("BuildChunk", codec.chunk_inputs_to_proto(inputs))
+        got = codec.metadata_from_proto(response.metadata)
+        assert metadata_as_dict(got) == metadata_as_dict(build_chunk_metadata_numpy(inputs))
+    labels = {"method": "BuildChunk", "backend": "triton"}
+    assert plane.metrics.registry.get_sample_value("indexer_backend_duration_seconds_count", labels) == 3
+
+
+def test_strict_mode_refuses_before_the_request_and_at_the_launch(strict_triton) -> None:
+    plane, builder = strict_triton
+    unwarmed = ChunkInputs(E1.query_start_loc, E1.seq_lens * 100, 128, 1, 3)  # long enough to need a launch
+    with pytest.raises(ServiceError) as refused:
+        plane.call("BuildChunk", codec.chunk_inputs_to_proto(unwarmed))
+    assert refused.value.code is grpc.StatusCode.FAILED_PRECONDITION
+    assert "r128-b1024-aligned-i32" in refused.value.message
+    # The builder's own admission sees the real launch's key (pointers and scalars included) and refuses too.
+    with pytest.raises(ServiceError, match="not in the warmed set"):
+        builder(unwarmed)
+
+
+def test_compiles_after_ready_come_from_tritons_hook() -> None:
+    config = load_config({"compress_ratios": "1"}, env={})
+    plane = make_plane(config, Backend("numpy", chunk_arrays_numpy), warmup_target="cuda:90")
+    registry = plane.metrics.registry
+    uninstall = watch_compiles(plane.on_kernel_compile)
+    try:
+        # Compiles before ready, the warmup's own included, do not count; every compile after ready does.
+        early = CompileKey(compress_ratio=7)
+        assert compile_keys([early], [early], target="cuda:90")[0].ok
+        assert plane.warmup.run() is WarmupState.READY
+        plane.refresh_readiness()
+        assert registry.get_sample_value("indexer_compiles_after_ready_total") == 0
+        late = CompileKey(compress_ratio=9)
+        assert compile_keys([late], [late], target="cuda:90")[0].ok
+    finally:
+        uninstall()
+    assert registry.get_sample_value("indexer_compiles_after_ready_total") == 1
+    assert plane.call("GetWarmupStatus", pb.GetWarmupStatusRequest()).compiles_after_ready == 1
+
+
+def test_dcp_with_compression_is_a_failed_precondition_on_the_triton_backend(strict_triton) -> None:
+    plane, _ = strict_triton
+    inputs = ChunkInputs(E1.query_start_loc, E1.seq_lens, 4, 1, 3)
+    request = codec.chunk_inputs_to_proto(inputs)
+    request.dcp_world_size = 2
+    with pytest.raises(ServiceError) as refused:
+        plane.call("BuildChunk", request)
+    assert refused.value.code is grpc.StatusCode.FAILED_PRECONDITION
