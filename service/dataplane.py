@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -26,7 +26,14 @@ from kernels.inputs import (
     chunk_host_part,
 )
 from kernels.naive import chunk_arrays_numpy
-from kernels.planner import BatchInputs, build_prefill_batch, prefill_workspace_size
+from kernels.planner import (
+    BatchInputs,
+    PrefillPlan,
+    chunk_inputs_of_plan,
+    max_prefill_seq_len,
+    plan_prefill_batch,
+    prefill_workspace_size,
+)
 from kernels.specialization import CompileKey, normalize_compress_ratio
 from protos.indexer.v1 import indexer_pb2 as pb
 from service import codec
@@ -53,15 +60,20 @@ def _at(field: str, index: int | None = None) -> str:
     return field if index is None else f"{field}[{index}]"
 
 
-ArraysFn = Callable[[ChunkHostPart, DcpConfig], tuple[np.ndarray, np.ndarray, np.ndarray]]
+ChunkArrays = tuple[np.ndarray, np.ndarray, np.ndarray]  # token_to_seq, cu_seqlen_ks, cu_seqlen_ke
+ArraysFn = Callable[[Sequence[ChunkHostPart], DcpConfig], list[ChunkArrays]]
 
 
 @dataclass(frozen=True)
 class Backend:
-    """What computes a chunk's three arrays once the host part is known."""
+    """What computes the three arrays of a request's chunks once their host parts are known."""
 
     name: str
-    arrays: ArraysFn
+    arrays_many: ArraysFn
+
+
+def _numpy_arrays_many(hosts: Sequence[ChunkHostPart], dcp: DcpConfig) -> list[ChunkArrays]:
+    return [chunk_arrays_numpy(host, dcp) for host in hosts]
 
 
 def resolve_backend(choice: str) -> str:
@@ -96,8 +108,9 @@ def make_backend(name: str, admit: Callable[[CompileKey], None] | None) -> Backe
     if name == "triton":
         from kernels.triton_kernel import TritonChunkBuilder
 
-        return Backend("triton", TritonChunkBuilder("cuda", admit=admit).arrays)
-    return Backend("numpy", chunk_arrays_numpy)
+        # One launch for all the chunks of a request (a whole prefill plan): one copy in, one copy out.
+        return Backend("triton", TritonChunkBuilder("cuda", admit=admit).arrays_many)
+    return Backend("numpy", _numpy_arrays_many)
 
 
 _WARMUP_STATES = {
@@ -112,49 +125,6 @@ _KEY_STATES = {
     KeyState.FAILED: pb.KEY_STATE_FAILED,
     KeyState.SKIPPED: pb.KEY_STATE_SKIPPED,
 }
-
-
-class _RequestBuild:
-    """Builds the chunks of one request: guards the workspace and the response size before any array exists,
-    and adds up the backend's time."""
-
-    def __init__(self, plane: DataPlane, omit_token_to_seq: bool) -> None:
-        self.plane = plane
-        self.omit = omit_token_to_seq
-        self.response_bytes = 0
-        self.backend_seconds = 0.0
-
-    def __call__(self, inputs: ChunkInputs) -> ChunkMetadata | None:
-        self.response_bytes += _CHUNK_OVERHEAD_BYTES
-        host = chunk_host_part(inputs)
-        if host is None:
-            return None
-        self._charge(inputs, host)
-        start = time.perf_counter()
-        token_to_seq, ks, ke = self.plane.backend.arrays(host, inputs.dcp)
-        self.backend_seconds += time.perf_counter() - start
-        return assemble(inputs, host, token_to_seq, ks, ke)
-
-    def _charge(self, inputs: ChunkInputs, host: ChunkHostPart) -> None:
-        config = self.plane.config
-        workspace = prefill_workspace_size(config.max_model_len, host.ratio)
-        if host.total > workspace:
-            over = int(np.searchsorted(host.cu_seq_lens, workspace, side="right")) - 1
-            raise ServiceError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"{_at('seq_lens', inputs.req_start + over)}: the chunk's compressed tokens reach {host.total}, "
-                f"above the KV workspace of {workspace} (max_model_len {config.max_model_len} * 40 / compress "
-                f"ratio {host.ratio})",
-            )
-        a, b = host.query_slice
-        self.response_bytes += 8 * (b - a) + 8 * host.cu_seq_lens.size + (0 if self.omit else 4 * host.total)
-        if self.response_bytes > config.max_message_bytes:
-            advice = "send a smaller batch" if self.omit else "set omit_token_to_seq or send a smaller batch"
-            raise ServiceError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"response: more than {self.response_bytes} bytes, above max_message_bytes "
-                f"{config.max_message_bytes}; {advice}",
-            )
 
 
 class DataPlane:
@@ -307,23 +277,61 @@ class DataPlane:
             # decides the variant, on either backend; the Triton backend checks each real launch again.
             self._admit(CompileKey(compress_ratio=ratio))
 
-    def _observe_size(self, method: str, requests: int, tokens: int, build: _RequestBuild) -> None:
+    def _build(self, method: str, chunks: Sequence[ChunkInputs], omit_token_to_seq: bool) -> list[ChunkMetadata | None]:
+        """Every chunk's metadata (None where it has no compressed token) after the limits on the workspace
+        and the response size, checked on the host parts before any array is computed."""
+        hosts = [chunk_host_part(inputs) for inputs in chunks]
+        self._check_sizes(chunks, hosts, omit_token_to_seq)
+        present = [host for host in hosts if host is not None]
+        start = time.perf_counter()
+        arrays = iter(self.backend.arrays_many(present, chunks[0].dcp) if present else [])
+        self.metrics.backend_duration_seconds.labels(method=method, backend=self.backend.name).observe(
+            time.perf_counter() - start
+        )
+        return [
+            None if host is None else assemble(inputs, host, *next(arrays))
+            for inputs, host in zip(chunks, hosts, strict=True)
+        ]
+
+    def _check_sizes(
+        self, chunks: Sequence[ChunkInputs], hosts: Sequence[ChunkHostPart | None], omit_token_to_seq: bool
+    ) -> None:
+        config = self.config
+        response_bytes = _CHUNK_OVERHEAD_BYTES * len(chunks)
+        for inputs, host in zip(chunks, hosts, strict=True):
+            if host is None:
+                continue
+            workspace = prefill_workspace_size(config.max_model_len, host.ratio)
+            if host.total > workspace:
+                over = inputs.req_start + int(np.searchsorted(host.cu_seq_lens, workspace, side="right")) - 1
+                raise ServiceError(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"{_at('seq_lens', over)}: the chunk's compressed tokens reach {host.total}, above the KV "
+                    f"workspace of {workspace} (max_model_len {config.max_model_len} * 40 / compress ratio "
+                    f"{host.ratio})",
+                )
+            a, b = host.query_slice
+            response_bytes += 8 * (b - a) + 8 * host.cu_seq_lens.size + (0 if omit_token_to_seq else 4 * host.total)
+        if response_bytes > config.max_message_bytes:
+            advice = "send a smaller batch" if omit_token_to_seq else "set omit_token_to_seq or send a smaller batch"
+            raise ServiceError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"response: about {response_bytes} bytes, above max_message_bytes {config.max_message_bytes}; {advice}",
+            )
+
+    def _observe_size(self, method: str, requests: int, tokens: int) -> None:
         self.metrics.request_batch_requests.labels(method=method).observe(requests)
         self.metrics.request_query_tokens.labels(method=method).observe(tokens)
-        self.metrics.backend_duration_seconds.labels(method=method, backend=self.backend.name).observe(
-            build.backend_seconds
-        )
 
     def _build_chunk(self, request: pb.BuildChunkRequest) -> pb.BuildChunkResponse:
         inputs = codec.chunk_inputs_from_proto(request)
         self._admit_request(inputs)
-        build = _RequestBuild(self, request.omit_token_to_seq)
-        meta = build(inputs)
+        (meta,) = self._build("BuildChunk", [inputs], request.omit_token_to_seq)
         if meta is None:
-            self._observe_size("BuildChunk", inputs.req_end - inputs.req_start, 0, build)
+            self._observe_size("BuildChunk", inputs.req_end - inputs.req_start, 0)
             return pb.BuildChunkResponse()
         a, b = meta.query_slice
-        self._observe_size("BuildChunk", meta.num_reqs, b - a, build)
+        self._observe_size("BuildChunk", meta.num_reqs, b - a)
         return pb.BuildChunkResponse(metadata=codec.metadata_to_proto(meta, request.omit_token_to_seq))
 
     def _plan_batch(self, request: pb.PlanBatchRequest) -> pb.PlanBatchResponse:
@@ -335,11 +343,12 @@ class DataPlane:
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"max_model_len: {batch.max_model_len}, above the server's max_model_len {config.max_model_len}",
             )
-        build = _RequestBuild(self, request.omit_token_to_seq)
-        plan = build_prefill_batch(batch, build)
+        chunks = plan_prefill_batch(batch)
+        built = self._build("PlanBatch", chunk_inputs_of_plan(batch, chunks), request.omit_token_to_seq)
+        plan = PrefillPlan(chunks, [meta for meta in built if meta is not None], max_prefill_seq_len(batch))
         decodes = batch.num_decodes  # validated by the planner
         tokens = int(batch.query_start_loc[-1] - batch.query_start_loc[decodes])
-        self._observe_size("PlanBatch", batch.seq_lens.size - decodes, tokens, build)
+        self._observe_size("PlanBatch", batch.seq_lens.size - decodes, tokens)
         return codec.plan_to_proto(plan, request.omit_token_to_seq)
 
     def _warmup_status(self, request: pb.GetWarmupStatusRequest) -> pb.GetWarmupStatusResponse:

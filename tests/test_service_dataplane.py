@@ -14,13 +14,15 @@ import pytest
 from kernels.compile_engine import compile_keys, watch_compiles
 from kernels.inputs import ChunkInputs
 from kernels.naive import build_chunk_metadata_numpy, chunk_arrays_numpy
+from kernels.planner import BatchInputs, build_prefill_batch
 from kernels.specialization import CompileKey, warmup_keys
+from kernels.testing import BatchShape, random_batch
 from kernels.triton_kernel import TritonChunkBuilder, interpreted_kernel
 from protos.indexer.v1 import indexer_pb2 as pb
 from protos.indexer.v1 import indexer_pb2_grpc as pb_grpc
 from service import codec
 from service.config import ServiceConfig, load_config
-from service.dataplane import Backend, DataPlane, ServiceError, launch_admission
+from service.dataplane import Backend, DataPlane, ServiceError, launch_admission, make_backend
 from service.grpc_server import create_grpc_server, create_health_servicer
 from service.metrics import Metrics
 from service.warmup import Warmup, WarmupState
@@ -42,11 +44,11 @@ class FlakyBackend:
     def __init__(self) -> None:
         self.calls = 0
 
-    def __call__(self, host, dcp):
+    def __call__(self, hosts, dcp):
         self.calls += 1
         if self.calls == 1:
             raise RuntimeError("backend exploded")
-        return chunk_arrays_numpy(host, dcp)
+        return [chunk_arrays_numpy(host, dcp) for host in hosts]
 
 
 @pytest.fixture
@@ -87,7 +89,7 @@ def strict_triton() -> tuple[DataPlane, TritonChunkBuilder]:
     metrics = Metrics()
     warmup = Warmup(warmup_keys(config.model), target="cuda:90", enabled=True, workers=1, metrics=metrics)
     builder = TritonChunkBuilder("cpu", kernel=interpreted_kernel(), admit=launch_admission(warmup))
-    plane = DataPlane(config, metrics, warmup, Backend("triton", builder.arrays))
+    plane = DataPlane(config, metrics, warmup, Backend("triton", builder.arrays_many))
     assert warmup.run() is WarmupState.READY
     plane.refresh_readiness()
     return plane, builder
@@ -116,9 +118,24 @@ def test_strict_mode_refuses_before_the_request_and_at_the_launch(strict_triton)
         builder(unwarmed)
 
 
+def test_a_whole_plan_is_one_launch_on_the_triton_backend() -> None:
+    config = load_config({"warmup_target": "none"}, env={})
+    launches: list[CompileKey] = []
+    builder = TritonChunkBuilder("cpu", kernel=interpreted_kernel(), admit=launches.append)
+    plane = make_plane(config, Backend("triton", builder.arrays_many))
+    plane.refresh_readiness()
+    qsl, seq = random_batch(np.random.default_rng(5), BatchShape(12, 40, 400))
+    batch = BatchInputs(qsl, seq, 4, num_decodes=2, max_model_len=100, max_logits_bytes=4 * 300)
+    plan = codec.plan_from_proto(plane.call("PlanBatch", codec.batch_inputs_to_proto(batch)))
+    expected = build_prefill_batch(batch, build_chunk_metadata_numpy)
+    assert len(expected.metadata) >= 3 and plan.chunks == expected.chunks
+    assert [metadata_as_dict(m) for m in plan.metadata] == [metadata_as_dict(m) for m in expected.metadata]
+    assert len(launches) == 1
+
+
 def test_compiles_after_ready_come_from_tritons_hook() -> None:
     config = load_config({"compress_ratios": "1"}, env={})
-    plane = make_plane(config, Backend("numpy", chunk_arrays_numpy), warmup_target="cuda:90")
+    plane = make_plane(config, make_backend("numpy", None), warmup_target="cuda:90")
     registry = plane.metrics.registry
     uninstall = watch_compiles(plane.on_kernel_compile)
     try:
