@@ -162,14 +162,10 @@ def exec_form(args: str) -> list[str]:
 
 
 def pip_install_commands(text: str) -> list[list[str]]:
-    """Every `pip install ...` in a text (Dockerfile RUN lines, Makefile recipes, README code), as argv tails."""
-    commands = []
-    for line in text.replace("\\\n", " ").splitlines():
-        for part in re.split(r"&&|;|\|\|", line):
-            match = re.search(r"\bpip3? install\b(.*)", part)
-            if match:
-                commands.append(shlex.split(match.group(1).replace("$(", "_(")))
-    return commands
+    """Every `pip install ...` in a text (Dockerfile RUN lines, Makefile recipes, README code and prose), as
+    argv tails; a command ends at a shell separator, a comment or a closing backtick."""
+    text = text.replace("\\\n", " ")
+    return [shlex.split(m.group(1)) for m in re.finditer(r"\bpip3? install\b([^#`;&|\n]*)", text)]
 
 
 def requirement_args(argv: list[str]) -> list[str]:
