@@ -3,9 +3,11 @@
     python benchmarks/bench_kernel.py [--out results.json]
 
 Without a GPU: the numpy backend against ``np.copyto`` of the same output bytes (the memory-copy floor).
-With a GPU, also: the kernel alone (``triton.testing.do_bench``) against a device copy of its output bytes;
-the same kernel with Triton's default scalar specialization (what ``do_not_specialize`` costs or saves);
-and the service's host round trip (pack, one copy in, launch, one copy out) against numpy.
+With a GPU, also: the kernel alone (CUDA-graph replay) against a device copy of its output bytes; the
+same kernel with Triton's default scalar specialization (what ``do_not_specialize`` costs or saves); the
+service's host round trip (validation, one copy in, launch, one copy out) against numpy; and a whole
+prefill plan built by one launch against vLLM's way (one launch and several torch ops per chunk,
+``benchmarks/vllm_baseline.py``).
 """
 
 from __future__ import annotations
@@ -60,38 +62,36 @@ def cpu_row(inputs: ChunkInputs) -> dict:
 def gpu_row(inputs: ChunkInputs) -> dict:
     import torch
     import triton
-    from triton.testing import do_bench
+    from triton.testing import do_bench_cudagraph
 
     from kernels.triton_kernel import (
         KERNEL_JIT_OPTIONS,
         TritonChunkBuilder,
-        _build_chunk_metadata_kernel_fn,
-        launch_chunk_kernel,
+        _build_prefill_metadata_kernel_fn,
+        launch_prefill_metadata_kernel,
+        program_table,
     )
 
     host = chunk_host_part(inputs)
-    a, b = host.query_slice
     cuda = torch.device("cuda")
-
-    def dev(x):
-        return torch.from_numpy(x.astype(np.int32)).to(cuda)
-
-    q, s, cu = dev(host.query_start), dev(host.seq_lens), dev(host.cu_seq_lens)
-    tts = torch.empty(host.total, dtype=torch.int32, device=cuda)
-    ks, ke = (torch.empty(b - a, dtype=torch.int32, device=cuda) for _ in range(2))
-    ours = triton.jit(_build_chunk_metadata_kernel_fn, **KERNEL_JIT_OPTIONS)
-    specialized = triton.jit(_build_chunk_metadata_kernel_fn)
+    table, kv_bases, row_bases = program_table([host])
+    device_table = torch.from_numpy(table).to(cuda)
+    tts = torch.empty(kv_bases[-1], dtype=torch.int32, device=cuda)
+    ks, ke = (torch.empty(row_bases[-1], dtype=torch.int32, device=cuda) for _ in range(2))
+    ours = triton.jit(_build_prefill_metadata_kernel_fn, **KERNEL_JIT_OPTIONS)
+    specialized = triton.jit(_build_prefill_metadata_kernel_fn)  # Triton's default: DCP scalars specialized
 
     def launch(kernel):
-        return lambda: launch_chunk_kernel(q, s, cu, cu, tts, ks, ke, query_slice=(a, b), dcp=inputs.dcp,
-                                           compress_ratio=host.ratio, kernel=kernel)  # fmt: skip
+        return lambda: launch_prefill_metadata_kernel(device_table, tts, ks, ke, dcp=inputs.dcp,
+                                                      compress_ratio=host.ratio, kernel=kernel)  # fmt: skip
 
-    out_elems = host.total + 2 * (b - a)
-    src, dst = torch.ones(out_elems, dtype=torch.int32, device=cuda), torch.empty(out_elems, dtype=torch.int32,
-                                                                                   device=cuda)  # fmt: skip
-    kernel_us = do_bench(launch(ours), warmup=50, rep=300) * 1e3
-    specialized_us = do_bench(launch(specialized), warmup=50, rep=300) * 1e3
-    copy_us = do_bench(lambda: dst.copy_(src), warmup=50, rep=300) * 1e3
+    out_elems = kv_bases[-1] + 2 * row_bases[-1]
+    src = torch.ones(out_elems, dtype=torch.int32, device=cuda)
+    dst = torch.empty(out_elems, dtype=torch.int32, device=cuda)
+    # CUDA-graph replay: device time only, without the ~15 us of Python per launch.
+    kernel_us = do_bench_cudagraph(launch(ours), rep=200) * 1e3
+    specialized_us = do_bench_cudagraph(launch(specialized), rep=200) * 1e3
+    copy_us = do_bench_cudagraph(lambda: dst.copy_(src), rep=200) * 1e3
     builder = TritonChunkBuilder(cuda)
     round_trip_us = wall_median(lambda: builder(inputs), 50) * 1e6
     numpy_us = wall_median(lambda: build_chunk_metadata_numpy(inputs), 50) * 1e6
@@ -105,6 +105,33 @@ def gpu_row(inputs: ChunkInputs) -> dict:
         "numpy_us": numpy_us,
         "round_trip_vs_numpy": round_trip_us / numpy_us,
     }
+
+
+def plan_row(name: str) -> dict:
+    """A whole prefill plan under the default budgets: one launch for every chunk against vLLM's way."""
+    import torch
+
+    from benchmarks.vllm_baseline import VllmStyleBatchBuilder, vllm_shaped_kernel
+    from kernels.planner import BatchInputs, chunk_inputs_of_plan, plan_prefill_batch
+    from kernels.triton_kernel import TritonChunkBuilder
+
+    inputs = make_inputs(name)
+    batch = BatchInputs(inputs.query_start_loc, inputs.seq_lens, RATIO, num_decodes=0, max_model_len=2**20)
+    chunks = plan_prefill_batch(batch)
+    baseline = VllmStyleBatchBuilder(inputs.query_start_loc, inputs.seq_lens, RATIO, vllm_shaped_kernel())
+    spans = [(c.req_start, c.req_end, c.query_start, c.query_stop) for c in chunks]
+    builder = TritonChunkBuilder("cuda")
+
+    def ours():
+        hosts = [h for h in map(chunk_host_part, chunk_inputs_of_plan(batch, chunks)) if h is not None]
+        builder.arrays_many(hosts, batch.dcp)  # returns host arrays: includes the copy back
+
+    def vllm_style():
+        baseline.build(spans)
+        torch.cuda.synchronize()  # outputs stay on the device: no copy back
+
+    ours_us, vllm_us = wall_median(ours, 30) * 1e6, wall_median(vllm_style, 30) * 1e6
+    return {"chunks": len(chunks), "ours_us": ours_us, "vllm_style_us": vllm_us, "ours_vs_vllm": ours_us / vllm_us}
 
 
 def main() -> None:
@@ -134,6 +161,14 @@ def main() -> None:
                      f"{g['numpy_us']:>8.1f} {g['round_trip_vs_numpy']:>7.2f}")  # fmt: skip
         print(line)
         results[name] = row
+    if gpu:
+        print("\nwhole prefill plan, default budgets (512 MiB logits, max_model_len 2^20), ratio 4")
+        print(f"{'batch':10} {'chunks':>6} {'ours us':>9} {'vllm-style us':>13} {'ours/vllm':>9}")
+        for name in ("medium-64", "large-256"):
+            row = plan_row(name)
+            print(f"{name:10} {row['chunks']:>6} {row['ours_us']:>9.1f} {row['vllm_style_us']:>13.1f} "
+                  f"{row['ours_vs_vllm']:>9.2f}")  # fmt: skip
+            results[name]["plan"] = row
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))
 

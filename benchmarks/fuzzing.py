@@ -1,0 +1,432 @@
+"""Random requests, valid and invalid, and the oracle that judges every answer the server gives to one.
+
+The generator takes its randomness from a ``Draw`` (an integer in ``[lo, hi]``), so the same code feeds
+hypothesis (``data.draw(st.integers(lo, hi))``, which then shrinks failures to small requests), a numpy
+generator (the 100k-request fuzz of ``benchmarks/soak.py``) and atheris' byte stream.
+
+The oracle (:func:`judge`) decides from the request alone what a correct server may answer:
+- the kernel layer's numpy result, field by field, when the request is valid and within the server's limits;
+- otherwise one of the codes that the request's defects justify: INVALID_ARGUMENT (bad bytes or fields),
+  RESOURCE_EXHAUSTED (over a configured limit, the KV workspace or the message size), FAILED_PRECONDITION
+  (DCP with compression). A request with several defects may be refused for any of them.
+Every refusal must name a request field (``seq_lens[3]: ...``). INTERNAL and UNKNOWN are never right.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol, TypeVar
+
+import grpc
+import numpy as np
+
+from kernels.inputs import ChunkInputs, ChunkMetadata, DcpConfig, InvalidInputError, chunk_host_part, validate_batch
+from kernels.naive import build_chunk_metadata_numpy
+from kernels.planner import WORKSPACE_TOKENS_PER_MODEL_LEN, BatchInputs, PrefillPlan, build_prefill_batch
+from protos.indexer.v1 import indexer_pb2 as pb
+
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+OK = grpc.StatusCode.OK
+INVALID = grpc.StatusCode.INVALID_ARGUMENT
+EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
+PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION
+# What a refusal may name besides the request's own fields: the response it would have sent.
+EXTRA_FIELDS = frozenset({"response"})
+FIELD_ERROR = re.compile(r"^(?P<field>[a-z_]+)(?:\[\d+\])?: \S")
+# The dataplane's allowance per chunk for everything but the arrays (tags, scalars, the ChunkSpec).
+CHUNK_OVERHEAD_BYTES = 512
+
+T = TypeVar("T")
+
+
+class Draw(Protocol):
+    def __call__(self, lo: int, hi: int) -> int: ...
+
+
+def rng_draw(rng: np.random.Generator) -> Draw:
+    return lambda lo, hi: int(rng.integers(lo, hi, endpoint=True))
+
+
+def pick(draw: Draw, options: Sequence[T]) -> T:
+    """One of ``options``; shrinks towards the first."""
+    return options[draw(0, len(options) - 1)]
+
+
+def chance(draw: Draw, percent: int) -> bool:
+    """True with probability ``percent``/100; shrinks towards False (the plain request)."""
+    return draw(0, 99) >= 100 - percent
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The limits the server under test was started with; the oracle's view of the configuration."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 4096
+    max_model_len: int = 200_000
+    max_message_bytes: int = 2**20
+    max_logits_bytes: int = 2**20
+
+    def flags(self) -> tuple[str, ...]:
+        return (
+            "--max-num-seqs", str(self.max_num_seqs), "--max-num-batched-tokens", str(self.max_num_batched_tokens),
+            "--max-model-len", str(self.max_model_len), "--max-message-bytes", str(self.max_message_bytes),
+            "--max-logits-bytes", str(self.max_logits_bytes),
+        )  # fmt: skip
+
+
+# Small enough that the fuzz reaches every limit with small requests.
+FUZZ_LIMITS = Limits()
+
+# --- generation ---------------------------------------------------------------------------------------------
+
+
+def _batch(draw: Draw, limits: Limits) -> tuple[np.ndarray, np.ndarray]:
+    """A valid batch (int64 ``query_start_loc``, ``seq_lens``), now and then at or just over a limit."""
+    size = pick(draw, (3, 1, 0, 8, 12, limits.max_num_seqs, limits.max_num_seqs + 1))
+    long_queries = chance(draw, 10)
+    long_contexts = chance(draw, 10)
+    query_cap = limits.max_num_batched_tokens // max(size, 1) + 2 if long_queries else 40
+    context_cap = limits.max_model_len if long_contexts else 3000
+    query = [draw(0, query_cap) for _ in range(size)]
+    context = [draw(0, context_cap) for _ in range(size)]
+    qsl = np.zeros(size + 1, dtype=np.int64)
+    np.cumsum(query, out=qsl[1:])
+    return qsl, np.asarray(query, dtype=np.int64) + np.asarray(context, dtype=np.int64)
+
+
+def _mutate(draw: Draw, qsl: np.ndarray, seq: np.ndarray) -> tuple[bytes, bytes]:
+    """Up to two defects in the arrays, then their wire bytes (some with a ragged length)."""
+    qsl, seq = qsl.copy(), seq.copy()
+    qsl_tail = seq_tail = b""
+    for _ in range(draw(0, 2) if chance(draw, 35) else 0):
+        kind = draw(0, 10)
+        if kind == 0 and qsl.size:
+            qsl[0] = pick(draw, (1, -1, INT32_MAX))
+        elif kind == 1 and qsl.size > 1:
+            i = draw(1, qsl.size - 1)
+            qsl[i] = qsl[i - 1] - draw(1, 5)
+        elif kind == 2 and seq.size:
+            seq[draw(0, seq.size - 1)] = pick(draw, (-1, INT32_MIN, -draw(1, 1000)))
+        elif kind == 3 and seq.size:
+            i = draw(0, seq.size - 1)
+            seq[i] = max(0, int(qsl[i + 1] - qsl[i]) - draw(1, 3))
+        elif kind == 4 and seq.size:
+            seq[draw(0, seq.size - 1)] = pick(draw, (INT32_MAX, 2**30, 2**24))
+        elif kind == 5 and qsl.size > 1:
+            qsl[draw(1, qsl.size - 1) :] = pick(draw, (INT32_MAX, 2**30))
+        elif kind == 6:
+            seq = seq[:-1] if seq.size and chance(draw, 50) else np.append(seq, draw(0, 100))
+        elif kind == 7:
+            qsl = qsl[:0]
+        elif kind == 8:
+            qsl_tail = b"\x00" * draw(1, 3)
+        elif kind == 9:
+            seq_tail = b"\x01" * draw(1, 3)
+        elif kind == 10 and qsl.size > 2:
+            qsl = qsl[:-1]
+    return qsl.astype("<i4").tobytes() + qsl_tail, seq.astype("<i4").tobytes() + seq_tail
+
+
+def _ratio(draw: Draw) -> int:
+    return pick(draw, (4, 1, 0, 128, 2, 3, 7, -1, INT32_MIN, INT32_MAX))
+
+
+def _dcp(draw: Draw, request: pb.BuildChunkRequest | pb.PlanBatchRequest) -> None:
+    if not chance(draw, 30):
+        return
+    world = pick(draw, (2, 4, 1, 8, 0, -1, INT32_MAX))
+    request.dcp_world_size = world
+    request.dcp_rank = draw(0, world - 1) if world > 0 and chance(draw, 80) else pick(draw, (world, -1, 1))
+    if chance(draw, 60):
+        request.dcp_interleave = pick(draw, (1, 2, 4, 0, -3, INT32_MAX))
+
+
+def _int32(draw: Draw, valid_lo: int, valid_hi: int) -> int:
+    """Mostly in ``[valid_lo, valid_hi]``, sometimes just outside it or at an int32 extreme."""
+    if chance(draw, 85) and valid_lo <= valid_hi:
+        return draw(valid_lo, valid_hi)
+    return pick(draw, (valid_hi + 1, valid_lo - 1, -1, INT32_MAX, INT32_MIN))
+
+
+def chunk_request(draw: Draw, limits: Limits = FUZZ_LIMITS) -> pb.BuildChunkRequest:
+    """A BuildChunkRequest: a random batch and chunk, most of them valid, the rest with one or more defects."""
+    qsl, seq = _batch(draw, limits)
+    request = pb.BuildChunkRequest(compress_ratio=_ratio(draw), skip_kv_gather=chance(draw, 20),
+                                   omit_token_to_seq=chance(draw, 30))  # fmt: skip
+    size = seq.size
+    start = _int32(draw, 0, size)
+    end = _int32(draw, start, size) if 0 <= start <= size else _int32(draw, 0, size)
+    request.req_start, request.req_end = start, end
+    if chance(draw, 40):
+        rows = int(qsl[end] - qsl[start]) if 0 <= start <= end <= size else 0
+        a = _int32(draw, 0, rows)
+        request.query_slice.start, request.query_slice.stop = a, _int32(draw, max(a, 0), rows)
+    _dcp(draw, request)
+    request.query_start_loc, request.seq_lens = _mutate(draw, qsl, seq)
+    return request
+
+
+def plan_request(draw: Draw, limits: Limits = FUZZ_LIMITS) -> pb.PlanBatchRequest:
+    """A PlanBatchRequest; small logits budgets make plans of many chunks, some of one query row each."""
+    qsl, seq = _batch(draw, limits)
+    request = pb.PlanBatchRequest(compress_ratio=_ratio(draw), omit_token_to_seq=chance(draw, 30),
+                                  num_decodes=_int32(draw, 0, seq.size))  # fmt: skip
+    if chance(draw, 50):
+        request.max_model_len = pick(draw, (64, 5000, limits.max_model_len, limits.max_model_len + 1, 0, -5, 2**40))
+    if chance(draw, 50):
+        request.max_logits_bytes = pick(draw, (4, 400, 4000, 40_000, 2**40, 3, 0, -4))
+    _dcp(draw, request)
+    request.query_start_loc, request.seq_lens = _mutate(draw, qsl, seq)
+    return request
+
+
+REQUESTS: dict[str, Callable[[Draw, Limits], pb.BuildChunkRequest | pb.PlanBatchRequest]] = {
+    "BuildChunk": chunk_request,
+    "PlanBatch": plan_request,
+}
+REQUEST_TYPES = {"BuildChunk": pb.BuildChunkRequest, "PlanBatch": pb.PlanBatchRequest}
+RESPONSE_TYPES = {"BuildChunk": pb.BuildChunkResponse, "PlanBatch": pb.PlanBatchResponse}
+FIELDS = {m: frozenset(t.DESCRIPTOR.fields_by_name) | EXTRA_FIELDS for m, t in REQUEST_TYPES.items()}
+
+# --- the oracle ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What a correct server may answer. ``expected`` holds the numpy result when OK is allowed."""
+
+    method: str
+    must_refuse: frozenset[grpc.StatusCode]  # non-empty: OK is wrong, one of these is right
+    may_refuse: frozenset[grpc.StatusCode]  # refusals allowed besides OK (conservative size estimates)
+    expected: ChunkMetadata | PrefillPlan | None
+    reasons: tuple[str, ...]
+
+    @property
+    def valid(self) -> bool:
+        return not self.must_refuse
+
+
+def _decode(data: bytes) -> np.ndarray | None:
+    return None if len(data) % 4 else np.frombuffer(data, dtype="<i4").astype(np.int64)
+
+
+def _dcp_of(request: pb.BuildChunkRequest | pb.PlanBatchRequest) -> DcpConfig:
+    return DcpConfig(
+        rank=request.dcp_rank,
+        world_size=request.dcp_world_size if request.HasField("dcp_world_size") else 1,
+        interleave=request.dcp_interleave if request.HasField("dcp_interleave") else 1,
+    )
+
+
+class _Refused(Exception):
+    """The oracle's builder stops where the server must refuse: no need to build the rest."""
+
+
+def _plan_scalars_invalid(request: pb.PlanBatchRequest, qsl: np.ndarray, seq: np.ndarray) -> bool:
+    """Whether the kernel layer would reject a PlanBatch request; for requests too large to plan here."""
+    try:
+        validate_batch(qsl, seq)
+    except InvalidInputError:
+        return True
+    return (
+        request.compress_ratio < 0
+        or not 0 <= request.num_decodes <= seq.size
+        or (request.HasField("max_model_len") and request.max_model_len < 1)
+        or (request.HasField("max_logits_bytes") and request.max_logits_bytes < 4)
+    )
+
+
+def judge(method: str, request: pb.BuildChunkRequest | pb.PlanBatchRequest, limits: Limits) -> Verdict:
+    """Everything a correct server may answer to ``request`` (a BuildChunk or PlanBatch request)."""
+    must: dict[grpc.StatusCode, list[str]] = {}
+    may: dict[grpc.StatusCode, list[str]] = {}
+
+    def refuse(into: dict, code: grpc.StatusCode, why: str) -> None:
+        into.setdefault(code, []).append(why)
+
+    def verdict(expected: object = None) -> Verdict:
+        reasons = tuple(f"{c.name}: {w}" for d in (must, may) for c, ws in d.items() for w in ws)
+        return Verdict(method, frozenset(must), frozenset(may), expected, reasons)
+
+    qsl, seq = _decode(request.query_start_loc), _decode(request.seq_lens)
+    if qsl is None or seq is None:
+        refuse(must, INVALID, "an array's byte length is not a multiple of 4")
+        return verdict()
+    if seq.size > limits.max_num_seqs:
+        refuse(must, EXHAUSTED, f"{seq.size} sequences")
+    if qsl.size and qsl.max() > limits.max_num_batched_tokens:
+        refuse(must, EXHAUSTED, "query tokens over max_num_batched_tokens")
+    if seq.size and seq.max() > limits.max_model_len:
+        refuse(must, EXHAUSTED, "a sequence over max_model_len")
+    over_limits = bool(must)
+    ratio = request.compress_ratio
+    if ratio < 0:
+        refuse(must, INVALID, "negative compress_ratio")
+    dcp = _dcp_of(request)
+    if dcp.world_size > 1 and ratio > 1:
+        refuse(must, PRECONDITION, "DCP with compress ratio > 1")
+    if method == "PlanBatch" and request.HasField("max_model_len") and request.max_model_len > limits.max_model_len:
+        refuse(must, EXHAUSTED, "max_model_len over the server's")
+    omit = request.omit_token_to_seq
+    if over_limits and method == "PlanBatch":
+        # Its plan can hold a chunk per query row of a 2^30-token request: only validate.
+        if _plan_scalars_invalid(request, qsl, seq):
+            refuse(must, INVALID, "the kernel layer rejects the batch")
+        return verdict()
+
+    workspace = limits.max_model_len * WORKSPACE_TOKENS_PER_MODEL_LEN // max(1, ratio)
+    calls, array_bytes = 0, 0
+
+    def build(inputs: ChunkInputs) -> ChunkMetadata | None:
+        # The server's order: validate, then the workspace and the response size, then compute.
+        nonlocal calls, array_bytes
+        calls += 1
+        host = chunk_host_part(inputs)
+        if host is None:
+            return None
+        if host.total > workspace:
+            refuse(must, EXHAUSTED, f"a chunk of {host.total} compressed tokens over the workspace {workspace}")
+            raise _Refused
+        rows = host.query_slice[1] - host.query_slice[0]
+        array_bytes += 8 * rows + 8 * host.cu_seq_lens.size + (0 if omit else 4 * host.total)
+        if array_bytes > limits.max_message_bytes:
+            refuse(must, EXHAUSTED, f"response arrays alone take more than {array_bytes} bytes")
+            raise _Refused
+        return None if over_limits else build_chunk_metadata_numpy(inputs)
+
+    try:
+        if method == "BuildChunk":
+            slice_ = (request.query_slice.start, request.query_slice.stop) if request.HasField("query_slice") else None
+            expected = build(ChunkInputs(qsl, seq, ratio, request.req_start, request.req_end, slice_,
+                                         request.skip_kv_gather, dcp))  # fmt: skip
+        else:
+            batch = BatchInputs(
+                qsl, seq, ratio, request.num_decodes,
+                request.max_model_len if request.HasField("max_model_len") else limits.max_model_len,
+                request.max_logits_bytes if request.HasField("max_logits_bytes") else limits.max_logits_bytes,
+                dcp,
+            )  # fmt: skip
+            expected = build_prefill_batch(batch, build)
+    except InvalidInputError as exc:
+        refuse(must, INVALID, str(exc))
+        return verdict()
+    except _Refused:
+        return verdict()
+    if array_bytes + CHUNK_OVERHEAD_BYTES * calls >= limits.max_message_bytes:
+        refuse(may, EXHAUSTED, "response near max_message_bytes")
+    return verdict(expected)
+
+
+# --- checking an answer -------------------------------------------------------------------------------------
+
+
+def _array(data: bytes) -> np.ndarray:
+    return np.frombuffer(data, dtype="<i4")
+
+
+def _compare_metadata(got: pb.ChunkMetadata, want: ChunkMetadata, omit: bool, where: str) -> list[str]:
+    problems = []
+    arrays = {
+        "cu_seq_lens": want.cu_seq_lens, "cu_seqlen_ks": want.cu_seqlen_ks, "cu_seqlen_ke": want.cu_seqlen_ke,
+        "local_cu_seq_lens": want.local_cu_seq_lens,
+    }  # fmt: skip
+    if omit:
+        if got.token_to_seq or not got.token_to_seq_omitted:
+            problems.append(f"{where}.token_to_seq: sent although omit_token_to_seq was set")
+    else:
+        arrays["token_to_seq"] = want.token_to_seq
+    for name, values in arrays.items():
+        if not np.array_equal(_array(getattr(got, name)), values):
+            problems.append(f"{where}.{name}: {_array(getattr(got, name))[:8]}... != numpy's {values[:8]}...")
+    scalars = {
+        "total_seq_lens": want.total_seq_lens, "token_start": want.token_start, "token_end": want.token_end,
+        "num_reqs": want.num_reqs, "skip_kv_gather": want.skip_kv_gather,
+        "local_total_seq_lens": want.local_total_seq_lens, "max_local_total_seq_lens": want.max_local_total_seq_lens,
+        "req_start": want.req_start, "req_end": want.req_end,
+    }  # fmt: skip
+    for name, value in scalars.items():
+        if getattr(got, name) != value:
+            problems.append(f"{where}.{name}: {getattr(got, name)} != numpy's {value}")
+    if (got.query_slice.start, got.query_slice.stop) != tuple(want.query_slice):
+        problems.append(f"{where}.query_slice: {got.query_slice} != numpy's {want.query_slice}")
+    return problems
+
+
+def _compare(verdict: Verdict, request, response) -> list[str]:
+    omit = request.omit_token_to_seq
+    if verdict.method == "BuildChunk":
+        if verdict.expected is None:
+            return ["metadata: sent for a chunk with no compressed token"] if response.HasField("metadata") else []
+        if not response.HasField("metadata"):
+            return ["metadata: missing"]
+        return _compare_metadata(response.metadata, verdict.expected, omit, "metadata")
+    plan: PrefillPlan = verdict.expected
+    got_chunks = [(c.req_start, c.req_end, c.query_start, c.query_stop) for c in response.chunks]
+    want_chunks = [(c.req_start, c.req_end, c.query_start, c.query_stop) for c in plan.chunks]
+    problems = [] if got_chunks == want_chunks else [f"chunks: {got_chunks[:4]}... != numpy's {want_chunks[:4]}..."]
+    if len(response.metadata) != len(plan.metadata):
+        return [*problems, f"metadata: {len(response.metadata)} chunks, numpy has {len(plan.metadata)}"]
+    for i, (got, want) in enumerate(zip(response.metadata, plan.metadata, strict=True)):
+        problems += _compare_metadata(got, want, omit, f"metadata[{i}]")
+    if response.max_prefill_seq_len != plan.max_prefill_seq_len:
+        problems.append(f"max_prefill_seq_len: {response.max_prefill_seq_len} != {plan.max_prefill_seq_len}")
+    return problems
+
+
+def check_answer(verdict: Verdict, request, code: grpc.StatusCode, details: str, response=None) -> list[str]:
+    """What is wrong with the server's answer (``code``, ``details``, ``response`` when OK); [] if right."""
+    if code is OK:
+        if not verdict.valid:
+            return [f"answered OK where it must refuse ({'; '.join(verdict.reasons)})"]
+        return _compare(verdict, request, response)
+    allowed = verdict.must_refuse or verdict.may_refuse
+    problems = []
+    if code not in allowed:
+        why = "; ".join(verdict.reasons) or "a valid request within every limit"
+        problems.append(f"answered {code.name} ({details!r}) for {why}")
+    match = FIELD_ERROR.match(details or "")
+    if not match or match["field"] not in FIELDS[verdict.method]:
+        problems.append(f"{code.name} message does not start with a request field: {details!r}")
+    return problems
+
+
+def describe(request) -> str:
+    """A short, readable form of a request for failure messages."""
+    qsl, seq = _decode(request.query_start_loc), _decode(request.seq_lens)
+    fields = {f.name: v for f, v in request.ListFields() if f.name not in ("query_start_loc", "seq_lens")}
+    return f"query_start_loc={_short(qsl, request.query_start_loc)} seq_lens={_short(seq, request.seq_lens)} {fields}"
+
+
+def _short(values: np.ndarray | None, raw: bytes) -> str:
+    if values is None:
+        return f"<{len(raw)} bytes>"
+    text = np.array2string(values[:12], separator=",")
+    return text if values.size <= 12 else f"{text[:-1]},...] ({values.size})"
+
+
+def call_and_check(
+    stubs: dict[str, grpc.UnaryUnaryMultiCallable], method: str, request, verdict: Verdict, timeout: float = 30.0
+) -> tuple[grpc.StatusCode, str]:
+    """One RPC through ``stubs[method]`` and the check of its answer: (code, problems joined, "" if none)."""
+    try:
+        response = stubs[method](request, timeout=timeout)
+        code, details = OK, ""
+    except grpc.RpcError as exc:
+        response, code, details = None, exc.code(), exc.details() or ""
+    problems = check_answer(verdict, request, code, details, response)
+    return code, "; ".join(problems)
+
+
+def stubs_for(channel: grpc.Channel) -> dict[str, grpc.UnaryUnaryMultiCallable]:
+    """The two fuzzed RPCs as plain callables (no retries: see ``harness.channel``)."""
+    return {
+        method: channel.unary_unary(
+            f"/indexer.v1.PrefillMetadata/{method}",
+            request_serializer=REQUEST_TYPES[method].SerializeToString,
+            response_deserializer=RESPONSE_TYPES[method].FromString,
+        )
+        for method in REQUEST_TYPES
+    }

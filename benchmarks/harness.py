@@ -1,0 +1,347 @@
+"""What the service benchmarks and the hardening tests share: a served process on loopback, a bounded
+closed-loop load generator, RSS readings and Prometheus scrapes.
+
+Every process started here is killed by its owner (``with ServiceProcess(...)``), every load loop stops at a
+call count or a deadline, whichever comes first, and traffic only ever goes to loopback addresses.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import numpy as np
+import psutil
+from prometheus_client.parser import text_string_to_metric_families
+
+REPO = Path(__file__).resolve().parent.parent
+INDEXER_SERVICE = str(Path(sys.executable).with_name("indexer-service"))
+LOOPBACK = "127.0.0.1"
+# Flags that make a server take requests within about a second: the numpy backend never imports torch and
+# nothing compiles. The warmup benchmark measures the default start instead.
+FAST_START = ("--backend", "numpy", "--warmup-target", "none")
+_serial = itertools.count()
+
+
+def clean_env(**overrides: str) -> dict[str, str]:
+    """This process's environment without INDEXER_* settings, so only the flags given count."""
+    from service.config import CONFIG_FILE_ENV, ENV_PREFIX
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX) and k != CONFIG_FILE_ENV}
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(overrides)
+    return env
+
+
+def http_get(url: str, timeout: float = 5.0) -> tuple[int, str]:
+    """Status and body; HTTP errors are answers, not exceptions."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+class ServiceProcess:
+    """One server process on loopback ports chosen by the OS, found through the ``--port-file`` it writes.
+
+    ``command`` defaults to ``indexer-service serve``; any command that writes ``{"grpc_port": ...}`` (and
+    optionally ``"http_port"``) to the file named by its ``--port-file`` argument works (the echo baseline).
+    ``cpus`` pins the process and every thread it will start.
+    """
+
+    def __init__(
+        self,
+        *flags: str,
+        workdir: Path | None = None,
+        env: dict[str, str] | None = None,
+        cpus: Iterable[int] | None = None,
+        command: Sequence[str] | None = None,
+        grpc_host: str = LOOPBACK,
+        http_host: str = LOOPBACK,
+    ) -> None:
+        self._scratch = None if workdir else tempfile.TemporaryDirectory(prefix="indexer-bench-")
+        self.workdir = Path(workdir or self._scratch.name)
+        n = next(_serial)
+        self.port_file = self.workdir / f"server-{os.getpid()}-{n}.ports.json"
+        self.log_path = self.workdir / f"server-{os.getpid()}-{n}.log"
+        self.grpc_host, self.http_host = grpc_host, http_host
+        if command is None:
+            command = [INDEXER_SERVICE, "serve", "--grpc-host", grpc_host, "--http-host", http_host,
+                       "--grpc-port", "0", "--http-port", "0"]  # fmt: skip
+        self.command = [*command, "--port-file", str(self.port_file), *flags]
+        self.env = env if env is not None else clean_env(TRITON_CACHE_DIR=str(self.workdir / "triton-cache"))
+        self.cpus = set(cpus) if cpus is not None else None
+        self.process: subprocess.Popen | None = None
+        self.started_at = 0.0
+        self.grpc_port = self.http_port = 0
+
+    def start(self) -> ServiceProcess:
+        cpus = self.cpus
+        with open(self.log_path, "wb") as log:
+            self.started_at = time.perf_counter()
+            self.process = subprocess.Popen(
+                self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=REPO,
+                preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
+            )  # fmt: skip
+        return self
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None, "not started"
+        return self.process.pid
+
+    @property
+    def address(self) -> str:
+        return host_port(self.grpc_host, self.grpc_port)
+
+    @property
+    def http_url(self) -> str:
+        return f"http://{host_port(self.http_host, self.http_port)}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def _fail(self, why: str) -> RuntimeError:
+        return RuntimeError(f"{why} (exit code {self.process.poll() if self.process else None}):\n{self.log()}")
+
+    def wait_listening(self, timeout: float = 60.0) -> ServiceProcess:
+        deadline = time.monotonic() + timeout
+        while not self.port_file.exists():
+            if self.process is None or self.process.poll() is not None:
+                raise self._fail("server exited before listening")
+            if time.monotonic() > deadline:
+                raise self._fail(f"server not listening after {timeout} s")
+            time.sleep(0.01)
+        ports = json.loads(self.port_file.read_text())
+        self.grpc_port, self.http_port = ports["grpc_port"], ports.get("http_port", 0)
+        return self
+
+    def wait_ready(self, timeout: float = 180.0, poll: float = 0.01) -> float:
+        """Block until /readyz answers 200; returns seconds since :meth:`start`."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if http_get(f"{self.http_url}/readyz", timeout=2.0)[0] == 200:
+                    return time.perf_counter() - self.started_at
+            except OSError:
+                pass  # the listener is up but a probe can still race a slow accept; poll again
+            if self.process is None or self.process.poll() is not None or time.monotonic() > deadline:
+                raise self._fail("server not ready")
+            time.sleep(poll)
+
+    def __enter__(self) -> ServiceProcess:
+        self.start().wait_listening()
+        if self.http_port:
+            self.wait_ready()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.kill()
+
+    def rss_bytes(self) -> int:
+        return psutil.Process(self.pid).memory_info().rss
+
+    def peak_rss_bytes(self) -> int:
+        """The kernel's high-water mark of the resident set (VmHWM): a peak no sampling can miss."""
+        for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+        raise RuntimeError("no VmHWM in /proc/<pid>/status")
+
+    def terminate(self, timeout: float = 30.0) -> int:
+        """SIGTERM, then the exit code."""
+        assert self.process is not None, "not started"
+        self.process.send_signal(signal.SIGTERM)
+        return self.process.wait(timeout)
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+        if self.process is not None:
+            self.process.wait(10)
+        if self._scratch is not None:
+            self._scratch.cleanup()
+            self._scratch = None
+
+
+def channel(address: str, max_message_bytes: int = 64 * 2**20) -> grpc.Channel:
+    """A plain channel: no retries, so every refusal reaches the caller as it happened."""
+    return grpc.insecure_channel(
+        address,
+        options=[
+            ("grpc.enable_retries", 0),
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+        ],
+    )
+
+
+# --- load ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CallRecord:
+    """One call: when it started (seconds since the run began), how long it took, its status, what was wrong."""
+
+    start: float
+    seconds: float
+    code: grpc.StatusCode
+    problem: str = ""
+
+
+@dataclass
+class LoadRun:
+    in_flight: int
+    elapsed: float
+    records: list[CallRecord] = field(default_factory=list)
+
+    @property
+    def calls_per_second(self) -> float:
+        return len(self.records) / self.elapsed if self.elapsed else 0.0
+
+    def latencies(self, start: float = 0.0, stop: float = float("inf")) -> np.ndarray:
+        """Seconds of the OK calls that started in ``[start, stop)``."""
+        return np.array([r.seconds for r in self.records if r.code is grpc.StatusCode.OK and start <= r.start < stop])
+
+    def codes(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for r in self.records:
+            counts[r.code.name] = counts.get(r.code.name, 0) + 1
+        return counts
+
+    def problems(self) -> list[CallRecord]:
+        return [r for r in self.records if r.problem]
+
+
+# A call: performs call number i; returns its status code and a problem description ("" when the answer
+# was right). Exceptions other than grpc.RpcError count as problems too.
+Call = Callable[[int], tuple[grpc.StatusCode, str]]
+
+
+def closed_loop(call: Call, in_flight: int, max_calls: int, max_seconds: float) -> LoadRun:
+    """``in_flight`` threads, each issuing its next call as soon as the previous one returns, until
+    ``max_calls`` calls were issued or ``max_seconds`` passed."""
+    counter = itertools.count()
+    records: list[CallRecord] = []
+    lock = threading.Lock()
+    begin = time.perf_counter()
+    deadline = begin + max_seconds
+
+    def worker() -> None:
+        local = []
+        while True:
+            i = next(counter)
+            if i >= max_calls:
+                break
+            started = time.perf_counter()
+            if started >= deadline:
+                break
+            try:
+                code, problem = call(i)
+            except grpc.RpcError as exc:
+                code, problem = exc.code(), f"unhandled {exc.code().name}: {exc.details()}"
+            except Exception as exc:  # a checker bug or a decode failure must show up, not kill the thread
+                code, problem = grpc.StatusCode.UNKNOWN, f"client-side {type(exc).__name__}: {exc}"
+            local.append(CallRecord(started - begin, time.perf_counter() - started, code, problem))
+        with lock:
+            records.extend(local)
+
+    threads = [threading.Thread(target=worker, name=f"load-{n}", daemon=True) for n in range(in_flight)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(max_seconds + 120.0)
+    run = LoadRun(in_flight, time.perf_counter() - begin)
+    run.records = sorted(records, key=lambda r: r.start)
+    return run
+
+
+def percentile_us(seconds: np.ndarray, q: float) -> float:
+    return float(np.percentile(seconds, q) * 1e6) if seconds.size else float("nan")
+
+
+class RssSampler:
+    """Samples a process's RSS every ``interval`` seconds on a thread, between ``with`` and its end."""
+
+    def __init__(self, pid: int, interval: float = 0.2) -> None:
+        self.process = psutil.Process(pid)
+        self.interval = interval
+        self.samples: list[tuple[float, int]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rss", daemon=True)
+
+    def _run(self) -> None:
+        begin = time.perf_counter()
+        while not self._stop.is_set():
+            try:
+                self.samples.append((time.perf_counter() - begin, self.process.memory_info().rss))
+            except psutil.Error:
+                return
+            self._stop.wait(self.interval)
+
+    def __enter__(self) -> RssSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._stop.set()
+        self._thread.join(5.0)
+
+    def at(self, seconds: float) -> int:
+        """The first sample taken at or after ``seconds`` (the last one if none)."""
+        for t, rss in self.samples:
+            if t >= seconds:
+                return rss
+        return self.samples[-1][1]
+
+
+# --- metrics ------------------------------------------------------------------------------------------------
+
+
+def scrape(http_url: str) -> dict[tuple[str, frozenset], float]:
+    """Every sample of the server's /metrics, keyed by (sample name, labels)."""
+    status, body = http_get(f"{http_url}/metrics")
+    if status != 200:
+        raise RuntimeError(f"/metrics answered {status}")
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(body)
+        for s in family.samples
+    }
+
+
+def metric_total(samples: dict[tuple[str, frozenset], float], name: str, **labels: str) -> float:
+    """Sum of the samples called ``name`` whose labels include ``labels``."""
+    wanted = set(labels.items())
+    return sum(v for (n, ls), v in samples.items() if n == name and wanted <= ls)
+
+
+# --- output -------------------------------------------------------------------------------------------------
+
+
+def write_json(path: Path | None, payload: object) -> None:
+    if path is not None:
+        path.write_text(json.dumps(payload, indent=1, default=str) + "\n")
+        print(f"wrote {path}")
+
+
+def mib(n: float) -> float:
+    return n / 2**20
