@@ -152,3 +152,14 @@ def test_existing_triton_cache_dir_is_never_overwritten(monkeypatch: pytest.Monk
     monkeypatch.delenv("TRITON_CACHE_DIR")
     assert use_triton_cache_dir("") is None
     assert "TRITON_CACHE_DIR" not in os.environ
+
+
+def test_docs_list_every_setting_and_metric() -> None:
+    from service.metrics import Metrics
+
+    docs = (Path(__file__).resolve().parent.parent / "docs" / "service.md").read_text()
+    for name in SETTINGS:
+        assert f"| `{name}` |" in docs, f"docs/service.md does not describe the setting {name}"
+    for family in Metrics().registry.collect():
+        name = f"{family.name}_total" if family.type == "counter" else family.name
+        assert f"| `{name}` |" in docs, f"docs/service.md does not list the metric {name}"
