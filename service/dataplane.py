@@ -147,10 +147,6 @@ class DataPlane:
         self._compiles_after_ready = 0
         self._listeners: list[Callable[[bool], None]] = []
 
-    @property
-    def methods(self) -> tuple[str, ...]:
-        return tuple(self._handlers)
-
     # --- readiness --------------------------------------------------------------------------------------
 
     @property
@@ -208,8 +204,8 @@ class DataPlane:
             self._compiles_after_ready += 1
             total = self._compiles_after_ready
         self.metrics.compiles_after_ready_total.inc()
-        log.warning("compile after ready kernel=%s total=%d: a launch needed a variant outside the warmup", kernel_name,
-                    total)  # fmt: skip
+        log.warning("compile after ready kernel=%s total=%d: a launch needed a variant outside the warmup",
+                    kernel_name, total)  # fmt: skip
 
     # --- the request path -------------------------------------------------------------------------------
 

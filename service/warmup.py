@@ -14,9 +14,13 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kernels.specialization import CompileKey
 from service.metrics import Metrics
+
+if TYPE_CHECKING:  # the compile engine imports torch and Triton: loaded only when something compiles
+    from kernels.compile_engine import CompileOutcome
 
 log = logging.getLogger(__name__)
 
@@ -66,12 +70,12 @@ def compile_and_log(
     target: str | None,
     workers: int,
     phase: str,
-    on_outcome: Callable[[object], None] | None = None,
-) -> list:
+    on_outcome: Callable[[CompileOutcome], None] | None = None,
+) -> list[CompileOutcome]:
     """Compile ``keys`` (the model's whole warmup set), logging ``<phase> n/N key=... seconds=...`` per key."""
-    from kernels.compile_engine import compile_keys  # torch and Triton: only when something compiles
+    from kernels.compile_engine import compile_keys
 
-    def progress(done: int, total: int, outcome) -> None:
+    def progress(done: int, total: int, outcome: CompileOutcome) -> None:
         if outcome.ok:
             log.info("%s %d/%d key=%s seconds=%.3f", phase, done, total, outcome.key.label(), outcome.seconds)
         else:
@@ -160,7 +164,7 @@ class Warmup:
             log.info("warmup done keys=%d seconds=%.3f", len(self.keys), self.seconds)
         return self.state
 
-    def _record(self, outcome) -> None:
+    def _record(self, outcome: CompileOutcome) -> None:
         state = KeyState.COMPILED if outcome.ok else KeyState.FAILED
         label = outcome.key.label()
         self.metrics.warmup_key_compile_seconds.labels(key=label).set(outcome.seconds)

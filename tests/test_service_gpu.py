@@ -1,0 +1,76 @@
+"""On a CUDA GPU, a real server process on the Triton backend: in-process warmup, answers equal numpy, no
+compile after ready for the warmed ratios, an unwarmed ratio counted (or refused in strict mode).
+Skipped without CUDA."""
+
+from __future__ import annotations
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from kernels.inputs import ChunkInputs, DcpConfig
+from kernels.naive import build_chunk_metadata_numpy
+from kernels.planner import BatchInputs, build_prefill_batch
+from kernels.testing import BatchShape, random_batch, random_chunk_inputs
+from protos.indexer.v1 import indexer_pb2 as pb
+from service.client import IndexerClient
+from tests.conftest import StartServer, scrape
+from tests.golden import GOLDEN, chunk_inputs, metadata_as_dict
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.slow,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+UNWARMED = ChunkInputs(np.array([0, 1, 4, 9]), np.array([200, 100, 50]), 7, 1, 3)  # ratio 7: no model has it
+
+
+def same(got, expected) -> bool:
+    return (got is None and expected is None) or metadata_as_dict(got) == metadata_as_dict(expected)
+
+
+def test_triton_server_answers_like_numpy_and_compiles_nothing_after_ready(start_server: StartServer) -> None:
+    server = start_server()  # the default config: on a GPU the Triton backend with in-process warmup
+    with IndexerClient(server.address) as client:
+        status = client.warmup_status()
+        assert (status.backend, status.target, status.state) == ("triton", "in-process", pb.WARMUP_STATE_READY)
+        assert [k.state for k in status.keys] == [pb.KEY_STATE_COMPILED] * 3
+
+        for case in GOLDEN["chunk_metadata"]:
+            got = client.build_chunk(chunk_inputs(case))
+            assert (None if got is None else metadata_as_dict(got)) == case["expected"], case["name"]
+        rng = np.random.default_rng(2027)
+        for i in range(300):
+            ratio = (0, 1, 4, 128)[i % 4]
+            dcp = (DcpConfig(), DcpConfig(1, 2), DcpConfig(3, 4, 2))[i % 3] if ratio <= 1 else DcpConfig()
+            shape = BatchShape(int(rng.integers(1, 65)), int(rng.integers(1, 300)), int(rng.integers(0, 5000)))
+            inputs = random_chunk_inputs(rng, shape, ratio, dcp)
+            assert same(client.build_chunk(inputs), build_chunk_metadata_numpy(inputs)), i
+        for i in range(30):
+            qsl, seq = random_batch(rng, BatchShape(int(rng.integers(1, 40)), 300, 5000))
+            batch = BatchInputs(qsl, seq, (0, 4, 128)[i % 3], int(rng.integers(0, qsl.size)), 2000, 4 * 20_000)
+            plan, expected = client.plan_batch(batch), build_prefill_batch(batch, build_chunk_metadata_numpy)
+            assert plan.chunks == expected.chunks
+            assert all(same(g, e) for g, e in zip(plan.metadata, expected.metadata, strict=True))
+        assert client.warmup_status().compiles_after_ready == 0
+
+        # A ratio outside the model's set is answered correctly, and its compile is counted.
+        assert same(client.build_chunk(UNWARMED), build_chunk_metadata_numpy(UNWARMED))
+        assert client.warmup_status().compiles_after_ready == 1
+    metrics = scrape(server)
+    assert metrics.value("indexer_compiles_after_ready_total") == 1
+    assert metrics.value("indexer_backend_duration_seconds_count", method="BuildChunk", backend="triton") > 300
+    assert "compile after ready kernel=" in server.log()
+
+
+def test_strict_triton_server_refuses_an_unwarmed_variant(start_server: StartServer) -> None:
+    server = start_server("--strict")
+    with IndexerClient(server.address) as client:
+        with pytest.raises(grpc.RpcError) as refused:
+            client.build_chunk(UNWARMED)
+        assert refused.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+        warmed = ChunkInputs(UNWARMED.query_start_loc, UNWARMED.seq_lens, 4, 1, 3)
+        assert same(client.build_chunk(warmed), build_chunk_metadata_numpy(warmed))
+        assert client.warmup_status().compiles_after_ready == 0
