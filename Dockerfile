@@ -8,8 +8,9 @@
 # (another image, another Triton or CUDA) is not hit: Triton's cache key covers the whole toolchain.
 
 ARG VARIANT=gpu
-# The GPU base carries a CUDA build of torch and the Triton it was released with. Pin it by digest in production.
-ARG GPU_BASE=pytorch/pytorch:2.9.1-cuda12.8-cudnn9-runtime
+# The GPU base carries a CUDA build of torch and the Triton it was released with: torch 2.11 + Triton 3.6 is the
+# toolchain the project's GPU tests run on (H200). Pin it by digest in production.
+ARG GPU_BASE=pytorch/pytorch:2.11.0-cuda13.0-cudnn9-runtime
 ARG CPU_BASE=python:3.11-slim-bookworm
 
 FROM ${GPU_BASE} AS base-gpu
