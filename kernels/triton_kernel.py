@@ -4,8 +4,9 @@ Order as in Triton's tutorials: the reference lives in ``kernels/naive.py``; her
 launcher that takes torch tensors, and the builder the service calls on a GPU.
 
 vLLM launches one program per request of one chunk and passes the chunk's query slice and DCP settings
-as scalars. Here the host first writes a *program table*: one row per (chunk, request) holding where the
-request's ``token_to_seq`` entries and output rows go and the causal position of its first output row.
+as scalars. Here the host first writes a *program table*: one row per (chunk, request), or several for a
+long request, holding where the request's ``token_to_seq`` entries and output rows go and the causal
+position of its first output row.
 The kernel then needs no per-chunk scalar, so every chunk of a prefill plan is built by **one launch**
 from one host-to-device copy, with one device-to-host copy back; the query slice stops being a
 specialization axis.
@@ -128,6 +129,28 @@ def launch_prefill_metadata_kernel(
     return key
 
 
+# Most elements of one kind (tokens or rows) a program writes: a long request gets several programs, so one
+# 86k-token request is not a single program walking 85 blocks in turn.
+PROGRAM_SPAN = 8 * BLOCK_SIZE
+
+
+def _split_long_requests(table: np.ndarray) -> np.ndarray:
+    """Each row of the table cut into pieces of at most PROGRAM_SPAN tokens and PROGRAM_SPAN rows."""
+    kv_lo, kv_hi, row_lo, row_hi = table[:, 1], table[:, 2], table[:, 3], table[:, 4]
+    pieces = np.maximum(1, -(-np.maximum(kv_hi - kv_lo, row_hi - row_lo) // PROGRAM_SPAN))
+    if (pieces == 1).all():
+        return table
+    split = np.repeat(table, pieces, axis=0)
+    step = (np.arange(split.shape[0]) - np.repeat(np.cumsum(pieces) - pieces, pieces)) * PROGRAM_SPAN
+    new_kv_lo = np.minimum(split[:, 1] + step, split[:, 2])
+    new_row_lo = np.minimum(split[:, 3] + step, split[:, 4])
+    split[:, 5] += new_row_lo - split[:, 3]  # the causal position moves with the first row
+    split[:, 2] = np.minimum(new_kv_lo + PROGRAM_SPAN, split[:, 2])
+    split[:, 4] = np.minimum(new_row_lo + PROGRAM_SPAN, split[:, 4])
+    split[:, 1], split[:, 3] = new_kv_lo, new_row_lo
+    return split
+
+
 def program_table(hosts: Sequence[ChunkHostPart]) -> tuple[np.ndarray, list[int], list[int]]:
     """The program table of several chunks, and where each chunk's token_to_seq and rows start."""
     parts, kv_bases, row_bases = [], [], []
@@ -157,7 +180,7 @@ def program_table(hosts: Sequence[ChunkHostPart]) -> tuple[np.ndarray, list[int]
     if max(kv_base, row_base) > INT32_MAX:
         raise ValueError(f"outputs of {len(hosts)} chunks exceed int32 indexing ({kv_base} tokens, {row_base} rows)")
     table = np.concatenate(parts) if parts else np.zeros((0, len(TABLE_COLUMNS)), dtype=np.int64)
-    return table.astype(np.int32), [*kv_bases, kv_base], [*row_bases, row_base]
+    return _split_long_requests(table).astype(np.int32), [*kv_bases, kv_base], [*row_bases, row_base]
 
 
 _ALIGN_ELEMS = 4  # 16 bytes of int32: every buffer segment starts on Triton's aligned pointer class
