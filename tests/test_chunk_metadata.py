@@ -134,14 +134,14 @@ def test_one_launch_builds_every_chunk_of_a_plan(dcp_name, ratio, triton_cpu, se
             assert got.tolist() == want.tolist()
 
 
-@pytest.mark.parametrize("span", [100, 1024], ids=lambda s: f"span{s}")
+@pytest.mark.parametrize("span", [100, 333], ids=lambda s: f"span{s}")
 @pytest.mark.parametrize("dcp_name", ["nodcp", "dcp2r0i2"])
 def test_long_requests_split_across_programs(span, dcp_name, triton_cpu, sentinel_outputs, monkeypatch):
     """Requests longer than PROGRAM_SPAN are cut into several programs; the result does not change."""
     monkeypatch.setattr(triton_kernel, "PROGRAM_SPAN", span)
     rng = np.random.default_rng(span)
     for ratio in (1, 4):
-        inputs = random_chunk_inputs(rng, SHAPES["multi-block"], ratio, DCP_SETTINGS[dcp_name])
+        inputs = random_chunk_inputs(rng, SHAPES["multi-block"], ratio, DCP_SETTINGS[dcp_name], with_slice=False)
         host = chunk_host_part(inputs)
         table, _, _ = triton_kernel.program_table([host])
         assert table.shape[0] > host.seq_lens.size  # the split really happened
