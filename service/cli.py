@@ -66,12 +66,15 @@ def _precompile(args: argparse.Namespace) -> int:
 
 def _check(args: argparse.Namespace) -> int:
     from protos.indexer.v1 import indexer_pb2 as pb
-    from service.client import IndexerClient
+    from service.client import IndexerClient, tls_credentials
     from service.codec import SERVICE_NAME
 
+    credentials = tls_credentials(args.tls_ca, args.tls_cert, args.tls_key) if args.tls_ca else None
     # No client-side health check (a server that is not SERVING must still answer) and one attempt: the
     # answer is about this server now.
-    with IndexerClient(args.address, timeout=args.timeout, max_attempts=1, health_check=False) as client:
+    with IndexerClient(
+        args.address, timeout=args.timeout, max_attempts=1, health_check=False, credentials=credentials
+    ) as client:
         try:
             overall, service = client.health(""), client.health(SERVICE_NAME)
             status = client.warmup_status()
@@ -131,6 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     check.add_argument("address", help="host:port of the gRPC server")
     check.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS", help="deadline of each call")
+    check.add_argument("--tls-ca", metavar="PEM", help="connect with TLS, trusting this CA bundle")
+    check.add_argument("--tls-cert", metavar="PEM", help="client certificate, for a server that requires mTLS")
+    check.add_argument("--tls-key", metavar="PEM", help="private key of --tls-cert")
     check.set_defaults(run=_check)
     return parser
 

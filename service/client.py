@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -58,11 +59,26 @@ def service_config(max_attempts: int = 5, health_check: bool = True) -> str:
     return json.dumps(config)
 
 
+def tls_credentials(
+    ca_file: str | Path, cert_file: str | Path | None = None, key_file: str | Path | None = None
+) -> grpc.ChannelCredentials:
+    """Credentials for a server whose certificate chains to ``ca_file``; with a client certificate and key,
+    for a server that requires mutual TLS."""
+    if (cert_file is None) != (key_file is None):
+        raise ValueError("a client certificate and its key go together")
+    return grpc.ssl_channel_credentials(
+        root_certificates=Path(ca_file).read_bytes(),
+        private_key=Path(key_file).read_bytes() if key_file else None,
+        certificate_chain=Path(cert_file).read_bytes() if cert_file else None,
+    )
+
+
 class IndexerClient:
     """One channel to one or several servers.
 
     ``health_check=False`` sends calls to replicas that are not SERVING too (what ``indexer-service check``
-    needs to ask a warming server for its status).
+    needs to ask a warming server for its status). ``credentials`` (see :func:`tls_credentials`) makes the
+    channel TLS.
     """
 
     def __init__(
@@ -73,16 +89,20 @@ class IndexerClient:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         max_attempts: int = 5,
         health_check: bool = True,
+        credentials: grpc.ChannelCredentials | None = None,
     ) -> None:
         self.timeout = timeout
-        self.channel = grpc.insecure_channel(
-            channel_target(target),
-            options=[
-                ("grpc.service_config", service_config(max_attempts, health_check)),
-                ("grpc.enable_retries", 1),
-                ("grpc.max_receive_message_length", max_message_bytes),
-                ("grpc.max_send_message_length", max_message_bytes),
-            ],
+        options = [
+            ("grpc.service_config", service_config(max_attempts, health_check)),
+            ("grpc.enable_retries", 1),
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+        ]
+        target = channel_target(target)
+        self.channel = (
+            grpc.secure_channel(target, credentials, options=options)
+            if credentials is not None
+            else grpc.insecure_channel(target, options=options)
         )
         self.stub = pb_grpc.PrefillMetadataStub(self.channel)
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)

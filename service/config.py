@@ -40,6 +40,10 @@ class ServiceConfig:
     http_port: int = _setting("HTTP port (0: any free port)")
     grpc_workers: int = _setting("threads of the gRPC server")
     max_message_bytes: int = _setting("largest gRPC message or HTTP body, either way, in bytes")
+    max_concurrent_rpcs: int = _setting("most RPCs handled at once; more get RESOURCE_EXHAUSTED")
+    tls_cert_file: str = _setting("PEM certificate chain of the gRPC port (with tls_key_file: TLS on)")
+    tls_key_file: str = _setting("PEM private key of tls_cert_file")
+    tls_client_ca_file: str = _setting("PEM CA bundle that client certificates must chain to (mutual TLS)")
     shutdown_grace_seconds: float = _setting("seconds in-flight calls get to finish on SIGTERM")
     shutdown_delay_seconds: float = _setting("seconds to keep serving while NOT_SERVING before refusing new calls")
     compress_ratios: tuple[int, ...] = _setting("per-layer compress ratios, comma-separated (0 means 1)")
@@ -59,6 +63,10 @@ class ServiceConfig:
     @property
     def model(self) -> ModelConfig:
         return ModelConfig(self.compress_ratios, self.index_kpool or None)
+
+    @property
+    def tls_enabled(self) -> bool:
+        return bool(self.tls_cert_file)
 
     @property
     def warmup_enabled(self) -> bool:
@@ -214,7 +222,10 @@ def _validate(config: ServiceConfig, sources: Mapping[str, str]) -> None:
         check(name, bool(getattr(config, name).strip()), "must not be empty")
     for name in ("grpc_port", "http_port"):
         check(name, 0 <= getattr(config, name) <= 65535, f"must be in [0, 65535], got {getattr(config, name)}")
-    for name in ("grpc_workers", "warmup_workers", "max_num_batched_tokens", "max_num_seqs", "max_model_len"):
+    for name in (
+        "grpc_workers", "warmup_workers", "max_num_batched_tokens", "max_num_seqs", "max_model_len",
+        "max_concurrent_rpcs",
+    ):  # fmt: skip
         check(name, getattr(config, name) >= 1, f"must be >= 1, got {getattr(config, name)}")
     # gRPC takes message limits as a C int.
     check(
@@ -241,6 +252,13 @@ def _validate(config: ServiceConfig, sources: Mapping[str, str]) -> None:
         except ValueError as exc:
             raise ConfigError("warmup_target", f"{exc} (or '{NO_WARMUP}')", sources.get("warmup_target")) from None
     check("strict", not (config.strict and not config.warmup_enabled), "needs a warmup, but warmup_target is none")
+    check("tls_key_file", bool(config.tls_cert_file) == bool(config.tls_key_file),
+          "tls_cert_file and tls_key_file go together")  # fmt: skip
+    check("tls_client_ca_file", not config.tls_client_ca_file or config.tls_enabled,
+          "mutual TLS needs tls_cert_file and tls_key_file too")  # fmt: skip
+    for name in ("tls_cert_file", "tls_key_file", "tls_client_ca_file"):
+        path = getattr(config, name)
+        check(name, not path or os.access(path, os.R_OK), f"cannot read {path}")
 
 
 def add_config_arguments(parser: argparse.ArgumentParser, aliases: Mapping[str, str] | None = None) -> None:

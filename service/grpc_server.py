@@ -12,6 +12,7 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -129,6 +130,18 @@ def health_listener(servicer: health.HealthServicer) -> Callable[[bool], None]:
     return publish
 
 
+def server_credentials(config: ServiceConfig) -> grpc.ServerCredentials | None:
+    """TLS credentials of the gRPC port, requiring client certificates when a client CA is configured."""
+    if not config.tls_enabled:
+        return None
+    client_ca = Path(config.tls_client_ca_file).read_bytes() if config.tls_client_ca_file else None
+    return grpc.ssl_server_credentials(
+        [(Path(config.tls_key_file).read_bytes(), Path(config.tls_cert_file).read_bytes())],
+        root_certificates=client_ca,
+        require_client_auth=client_ca is not None,
+    )
+
+
 def create_grpc_server(
     config: ServiceConfig, plane: DataPlane, health_servicer: health.HealthServicer
 ) -> tuple[grpc.Server, int]:
@@ -136,6 +149,8 @@ def create_grpc_server(
     server = grpc.server(
         ThreadPoolExecutor(max_workers=config.grpc_workers, thread_name_prefix="grpc"),
         interceptors=[AccessLogInterceptor(), ErrorMappingInterceptor()],  # first = outermost
+        # Over the limit gRPC answers RESOURCE_EXHAUSTED itself, before any thread or memory is spent.
+        maximum_concurrent_rpcs=config.max_concurrent_rpcs,
         options=[
             ("grpc.max_receive_message_length", config.max_message_bytes),
             ("grpc.max_send_message_length", config.max_message_bytes),
@@ -148,7 +163,8 @@ def create_grpc_server(
     reflection.enable_server_reflection((SERVICE_NAME, HEALTH_SERVICE_NAME, reflection.SERVICE_NAME), server)
     address = host_port(config.grpc_host, config.grpc_port)
     try:
-        port = server.add_insecure_port(address)
+        credentials = server_credentials(config)
+        port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     except RuntimeError as exc:
         raise OSError(f"cannot bind gRPC to {address}: {exc}") from None
     if port == 0:
