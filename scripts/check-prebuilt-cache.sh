@@ -30,7 +30,11 @@ serve_on() {
         "${CLI[@]}" serve --grpc-port 0 --http-port 0 --port-file "$ports" >"$WORK/serve.log" 2>&1 &
     SERVER_PID=$!
     for _ in $(seq 1 6000); do
-        if [ -s "$ports" ] && curl -sf "http://127.0.0.1:$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['http_port'])" "$ports")/readyz" >/dev/null; then
+        if [ -s "$ports" ] && python3 - "$ports" <<'PY' 2>/dev/null; then
+import json, sys, urllib.request
+port = json.load(open(sys.argv[1]))["http_port"]
+urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=2)
+PY
             break
         fi
         kill -0 "$SERVER_PID" 2>/dev/null || { cat "$WORK/serve.log"; return 1; }
@@ -38,6 +42,22 @@ serve_on() {
     done
     local grpc_port
     grpc_port="$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['grpc_port'])" "$ports")"
+    # Live calls at every ratio of the warmup set: compiles_after_ready below must stay 0.
+    python3 - "$grpc_port" <<'PY'
+import sys
+import numpy as np
+from kernels.inputs import ChunkInputs
+from kernels.planner import BatchInputs
+from service.client import IndexerClient
+
+with IndexerClient(f"127.0.0.1:{sys.argv[1]}") as client:
+    qsl, seq_lens = np.array([0, 4, 10, 300]), np.array([8, 20, 1000])
+    for ratio in (0, 4, 128):
+        for _ in range(10):
+            client.build_chunk(ChunkInputs(qsl, seq_lens, ratio, 0, 3))
+            client.plan_batch(BatchInputs(qsl, seq_lens, ratio, 1, 1 << 20))
+print("live calls: 60 ok")
+PY
     "${CLI[@]}" check "127.0.0.1:$grpc_port"
     kill -TERM "$SERVER_PID"
     wait "$SERVER_PID"
