@@ -103,6 +103,17 @@ def test_round_robin_spreads_calls_over_every_replica(fleet: list[Server]) -> No
     assert min(spread) >= 18, f"calls per replica: {spread}"
 
 
+def test_client_resolves_a_dns_target(fleet: list[Server]) -> None:
+    """The cluster path, resolver included: dns:///NAME:PORT with the same service config. Here the name
+    resolves to one loopback address; in a cluster, the headless Service's name to one per ready pod."""
+    replica = fleet[0]
+    before = replica.calls()
+    with IndexerClient(f"dns:///localhost:{replica.grpc_port}") as client:
+        for _ in range(10):
+            assert client.build_chunk(ChunkInputs(QSL, SEQ_LENS, RATIO, 0, 2)) is not None
+    assert replica.calls() - before == 10
+
+
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["sigkill", "sigterm"])
 def test_a_replica_lost_under_load_fails_no_call(fleet: list[Server], sig: signal.Signals) -> None:
     """SIGKILL: a crashed pod (connections reset mid-call). SIGTERM: a deleted or rolled pod (NOT_SERVING,
