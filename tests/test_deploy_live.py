@@ -36,6 +36,7 @@ from tests.deploy_support import (
     one,
     render,
     send_traffic,
+    server_shutdown_seconds,
     substitute,
 )
 
@@ -129,6 +130,10 @@ def test_pod_config_matches_its_ports_and_shutdown(workdir: Path) -> None:
     assert {config.grpc_port, config.http_port} == {
         int(p) for i in final if i.keyword == "EXPOSE" for p in i.args.split()
     }
+    # The static timing test (preStop + drain < terminationGracePeriodSeconds) reads the drain from the TOML
+    # defaults and the pod's env; this is the server's own loader agreeing with it.
+    drain = config.shutdown_delay_seconds + config.shutdown_grace_seconds
+    assert drain == server_shutdown_seconds(env) > 0
 
 
 def test_model_configmap_yields_the_warmup_set_the_image_precompiled(workdir: Path) -> None:
@@ -175,14 +180,10 @@ def test_image_healthcheck_command(pod: Server) -> None:
     assert dead.returncode != 0
 
 
-def scraped_names(server: Server) -> set[str]:
-    return set(server.samples())
-
-
 def test_every_metric_of_the_alerts_and_the_dashboard_is_exported(pod: Server) -> None:
     with IndexerClient(pod.address) as client:
         send_traffic(client, 2)
-    exported = scraped_names(pod)
+    exported = set(pod.samples())
     wanted = {name for rule in alert_rules() for name in metric_names(rule["expr"])}
     wanted |= {name for _, expr in dashboard_targets() for name in metric_names(expr)}
     assert wanted, "no metric found in the alerts and the dashboard"
