@@ -77,6 +77,15 @@ def test_every_kustomization_renders_and_validates_strictly(kustomization: str, 
         kubernetes_validate.validate(copy.deepcopy(obj), k8s_version, strict=True)
 
 
+@requires_kustomize
+def test_strict_validation_catches_a_misspelt_field() -> None:
+    """The validation above is worth something only if a typo in a probe fails it."""
+    deployment = copy.deepcopy(one(render("deploy/base"), "Deployment"))
+    container(deployment)["readinessprobe"] = container(deployment).pop("readinessProbe")
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(deployment, K8S_VERSIONS[-1], strict=True)
+
+
 def test_every_kustomization_is_found() -> None:
     assert {"deploy/base", *OVERLAYS, "deploy/grafana"} <= set(KUSTOMIZATIONS)
 
