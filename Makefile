@@ -18,7 +18,9 @@ $(STAMP): pyproject.toml
 serve: $(STAMP)
 	$(VENV)/bin/indexer-service serve
 
+# Debian's prometheus (promtool) and kustomize for the deploy tests: installed only when missing.
 test: $(STAMP)
+	bash scripts/install-deploy-tools.sh $(VENV)
 	$(PY) -m pytest -q
 
 lint: $(STAMP)

@@ -1,6 +1,6 @@
 """A Python client for schedulers: numpy arrays in and out, deadlines, retries, round-robin over replicas.
 
-    with IndexerClient("dns:///indexer.default.svc.cluster.local:50051") as client:
+    with IndexerClient("dns:///indexer-headless.indexer.svc.cluster.local:50051") as client:
         meta = client.build_chunk(ChunkInputs(qsl, seq_lens, compress_ratio=4, req_start=1, req_end=3))
         plan = client.plan_batch(BatchInputs(qsl, seq_lens, 4, num_decodes=1, max_model_len=1 << 20))
 

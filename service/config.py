@@ -41,6 +41,7 @@ class ServiceConfig:
     grpc_workers: int = _setting("threads of the gRPC server")
     max_message_bytes: int = _setting("largest gRPC message or HTTP body, either way, in bytes")
     max_concurrent_rpcs: int = _setting("most RPCs handled at once; more get RESOURCE_EXHAUSTED")
+    max_connection_age_seconds: float = _setting("seconds before a client is asked to reconnect (0: never)")
     tls_cert_file: str = _setting("PEM certificate chain of the gRPC port (with tls_key_file: TLS on)")
     tls_key_file: str = _setting("PEM private key of tls_cert_file")
     tls_client_ca_file: str = _setting("PEM CA bundle that client certificates must chain to (mutual TLS)")
@@ -233,7 +234,7 @@ def _validate(config: ServiceConfig, sources: Mapping[str, str]) -> None:
         4096 <= config.max_message_bytes <= _INT32_MAX,
         f"must be in [4096, {_INT32_MAX}], got {config.max_message_bytes}",
     )
-    for name in ("shutdown_grace_seconds", "shutdown_delay_seconds"):
+    for name in ("shutdown_grace_seconds", "shutdown_delay_seconds", "max_connection_age_seconds"):
         check(name, getattr(config, name) >= 0, f"must be >= 0, got {getattr(config, name)}")
     check("max_logits_bytes", config.max_logits_bytes >= 4, f"must be >= 4, got {config.max_logits_bytes}")
     check("index_kpool", config.index_kpool >= 0, f"must be >= 0 (0: absent), got {config.index_kpool}")

@@ -130,6 +130,14 @@ def health_listener(servicer: health.HealthServicer) -> Callable[[bool], None]:
     return publish
 
 
+def connection_age_options(seconds: float) -> list[tuple[str, int]]:
+    """Ask clients to reconnect after ``seconds``, so they re-resolve DNS and spread onto new replicas; calls
+    in flight then get the shutdown grace to finish."""
+    if seconds <= 0:
+        return []
+    return [("grpc.max_connection_age_ms", int(seconds * 1000)), ("grpc.max_connection_age_grace_ms", 10_000)]
+
+
 def server_credentials(config: ServiceConfig) -> grpc.ServerCredentials | None:
     """TLS credentials of the gRPC port, requiring client certificates when a client CA is configured."""
     if not config.tls_enabled:
@@ -156,6 +164,7 @@ def create_grpc_server(
             ("grpc.max_send_message_length", config.max_message_bytes),
             # Never share a port silently with another process (Linux allows it by default in gRPC).
             ("grpc.so_reuseport", 0),
+            *connection_age_options(config.max_connection_age_seconds),
         ],
     )
     pb_grpc.add_PrefillMetadataServicer_to_server(PrefillMetadataServicer(plane), server)
