@@ -8,6 +8,7 @@ allocated, so a bad request never produces a half-written result.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -162,9 +163,27 @@ def dcp_local_lens(lengths: np.ndarray, dcp: DcpConfig, rank: int | None = None)
     return base + np.minimum(np.maximum(remainder - k * interleave, 0), interleave)
 
 
+ChunkArrays = tuple[np.ndarray, np.ndarray, np.ndarray]  # token_to_seq, cu_seqlen_ks, cu_seqlen_ke: a backend's part
+
+
 def chunk_host_part(inputs: ChunkInputs) -> ChunkHostPart | None:
     """Validate one chunk and compute its host-side fields; None when it has no compressed token."""
-    qsl, seq = validate_batch(inputs.query_start_loc, inputs.seq_lens)
+    return chunk_host_parts([inputs])[0]
+
+
+def chunk_host_parts(chunks: Sequence[ChunkInputs]) -> list[ChunkHostPart | None]:
+    """:func:`chunk_host_part` of several chunks; chunks sharing a batch's arrays validate them once."""
+    validated: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
+    parts = []
+    for inputs in chunks:
+        batch = (id(inputs.query_start_loc), id(inputs.seq_lens))
+        if batch not in validated:
+            validated[batch] = validate_batch(inputs.query_start_loc, inputs.seq_lens)
+        parts.append(_chunk_host_part(inputs, *validated[batch]))
+    return parts
+
+
+def _chunk_host_part(inputs: ChunkInputs, qsl: np.ndarray, seq: np.ndarray) -> ChunkHostPart | None:
     try:
         ratio = normalize_compress_ratio(inputs.compress_ratio)
     except ValueError as exc:

@@ -5,9 +5,12 @@ Vectorised over tokens and rows; its outputs equal the Triton kernel's for every
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from kernels.inputs import (
+    ChunkArrays,
     ChunkHostPart,
     ChunkInputs,
     ChunkMetadata,
@@ -27,7 +30,7 @@ def compressed_positions(positions: np.ndarray, ratio: int) -> np.ndarray:
     return positions // ratio
 
 
-def chunk_arrays_numpy(host: ChunkHostPart, dcp: DcpConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def chunk_arrays_numpy(host: ChunkHostPart, dcp: DcpConfig) -> ChunkArrays:
     """``token_to_seq``, ``cu_seqlen_ks`` and ``cu_seqlen_ke`` of one chunk (int32)."""
     cu = host.cu_seq_lens
     token_to_seq = np.repeat(np.arange(cu.size - 1, dtype=np.int32), np.diff(cu))
@@ -53,6 +56,11 @@ def chunk_arrays_numpy(host: ChunkHostPart, dcp: DcpConfig) -> tuple[np.ndarray,
         visible = dcp_local_lens(visible, dcp)
     row_start = np.repeat(host.local_cu_seq_lens[requests].astype(np.int32), query_lens)[rows]
     return token_to_seq, row_start, row_start + visible.astype(np.int32, copy=False)
+
+
+def chunk_arrays_numpy_many(hosts: Sequence[ChunkHostPart], dcp: DcpConfig) -> list[ChunkArrays]:
+    """The three arrays of several chunks: the numpy twin of ``TritonChunkBuilder.arrays_many``."""
+    return [chunk_arrays_numpy(host, dcp) for host in hosts]
 
 
 def build_chunk_metadata_numpy(inputs: ChunkInputs) -> ChunkMetadata | None:

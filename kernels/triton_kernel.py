@@ -23,6 +23,7 @@ import triton.language as tl
 
 from kernels.inputs import (
     INT32_MAX,
+    ChunkArrays,
     ChunkHostPart,
     ChunkInputs,
     ChunkMetadata,
@@ -194,9 +195,6 @@ def _alloc_output(num_elements: int, device: torch.device) -> torch.Tensor:
     # Every element that is returned is written by the kernel; tests swap this for a sentinel fill to
     # prove it (tests/test_chunk_metadata.py).
     return torch.empty(num_elements, dtype=torch.int32, device=device)
-
-
-ChunkArrays = tuple[np.ndarray, np.ndarray, np.ndarray]
 
 
 class TritonChunkBuilder:

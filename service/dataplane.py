@@ -17,15 +17,16 @@ import grpc
 import numpy as np
 
 from kernels.inputs import (
+    ChunkArrays,
     ChunkHostPart,
     ChunkInputs,
     ChunkMetadata,
     DcpConfig,
     InvalidInputError,
     assemble,
-    chunk_host_part,
+    chunk_host_parts,
 )
-from kernels.naive import chunk_arrays_numpy
+from kernels.naive import chunk_arrays_numpy_many
 from kernels.planner import (
     BatchInputs,
     PrefillPlan,
@@ -60,7 +61,6 @@ def _at(field: str, index: int | None = None) -> str:
     return field if index is None else f"{field}[{index}]"
 
 
-ChunkArrays = tuple[np.ndarray, np.ndarray, np.ndarray]  # token_to_seq, cu_seqlen_ks, cu_seqlen_ke
 ArraysFn = Callable[[Sequence[ChunkHostPart], DcpConfig], list[ChunkArrays]]
 
 
@@ -70,10 +70,6 @@ class Backend:
 
     name: str
     arrays_many: ArraysFn
-
-
-def _numpy_arrays_many(hosts: Sequence[ChunkHostPart], dcp: DcpConfig) -> list[ChunkArrays]:
-    return [chunk_arrays_numpy(host, dcp) for host in hosts]
 
 
 def resolve_backend(choice: str) -> str:
@@ -110,7 +106,7 @@ def make_backend(name: str, admit: Callable[[CompileKey], None] | None) -> Backe
 
         # One launch for all the chunks of a request (a whole prefill plan): one copy in, one copy out.
         return Backend("triton", TritonChunkBuilder("cuda", admit=admit).arrays_many)
-    return Backend("numpy", _numpy_arrays_many)
+    return Backend("numpy", chunk_arrays_numpy_many)
 
 
 _WARMUP_STATES = {
@@ -276,7 +272,7 @@ class DataPlane:
     def _build(self, method: str, chunks: Sequence[ChunkInputs], omit_token_to_seq: bool) -> list[ChunkMetadata | None]:
         """Every chunk's metadata (None where it has no compressed token) after the limits on the workspace
         and the response size, checked on the host parts before any array is computed."""
-        hosts = [chunk_host_part(inputs) for inputs in chunks]
+        hosts = chunk_host_parts(chunks)
         self._check_sizes(chunks, hosts, omit_token_to_seq)
         present = [host for host in hosts if host is not None]
         start = time.perf_counter()

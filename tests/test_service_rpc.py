@@ -282,7 +282,8 @@ def test_warmup_status_reports_every_key(client: IndexerClient) -> None:
     assert (status.backend, status.target, status.strict) == ("numpy", "cuda:90", False)
     assert [(k.label, k.key_json) for k in status.keys] == [(k.label(), k.to_json()) for k in keys]
     assert all(k.state == pb.KEY_STATE_COMPILED and k.compile_seconds > 0 and not k.error for k in status.keys)
-    assert status.warmup_seconds >= sum(k.compile_seconds for k in status.keys) * 0.99
+    # Keys compile in parallel (warmup_workers): the whole warmup outlasts its slowest key, not their sum.
+    assert status.warmup_seconds >= max(k.compile_seconds for k in status.keys)
     assert status.compiles_after_ready == 0
 
 

@@ -70,7 +70,7 @@ def test_not_serving_until_warmup_has_compiled_every_key(start_server: StartServ
     per_key = {s.labels["key"]: s.value for s in metrics.samples("indexer_warmup_key_compile_seconds")}
     assert set(per_key) == DEFAULT_KEY_LABELS and all(v > 0 for v in per_key.values())
     assert metrics.value("indexer_compile_duration_seconds_count", phase="warmup") == 3
-    assert metrics.value("indexer_warmup_duration_seconds") >= sum(per_key.values()) * 0.99
+    assert metrics.value("indexer_warmup_duration_seconds") >= max(per_key.values())  # keys compile in parallel
     assert metrics.value("indexer_ready") == 1
 
     log = server.log()
