@@ -191,6 +191,12 @@ def _padded(n: int) -> int:
     return -(-n // _ALIGN_ELEMS) * _ALIGN_ELEMS
 
 
+def _output_segments(tokens: int, rows: int) -> tuple[int, tuple[slice, slice, slice]]:
+    """Size of the one output buffer, and where token_to_seq, ks and ke lie in it (16-byte aligned)."""
+    ks_at, ke_at = _padded(tokens), _padded(tokens) + _padded(rows)
+    return ke_at + _padded(rows), (slice(0, tokens), slice(ks_at, ks_at + rows), slice(ke_at, ke_at + rows))
+
+
 def _alloc_output(num_elements: int, device: torch.device) -> torch.Tensor:
     # Every element that is returned is written by the kernel; tests swap this for a sentinel fill to
     # prove it (tests/test_chunk_metadata.py).
@@ -228,24 +234,29 @@ class TritonChunkBuilder:
         if len(ratios) != 1:
             raise ValueError(f"one launch builds chunks of one compress ratio, got {sorted(ratios)}")
         table, kv_bases, row_bases = program_table(hosts)
-        device_table = torch.from_numpy(table).to(self.device)
-
         tokens, rows = kv_bases[-1], row_bases[-1]
-        out = _alloc_output(_padded(tokens) + 2 * _padded(rows), self.device)
-        token_to_seq = out[:tokens]
-        ks = out[_padded(tokens) : _padded(tokens) + rows]
-        ke = out[_padded(tokens) + _padded(rows) : _padded(tokens) + _padded(rows) + rows]
-        launch_prefill_metadata_kernel(
-            device_table, token_to_seq, ks, ke,
-            dcp=dcp, compress_ratio=ratios.pop(), kernel=self.kernel, admit=self.admit,
-        )  # fmt: skip
-        host_out = out.cpu().numpy()
-        all_tokens = host_out[:tokens]
-        all_ks = host_out[_padded(tokens) : _padded(tokens) + rows]
-        all_ke = host_out[_padded(tokens) + _padded(rows) : _padded(tokens) + _padded(rows) + rows]
+        try:
+            host_out = self._launch(table, tokens, rows, dcp, ratios.pop())
+        except torch.OutOfMemoryError as exc:
+            # Give the cached blocks back so the next request starts from a clean pool, and let the caller
+            # answer RESOURCE_EXHAUSTED: the process stays healthy.
+            torch.cuda.empty_cache()
+            raise MemoryError(f"GPU out of memory for {tokens} tokens and {rows} rows: {exc}") from exc
+        all_tokens, all_ks, all_ke = (host_out[where] for where in _output_segments(tokens, rows)[1])
         return [
             (all_tokens[kv_lo:kv_hi], all_ks[row_lo:row_hi], all_ke[row_lo:row_hi])
             for kv_lo, kv_hi, row_lo, row_hi in zip(
                 kv_bases[:-1], kv_bases[1:], row_bases[:-1], row_bases[1:], strict=True
             )
         ]
+
+    def _launch(self, table: np.ndarray, tokens: int, rows: int, dcp: DcpConfig, ratio: int) -> np.ndarray:
+        """Table in, one launch, every output back to the host as one int32 array (segments 16-byte aligned)."""
+        device_table = torch.from_numpy(table).to(self.device)
+        size, segments = _output_segments(tokens, rows)
+        out = _alloc_output(size, self.device)
+        token_to_seq, ks, ke = (out[where] for where in segments)
+        launch_prefill_metadata_kernel(
+            device_table, token_to_seq, ks, ke, dcp=dcp, compress_ratio=ratio, kernel=self.kernel, admit=self.admit
+        )
+        return out.cpu().numpy()

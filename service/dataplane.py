@@ -224,6 +224,10 @@ class DataPlane:
         except InvalidInputError as exc:
             code = grpc.StatusCode.INVALID_ARGUMENT
             raise ServiceError(code, str(exc)) from exc
+        except MemoryError as exc:  # the backend ran out of host or GPU memory; the next request may fit
+            code = grpc.StatusCode.RESOURCE_EXHAUSTED
+            log.warning("out of memory method=%s: %s", method, exc)
+            raise ServiceError(code, f"out of memory: {exc}") from exc
         except Exception as exc:
             code = grpc.StatusCode.INTERNAL
             log.exception("internal error method=%s", method)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kernels.compile_engine import compile_keys, watch_compiles
-from kernels.inputs import DcpConfig
+from kernels.inputs import ChunkInputs, DcpConfig
 from kernels.naive import build_chunk_metadata_numpy
 from kernels.specialization import ModelConfig, warmup_compress_ratios, warmup_keys
 from kernels.testing import BatchShape, random_chunk_inputs
@@ -62,3 +62,21 @@ def test_after_warmup_10k_launches_compile_nothing(model):
     finally:
         uninstall()
     assert compiles == []
+
+
+def test_gpu_out_of_memory_is_a_memory_error_and_the_next_build_succeeds():
+    """With the device full, a build raises MemoryError (the service answers RESOURCE_EXHAUSTED); once memory
+    is back, the same build succeeds in the same process."""
+    inputs = ChunkInputs(np.array([0, 1]), np.array([50_000_000]), 1, 0, 1)  # 200 MB of token_to_seq
+    builder = TritonChunkBuilder("cuda")
+    builder(ChunkInputs(np.array([0, 1]), np.array([8]), 1, 0, 1))  # compile and create the context first
+    free, _ = torch.cuda.mem_get_info()
+    filler = torch.empty(free - 64 * 2**20, dtype=torch.uint8, device="cuda")
+    try:
+        with pytest.raises(MemoryError, match="GPU out of memory"):
+            builder(inputs)
+    finally:
+        del filler
+        torch.cuda.empty_cache()
+    result = builder(inputs)
+    assert result.total_seq_lens == 50_000_000 and int(result.token_to_seq.max()) == 0

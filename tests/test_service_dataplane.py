@@ -39,22 +39,25 @@ def make_plane(config: ServiceConfig, backend: Backend, warmup_target: str | Non
 
 
 class FlakyBackend:
-    """numpy, except that the first call raises what no validation could foresee."""
+    """numpy, except that the first call raises ``failure``: what no validation could foresee."""
 
-    def __init__(self) -> None:
+    def __init__(self, failure: Exception) -> None:
+        self.failure = failure
         self.calls = 0
 
     def __call__(self, hosts, dcp):
         self.calls += 1
         if self.calls == 1:
-            raise RuntimeError("backend exploded")
+            raise self.failure
         return [chunk_arrays_numpy(host, dcp) for host in hosts]
 
 
 @pytest.fixture
-def flaky_server() -> Iterator[tuple[DataPlane, pb_grpc.PrefillMetadataStub]]:
+def flaky_server(request) -> Iterator[tuple[DataPlane, pb_grpc.PrefillMetadataStub]]:
+    """A real gRPC server whose backend's first call raises ``request.param`` (default: a RuntimeError)."""
+    failure = getattr(request, "param", RuntimeError("backend exploded"))
     config = load_config({"grpc_host": "127.0.0.1", "grpc_port": "0", "warmup_target": "none"}, env={})
-    plane = make_plane(config, Backend("numpy", FlakyBackend()))
+    plane = make_plane(config, Backend("numpy", FlakyBackend(failure)))
     plane.refresh_readiness()
     server, port = create_grpc_server(config, plane, create_health_servicer())
     server.start()
@@ -80,6 +83,17 @@ def test_unexpected_failure_is_internal_logged_and_the_server_keeps_serving(flak
     )
     registry = plane.metrics.registry
     assert registry.get_sample_value("indexer_request_errors_total", {"method": "BuildChunk", "code": "INTERNAL"}) == 1
+
+
+@pytest.mark.parametrize("flaky_server", [MemoryError("GPU out of memory for 50000000 tokens")], indirect=True)
+def test_out_of_memory_is_resource_exhausted_and_the_next_request_succeeds(flaky_server) -> None:
+    plane, stub = flaky_server
+    request = codec.chunk_inputs_to_proto(E1)
+    with pytest.raises(grpc.RpcError) as failed:
+        stub.BuildChunk(request, timeout=5)
+    assert failed.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "out of memory" in failed.value.details()
+    assert stub.BuildChunk(request, timeout=5).metadata.total_seq_lens == 3
 
 
 @pytest.fixture(scope="module")
