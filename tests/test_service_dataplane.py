@@ -94,6 +94,8 @@ def test_out_of_memory_is_resource_exhausted_and_the_next_request_succeeds(flaky
     assert failed.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "out of memory" in failed.value.details()
     assert stub.BuildChunk(request, timeout=5).metadata.total_seq_lens == 3
+    labels = {"method": "BuildChunk", "code": "RESOURCE_EXHAUSTED"}
+    assert plane.metrics.registry.get_sample_value("indexer_request_errors_total", labels) == 1
 
 
 @pytest.fixture(scope="module")
