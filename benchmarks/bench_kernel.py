@@ -1,6 +1,6 @@
 """Backend compute for the batches of the measured facts, each against a bound measured in the same run.
 
-    python benchmarks/bench_kernel.py [--out results.json]
+    python -m benchmarks.bench_kernel [--out results.json]
 
 Without a GPU: the numpy backend against ``np.copyto`` of the same output bytes (the memory-copy floor).
 With a GPU, also: the kernel alone (CUDA-graph replay) against a device copy of its output bytes; the

@@ -1,6 +1,6 @@
 """Warmup time of the default config: this project's key set against vLLM-style one-by-one warmup.
 
-    python benchmarks/bench_warmup.py [--workers N] [--out results.json]
+    python -m benchmarks.bench_warmup [--workers N] [--out results.json]
 
 Each measurement runs in a fresh process (nothing warm in memory) with either a fresh Triton cache
 directory (cold) or the one the cold run filled (warm). With a GPU the kernel is JIT-warmed in process;
