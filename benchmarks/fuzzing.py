@@ -24,7 +24,13 @@ import numpy as np
 
 from kernels.inputs import ChunkInputs, ChunkMetadata, DcpConfig, InvalidInputError, chunk_host_part, validate_batch
 from kernels.naive import build_chunk_metadata_numpy
-from kernels.planner import WORKSPACE_TOKENS_PER_MODEL_LEN, BatchInputs, PrefillPlan, build_prefill_batch
+from kernels.planner import (
+    WORKSPACE_TOKENS_PER_MODEL_LEN,
+    BatchInputs,
+    PrefillPlan,
+    build_prefill_batch,
+    plan_prefill_batch,
+)
 from protos.indexer.v1 import indexer_pb2 as pb
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
@@ -211,6 +217,7 @@ class Verdict:
     may_refuse: frozenset[grpc.StatusCode]  # refusals allowed besides OK (conservative size estimates)
     expected: ChunkMetadata | PrefillPlan | None
     reasons: tuple[str, ...]
+    chunks: int = 1  # chunks the server plans for it: its work grows with this
 
     @property
     def valid(self) -> bool:
@@ -255,9 +262,11 @@ def judge(method: str, request: pb.BuildChunkRequest | pb.PlanBatchRequest, limi
     def refuse(into: dict, code: grpc.StatusCode, why: str) -> None:
         into.setdefault(code, []).append(why)
 
+    planned = 1
+
     def verdict(expected: object = None) -> Verdict:
         reasons = tuple(f"{c.name}: {w}" for d in (must, may) for c, ws in d.items() for w in ws)
-        return Verdict(method, frozenset(must), frozenset(may), expected, reasons)
+        return Verdict(method, frozenset(must), frozenset(may), expected, reasons, planned)
 
     qsl, seq = _decode(request.query_start_loc), _decode(request.seq_lens)
     if qsl is None or seq is None:
@@ -317,6 +326,7 @@ def judge(method: str, request: pb.BuildChunkRequest | pb.PlanBatchRequest, limi
                 request.max_logits_bytes if request.HasField("max_logits_bytes") else limits.max_logits_bytes,
                 dcp,
             )  # fmt: skip
+            planned = len(plan_prefill_batch(batch))
             expected = build_prefill_batch(batch, build)
     except InvalidInputError as exc:
         refuse(must, INVALID, str(exc))

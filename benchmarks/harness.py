@@ -305,12 +305,11 @@ class RssSampler:
         self._stop.set()
         self._thread.join(5.0)
 
-    def at(self, seconds: float) -> int:
-        """The first sample taken at or after ``seconds`` (the last one if none)."""
-        for t, rss in self.samples:
-            if t >= seconds:
-                return rss
-        return self.samples[-1][1]
+    def median(self, start: float, stop: float = float("inf")) -> float:
+        """Median RSS of the samples taken in ``[start, stop)``: in-flight buffers make single samples jump by
+        tens of MiB, while retained memory (a leak) moves the median."""
+        window = [rss for t, rss in self.samples if start <= t < stop]
+        return float(np.median(window)) if window else float("nan")
 
 
 # --- metrics ------------------------------------------------------------------------------------------------

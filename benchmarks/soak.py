@@ -1,0 +1,279 @@
+"""Soak and long fuzz of a real server on 127.0.0.1: is every answer right, does memory stay flat, does the
+tail latency stay put.
+
+    python -m benchmarks.soak [--seconds 60] [--in-flight 32] [--fuzz 100000] [--out soak.json] [--plot soak.png]
+
+Soak: ``--in-flight`` clients send, for ``--seconds``, requests drawn from a pool of generated ones (valid and
+invalid, see benchmarks/fuzzing.py) plus the benchmarks' medium batch; the oracle judges every answer.
+Baselines from the same run: the server's median RSS over the second third (the first is warm-up) and the p99
+latency of the first third. Targets: 0 unexpected answers, median RSS of the last third under 5 % above the
+baseline, p99 of the last third at most 2x the first third's.
+
+Fuzz: ``--fuzz`` freshly generated requests (none repeated) on a second server with the fuzz tests' smaller
+limits, every answer judged; the server's idle RSS after the first tenth (warm-up) against its idle RSS at the
+end. Exit status 1 when any target is missed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+from benchmarks.fuzzing import (
+    FUZZ_LIMITS,
+    REQUESTS,
+    Limits,
+    Verdict,
+    call_and_check,
+    describe,
+    judge,
+    rng_draw,
+    stubs_for,
+)
+from benchmarks.harness import (
+    FAST_START,
+    LoadRun,
+    RssSampler,
+    ServiceProcess,
+    channel,
+    closed_loop,
+    mib,
+    percentile_us,
+    write_json,
+)
+
+# Room for the benchmarks' medium batch (64 requests, ~8.9k query tokens); small enough to reach in a fuzz.
+SOAK_LIMITS = Limits(max_num_seqs=256, max_num_batched_tokens=16_384, max_model_len=200_000,
+                     max_message_bytes=4 * 2**20, max_logits_bytes=2**20)  # fmt: skip
+RSS_GROWTH_LIMIT = 0.05
+P99_DRIFT_LIMIT = 2.0
+
+Case = tuple[str, object, Verdict]
+
+
+# A plan of thousands of one-row chunks costs the server seconds (a fuzz case, not a load).
+MAX_SOAK_CHUNKS = 64
+
+
+def request_pool(seed: int, size: int, limits: Limits) -> list[Case]:
+    """Generated requests with their verdicts, judged once, each planned into at most MAX_SOAK_CHUNKS chunks;
+    the medium batch every tenth entry."""
+    from benchmarks.bench_kernel import make_inputs
+    from service.codec import chunk_inputs_to_proto
+
+    rng = np.random.default_rng(seed)
+    draw = rng_draw(rng)
+    medium = chunk_inputs_to_proto(make_inputs("medium-64"))
+    pool: list[Case] = []
+    while len(pool) < size:
+        method = "BuildChunk" if len(pool) % 10 == 0 or rng.random() < 0.5 else "PlanBatch"
+        request = medium if len(pool) % 10 == 0 else REQUESTS[method](draw, limits)
+        verdict = judge(method, request, limits)
+        if verdict.chunks <= MAX_SOAK_CHUNKS:
+            pool.append((method, request, verdict))
+    return pool
+
+
+@dataclass
+class SoakReport:
+    seconds: float
+    in_flight: int
+    calls: int
+    calls_per_second: float
+    codes: dict[str, int]
+    unexpected: int
+    examples: list[str]
+    rss_warm_mib: float
+    rss_end_mib: float
+    rss_growth: float
+    p99_first_us: float
+    p99_last_us: float
+    p99_drift: float
+    rss_trace: list[tuple[float, float]] = field(default_factory=list)
+    latency_trace: list[tuple[float, float]] = field(default_factory=list)
+
+    @property
+    def targets(self) -> dict[str, bool]:
+        return {
+            "0 unexpected answers": self.unexpected == 0,
+            f"RSS growth < {RSS_GROWTH_LIMIT:.0%}": self.rss_growth < RSS_GROWTH_LIMIT,
+            f"p99 last/first third <= {P99_DRIFT_LIMIT}x": self.p99_drift <= P99_DRIFT_LIMIT,
+        }
+
+
+def _report(run: LoadRun, sampler: RssSampler, seconds: float) -> SoakReport:
+    third = seconds / 3
+    first, last = run.latencies(0, third), run.latencies(2 * third)
+    # The first third is the warm-up; the median of the second third is the baseline of the last one's.
+    warm, end = sampler.median(third, 2 * third), sampler.median(2 * third)
+    p99_first, p99_last = percentile_us(first, 99), percentile_us(last, 99)
+    problems = run.problems()
+    latencies = run.latencies()
+    starts = np.array([r.start for r in run.records if r.code is grpc.StatusCode.OK])
+    return SoakReport(
+        seconds=run.elapsed, in_flight=run.in_flight, calls=len(run.records), calls_per_second=run.calls_per_second,
+        codes=run.codes(), unexpected=len(problems), examples=[p.problem for p in problems[:5]],
+        rss_warm_mib=mib(warm), rss_end_mib=mib(end), rss_growth=(end - warm) / warm,
+        p99_first_us=p99_first, p99_last_us=p99_last, p99_drift=p99_last / p99_first,
+        rss_trace=[(t, mib(r)) for t, r in sampler.samples],
+        latency_trace=[(float(s), float(v * 1e6)) for s, v in zip(starts[::50], latencies[::50], strict=True)],
+    )  # fmt: skip
+
+
+def run_soak(server: ServiceProcess, seconds: float, in_flight: int, pool: list[Case]) -> SoakReport:
+    """``in_flight`` clients cycling through ``pool`` for ``seconds``; every answer judged."""
+    with channel(server.address) as chan:
+        stubs = stubs_for(chan)
+
+        def call(i: int) -> tuple[grpc.StatusCode, str]:
+            method, request, verdict = pool[i % len(pool)]
+            code, problem = call_and_check(stubs, method, request, verdict)
+            return code, f"{method} {describe(request)}: {problem}" if problem else ""
+
+        with RssSampler(server.pid, interval=0.25) as sampler:
+            run = closed_loop(call, in_flight, max_calls=10**9, max_seconds=seconds)
+    return _report(run, sampler, seconds)
+
+
+@dataclass
+class FuzzReport:
+    requests: int
+    seconds: float
+    codes: dict[str, int]
+    unexpected: int
+    examples: list[str]
+    rss_warm_mib: float
+    rss_end_mib: float
+    rss_growth: float
+
+    @property
+    def targets(self) -> dict[str, bool]:
+        return {"0 unexpected answers": self.unexpected == 0, f"RSS growth < {RSS_GROWTH_LIMIT:.0%}":
+                self.rss_growth < RSS_GROWTH_LIMIT}  # fmt: skip
+
+
+def idle_rss(server: ServiceProcess, settle: float = 1.0) -> float:
+    """Median RSS over ``settle`` seconds with no call in flight: what the process kept, not what it is using."""
+    with RssSampler(server.pid, interval=0.1) as sampler:
+        time.sleep(settle)
+    return sampler.median(0.0)
+
+
+def run_fuzz(server: ServiceProcess, count: int, seed: int, limits: Limits, in_flight: int = 4,
+             max_seconds: float = 3600.0) -> FuzzReport:  # fmt: skip
+    """``count`` fresh generated requests, each judged; the idle RSS after the first tenth against the end's."""
+    # One generator per client thread: numpy generators are not thread-safe.
+    draws = [rng_draw(np.random.default_rng([seed, n])) for n in range(in_flight)]
+    warm_up = max(1, count // 10)
+
+    with channel(server.address) as chan:
+        stubs = stubs_for(chan)
+
+        def call(i: int) -> tuple[grpc.StatusCode, str]:
+            draw = draws[threading_index()]
+            method = "BuildChunk" if i % 2 else "PlanBatch"
+            request = REQUESTS[method](draw, limits)
+            code, problem = call_and_check(stubs, method, request, judge(method, request, limits))
+            return code, f"{method} {describe(request)}: {problem}" if problem else ""
+
+        first = closed_loop(call, in_flight, max_calls=warm_up, max_seconds=max_seconds)
+        warm = idle_rss(server)
+        rest = closed_loop(call, in_flight, max_calls=count - warm_up, max_seconds=max_seconds)
+        end = idle_rss(server)
+    records = first.records + rest.records
+    problems = [r for r in records if r.problem]
+    codes = {c: first.codes().get(c, 0) + rest.codes().get(c, 0) for c in first.codes().keys() | rest.codes().keys()}
+    return FuzzReport(len(records), first.elapsed + rest.elapsed, codes, len(problems),
+                      [p.problem for p in problems[:5]], mib(warm), mib(end), (end - warm) / warm)  # fmt: skip
+
+
+def threading_index() -> int:
+    """The load thread's number (threads are named load-<n> by ``closed_loop``)."""
+    return int(threading.current_thread().name.rsplit("-", 1)[1])
+
+
+def _print_targets(targets: dict[str, bool]) -> bool:
+    for name, met in targets.items():
+        print(f"  target {name}: {'met' if met else 'MISSED'}")
+    return all(targets.values())
+
+
+def _plot(report: SoakReport, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    t, rss = zip(*report.rss_trace, strict=True)
+    top.plot(t, rss)
+    top.set_ylabel("server RSS (MiB)")
+    top.axvline(report.seconds / 3, color="grey", linestyle=":")
+    s, lat = zip(*report.latency_trace, strict=True)
+    bottom.plot(s, np.array(lat) / 1e3, ".", markersize=2)
+    bottom.set_ylabel("latency of OK calls (ms)")
+    bottom.set_xlabel("seconds")
+    bottom.set_yscale("log")
+    fig.suptitle(f"soak: {report.in_flight} in flight, {report.calls:,} calls, {report.unexpected} unexpected")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    print(f"wrote {path}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seconds", type=float, default=60.0)
+    parser.add_argument("--in-flight", type=int, default=32)
+    parser.add_argument("--pool", type=int, default=400, help="distinct requests the soak cycles through")
+    parser.add_argument("--fuzz", type=int, default=100_000, help="fresh requests of the fuzz (0: none)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, help="write the figures as JSON here")
+    parser.add_argument("--plot", type=Path, help="write RSS and latency over time as a PNG here")
+    args = parser.parse_args()
+
+    pool = request_pool(args.seed, args.pool, SOAK_LIMITS)
+    results: dict[str, object] = {"limits": asdict(SOAK_LIMITS)}
+    ok = True
+    with ServiceProcess(*FAST_START, *SOAK_LIMITS.flags()) as server:
+        soak = run_soak(server, args.seconds, args.in_flight, pool)
+        alive = server.process.poll() is None
+    print(f"soak: {soak.calls:,} calls in {soak.seconds:.1f} s at {soak.in_flight} in flight "
+          f"({soak.calls_per_second:,.0f}/s), codes {soak.codes}")  # fmt: skip
+    print(f"  unexpected answers: {soak.unexpected}")
+    for example in soak.examples:
+        print(f"    {example[:300]}")
+    print(f"  median RSS second third {soak.rss_warm_mib:.1f} MiB, last third {soak.rss_end_mib:.1f} MiB: "
+          f"growth {soak.rss_growth:+.2%}")  # fmt: skip
+    print(f"  p99 first third {soak.p99_first_us:,.0f} us, last third {soak.p99_last_us:,.0f} us: "
+          f"{soak.p99_drift:.2f}x the baseline")  # fmt: skip
+    print(f"  server alive at the end: {alive}")
+    ok &= _print_targets(soak.targets | {"server alive": alive})
+    results["soak"] = asdict(soak) | {"targets": soak.targets, "alive": alive}
+    if args.plot:
+        _plot(soak, args.plot)
+    if args.fuzz:
+        with ServiceProcess(*FAST_START, *FUZZ_LIMITS.flags()) as server:
+            fuzz = run_fuzz(server, args.fuzz, args.seed, FUZZ_LIMITS)
+            alive = server.process.poll() is None
+        print(f"fuzz: {fuzz.requests:,} fresh requests in {fuzz.seconds:.1f} s, codes {fuzz.codes}")
+        print(f"  unexpected answers: {fuzz.unexpected}")
+        for example in fuzz.examples:
+            print(f"    {example[:300]}")
+        print(f"  idle RSS after the first tenth {fuzz.rss_warm_mib:.1f} MiB, at the end {fuzz.rss_end_mib:.1f} MiB: "
+              f"growth {fuzz.rss_growth:+.2%}")  # fmt: skip
+        print(f"  server alive at the end: {alive}")
+        ok &= _print_targets(fuzz.targets | {"server alive": alive})
+        results["fuzz"] = asdict(fuzz) | {"targets": fuzz.targets, "alive": alive}
+    write_json(args.out, results)
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
