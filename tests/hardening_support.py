@@ -1,5 +1,4 @@
-"""Helpers of the hardening and fuzz tests: what the server's own metrics say after a test, and how a test
-names a service feature it needs but the service does not have yet."""
+"""Helpers of the hardening and fuzz tests: what the server's own metrics say during and after a test."""
 
 from __future__ import annotations
 
@@ -8,7 +7,6 @@ import time
 import pytest
 
 from benchmarks.harness import ServiceProcess, metric_total, scrape
-from service.config import SETTINGS
 
 IN_FLIGHT = "indexer_requests_in_flight"
 ERRORS = "indexer_request_errors_total"
@@ -35,11 +33,3 @@ def assert_healthy_after(server: ServiceProcess) -> None:
     faults = {code: metric_total(samples, ERRORS, code=code) for code in ("INTERNAL", "UNKNOWN")}
     assert not any(faults.values()), f"server counted {faults}:\n{server.log()[-3000:]}"
     assert metric_total(samples, IN_FLIGHT) == 0
-
-
-def require_setting(name: str, need: str) -> None:
-    """Skip, naming exactly what the service must add, when it has no setting ``name``."""
-    if name not in SETTINGS:
-        flag = "--" + name.replace("_", "-")
-        pytest.skip(f"service feature missing: no setting {name!r} (flag {flag}, env INDEXER_{name.upper()}); "
-                    f"needed: {need}")  # fmt: skip
