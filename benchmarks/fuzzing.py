@@ -16,19 +16,20 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
 import grpc
 import numpy as np
 
-from kernels.inputs import ChunkInputs, ChunkMetadata, DcpConfig, InvalidInputError, chunk_host_part, validate_batch
+from kernels.inputs import ChunkInputs, ChunkMetadata, DcpConfig, InvalidInputError, chunk_host_parts, validate_batch
 from kernels.naive import build_chunk_metadata_numpy
 from kernels.planner import (
     WORKSPACE_TOKENS_PER_MODEL_LEN,
     BatchInputs,
     PrefillPlan,
     build_prefill_batch,
+    chunk_inputs_of_plan,
     plan_prefill_batch,
 )
 from protos.indexer.v1 import indexer_pb2 as pb
@@ -145,8 +146,7 @@ def _ratio(draw: Draw) -> int:
 def _dcp(draw: Draw, request: pb.BuildChunkRequest | pb.PlanBatchRequest) -> None:
     if not chance(draw, 30):
         return
-    # No huge world sizes: the kernel layer loops over every rank (tests/test_hardening_security.py has
-    # the dedicated case), so one such request would occupy a server thread for hours.
+    # No sizes of a known defect (see Verdict.defect): those that deployments use, and invalid ones.
     world = pick(draw, (2, 4, 1, 8, 0, -1, 64))
     request.dcp_world_size = world
     request.dcp_rank = draw(0, world - 1) if world > 0 and not chance(draw, 15) else pick(draw, (world, -1, 1))
@@ -207,21 +207,41 @@ FIELDS = {m: frozenset(t.DESCRIPTOR.fields_by_name) | EXTRA_FIELDS for m, t in R
 
 # --- the oracle ---------------------------------------------------------------------------------------------
 
+# Requests that hit a reported defect not fixed yet get a verdict with ``defect`` set, and the fuzzers do not
+# send them (each defect has a test of its own):
+# - DCP world sizes: the kernel layer sums the ranks' shares one rank at a time, ~18 us a rank, hours for 2^31
+#   (tests/test_hardening_security.py::test_dcp_world_size_cannot_buy_unbounded_work);
+# - rank * interleave past int32: OverflowError, INTERNAL
+#   (tests/test_fuzz_requests.py::test_dcp_interleave_near_int32_is_answered_clearly);
+# - plans whose chunks' token_to_seq arrays add up to much more than any response: the server computes and holds
+#   all of them at once, omit_token_to_seq or not (tests/test_hardening_security.py::
+#   test_memory_of_one_request_is_bounded_by_its_response).
+SLOW_DCP_WORLD = 4096
+MAX_WORKING_BYTES = 256 * 2**20
 
-@dataclass(frozen=True)
+
+@dataclass
 class Verdict:
-    """What a correct server may answer. ``expected`` holds the numpy result when OK is allowed."""
+    """What a correct server may answer; :meth:`expected` computes numpy's result (once) when OK is allowed."""
 
     method: str
     must_refuse: frozenset[grpc.StatusCode]  # non-empty: OK is wrong, one of these is right
     may_refuse: frozenset[grpc.StatusCode]  # refusals allowed besides OK (conservative size estimates)
-    expected: ChunkMetadata | PrefillPlan | None
     reasons: tuple[str, ...]
     chunks: int = 1  # chunks the server plans for it: its work grows with this
+    defect: str = ""  # a reported defect the request would hit: do not send it
+    build: Callable[[], ChunkMetadata | PrefillPlan | None] | None = None
+    _expected: list = field(default_factory=list)
 
     @property
     def valid(self) -> bool:
         return not self.must_refuse
+
+    def expected(self) -> ChunkMetadata | PrefillPlan | None:
+        if not self._expected:
+            assert self.build is not None, "no expected result for a request that must be refused"
+            self._expected.append(self.build())
+        return self._expected[0]
 
 
 def _decode(data: bytes) -> np.ndarray | None:
@@ -236,8 +256,12 @@ def _dcp_of(request: pb.BuildChunkRequest | pb.PlanBatchRequest) -> DcpConfig:
     )
 
 
-class _Refused(Exception):
-    """The oracle's builder stops where the server must refuse: no need to build the rest."""
+def _dcp_defect(dcp: DcpConfig) -> str:
+    if dcp.world_size > SLOW_DCP_WORLD:
+        return f"dcp_world_size {dcp.world_size}: the kernel layer loops over every rank"
+    if dcp.world_size > 1 and dcp.world_size * max(dcp.interleave, 1) > INT32_MAX:
+        return "dcp_world_size * dcp_interleave overflows int32 in the kernel layer"
+    return ""
 
 
 def _plan_scalars_invalid(request: pb.PlanBatchRequest, qsl: np.ndarray, seq: np.ndarray) -> bool:
@@ -262,12 +286,13 @@ def judge(method: str, request: pb.BuildChunkRequest | pb.PlanBatchRequest, limi
     def refuse(into: dict, code: grpc.StatusCode, why: str) -> None:
         into.setdefault(code, []).append(why)
 
-    planned = 1
-
-    def verdict(expected: object = None) -> Verdict:
+    def verdict(**extra: object) -> Verdict:
         reasons = tuple(f"{c.name}: {w}" for d in (must, may) for c, ws in d.items() for w in ws)
-        return Verdict(method, frozenset(must), frozenset(may), expected, reasons, planned)
+        return Verdict(method, frozenset(must), frozenset(may), reasons, **extra)
 
+    dcp = _dcp_of(request)
+    if defect := _dcp_defect(dcp):
+        return verdict(defect=defect)
     qsl, seq = _decode(request.query_start_loc), _decode(request.seq_lens)
     if qsl is None or seq is None:
         refuse(must, INVALID, "an array's byte length is not a multiple of 4")
@@ -282,43 +307,27 @@ def judge(method: str, request: pb.BuildChunkRequest | pb.PlanBatchRequest, limi
     ratio = request.compress_ratio
     if ratio < 0:
         refuse(must, INVALID, "negative compress_ratio")
-    dcp = _dcp_of(request)
     if dcp.world_size > 1 and ratio > 1:
         refuse(must, PRECONDITION, "DCP with compress ratio > 1")
     if method == "PlanBatch" and request.HasField("max_model_len") and request.max_model_len > limits.max_model_len:
         refuse(must, EXHAUSTED, "max_model_len over the server's")
-    omit = request.omit_token_to_seq
     if over_limits and method == "PlanBatch":
         # Its plan can hold a chunk per query row of a 2^30-token request: only validate.
         if _plan_scalars_invalid(request, qsl, seq):
             refuse(must, INVALID, "the kernel layer rejects the batch")
         return verdict()
 
-    workspace = limits.max_model_len * WORKSPACE_TOKENS_PER_MODEL_LEN // max(1, ratio)
-    calls, array_bytes = 0, 0
-
-    def build(inputs: ChunkInputs) -> ChunkMetadata | None:
-        # The server's order: validate, then the workspace and the response size, then compute.
-        nonlocal calls, array_bytes
-        calls += 1
-        host = chunk_host_part(inputs)
-        if host is None:
-            return None
-        if host.total > workspace:
-            refuse(must, EXHAUSTED, f"a chunk of {host.total} compressed tokens over the workspace {workspace}")
-            raise _Refused
-        rows = host.query_slice[1] - host.query_slice[0]
-        array_bytes += 8 * rows + 8 * host.cu_seq_lens.size + (0 if omit else 4 * host.total)
-        if array_bytes > limits.max_message_bytes:
-            refuse(must, EXHAUSTED, f"response arrays alone take more than {array_bytes} bytes")
-            raise _Refused
-        return None if over_limits else build_chunk_metadata_numpy(inputs)
-
+    # First the host parts only (validation, sizes): no array of a chunk's length exists yet.
+    chunks: list[ChunkInputs] = []
     try:
         if method == "BuildChunk":
             slice_ = (request.query_slice.start, request.query_slice.stop) if request.HasField("query_slice") else None
-            expected = build(ChunkInputs(qsl, seq, ratio, request.req_start, request.req_end, slice_,
-                                         request.skip_kv_gather, dcp))  # fmt: skip
+            chunks = [ChunkInputs(qsl, seq, ratio, request.req_start, request.req_end, slice_, request.skip_kv_gather,
+                                  dcp)]  # fmt: skip
+
+            def build() -> ChunkMetadata | None:
+                return build_chunk_metadata_numpy(chunks[0])
+
         else:
             batch = BatchInputs(
                 qsl, seq, ratio, request.num_decodes,
@@ -326,16 +335,42 @@ def judge(method: str, request: pb.BuildChunkRequest | pb.PlanBatchRequest, limi
                 request.max_logits_bytes if request.HasField("max_logits_bytes") else limits.max_logits_bytes,
                 dcp,
             )  # fmt: skip
-            planned = len(plan_prefill_batch(batch))
-            expected = build_prefill_batch(batch, build)
+            chunks = chunk_inputs_of_plan(batch, plan_prefill_batch(batch))
+
+            def build() -> PrefillPlan:
+                return build_prefill_batch(batch, build_chunk_metadata_numpy)
+
+        hosts = [host for host in chunk_host_parts(chunks) if host is not None]
     except InvalidInputError as exc:
         refuse(must, INVALID, str(exc))
-        return verdict()
-    except _Refused:
-        return verdict()
-    if array_bytes + CHUNK_OVERHEAD_BYTES * calls >= limits.max_message_bytes:
+        return verdict(chunks=max(1, len(chunks)))
+
+    workspace = limits.max_model_len * WORKSPACE_TOKENS_PER_MODEL_LEN // max(1, ratio)
+    if any(host.total > workspace for host in hosts):
+        refuse(must, EXHAUSTED, f"a chunk with more compressed tokens than the workspace {workspace}")
+    omit = request.omit_token_to_seq
+    rows = sum(h.query_slice[1] - h.query_slice[0] for h in hosts)
+    tokens = sum(h.total for h in hosts)
+    array_bytes = 8 * rows + 8 * sum(h.cu_seq_lens.size for h in hosts) + (0 if omit else 4 * tokens)
+    if array_bytes > limits.max_message_bytes:
+        refuse(must, EXHAUSTED, f"response arrays alone take {array_bytes} bytes")
+    elif array_bytes + CHUNK_OVERHEAD_BYTES * len(chunks) >= limits.max_message_bytes:
         refuse(may, EXHAUSTED, "response near max_message_bytes")
-    return verdict(expected)
+    if must or over_limits:
+        return verdict(chunks=len(chunks))
+    if 4 * tokens > MAX_WORKING_BYTES:
+        return verdict(chunks=len(chunks), defect=f"the server would hold {4 * tokens} bytes of token_to_seq at once")
+    return verdict(chunks=len(chunks), build=build)
+
+
+def sendable(method: str, draw: Draw, limits: Limits, tries: int = 100) -> tuple[object, Verdict]:
+    """A generated request that hits no known defect, and its verdict."""
+    for _ in range(tries):
+        request = REQUESTS[method](draw, limits)
+        verdict = judge(method, request, limits)
+        if not verdict.defect:
+            return request, verdict
+    raise RuntimeError(f"{tries} generated {method} requests in a row hit known defects")
 
 
 # --- checking an answer -------------------------------------------------------------------------------------
@@ -375,13 +410,14 @@ def _compare_metadata(got: pb.ChunkMetadata, want: ChunkMetadata, omit: bool, wh
 
 def _compare(verdict: Verdict, request, response) -> list[str]:
     omit = request.omit_token_to_seq
+    expected = verdict.expected()
     if verdict.method == "BuildChunk":
-        if verdict.expected is None:
+        if expected is None:
             return ["metadata: sent for a chunk with no compressed token"] if response.HasField("metadata") else []
         if not response.HasField("metadata"):
             return ["metadata: missing"]
-        return _compare_metadata(response.metadata, verdict.expected, omit, "metadata")
-    plan: PrefillPlan = verdict.expected
+        return _compare_metadata(response.metadata, expected, omit, "metadata")
+    plan: PrefillPlan = expected
     got_chunks = [(c.req_start, c.req_end, c.query_start, c.query_stop) for c in response.chunks]
     want_chunks = [(c.req_start, c.req_end, c.query_start, c.query_stop) for c in plan.chunks]
     problems = [] if got_chunks == want_chunks else [f"chunks: {got_chunks[:4]}... != numpy's {want_chunks[:4]}..."]

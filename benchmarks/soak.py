@@ -28,13 +28,13 @@ import numpy as np
 
 from benchmarks.fuzzing import (
     FUZZ_LIMITS,
-    REQUESTS,
     Limits,
     Verdict,
     call_and_check,
     describe,
     judge,
     rng_draw,
+    sendable,
     stubs_for,
 )
 from benchmarks.harness import (
@@ -73,9 +73,11 @@ def request_pool(seed: int, size: int, limits: Limits) -> list[Case]:
     medium = chunk_inputs_to_proto(make_inputs("medium-64"))
     pool: list[Case] = []
     while len(pool) < size:
-        method = "BuildChunk" if len(pool) % 10 == 0 or rng.random() < 0.5 else "PlanBatch"
-        request = medium if len(pool) % 10 == 0 else REQUESTS[method](draw, limits)
-        verdict = judge(method, request, limits)
+        if len(pool) % 10 == 0:
+            pool.append(("BuildChunk", medium, judge("BuildChunk", medium, limits)))
+            continue
+        method = "BuildChunk" if rng.random() < 0.5 else "PlanBatch"
+        request, verdict = sendable(method, draw, limits)
         if verdict.chunks <= MAX_SOAK_CHUNKS:
             pool.append((method, request, verdict))
     return pool
@@ -179,8 +181,8 @@ def run_fuzz(server: ServiceProcess, count: int, seed: int, limits: Limits, in_f
         def call(i: int) -> tuple[grpc.StatusCode, str]:
             draw = draws[threading_index()]
             method = "BuildChunk" if i % 2 else "PlanBatch"
-            request = REQUESTS[method](draw, limits)
-            code, problem = call_and_check(stubs, method, request, judge(method, request, limits))
+            request, verdict = sendable(method, draw, limits)
+            code, problem = call_and_check(stubs, method, request, verdict)
             return code, f"{method} {describe(request)}: {problem}" if problem else ""
 
         first = closed_loop(call, in_flight, max_calls=warm_up, max_seconds=max_seconds)

@@ -136,3 +136,28 @@ def test_dcp_world_size_cannot_buy_unbounded_work() -> None:
         assert code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED), (code, details)
         assert details.startswith("dcp_world_size"), details
         assert_healthy_after(server)
+
+
+def test_memory_of_one_request_is_bounded_by_its_response() -> None:
+    """Found by the fuzz oracle running out of memory: a PlanBatch of a few bytes whose chunks each reach a
+    long sequence. The service must not need gigabytes to send back kilobytes."""
+    rows, sequence = 64, 1_000_000
+    request = pb.PlanBatchRequest(
+        query_start_loc=np.array([0, rows], "<i4").tobytes(), seq_lens=np.array([sequence], "<i4").tobytes(),
+        compress_ratio=1, max_logits_bytes=4, omit_token_to_seq=True,
+    )  # fmt: skip
+    budget = 64 * 2**20
+    with ServiceProcess(*FAST_START) as server, channel(server.address) as chan:
+        before = server.peak_rss_bytes()
+        response = stubs_for(chan)["PlanBatch"](request, timeout=60)
+        grown = server.peak_rss_bytes() - before
+        assert len(response.chunks) == rows
+        if grown > budget:
+            pytest.xfail(f"known defect: a {request.ByteSize()}-byte PlanBatch answered in {response.ByteSize()} "
+                         f"bytes raised the server's peak RSS by {grown / 2**20:.0f} MiB: every chunk's token_to_seq "
+                         f"({rows} x {4 * sequence / 1e6:.0f} MB) is computed although omitted, and all are held "
+                         "until the response is built (8,192 rows: ~32 GB, an OOM kill); needed: no token_to_seq "
+                         "when omit_token_to_seq, chunks built and encoded one at a time, and RESOURCE_EXHAUSTED "
+                         "for a plan whose working set is above a configured budget")  # fmt: skip
+        assert grown <= budget, f"peak RSS grew {grown / 2**20:.0f} MiB"
+        assert_healthy_after(server)

@@ -1,0 +1,88 @@
+"""Coverage-guided fuzzing of the request path with atheris (libFuzzer), in process.
+
+    python -m benchmarks.fuzz_atheris [-runs=N] [-max_total_time=S] [CORPUS_DIR ...]   (any libFuzzer flag)
+
+Each input drives the data plane that every transport shares (``DataPlane.call``, numpy backend, the fuzz
+tests' limits): half of the inputs are parsed as a serialized request (raw bytes; the ones protobuf cannot
+parse are gRPC's business, not the service's), the other half feed benchmarks/fuzzing.py's generator through
+atheris' integer source, so libFuzzer's coverage feedback steers both the bytes and the structure. Every answer
+is judged by the same oracle as the hypothesis tests and the soak: numpy's result, or a refusal whose code the
+request justifies and whose message names a field. A wrong answer or any exception other than the service's
+own error is a crash: libFuzzer stops, prints it, and saves the input as ``crash-<sha1>``. Requests that hit a
+reported defect (``Verdict.defect``) are skipped: each has a test of its own.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import atheris
+
+with atheris.instrument_imports(include=["kernels", "service", "benchmarks.fuzzing"]):
+    import grpc
+    from google.protobuf.message import DecodeError
+
+    from benchmarks.fuzzing import (
+        FUZZ_LIMITS,
+        REQUEST_TYPES,
+        REQUESTS,
+        check_answer,
+        describe,
+        judge,
+    )
+    from kernels.specialization import warmup_keys
+    from service.config import load_config
+    from service.dataplane import DataPlane, ServiceError, make_backend
+    from service.metrics import Metrics
+    from service.warmup import Warmup
+
+METHODS = tuple(REQUEST_TYPES)
+
+
+def make_plane() -> DataPlane:
+    """The server's data plane with the fuzz tests' limits, numpy backend, no warmup, ready."""
+    limits = FUZZ_LIMITS
+    config = load_config({
+        "backend": "numpy", "warmup_target": "none", "max_num_seqs": limits.max_num_seqs,
+        "max_num_batched_tokens": limits.max_num_batched_tokens, "max_model_len": limits.max_model_len,
+        "max_message_bytes": limits.max_message_bytes, "max_logits_bytes": limits.max_logits_bytes,
+    }, env={})  # fmt: skip
+    metrics = Metrics()
+    warmup = Warmup(warmup_keys(config.model), target=None, enabled=False, workers=1, metrics=metrics)
+    plane = DataPlane(config, metrics, warmup, make_backend("numpy", None))
+    plane.refresh_readiness()
+    return plane
+
+
+PLANE = make_plane()
+
+
+def one_input(data: bytes) -> None:
+    source = atheris.FuzzedDataProvider(data)
+    method = METHODS[source.ConsumeIntInRange(0, len(METHODS) - 1)]
+    if source.ConsumeBool():
+        try:
+            request = REQUEST_TYPES[method].FromString(source.ConsumeBytes(source.remaining_bytes()))
+        except DecodeError:
+            return
+    else:
+        request = REQUESTS[method](source.ConsumeIntInRange, FUZZ_LIMITS)
+    verdict = judge(method, request, FUZZ_LIMITS)
+    if verdict.defect:
+        return
+    try:
+        response, code, details = PLANE.call(method, request), grpc.StatusCode.OK, ""
+    except ServiceError as exc:
+        response, code, details = None, exc.code, exc.message
+    problems = check_answer(verdict, request, code, details, response)
+    if problems:
+        raise AssertionError(f"{method} {describe(request)}: {'; '.join(problems)}")
+
+
+def main() -> None:
+    atheris.Setup(sys.argv, one_input)
+    atheris.Fuzz()
+
+
+if __name__ == "__main__":
+    main()
