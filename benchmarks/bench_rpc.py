@@ -1,0 +1,212 @@
+"""End-to-end RPC latency and throughput of BuildChunk on 127.0.0.1, against a bare gRPC echo of the same bytes.
+
+    python -m benchmarks.bench_rpc [--seconds 3] [--no-pin] [--out rpc.json] [--plot rpc.png]
+
+Batches: bench_kernel's small (8 requests, 351 query tokens), medium (64, 8,885) and large (256, 65,961) at ratio
+4, each sent whole as one chunk. Per batch: p50 and p99 with one client calling back to back, then calls/s with
+8 and 32 calls in flight, each phase bounded by ``--seconds`` and a call count.
+
+Baseline, measured in the same run: an echo server with the service's gRPC settings (sync ``grpc.server``, the
+same thread count, message size limits, concurrency limit and channel options) that answers each request's
+bytes with the service's own response bytes for it, recorded beforehand: the floor for moving exactly these
+bytes through gRPC in Python. Both are separate processes on CPU 0 (the client on CPU 1; ``--no-pin`` to let
+the OS schedule), started the same way; the client is the same code for both: request bytes out, a parsed
+BuildChunkResponse back. Targets: the service's p50 within 1.3x the echo's, its calls/s at least 0.75x.
+The service runs the default config but for ``--max-num-batched-tokens 131072`` (the large batch has 65,961
+query tokens; the default allows 8,192) and no warmup (nothing on the numpy request path compiles).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+from benchmarks.bench_kernel import make_inputs
+from benchmarks.fuzzing import Limits, check_answer, judge
+from benchmarks.harness import ServiceProcess, channel, clean_env, closed_loop, percentile_us, write_json
+from protos.indexer.v1 import indexer_pb2 as pb
+from service.codec import SERVICE_NAME, chunk_inputs_to_proto
+from service.config import ServiceConfig, load_config
+from service.grpc_server import connection_age_options
+
+BATCHES = ("small-8", "medium-64", "large-256")
+SERVICE_FLAGS = ("--backend", "numpy", "--warmup-target", "none", "--max-num-batched-tokens", "131072")
+METHOD = f"/{SERVICE_NAME}/BuildChunk"
+P50_TARGET, THROUGHPUT_TARGET = 1.3, 0.75
+IN_FLIGHT = (8, 32)
+LATENCY_CALLS, LOAD_CALLS = 5_000, 100_000
+
+
+def grpc_options(config: ServiceConfig) -> list[tuple[str, int]]:
+    """The service's server options (service/grpc_server.py), for the echo."""
+    return [
+        ("grpc.max_receive_message_length", config.max_message_bytes),
+        ("grpc.max_send_message_length", config.max_message_bytes),
+        ("grpc.so_reuseport", 0),
+        *connection_age_options(config.max_connection_age_seconds),
+    ]
+
+
+def serve_echo(canned: Path, port_file: Path) -> None:
+    """The baseline server: each known request's bytes get their recorded response bytes, nothing else."""
+    config = load_config(env={})
+    answers = {(canned / f"{n}.request").read_bytes(): (canned / f"{n}.response").read_bytes()
+               for n in range(len(list(canned.glob("*.request"))))}  # fmt: skip
+
+    def echo(request: bytes, context: grpc.ServicerContext) -> bytes:
+        return answers[request]
+
+    server = grpc.server(
+        ThreadPoolExecutor(max_workers=config.grpc_workers), options=grpc_options(config),
+        maximum_concurrent_rpcs=config.max_concurrent_rpcs,
+    )  # fmt: skip
+    handler = grpc.unary_unary_rpc_method_handler(echo)  # no (de)serializers: bytes in, bytes out
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, {"BuildChunk": handler}),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    port_file.write_text(json.dumps({"grpc_port": port}))
+    signal.sigwait({signal.SIGTERM, signal.SIGINT})
+    server.stop(1).wait()
+
+
+def record_responses(service: ServiceProcess, canned: Path) -> dict[str, bytes]:
+    """Each batch's request bytes; the service's response bytes, checked against numpy, saved for the echo."""
+    limits = Limits(max_num_seqs=1024, max_num_batched_tokens=131072, max_model_len=2**20,
+                    max_message_bytes=64 * 2**20, max_logits_bytes=512 * 2**20)  # fmt: skip
+    requests = {}
+    with channel(service.address) as chan:
+        raw = chan.unary_unary(METHOD, request_serializer=None, response_deserializer=None)
+        for n, name in enumerate(BATCHES):
+            message = chunk_inputs_to_proto(make_inputs(name))
+            request = message.SerializeToString()
+            response = raw(request, timeout=60)
+            problems = check_answer(judge("BuildChunk", message, limits), message, grpc.StatusCode.OK, "",
+                                    pb.BuildChunkResponse.FromString(response))  # fmt: skip
+            if problems:
+                raise SystemExit(f"the service answered {name} wrongly: {problems}")
+            (canned / f"{n}.request").write_bytes(request)
+            (canned / f"{n}.response").write_bytes(response)
+            requests[name] = request
+    return requests
+
+
+def measure(address: str, request: bytes, seconds: float) -> dict[str, float]:
+    """p50/p99 with one client, then calls/s at each IN_FLIGHT."""
+    with channel(address) as chan:
+        call = chan.unary_unary(METHOD, request_serializer=None, response_deserializer=pb.BuildChunkResponse.FromString)
+
+        def one(_: int) -> tuple[grpc.StatusCode, str]:
+            call(request, timeout=60)
+            return grpc.StatusCode.OK, ""
+
+        closed_loop(one, 1, max_calls=20, max_seconds=seconds)  # connection, caches, allocator
+        single = closed_loop(one, 1, max_calls=LATENCY_CALLS, max_seconds=seconds)
+        row = {"calls": len(single.records), "p50_us": percentile_us(single.latencies(), 50),
+               "p99_us": percentile_us(single.latencies(), 99)}  # fmt: skip
+        for k in IN_FLIGHT:
+            loaded = closed_loop(one, k, max_calls=LOAD_CALLS, max_seconds=seconds)
+            if loaded.problems():
+                raise SystemExit(f"calls failed at {k} in flight: {loaded.problems()[0].problem}")
+            row[f"calls_per_s_{k}"] = loaded.calls_per_second
+    return row
+
+
+def _plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    metrics = [
+        ("p50_us", "p50, one client (us)"),
+        *((f"calls_per_s_{k}", f"calls/s, {k} in flight") for k in IN_FLIGHT),
+    ]
+    fig, axes = plt.subplots(1, len(metrics), figsize=(4.2 * len(metrics), 3.8))
+    x = np.arange(len(BATCHES))
+    for ax, (key, title) in zip(axes, metrics, strict=True):
+        for offset, server in ((-0.2, "echo"), (0.2, "service")):
+            ax.bar(x + offset, [results[b][server][key] for b in BATCHES], 0.4, label=server)
+        ax.set_xticks(x, BATCHES)
+        ax.set_yscale("log")
+        ax.set_title(title)
+    axes[0].legend()
+    fig.suptitle("BuildChunk over gRPC on 127.0.0.1: the service against an echo of the same bytes")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    print(f"wrote {path}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seconds", type=float, default=3.0, help="bound of each measured phase")
+    parser.add_argument("--no-pin", action="store_true", help="do not pin servers to CPU 0 and the client to CPU 1")
+    parser.add_argument("--out", type=Path, help="write the figures as JSON here")
+    parser.add_argument("--plot", type=Path, help="write a PNG of the figures here")
+    parser.add_argument("--serve-echo", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--port-file", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve_echo:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+        serve_echo(args.serve_echo, args.port_file)
+        return
+
+    pin = not args.no_pin and len(os.sched_getaffinity(0)) >= 2
+    server_cpus = {min(os.sched_getaffinity(0))} if pin else None
+    if pin:
+        os.sched_setaffinity(0, set(os.sched_getaffinity(0)) - server_cpus)
+    results: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory(prefix="bench-rpc-") as scratch:
+        canned = Path(scratch)
+        with ServiceProcess(*SERVICE_FLAGS, cpus=server_cpus) as service:
+            requests = record_responses(service, canned)
+            echo_command = [sys.executable, "-m", "benchmarks.bench_rpc", "--serve-echo", str(canned)]
+            with ServiceProcess(command=echo_command, cpus=server_cpus, env=clean_env()) as echo:
+                for name in BATCHES:
+                    # Echo first, then the service, batch by batch: both see the same machine state.
+                    results[name] = {server: measure(process.address, requests[name], args.seconds)
+                                     for server, process in (("echo", echo), ("service", service))}  # fmt: skip
+                    print(f"measured {name}", file=sys.stderr)
+
+    print(
+        f"BuildChunk over gRPC on 127.0.0.1, ratio 4, servers {'on CPU 0, client on the rest' if pin else 'unpinned'}"
+    )
+    header = f"{'batch':10} {'server':8} {'p50 us':>9} {'p99 us':>9}" + "".join(
+        f" {f'calls/s @{k}':>13}" for k in IN_FLIGHT
+    )
+    print(header)
+    verdicts = {}
+    for name in BATCHES:
+        echo_row, service_row = results[name]["echo"], results[name]["service"]
+        for server, row in (("echo", echo_row), ("service", service_row)):
+            print(f"{name:10} {server:8} {row['p50_us']:>9,.0f} {row['p99_us']:>9,.0f}"
+                  + "".join(f" {row[f'calls_per_s_{k}']:>13,.0f}" for k in IN_FLIGHT))  # fmt: skip
+        ratios = {"p50": service_row["p50_us"] / echo_row["p50_us"], "p99": service_row["p99_us"] / echo_row["p99_us"]}
+        ratios |= {
+            f"calls_per_s_{k}": service_row[f"calls_per_s_{k}"] / echo_row[f"calls_per_s_{k}"] for k in IN_FLIGHT
+        }
+        met = {f"p50 <= {P50_TARGET}x echo": ratios["p50"] <= P50_TARGET}
+        met |= {f"calls/s @{k} >= {THROUGHPUT_TARGET}x echo": ratios[f"calls_per_s_{k}"] >= THROUGHPUT_TARGET
+                for k in IN_FLIGHT}  # fmt: skip
+        print(f"{name:10} {'ratio':8} {ratios['p50']:>8.2f}x {ratios['p99']:>8.2f}x"
+              + "".join(f" {ratios[f'calls_per_s_{k}']:>12.2f}x" for k in IN_FLIGHT))  # fmt: skip
+        print(f"{'':10} targets: " + ", ".join(f"{k}: {'met' if v else 'MISSED'}" for k, v in met.items()))
+        results[name]["ratios"], results[name]["targets"] = ratios, met
+        verdicts |= {f"{name} {k}": v for k, v in met.items()}
+    missed = [k for k, v in verdicts.items() if not v]
+    print(f"targets met: {len(verdicts) - len(missed)}/{len(verdicts)}" + (f"; missed: {missed}" if missed else ""))
+    write_json(args.out, {"pinned": pin, "seconds": args.seconds, "batches": results})
+    if args.plot:
+        _plot(results, args.plot)
+
+
+if __name__ == "__main__":
+    main()
