@@ -138,15 +138,22 @@ def validate_batch(query_start_loc: np.ndarray, seq_lens: np.ndarray) -> tuple[n
     return qsl, seq
 
 
+# No deployment shards a KV cache over more ranks than it has GPUs; the bound keeps a typo from being a request.
+MAX_DCP_WORLD_SIZE = 65536
+
+
 def validate_dcp(dcp: DcpConfig) -> None:
-    if dcp.world_size < 1:
-        raise InvalidInputError("dcp_world_size", f"must be >= 1, got {dcp.world_size}")
+    if not 1 <= dcp.world_size <= MAX_DCP_WORLD_SIZE:
+        raise InvalidInputError("dcp_world_size", f"must be in [1, {MAX_DCP_WORLD_SIZE}], got {dcp.world_size}")
     if not 0 <= dcp.rank < dcp.world_size:
         raise InvalidInputError("dcp_rank", f"must be in [0, {dcp.world_size}), got {dcp.rank}")
     if dcp.interleave < 1:
         raise InvalidInputError("dcp_interleave", f"must be >= 1, got {dcp.interleave}")
-    if dcp.world_size > INT32_MAX or dcp.interleave > INT32_MAX:
-        raise InvalidInputError("dcp_world_size", "DCP sizes must fit int32")
+    # The kernels compute rank * interleave (< world_size * interleave) in int32.
+    if dcp.world_size * dcp.interleave > INT32_MAX:
+        raise InvalidInputError(
+            "dcp_interleave", f"dcp_world_size * dcp_interleave must fit int32, got {dcp.world_size * dcp.interleave}"
+        )
 
 
 def compressed_lens(seq_lens: np.ndarray, ratio: int) -> np.ndarray:
@@ -217,10 +224,10 @@ def _chunk_host_part(inputs: ChunkInputs, qsl: np.ndarray, seq: np.ndarray) -> C
         local = dcp_local_lens(compressed, inputs.dcp)
         local_cu = np.zeros_like(cu)
         np.cumsum(local, out=local_cu[1:])
-        per_rank_totals = [
-            int(dcp_local_lens(compressed, inputs.dcp, rank).sum()) for rank in range(inputs.dcp.world_size)
-        ]
-        local_total, max_local_total = int(local_cu[-1]), max(per_rank_totals)
+        # Rank 0 holds the largest share of every length (a rank's share never grows with its index), so the
+        # largest per-rank total is rank 0's: one pass, whatever the world size.
+        local_total = int(local_cu[-1])
+        max_local_total = int(dcp_local_lens(compressed, inputs.dcp, rank=0).sum())
     else:
         local_cu, local_total, max_local_total = cu, total, total
 

@@ -30,10 +30,13 @@ def compressed_positions(positions: np.ndarray, ratio: int) -> np.ndarray:
     return positions // ratio
 
 
-def chunk_arrays_numpy(host: ChunkHostPart, dcp: DcpConfig) -> ChunkArrays:
-    """``token_to_seq``, ``cu_seqlen_ks`` and ``cu_seqlen_ke`` of one chunk (int32)."""
+def chunk_arrays_numpy(host: ChunkHostPart, dcp: DcpConfig, with_token_to_seq: bool = True) -> ChunkArrays:
+    """``token_to_seq`` (empty when not wanted), ``cu_seqlen_ks`` and ``cu_seqlen_ke`` of one chunk (int32)."""
     cu = host.cu_seq_lens
-    token_to_seq = np.repeat(np.arange(cu.size - 1, dtype=np.int32), np.diff(cu))
+    if with_token_to_seq:
+        token_to_seq = np.repeat(np.arange(cu.size - 1, dtype=np.int32), np.diff(cu))
+    else:
+        token_to_seq = np.zeros(0, dtype=np.int32)
 
     a, b = host.query_slice
     if b == a:
@@ -58,9 +61,11 @@ def chunk_arrays_numpy(host: ChunkHostPart, dcp: DcpConfig) -> ChunkArrays:
     return token_to_seq, row_start, row_start + visible.astype(np.int32, copy=False)
 
 
-def chunk_arrays_numpy_many(hosts: Sequence[ChunkHostPart], dcp: DcpConfig) -> list[ChunkArrays]:
+def chunk_arrays_numpy_many(
+    hosts: Sequence[ChunkHostPart], dcp: DcpConfig, with_token_to_seq: bool = True
+) -> list[ChunkArrays]:
     """The three arrays of several chunks: the numpy twin of ``TritonChunkBuilder.arrays_many``."""
-    return [chunk_arrays_numpy(host, dcp) for host in hosts]
+    return [chunk_arrays_numpy(host, dcp, with_token_to_seq) for host in hosts]
 
 
 def build_chunk_metadata_numpy(inputs: ChunkInputs) -> ChunkMetadata | None:

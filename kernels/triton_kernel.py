@@ -152,8 +152,14 @@ def _split_long_requests(table: np.ndarray) -> np.ndarray:
     return split
 
 
-def program_table(hosts: Sequence[ChunkHostPart]) -> tuple[np.ndarray, list[int], list[int]]:
-    """The program table of several chunks, and where each chunk's token_to_seq and rows start."""
+def program_table(
+    hosts: Sequence[ChunkHostPart], with_token_to_seq: bool = True
+) -> tuple[np.ndarray, list[int], list[int]]:
+    """The program table of several chunks, and where each chunk's token_to_seq and rows start.
+
+    Without ``token_to_seq`` every program's token range is empty: a caller that omits it (often the largest
+    output) neither computes nor holds it.
+    """
     parts, kv_bases, row_bases = [], [], []
     kv_base = row_base = 0
     for host in hosts:
@@ -162,7 +168,7 @@ def program_table(hosts: Sequence[ChunkHostPart]) -> tuple[np.ndarray, list[int]
         row_lo = np.clip(starts[:-1], a, b)
         row_hi = np.clip(starts[1:], a, b)
         query_lens = starts[1:] - starts[:-1]
-        cu = host.cu_seq_lens
+        cu = host.cu_seq_lens if with_token_to_seq else np.zeros_like(host.cu_seq_lens)
         column_values = (
             np.arange(cu.size - 1),
             kv_base + cu[:-1],
@@ -176,7 +182,7 @@ def program_table(hosts: Sequence[ChunkHostPart]) -> tuple[np.ndarray, list[int]
         parts.append(np.stack(column_values, axis=1))
         kv_bases.append(kv_base)
         row_bases.append(row_base)
-        kv_base += host.total
+        kv_base += int(cu[-1])
         row_base += b - a
     if max(kv_base, row_base) > INT32_MAX:
         raise ValueError(f"outputs of {len(hosts)} chunks exceed int32 indexing ({kv_base} tokens, {row_base} rows)")
@@ -222,18 +228,20 @@ class TritonChunkBuilder:
             return None
         return assemble(inputs, host, *self.arrays(host, inputs.dcp))
 
-    def arrays(self, host: ChunkHostPart, dcp: DcpConfig) -> ChunkArrays:
-        """``token_to_seq``, ``cu_seqlen_ks`` and ``cu_seqlen_ke`` of one chunk."""
-        return self.arrays_many([host], dcp)[0]
+    def arrays(self, host: ChunkHostPart, dcp: DcpConfig, with_token_to_seq: bool = True) -> ChunkArrays:
+        """``token_to_seq`` (empty when not wanted), ``cu_seqlen_ks`` and ``cu_seqlen_ke`` of one chunk."""
+        return self.arrays_many([host], dcp, with_token_to_seq)[0]
 
-    def arrays_many(self, hosts: Sequence[ChunkHostPart], dcp: DcpConfig) -> list[ChunkArrays]:
+    def arrays_many(
+        self, hosts: Sequence[ChunkHostPart], dcp: DcpConfig, with_token_to_seq: bool = True
+    ) -> list[ChunkArrays]:
         """The three arrays of every chunk (same ratio, same DCP settings), from a single launch."""
         if not hosts:
             return []
         ratios = {host.ratio for host in hosts}
         if len(ratios) != 1:
             raise ValueError(f"one launch builds chunks of one compress ratio, got {sorted(ratios)}")
-        table, kv_bases, row_bases = program_table(hosts)
+        table, kv_bases, row_bases = program_table(hosts, with_token_to_seq)
         tokens, rows = kv_bases[-1], row_bases[-1]
         try:
             host_out = self._launch(table, tokens, rows, dcp, ratios.pop())

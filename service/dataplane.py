@@ -61,7 +61,8 @@ def _at(field: str, index: int | None = None) -> str:
     return field if index is None else f"{field}[{index}]"
 
 
-ArraysFn = Callable[[Sequence[ChunkHostPart], DcpConfig], list[ChunkArrays]]
+# (host parts, DCP settings, with_token_to_seq) -> each chunk's arrays
+ArraysFn = Callable[[Sequence[ChunkHostPart], DcpConfig, bool], list[ChunkArrays]]
 
 
 @dataclass(frozen=True)
@@ -280,7 +281,7 @@ class DataPlane:
         self._check_sizes(chunks, hosts, omit_token_to_seq)
         present = [host for host in hosts if host is not None]
         start = time.perf_counter()
-        arrays = iter(self.backend.arrays_many(present, chunks[0].dcp) if present else [])
+        arrays = iter(self.backend.arrays_many(present, chunks[0].dcp, not omit_token_to_seq) if present else [])
         self.metrics.backend_duration_seconds.labels(method=method, backend=self.backend.name).observe(
             time.perf_counter() - start
         )

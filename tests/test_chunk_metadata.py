@@ -8,10 +8,12 @@ import numpy as np
 import pytest
 import torch
 import triton
+from hypothesis import given
+from hypothesis import strategies as st
 from triton.runtime.errors import InterpreterError
 
 from kernels import triton_kernel
-from kernels.inputs import ChunkInputs, DcpConfig, chunk_host_part
+from kernels.inputs import ChunkInputs, DcpConfig, chunk_host_part, dcp_local_lens
 from kernels.naive import build_chunk_metadata_numpy, chunk_arrays_numpy
 from kernels.planner import BatchInputs, chunk_inputs_of_plan, plan_prefill_batch
 from kernels.testing import BatchShape, random_batch, random_chunk_inputs
@@ -146,3 +148,34 @@ def test_long_requests_split_across_programs(span, dcp_name, triton_cpu, sentine
         table, _, _ = triton_kernel.program_table([host])
         assert table.shape[0] > host.seq_lens.size  # the split really happened
         assert metadata_as_dict(triton_cpu(inputs)) == metadata_as_dict(build_chunk_metadata_numpy(inputs))
+
+
+@given(
+    lengths=st.lists(st.integers(0, 5000), min_size=1, max_size=20),
+    world=st.integers(1, 64),
+    interleave=st.integers(1, 64),
+)
+def test_dcp_shares_partition_every_length_and_rank_zero_holds_the_most(lengths, world, interleave):
+    """Why max_local_total_seq_lens is rank 0's total: one pass instead of one per rank."""
+    lengths = np.array(lengths)
+    shares = np.stack([dcp_local_lens(lengths, DcpConfig(r, world, interleave)) for r in range(world)])
+    assert (shares.sum(axis=0) == lengths).all()
+    assert (np.diff(shares, axis=0) <= 0).all()
+    inputs = ChunkInputs(np.zeros(lengths.size + 1, dtype=np.int64), lengths, 1, 0, lengths.size,
+                         dcp=DcpConfig(world - 1, world, interleave))  # fmt: skip
+    result = build_chunk_metadata_numpy(inputs)
+    if result is not None:
+        assert result.max_local_total_seq_lens == int(shares.sum(axis=1).max())
+
+
+@pytest.mark.parametrize("dcp_name", ["nodcp", "dcp2r1"])
+def test_without_token_to_seq_nothing_is_computed_and_the_rest_is_equal(dcp_name, triton_cpu, sentinel_outputs):
+    rng = np.random.default_rng(99)
+    inputs = random_chunk_inputs(rng, SHAPES["wide"], 1, DCP_SETTINGS[dcp_name])
+    host = chunk_host_part(inputs)
+    table, kv_bases, _ = triton_kernel.program_table([host], with_token_to_seq=False)
+    assert kv_bases == [0, 0] and (table[:, 1] == table[:, 2]).all()  # no program writes a token
+    full = chunk_arrays_numpy(host, inputs.dcp)
+    for arrays in (chunk_arrays_numpy(host, inputs.dcp, False), triton_cpu.arrays(host, inputs.dcp, False)):
+        assert arrays[0].size == 0
+        assert arrays[1].tolist() == full[1].tolist() and arrays[2].tolist() == full[2].tolist()

@@ -45,11 +45,11 @@ class FlakyBackend:
         self.failure = failure
         self.calls = 0
 
-    def __call__(self, hosts, dcp):
+    def __call__(self, hosts, dcp, with_token_to_seq):
         self.calls += 1
         if self.calls == 1:
             raise self.failure
-        return [chunk_arrays_numpy(host, dcp) for host in hosts]
+        return [chunk_arrays_numpy(host, dcp, with_token_to_seq) for host in hosts]
 
 
 @pytest.fixture

@@ -39,6 +39,8 @@ BAD_CHUNKS = {
     "dcp-rank-ge-world": (chunk(dcp=DcpConfig(rank=2, world_size=2)), "dcp_rank", None),
     "dcp-world-zero": (chunk(dcp=DcpConfig(rank=0, world_size=0)), "dcp_world_size", None),
     "dcp-interleave-zero": (chunk(dcp=DcpConfig(world_size=2, interleave=0)), "dcp_interleave", None),
+    "dcp-world-huge": (chunk(dcp=DcpConfig(rank=0, world_size=2**31 - 1)), "dcp_world_size", None),
+    "dcp-rank-times-interleave-overflows": (chunk(dcp=DcpConfig(3, 4, 2**30)), "dcp_interleave", None),
 }
 
 
