@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kernels.inputs import ChunkInputs, chunk_host_part
+from kernels.inputs import ChunkInputs, chunk_host_part, chunk_host_parts
 from kernels.naive import build_chunk_metadata_numpy
 from kernels.testing import batch_with_tokens
 
@@ -123,7 +123,7 @@ def plan_row(name: str) -> dict:
     builder = TritonChunkBuilder("cuda")
 
     def ours():
-        hosts = [h for h in map(chunk_host_part, chunk_inputs_of_plan(batch, chunks)) if h is not None]
+        hosts = [h for h in chunk_host_parts(chunk_inputs_of_plan(batch, chunks)) if h is not None]
         builder.arrays_many(hosts, batch.dcp)  # returns host arrays: includes the copy back
 
     def vllm_style():
