@@ -43,6 +43,7 @@ from benchmarks.harness import (
     RssSampler,
     ServiceProcess,
     channel,
+    clean_env,
     closed_loop,
     mib,
     percentile_us,
@@ -151,14 +152,29 @@ class FuzzReport:
     codes: dict[str, int]
     unexpected: int
     examples: list[str]
-    rss_warm_mib: float
-    rss_end_mib: float
-    rss_growth: float
+    idle_rss_mib: list[tuple[int, float]]  # (requests sent so far, idle RSS) at each checkpoint
+
+    @property
+    def rss_warm_mib(self) -> float:
+        return self.idle_rss_mib[0][1]
+
+    @property
+    def rss_end_mib(self) -> float:
+        return self.idle_rss_mib[-1][1]
+
+    @property
+    def rss_growth(self) -> float:
+        return (self.rss_end_mib - self.rss_warm_mib) / self.rss_warm_mib
 
     @property
     def targets(self) -> dict[str, bool]:
         return {"0 unexpected answers": self.unexpected == 0, f"RSS growth < {RSS_GROWTH_LIMIT:.0%}":
                 self.rss_growth < RSS_GROWTH_LIMIT}  # fmt: skip
+
+
+# Where the fuzz pauses to read the server's idle RSS, as shares of its requests: the first is the warm-up's
+# end and the baseline; the ones between tell a plateau (allocator) from a steady climb (a leak).
+FUZZ_CHECKPOINTS = (0.1, 0.4, 0.7, 1.0)
 
 
 def idle_rss(server: ServiceProcess, settle: float = 1.0) -> float:
@@ -170,10 +186,9 @@ def idle_rss(server: ServiceProcess, settle: float = 1.0) -> float:
 
 def run_fuzz(server: ServiceProcess, count: int, seed: int, limits: Limits, in_flight: int = 4,
              max_seconds: float = 3600.0) -> FuzzReport:  # fmt: skip
-    """``count`` fresh generated requests, each judged; the idle RSS after the first tenth against the end's."""
+    """``count`` fresh generated requests, each judged; the server's idle RSS at each of FUZZ_CHECKPOINTS."""
     # One generator per client thread: numpy generators are not thread-safe.
     draws = [rng_draw(np.random.default_rng([seed, n])) for n in range(in_flight)]
-    warm_up = max(1, count // 10)
 
     with channel(server.address) as chan:
         stubs = stubs_for(chan)
@@ -185,15 +200,18 @@ def run_fuzz(server: ServiceProcess, count: int, seed: int, limits: Limits, in_f
             code, problem = call_and_check(stubs, method, request, verdict)
             return code, f"{method} {describe(request)}: {problem}" if problem else ""
 
-        first = closed_loop(call, in_flight, max_calls=warm_up, max_seconds=max_seconds)
-        warm = idle_rss(server)
-        rest = closed_loop(call, in_flight, max_calls=count - warm_up, max_seconds=max_seconds)
-        end = idle_rss(server)
-    records = first.records + rest.records
+        records, idle, sent, elapsed = [], [], 0, 0.0
+        for share in FUZZ_CHECKPOINTS:
+            run = closed_loop(call, in_flight, max_calls=round(count * share) - sent, max_seconds=max_seconds)
+            records += run.records
+            sent, elapsed = len(records), elapsed + run.elapsed
+            idle.append((sent, mib(idle_rss(server))))
     problems = [r for r in records if r.problem]
-    codes = {c: first.codes().get(c, 0) + rest.codes().get(c, 0) for c in first.codes().keys() | rest.codes().keys()}
-    return FuzzReport(len(records), first.elapsed + rest.elapsed, codes, len(problems),
-                      [p.problem for p in problems[:5]], mib(warm), mib(end), (end - warm) / warm)  # fmt: skip
+    codes: dict[str, int] = {}
+    for r in records:
+        codes[r.code.name] = codes.get(r.code.name, 0) + 1
+    return FuzzReport(len(records), elapsed, codes, len(problems),
+                      [p.problem for p in problems[:5]], idle)  # fmt: skip
 
 
 def threading_index() -> int:
@@ -229,21 +247,9 @@ def _plot(report: SoakReport, path: Path) -> None:
     print(f"wrote {path}")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seconds", type=float, default=60.0)
-    parser.add_argument("--in-flight", type=int, default=32)
-    parser.add_argument("--pool", type=int, default=400, help="distinct requests the soak cycles through")
-    parser.add_argument("--fuzz", type=int, default=100_000, help="fresh requests of the fuzz (0: none)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, help="write the figures as JSON here")
-    parser.add_argument("--plot", type=Path, help="write RSS and latency over time as a PNG here")
-    args = parser.parse_args()
-
+def soak_phase(args: argparse.Namespace, env: dict[str, str], results: dict[str, object]) -> bool:
     pool = request_pool(args.seed, args.pool, SOAK_LIMITS)
-    results: dict[str, object] = {"limits": asdict(SOAK_LIMITS)}
-    ok = True
-    with ServiceProcess(*FAST_START, *SOAK_LIMITS.flags()) as server:
+    with ServiceProcess(*FAST_START, *SOAK_LIMITS.flags(), env=env) as server:
         soak = run_soak(server, args.seconds, args.in_flight, pool)
         alive = server.process.poll() is None
     print(f"soak: {soak.calls:,} calls in {soak.seconds:.1f} s at {soak.in_flight} in flight "
@@ -256,23 +262,48 @@ def main() -> None:
     print(f"  p99 first third {soak.p99_first_us:,.0f} us, last third {soak.p99_last_us:,.0f} us: "
           f"{soak.p99_drift:.2f}x the baseline")  # fmt: skip
     print(f"  server alive at the end: {alive}")
-    ok &= _print_targets(soak.targets | {"server alive": alive})
     results["soak"] = asdict(soak) | {"targets": soak.targets, "alive": alive}
     if args.plot:
         _plot(soak, args.plot)
+    return _print_targets(soak.targets | {"server alive": alive})
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seconds", type=float, default=60.0, help="length of the soak (0: none)")
+    parser.add_argument("--in-flight", type=int, default=32)
+    parser.add_argument("--pool", type=int, default=400, help="distinct requests the soak cycles through")
+    parser.add_argument("--fuzz", type=int, default=100_000, help="fresh requests of the fuzz (0: none)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, help="write the figures as JSON here")
+    parser.add_argument("--plot", type=Path, help="write RSS and latency over time as a PNG here")
+    parser.add_argument(
+        "--server-env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="extra environment of the servers, e.g. MALLOC_ARENA_MAX=2 (repeatable)",
+    )
+    args = parser.parse_args()
+
+    env = clean_env(**dict(item.split("=", 1) for item in args.server_env))
+    results: dict[str, object] = {"limits": asdict(SOAK_LIMITS), "server_env": args.server_env}
+    ok = True
+    if args.seconds > 0:
+        ok &= soak_phase(args, env, results)
     if args.fuzz:
-        with ServiceProcess(*FAST_START, *FUZZ_LIMITS.flags()) as server:
+        with ServiceProcess(*FAST_START, *FUZZ_LIMITS.flags(), env=env) as server:
             fuzz = run_fuzz(server, args.fuzz, args.seed, FUZZ_LIMITS)
             alive = server.process.poll() is None
         print(f"fuzz: {fuzz.requests:,} fresh requests in {fuzz.seconds:.1f} s, codes {fuzz.codes}")
         print(f"  unexpected answers: {fuzz.unexpected}")
         for example in fuzz.examples:
             print(f"    {example[:300]}")
-        print(f"  idle RSS after the first tenth {fuzz.rss_warm_mib:.1f} MiB, at the end {fuzz.rss_end_mib:.1f} MiB: "
-              f"growth {fuzz.rss_growth:+.2%}")  # fmt: skip
+        trace = ", ".join(f"{n:,}: {rss:.1f}" for n, rss in fuzz.idle_rss_mib)
+        print(f"  idle RSS (MiB) after requests {trace}; growth after the first tenth {fuzz.rss_growth:+.2%}")
         print(f"  server alive at the end: {alive}")
         ok &= _print_targets(fuzz.targets | {"server alive": alive})
-        results["fuzz"] = asdict(fuzz) | {"targets": fuzz.targets, "alive": alive}
+        results["fuzz"] = asdict(fuzz) | {"rss_growth": fuzz.rss_growth, "targets": fuzz.targets, "alive": alive}
     write_json(args.out, results)
     sys.exit(0 if ok else 1)
 
