@@ -8,8 +8,7 @@ parse are gRPC's business, not the service's), the other half feed benchmarks/fu
 atheris' integer source, so libFuzzer's coverage feedback steers both the bytes and the structure. Every answer
 is judged by the same oracle as the hypothesis tests and the soak: numpy's result, or a refusal whose code the
 request justifies and whose message names a field. A wrong answer or any exception other than the service's
-own error is a crash: libFuzzer stops, prints it, and saves the input as ``crash-<sha1>``. Requests that hit a
-reported defect (``Verdict.defect``) are skipped: each has a test of its own.
+own error is a crash: libFuzzer stops, prints it, and saves the input as ``crash-<sha1>``.
 """
 
 from __future__ import annotations
@@ -68,8 +67,6 @@ def one_input(data: bytes) -> None:
     else:
         request = REQUESTS[method](source.ConsumeIntInRange, FUZZ_LIMITS)
     verdict = judge(method, request, FUZZ_LIMITS)
-    if verdict.defect:
-        return
     try:
         response, code, details = PLANE.call(method, request), grpc.StatusCode.OK, ""
     except ServiceError as exc:

@@ -22,8 +22,17 @@ from typing import Protocol, TypeVar
 import grpc
 import numpy as np
 
-from kernels.inputs import ChunkInputs, ChunkMetadata, DcpConfig, InvalidInputError, chunk_host_parts, validate_batch
-from kernels.naive import build_chunk_metadata_numpy
+from kernels.inputs import (
+    ChunkInputs,
+    ChunkMetadata,
+    DcpConfig,
+    InvalidInputError,
+    assemble,
+    chunk_host_part,
+    chunk_host_parts,
+    validate_batch,
+)
+from kernels.naive import chunk_arrays_numpy
 from kernels.planner import (
     WORKSPACE_TOKENS_PER_MODEL_LEN,
     BatchInputs,
@@ -146,12 +155,11 @@ def _ratio(draw: Draw) -> int:
 def _dcp(draw: Draw, request: pb.BuildChunkRequest | pb.PlanBatchRequest) -> None:
     if not chance(draw, 30):
         return
-    # No sizes of a known defect (see Verdict.defect): those that deployments use, and invalid ones.
-    world = pick(draw, (2, 4, 1, 8, 0, -1, 64))
+    world = pick(draw, (2, 4, 1, 8, 64, 0, -1, 65_536, 65_537, INT32_MAX))
     request.dcp_world_size = world
     request.dcp_rank = draw(0, world - 1) if world > 0 and not chance(draw, 15) else pick(draw, (world, -1, 1))
     if chance(draw, 60):
-        request.dcp_interleave = pick(draw, (1, 2, 4, 64, 0, -3))
+        request.dcp_interleave = pick(draw, (1, 2, 4, 64, 2**16, 0, -3, INT32_MAX))
 
 
 def _int32(draw: Draw, valid_lo: int, valid_hi: int) -> int:
@@ -207,18 +215,6 @@ FIELDS = {m: frozenset(t.DESCRIPTOR.fields_by_name) | EXTRA_FIELDS for m, t in R
 
 # --- the oracle ---------------------------------------------------------------------------------------------
 
-# Requests that hit a reported defect not fixed yet get a verdict with ``defect`` set, and the fuzzers do not
-# send them (each defect has a test of its own):
-# - DCP world sizes: the kernel layer sums the ranks' shares one rank at a time, ~18 us a rank, hours for 2^31
-#   (tests/test_hardening_security.py::test_dcp_world_size_cannot_buy_unbounded_work);
-# - rank * interleave past int32: OverflowError, INTERNAL
-#   (tests/test_fuzz_requests.py::test_dcp_interleave_near_int32_is_answered_clearly);
-# - plans whose chunks' token_to_seq arrays add up to much more than any response: the server computes and holds
-#   all of them at once, omit_token_to_seq or not (tests/test_hardening_security.py::
-#   test_memory_of_one_request_is_bounded_by_its_response).
-SLOW_DCP_WORLD = 4096
-MAX_WORKING_BYTES = 256 * 2**20
-
 
 @dataclass
 class Verdict:
@@ -229,7 +225,6 @@ class Verdict:
     may_refuse: frozenset[grpc.StatusCode]  # refusals allowed besides OK (conservative size estimates)
     reasons: tuple[str, ...]
     chunks: int = 1  # chunks the server plans for it: its work grows with this
-    defect: str = ""  # a reported defect the request would hit: do not send it
     build: Callable[[], ChunkMetadata | PrefillPlan | None] | None = None
     _expected: list = field(default_factory=list)
 
@@ -254,14 +249,6 @@ def _dcp_of(request: pb.BuildChunkRequest | pb.PlanBatchRequest) -> DcpConfig:
         world_size=request.dcp_world_size if request.HasField("dcp_world_size") else 1,
         interleave=request.dcp_interleave if request.HasField("dcp_interleave") else 1,
     )
-
-
-def _dcp_defect(dcp: DcpConfig) -> str:
-    if dcp.world_size > SLOW_DCP_WORLD:
-        return f"dcp_world_size {dcp.world_size}: the kernel layer loops over every rank"
-    if dcp.world_size > 1 and dcp.world_size * max(dcp.interleave, 1) > INT32_MAX:
-        return "dcp_world_size * dcp_interleave overflows int32 in the kernel layer"
-    return ""
 
 
 def _plan_scalars_invalid(request: pb.PlanBatchRequest, qsl: np.ndarray, seq: np.ndarray) -> bool:
@@ -291,8 +278,6 @@ def judge(method: str, request: pb.BuildChunkRequest | pb.PlanBatchRequest, limi
         return Verdict(method, frozenset(must), frozenset(may), reasons, **extra)
 
     dcp = _dcp_of(request)
-    if defect := _dcp_defect(dcp):
-        return verdict(defect=defect)
     qsl, seq = _decode(request.query_start_loc), _decode(request.seq_lens)
     if qsl is None or seq is None:
         refuse(must, INVALID, "an array's byte length is not a multiple of 4")
@@ -317,6 +302,16 @@ def judge(method: str, request: pb.BuildChunkRequest | pb.PlanBatchRequest, limi
             refuse(must, INVALID, "the kernel layer rejects the batch")
         return verdict()
 
+    omit = request.omit_token_to_seq
+
+    def build_numpy(inputs: ChunkInputs) -> ChunkMetadata | None:
+        # numpy's result without the token_to_seq the answer leaves out: the oracle's memory stays that of
+        # the answer, however many long chunks a plan has.
+        host = chunk_host_part(inputs)
+        if host is None:
+            return None
+        return assemble(inputs, host, *chunk_arrays_numpy(host, inputs.dcp, with_token_to_seq=not omit))
+
     # First the host parts only (validation, sizes): no array of a chunk's length exists yet.
     chunks: list[ChunkInputs] = []
     try:
@@ -326,7 +321,7 @@ def judge(method: str, request: pb.BuildChunkRequest | pb.PlanBatchRequest, limi
                                   dcp)]  # fmt: skip
 
             def build() -> ChunkMetadata | None:
-                return build_chunk_metadata_numpy(chunks[0])
+                return build_numpy(chunks[0])
 
         else:
             batch = BatchInputs(
@@ -338,7 +333,7 @@ def judge(method: str, request: pb.BuildChunkRequest | pb.PlanBatchRequest, limi
             chunks = chunk_inputs_of_plan(batch, plan_prefill_batch(batch))
 
             def build() -> PrefillPlan:
-                return build_prefill_batch(batch, build_chunk_metadata_numpy)
+                return build_prefill_batch(batch, build_numpy)
 
         hosts = [host for host in chunk_host_parts(chunks) if host is not None]
     except InvalidInputError as exc:
@@ -348,7 +343,6 @@ def judge(method: str, request: pb.BuildChunkRequest | pb.PlanBatchRequest, limi
     workspace = limits.max_model_len * WORKSPACE_TOKENS_PER_MODEL_LEN // max(1, ratio)
     if any(host.total > workspace for host in hosts):
         refuse(must, EXHAUSTED, f"a chunk with more compressed tokens than the workspace {workspace}")
-    omit = request.omit_token_to_seq
     rows = sum(h.query_slice[1] - h.query_slice[0] for h in hosts)
     tokens = sum(h.total for h in hosts)
     array_bytes = 8 * rows + 8 * sum(h.cu_seq_lens.size for h in hosts) + (0 if omit else 4 * tokens)
@@ -358,19 +352,7 @@ def judge(method: str, request: pb.BuildChunkRequest | pb.PlanBatchRequest, limi
         refuse(may, EXHAUSTED, "response near max_message_bytes")
     if must or over_limits:
         return verdict(chunks=len(chunks))
-    if 4 * tokens > MAX_WORKING_BYTES:
-        return verdict(chunks=len(chunks), defect=f"the server would hold {4 * tokens} bytes of token_to_seq at once")
     return verdict(chunks=len(chunks), build=build)
-
-
-def sendable(method: str, draw: Draw, limits: Limits, tries: int = 100) -> tuple[object, Verdict]:
-    """A generated request that hits no known defect, and its verdict."""
-    for _ in range(tries):
-        request = REQUESTS[method](draw, limits)
-        verdict = judge(method, request, limits)
-        if not verdict.defect:
-            return request, verdict
-    raise RuntimeError(f"{tries} generated {method} requests in a row hit known defects")
 
 
 # --- checking an answer -------------------------------------------------------------------------------------

@@ -28,13 +28,13 @@ import numpy as np
 
 from benchmarks.fuzzing import (
     FUZZ_LIMITS,
+    REQUESTS,
     Limits,
     Verdict,
     call_and_check,
     describe,
     judge,
     rng_draw,
-    sendable,
     stubs_for,
 )
 from benchmarks.harness import (
@@ -78,7 +78,8 @@ def request_pool(seed: int, size: int, limits: Limits) -> list[Case]:
             pool.append(("BuildChunk", medium, judge("BuildChunk", medium, limits)))
             continue
         method = "BuildChunk" if rng.random() < 0.5 else "PlanBatch"
-        request, verdict = sendable(method, draw, limits)
+        request = REQUESTS[method](draw, limits)
+        verdict = judge(method, request, limits)
         if verdict.chunks <= MAX_SOAK_CHUNKS:
             pool.append((method, request, verdict))
     return pool
@@ -196,8 +197,8 @@ def run_fuzz(server: ServiceProcess, count: int, seed: int, limits: Limits, in_f
         def call(i: int) -> tuple[grpc.StatusCode, str]:
             draw = draws[threading_index()]
             method = "BuildChunk" if i % 2 else "PlanBatch"
-            request, verdict = sendable(method, draw, limits)
-            code, problem = call_and_check(stubs, method, request, verdict)
+            request = REQUESTS[method](draw, limits)
+            code, problem = call_and_check(stubs, method, request, judge(method, request, limits))
             return code, f"{method} {describe(request)}: {problem}" if problem else ""
 
         records, idle, sent, elapsed = [], [], 0, 0.0

@@ -12,18 +12,15 @@ import grpc
 import numpy as np
 import pytest
 from google.protobuf.message import DecodeError
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from benchmarks.fuzzing import (
     FUZZ_LIMITS,
-    INT32_MAX,
-    INVALID,
     REQUEST_TYPES,
     REQUESTS,
     RESPONSE_TYPES,
     Draw,
-    Verdict,
     call_and_check,
     check_answer,
     describe,
@@ -65,9 +62,7 @@ def test_structured_requests(method: str, server: ServiceProcess, grpc_channel: 
     @given(st.data())
     def one(data: st.DataObject) -> None:
         request = REQUESTS[method](hypothesis_draw(data), FUZZ_LIMITS)
-        verdict = judge(method, request, FUZZ_LIMITS)
-        assume(not verdict.defect)
-        code, problem = call_and_check(stubs, method, request, verdict)
+        code, problem = call_and_check(stubs, method, request, judge(method, request, FUZZ_LIMITS))
         assert not problem, f"{method} {describe(request)} -> {code.name}: {problem}"
 
     one()
@@ -97,12 +92,6 @@ def _decodable(method: str, payload: bytes):
         return None
 
 
-def _known_defect(method: str, payload: bytes) -> bool:
-    """A decodable payload that would hit a reported defect (each has a test of its own)."""
-    request = _decodable(method, payload)
-    return request is not None and bool(judge(method, request, FUZZ_LIMITS).defect)
-
-
 def _judge_raw(method: str, payload: bytes, code: grpc.StatusCode, details: str, response: bytes | None) -> str:
     """The problem with an answer to raw bytes ("" if none): a decodable payload is judged like any request."""
     request = _decodable(method, payload)
@@ -123,7 +112,6 @@ def test_raw_request_bytes_over_grpc(server: ServiceProcess, grpc_channel: grpc.
     @given(raw_payloads())
     def one(case: tuple[str, bytes]) -> None:
         method, payload = case
-        assume(not _known_defect(method, payload))
         try:
             response, code, details = raw[method](payload, timeout=30), grpc.StatusCode.OK, ""
         except grpc.RpcError as exc:
@@ -145,7 +133,6 @@ def test_raw_request_bodies_over_http(server: ServiceProcess) -> None:
     @given(raw_payloads())
     def one(case: tuple[str, bytes]) -> None:
         method, payload = case
-        assume(not _known_defect(method, payload))
         connection.request("POST", f"/indexer.v1.PrefillMetadata/{method}", body=payload,
                            headers={"content-type": "application/x-protobuf"})  # fmt: skip
         reply = connection.getresponse()
@@ -188,26 +175,15 @@ def test_undecodable_request_bytes_are_invalid_argument(server: ServiceProcess, 
 
 
 def test_dcp_interleave_near_int32_is_answered_clearly() -> None:
-    """Found by the fuzz: rank * interleave past int32 must be a result or a refusal, not an overflow. Its own
-    server, so that the INTERNAL it gets today does not count against the other tests' servers."""
+    """Found by the fuzz (an OverflowError answered INTERNAL, fixed since): rank * interleave past int32 must be
+    a clear refusal naming the field. Its own server, so that a regression does not count against the others."""
     request = pb.BuildChunkRequest(
         query_start_loc=np.array([0, 4], "<i4").tobytes(), seq_lens=np.array([100], "<i4").tobytes(),
         compress_ratio=1, req_start=0, req_end=1, dcp_rank=3, dcp_world_size=4, dcp_interleave=2**30,
     )  # fmt: skip
     with ServiceProcess(*FAST_START, *FUZZ_LIMITS.flags()) as own, channel(own.address) as chan:
-        code, problem = call_and_check(stubs_for(chan), "BuildChunk", request, _safe_judge(request))
-        assert own.process.poll() is None, "one request took the server down"
-    if code is grpc.StatusCode.INTERNAL:
-        pytest.xfail("known defect: kernels.inputs.dcp_local_lens computes rank * interleave in int32 "
-                     "(OverflowError -> INTERNAL) for dcp_rank 3, dcp_interleave 2**30; needed: validate "
-                     f"dcp_world_size * dcp_interleave <= {INT32_MAX} (INVALID_ARGUMENT naming dcp_interleave) "
-                     "or compute in int64")  # fmt: skip
-    assert not problem, problem
-
-
-def _safe_judge(request: pb.BuildChunkRequest) -> Verdict:
-    """The oracle runs the same kernel layer; where that overflows, only a clear refusal is right."""
-    try:
-        return judge("BuildChunk", request, FUZZ_LIMITS)
-    except OverflowError:
-        return Verdict("BuildChunk", frozenset({INVALID}), frozenset(), None, ("int32 overflow in the kernel layer",))
+        code, problem = call_and_check(
+            stubs_for(chan), "BuildChunk", request, judge("BuildChunk", request, FUZZ_LIMITS)
+        )
+        assert code is grpc.StatusCode.INVALID_ARGUMENT and not problem, (code, problem)
+        assert_healthy_after(own)
