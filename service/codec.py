@@ -119,26 +119,27 @@ def batch_inputs_to_proto(batch: BatchInputs, omit_token_to_seq: bool = False) -
 # --- results ----------------------------------------------------------------------------------------------
 
 
-def metadata_to_proto(meta: ChunkMetadata, omit_token_to_seq: bool) -> pb.ChunkMetadata:
+def write_metadata(meta: ChunkMetadata, omit_token_to_seq: bool, into: pb.ChunkMetadata) -> None:
+    """Fill ``into`` (a response's own submessage) in place: building a separate message and assigning it
+    would copy every array once more, megabytes for a large batch."""
     a, b = meta.query_slice
-    return pb.ChunkMetadata(
-        cu_seq_lens=encode_int32(meta.cu_seq_lens),
-        token_to_seq=b"" if omit_token_to_seq else encode_int32(meta.token_to_seq),
-        cu_seqlen_ks=encode_int32(meta.cu_seqlen_ks),
-        cu_seqlen_ke=encode_int32(meta.cu_seqlen_ke),
-        total_seq_lens=meta.total_seq_lens,
-        token_start=meta.token_start,
-        token_end=meta.token_end,
-        num_reqs=meta.num_reqs,
-        skip_kv_gather=meta.skip_kv_gather,
-        local_cu_seq_lens=encode_int32(meta.local_cu_seq_lens),
-        local_total_seq_lens=meta.local_total_seq_lens,
-        max_local_total_seq_lens=meta.max_local_total_seq_lens,
-        req_start=meta.req_start,
-        req_end=meta.req_end,
-        query_slice=pb.QuerySlice(start=a, stop=b),
-        token_to_seq_omitted=omit_token_to_seq,
-    )
+    into.cu_seq_lens = encode_int32(meta.cu_seq_lens)
+    if not omit_token_to_seq:
+        into.token_to_seq = encode_int32(meta.token_to_seq)
+    into.cu_seqlen_ks = encode_int32(meta.cu_seqlen_ks)
+    into.cu_seqlen_ke = encode_int32(meta.cu_seqlen_ke)
+    into.total_seq_lens = meta.total_seq_lens
+    into.token_start = meta.token_start
+    into.token_end = meta.token_end
+    into.num_reqs = meta.num_reqs
+    into.skip_kv_gather = meta.skip_kv_gather
+    into.local_cu_seq_lens = encode_int32(meta.local_cu_seq_lens)
+    into.local_total_seq_lens = meta.local_total_seq_lens
+    into.max_local_total_seq_lens = meta.max_local_total_seq_lens
+    into.req_start = meta.req_start
+    into.req_end = meta.req_end
+    into.query_slice.start, into.query_slice.stop = a, b
+    into.token_to_seq_omitted = omit_token_to_seq
 
 
 def metadata_from_proto(message: pb.ChunkMetadata) -> ChunkMetadata:
@@ -163,14 +164,16 @@ def metadata_from_proto(message: pb.ChunkMetadata) -> ChunkMetadata:
 
 
 def plan_to_proto(plan: PrefillPlan, omit_token_to_seq: bool) -> pb.PlanBatchResponse:
-    return pb.PlanBatchResponse(
+    response = pb.PlanBatchResponse(
         chunks=[
             pb.ChunkSpec(req_start=c.req_start, req_end=c.req_end, query_start=c.query_start, query_stop=c.query_stop)
             for c in plan.chunks
         ],
-        metadata=[metadata_to_proto(m, omit_token_to_seq) for m in plan.metadata],
         max_prefill_seq_len=plan.max_prefill_seq_len,
     )
+    for meta in plan.metadata:
+        write_metadata(meta, omit_token_to_seq, response.metadata.add())
+    return response
 
 
 def plan_from_proto(message: pb.PlanBatchResponse) -> PrefillPlan:

@@ -329,7 +329,9 @@ class DataPlane:
             return pb.BuildChunkResponse()
         a, b = meta.query_slice
         self._observe_size("BuildChunk", meta.num_reqs, b - a)
-        return pb.BuildChunkResponse(metadata=codec.metadata_to_proto(meta, request.omit_token_to_seq))
+        response = pb.BuildChunkResponse()
+        codec.write_metadata(meta, request.omit_token_to_seq, response.metadata)
+        return response
 
     def _plan_batch(self, request: pb.PlanBatchRequest) -> pb.PlanBatchResponse:
         config = self.config
