@@ -4,10 +4,23 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import pytest
 
 from benchmarks.harness import ServiceProcess, metric_total, scrape
+from protos.indexer.v1 import indexer_pb2 as pb
 
+SMALL = pb.BuildChunkRequest(
+    query_start_loc=np.array([0, 1, 4, 9], "<i4").tobytes(), seq_lens=np.array([20, 10, 5], "<i4").tobytes(),
+    compress_ratio=4, req_start=1, req_end=3,
+)  # fmt: skip
+# A plan of SLOW_CHUNKS one-row chunks (a logits budget of one element): about 0.35 s of server work on this
+# machine that no shortcut skips, since each chunk is answered; long enough for calls to overlap.
+SLOW_CHUNKS = 4096
+SLOW = pb.PlanBatchRequest(
+    query_start_loc=np.array([0, SLOW_CHUNKS], "<i4").tobytes(), seq_lens=np.array([100_000], "<i4").tobytes(),
+    compress_ratio=1, max_logits_bytes=4, omit_token_to_seq=True,
+)  # fmt: skip
 IN_FLIGHT = "indexer_requests_in_flight"
 ERRORS = "indexer_request_errors_total"
 

@@ -12,25 +12,14 @@ import time
 from collections.abc import Iterator
 
 import grpc
-import numpy as np
 import pytest
 
 from benchmarks.fuzzing import Limits, call_and_check, judge, stubs_for
 from benchmarks.harness import FAST_START, ServiceProcess, channel, metric_total, scrape
-from protos.indexer.v1 import indexer_pb2 as pb
-from tests.hardening_support import ERRORS, assert_healthy_after, wait_idle
+from tests.hardening_support import ERRORS, SLOW, SMALL, assert_healthy_after, wait_idle
 
 LIMITS = Limits(max_num_seqs=1024, max_num_batched_tokens=8192, max_model_len=2**20, max_message_bytes=64 * 2**20,
                 max_logits_bytes=512 * 2**20)  # fmt: skip
-# One 1M-token request whose logits budget splits it into 64 chunks: about 0.25 s of numpy work on this machine.
-SLOW = pb.PlanBatchRequest(
-    query_start_loc=np.array([0, 2048], "<i4").tobytes(), seq_lens=np.array([1_000_000], "<i4").tobytes(),
-    compress_ratio=1, max_logits_bytes=4 * 1_000_000 * 32, omit_token_to_seq=True,
-)  # fmt: skip
-SMALL = pb.BuildChunkRequest(
-    query_start_loc=np.array([0, 1, 4, 9], "<i4").tobytes(), seq_lens=np.array([20, 10, 5], "<i4").tobytes(),
-    compress_ratio=4, req_start=1, req_end=3,
-)  # fmt: skip
 CALLS = 6  # of each kind: more than the server's 8 worker threads together, so some wait in its queue
 
 

@@ -20,17 +20,7 @@ from benchmarks.fuzzing import stubs_for
 from benchmarks.harness import FAST_START, ServiceProcess, channel, http_get
 from kernels.inputs import MAX_DCP_WORLD_SIZE
 from protos.indexer.v1 import indexer_pb2 as pb
-from tests.hardening_support import assert_healthy_after, wait_idle
-
-SMALL = pb.BuildChunkRequest(
-    query_start_loc=np.array([0, 1, 4, 9], "<i4").tobytes(), seq_lens=np.array([20, 10, 5], "<i4").tobytes(),
-    compress_ratio=4, req_start=1, req_end=3,
-)  # fmt: skip
-# About 0.25 s of numpy work: long enough for calls to overlap.
-SLOW = pb.PlanBatchRequest(
-    query_start_loc=np.array([0, 2048], "<i4").tobytes(), seq_lens=np.array([1_000_000], "<i4").tobytes(),
-    compress_ratio=1, max_logits_bytes=4 * 1_000_000 * 32, omit_token_to_seq=True,
-)  # fmt: skip
+from tests.hardening_support import SLOW, SLOW_CHUNKS, SMALL, assert_healthy_after, wait_idle
 
 
 def oversized(limit: int) -> pb.BuildChunkRequest:
@@ -75,7 +65,7 @@ def test_calls_over_max_concurrent_rpcs_are_resource_exhausted() -> None:
             assert 1 <= codes.count(grpc.StatusCode.OK) <= calls - 1, codes
             wait_idle(server, timeout=30)
             # The limit counts calls being served, not calls ever made: once they end, new ones are taken.
-            assert all(len(plan(SLOW, timeout=60).chunks) == 64 for _ in range(limit + 1))
+            assert all(len(plan(SLOW, timeout=60).chunks) == SLOW_CHUNKS for _ in range(limit + 1))
         assert_healthy_after(server)
 
 
