@@ -5,13 +5,10 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -19,28 +16,11 @@ import pytest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from service.config import CONFIG_FILE_ENV, ENV_PREFIX, SETTINGS
+from benchmarks.harness import clean_env, http_get
 
 INDEXER_SERVICE = str(Path(sys.executable).with_name("indexer-service"))
 LOOPBACK = "127.0.0.1"
 _serial = itertools.count()
-
-
-def service_env(**overrides: str) -> dict[str, str]:
-    """The test process's environment without any INDEXER_ setting, so only the test's flags count."""
-    env = {k: v for k, v in os.environ.items() if k != CONFIG_FILE_ENV and k.removeprefix(ENV_PREFIX) not in
-           {name.upper() for name in SETTINGS}}  # fmt: skip
-    env["PYTHONUNBUFFERED"] = "1"
-    env.update(overrides)
-    return env
-
-
-def http_get(url: str, timeout: float = 5.0) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as response:
-            return response.status, response.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode()
 
 
 class Scrape:
@@ -139,7 +119,7 @@ def _server_factory(workdir: Path, cache_dir: Path) -> tuple[StartServer, list[S
     started: list[ServerProcess] = []
 
     def start(*args: str, ready: bool = True, env: dict[str, str] | None = None) -> ServerProcess:
-        server = ServerProcess(workdir, args, env or service_env(TRITON_CACHE_DIR=str(cache_dir)))
+        server = ServerProcess(workdir, args, env or clean_env(TRITON_CACHE_DIR=str(cache_dir)))
         started.append(server)
         server.wait_listening()
         return server.wait_ready() if ready else server

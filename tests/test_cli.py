@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 
 from kernels.specialization import CompileKey
-from tests.conftest import INDEXER_SERVICE, LOOPBACK, ServerProcess, StartServer, service_env
+from tests.conftest import INDEXER_SERVICE, LOOPBACK, ServerProcess, StartServer, clean_env
 
 
 def run(*args: str, timeout: float = 120, **env: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [INDEXER_SERVICE, *args], capture_output=True, text=True, timeout=timeout, env=service_env(**env)
+        [INDEXER_SERVICE, *args], capture_output=True, text=True, timeout=timeout, env=clean_env(**env)
     )
 
 

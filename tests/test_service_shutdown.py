@@ -28,10 +28,12 @@ SMALL = pb.BuildChunkRequest(
     query_start_loc=encode_int32(np.arange(0, 4097, 64)), seq_lens=encode_int32(np.full(64, 4096)),
     compress_ratio=4, req_start=0, req_end=64,
 )  # fmt: skip
-# One 1M-token request split into 256 sub-chunks by a small logits budget: seconds of numpy work.
+# One request of 32,768 query rows cut into one chunk per row by a one-element logits budget: seconds of
+# real work (each chunk is planned, built and encoded), not a sleep.
+LONG_ROWS = 32_768
 LONG = pb.PlanBatchRequest(
-    query_start_loc=encode_int32(np.array([0, 8192])), seq_lens=encode_int32(np.array([1_000_000])),
-    compress_ratio=1, max_logits_bytes=4 * 1_000_000 * 32, omit_token_to_seq=True,
+    query_start_loc=encode_int32(np.array([0, LONG_ROWS])), seq_lens=encode_int32(np.array([1_000_000])),
+    compress_ratio=1, max_logits_bytes=4, omit_token_to_seq=True,
 )  # fmt: skip
 
 
@@ -60,7 +62,7 @@ def burst(address: str, calls: list[Call], stop: threading.Event) -> None:
 
 def test_sigterm_during_a_burst_drains_and_exits_0(start_server: StartServer) -> None:
     server = start_server(
-        "--backend", "numpy", "--warmup-target", "none",
+        "--backend", "numpy", "--warmup-target", "none", "--max-num-batched-tokens", str(LONG_ROWS),
         "--shutdown-delay-seconds", str(SHUTDOWN_DELAY), "--shutdown-grace-seconds", str(GRACE),
     )  # fmt: skip
     calls: list[Call] = []
@@ -106,7 +108,7 @@ def test_sigterm_during_a_burst_drains_and_exits_0(start_server: StartServer) ->
 
     assert exit_code == 0, server.log()
     assert "error" not in long_result, long_result
-    assert len(long_result["response"].chunks) == 256
+    assert len(long_result["response"].chunks) == LONG_ROWS
     assert long_result["end"] > sigterm_at + SHUTDOWN_DELAY, "the long call should have outlived the delay"
     assert long_result["end"] <= exited_at
 

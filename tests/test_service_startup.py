@@ -15,7 +15,7 @@ from kernels.specialization import ModelConfig, warmup_keys
 from protos.indexer.v1 import indexer_pb2 as pb
 from protos.indexer.v1 import indexer_pb2_grpc as pb_grpc
 from service.codec import SERVICE_NAME, encode_int32
-from tests.conftest import StartServer, http_get, scrape, service_env
+from tests.conftest import StartServer, clean_env, http_get, scrape
 
 pytestmark = pytest.mark.slow
 
@@ -37,7 +37,7 @@ def health_statuses(channel: grpc.Channel) -> dict[str, int]:
 
 def test_not_serving_until_warmup_has_compiled_every_key(start_server: StartServer, tmp_path: Path) -> None:
     # A cold Triton cache makes the warmup take seconds: long enough to see every step.
-    server = start_server(ready=False, env=service_env(TRITON_CACHE_DIR=str(tmp_path / "cold-cache")))
+    server = start_server(ready=False, env=clean_env(TRITON_CACHE_DIR=str(tmp_path / "cold-cache")))
     with grpc.insecure_channel(server.address) as channel:
         status, body = http_get(f"{server.http_url}/readyz")
         assert (status, body.startswith("warming up")) == (503, True), body
