@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import grpc
 import numpy as np
+from google.protobuf.message import DecodeError
 
 from kernels.inputs import (
     ChunkArrays,
@@ -48,6 +49,11 @@ log = logging.getLogger(__name__)
 _CHUNK_OVERHEAD_BYTES = 512
 
 
+_METHODS = pb.DESCRIPTOR.services_by_name["PrefillMetadata"].methods
+REQUEST_TYPES = {method.name: getattr(pb, method.input_type.name) for method in _METHODS}
+RESPONSE_TYPES = {method.name: getattr(pb, method.output_type.name) for method in _METHODS}
+
+
 class ServiceError(Exception):
     """A request's final status: a gRPC code and a message for the caller."""
 
@@ -55,6 +61,15 @@ class ServiceError(Exception):
         super().__init__(message)
         self.code = code
         self.message = message
+
+
+def _parse(method: str, data: bytes, where: str) -> object:
+    try:
+        return REQUEST_TYPES[method].FromString(data)
+    except DecodeError:
+        raise ServiceError(
+            grpc.StatusCode.INVALID_ARGUMENT, f"{where}: not a {REQUEST_TYPES[method].__name__} message"
+        ) from None
 
 
 def _at(field: str, index: int | None = None) -> str:
@@ -206,8 +221,9 @@ class DataPlane:
 
     # --- the request path -------------------------------------------------------------------------------
 
-    def call(self, method: str, request: object) -> object:
-        """Serve one RPC; raises only :class:`ServiceError`."""
+    def call(self, method: str, request: object, where: str = "request") -> object:
+        """Serve one RPC; raises only :class:`ServiceError`. ``request`` is a message, or its serialized bytes
+        (undecodable bytes are INVALID_ARGUMENT naming ``where``)."""
         handler, needs_ready = self._handlers[method]
         in_flight = self.metrics.requests_in_flight.labels(method=method)
         in_flight.inc()
@@ -218,6 +234,8 @@ class DataPlane:
                 # Gated on the warmup, not on readiness: while draining, calls already on their way still
                 # get answered (gRPC itself refuses new ones once the server stops).
                 raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"not ready: {self.not_ready_reason()}")
+            if isinstance(request, bytes):
+                request = _parse(method, request, where)
             return handler(request)
         except ServiceError as exc:
             code = exc.code

@@ -18,11 +18,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from protos.indexer.v1 import indexer_pb2 as pb
-from protos.indexer.v1 import indexer_pb2_grpc as pb_grpc
 from service.codec import SERVICE_NAME
 from service.config import ServiceConfig
-from service.dataplane import DataPlane, ServiceError
+from service.dataplane import RESPONSE_TYPES, DataPlane, ServiceError
 
 log = logging.getLogger(__name__)
 
@@ -37,22 +35,20 @@ def host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-class PrefillMetadataServicer(pb_grpc.PrefillMetadataServicer):
-    """Every RPC is the data plane's; errors are mapped by :class:`ErrorMappingInterceptor`."""
+def prefill_metadata_handler(plane: DataPlane) -> grpc.GenericRpcHandler:
+    """PrefillMetadata's methods, each the data plane's. Requests arrive as bytes and the data plane parses
+    them: grpcio's own deserializer would answer undecodable bytes with INTERNAL and a traceback, where the
+    caller deserves INVALID_ARGUMENT (as over HTTP). Errors are mapped by :class:`ErrorMappingInterceptor`."""
 
-    def __init__(self, plane: DataPlane) -> None:
-        self.plane = plane
+    def unary(method: str) -> grpc.RpcMethodHandler:
+        def behavior(data: bytes, context: grpc.ServicerContext) -> object:
+            return plane.call(method, data)
 
-    def BuildChunk(self, request: pb.BuildChunkRequest, context: grpc.ServicerContext) -> pb.BuildChunkResponse:
-        return self.plane.call("BuildChunk", request)
+        return grpc.unary_unary_rpc_method_handler(
+            behavior, request_deserializer=None, response_serializer=RESPONSE_TYPES[method].SerializeToString
+        )
 
-    def PlanBatch(self, request: pb.PlanBatchRequest, context: grpc.ServicerContext) -> pb.PlanBatchResponse:
-        return self.plane.call("PlanBatch", request)
-
-    def GetWarmupStatus(
-        self, request: pb.GetWarmupStatusRequest, context: grpc.ServicerContext
-    ) -> pb.GetWarmupStatusResponse:
-        return self.plane.call("GetWarmupStatus", request)
+    return grpc.method_handlers_generic_handler(SERVICE_NAME, {method: unary(method) for method in RESPONSE_TYPES})
 
 
 class _ServiceInterceptor(grpc.ServerInterceptor):
@@ -167,7 +163,7 @@ def create_grpc_server(
             *connection_age_options(config.max_connection_age_seconds),
         ],
     )
-    pb_grpc.add_PrefillMetadataServicer_to_server(PrefillMetadataServicer(plane), server)
+    server.add_generic_rpc_handlers((prefill_metadata_handler(plane),))
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, HEALTH_SERVICE_NAME, reflection.SERVICE_NAME), server)
     address = host_port(config.grpc_host, config.grpc_port)

@@ -15,20 +15,14 @@ import json
 import logging
 
 import grpc
-from google.protobuf.message import DecodeError
 from prometheus_client import make_asgi_app
 
-from protos.indexer.v1 import indexer_pb2 as pb
 from service.codec import SERVICE_NAME
-from service.dataplane import DataPlane, ServiceError
+from service.dataplane import REQUEST_TYPES, DataPlane, ServiceError
 
 log = logging.getLogger(__name__)
 
 PROTOBUF = b"application/x-protobuf"
-_REQUEST_TYPES = {
-    method.name: getattr(pb, method.input_type.name)
-    for method in pb.DESCRIPTOR.services_by_name["PrefillMetadata"].methods
-}
 # google.rpc.Code to HTTP, as in google/api/http.proto's mapping.
 _HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,
@@ -57,7 +51,7 @@ class HttpApp:
         elif path == "/readyz" and verb in ("GET", "HEAD"):
             reason = self.plane.not_ready_reason()
             await _reply(send, 503 if reason else 200, f"{reason or 'ready'}\n".encode())
-        elif path.startswith(f"/{SERVICE_NAME}/") and path.rsplit("/", 1)[1] in _REQUEST_TYPES:
+        elif path.startswith(f"/{SERVICE_NAME}/") and path.rsplit("/", 1)[1] in REQUEST_TYPES:
             if verb != "POST":
                 await _reply(send, 405, b"POST a protobuf request message\n", [(b"allow", b"POST")])
             else:
@@ -73,14 +67,8 @@ class HttpApp:
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"body: above max_message_bytes {self.plane.config.max_message_bytes}",
                 )
-            try:
-                request = _REQUEST_TYPES[method].FromString(body)
-            except DecodeError:
-                raise ServiceError(
-                    grpc.StatusCode.INVALID_ARGUMENT, f"body: not a {_REQUEST_TYPES[method].__name__} message"
-                ) from None
             # The data plane is CPU-bound: keep the event loop free for probes and scrapes.
-            response = await asyncio.get_running_loop().run_in_executor(None, self.plane.call, method, request)
+            response = await asyncio.get_running_loop().run_in_executor(None, self.plane.call, method, body, "body")
         except ServiceError as exc:
             log.info("http method=%s code=%s details=%r", method, exc.code.name, exc.message)
             payload = json.dumps({"code": exc.code.name, "message": exc.message}).encode()
