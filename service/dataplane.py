@@ -11,6 +11,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import grpc
@@ -61,6 +62,19 @@ class ServiceError(Exception):
         super().__init__(message)
         self.code = code
         self.message = message
+
+
+# The current call's "has the caller gone?" (set by DataPlane.call for the call's duration, on its thread).
+_ABANDONED: ContextVar[Callable[[], grpc.StatusCode | None] | None] = ContextVar("abandoned", default=None)
+
+
+def stop_if_abandoned() -> None:
+    """Stop the current call's work when its caller has cancelled or its deadline has passed: nobody would
+    read the answer, and the thread is better spent on calls whose callers wait."""
+    check = _ABANDONED.get()
+    code = check() if check is not None else None
+    if code is not None:
+        raise ServiceError(code, "the caller went away (cancelled or past its deadline); work stopped")
 
 
 def _parse(method: str, data: bytes, where: str) -> object:
@@ -221,9 +235,16 @@ class DataPlane:
 
     # --- the request path -------------------------------------------------------------------------------
 
-    def call(self, method: str, request: object, where: str = "request") -> object:
+    def call(
+        self,
+        method: str,
+        request: object,
+        where: str = "request",
+        abandoned: Callable[[], grpc.StatusCode | None] | None = None,
+    ) -> object:
         """Serve one RPC; raises only :class:`ServiceError`. ``request`` is a message, or its serialized bytes
-        (undecodable bytes are INVALID_ARGUMENT naming ``where``)."""
+        (undecodable bytes are INVALID_ARGUMENT naming ``where``). ``abandoned`` says whether the caller has
+        gone (CANCELLED or DEADLINE_EXCEEDED); a build checks it between its phases and stops."""
         handler, needs_ready = self._handlers[method]
         in_flight = self.metrics.requests_in_flight.labels(method=method)
         in_flight.inc()
@@ -236,7 +257,11 @@ class DataPlane:
                 raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"not ready: {self.not_ready_reason()}")
             if isinstance(request, bytes):
                 request = _parse(method, request, where)
-            return handler(request)
+            token = _ABANDONED.set(abandoned)
+            try:
+                return handler(request)
+            finally:
+                _ABANDONED.reset(token)
         except ServiceError as exc:
             code = exc.code
             raise
@@ -297,12 +322,14 @@ class DataPlane:
         and the response size, checked on the host parts before any array is computed."""
         hosts = chunk_host_parts(chunks)
         self._check_sizes(chunks, hosts, omit_token_to_seq)
+        stop_if_abandoned()
         present = [host for host in hosts if host is not None]
         start = time.perf_counter()
         arrays = iter(self.backend.arrays_many(present, chunks[0].dcp, not omit_token_to_seq) if present else [])
         self.metrics.backend_duration_seconds.labels(method=method, backend=self.backend.name).observe(
             time.perf_counter() - start
         )
+        stop_if_abandoned()
         return [
             None if host is None else assemble(inputs, host, *next(arrays))
             for inputs, host in zip(chunks, hosts, strict=True)
@@ -366,6 +393,7 @@ class DataPlane:
         decodes = batch.num_decodes  # validated by the planner
         tokens = int(batch.query_start_loc[-1] - batch.query_start_loc[decodes])
         self._observe_size("PlanBatch", batch.seq_lens.size - decodes, tokens)
+        stop_if_abandoned()
         return codec.plan_to_proto(plan, request.omit_token_to_seq)
 
     def _warmup_status(self, request: pb.GetWarmupStatusRequest) -> pb.GetWarmupStatusResponse:

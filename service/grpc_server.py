@@ -35,6 +35,14 @@ def host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+def abandoned_code(context: grpc.ServicerContext) -> grpc.StatusCode | None:
+    """None while the caller waits; else DEADLINE_EXCEEDED or CANCELLED."""
+    if context.is_active():
+        return None
+    remaining = context.time_remaining()
+    return grpc.StatusCode.DEADLINE_EXCEEDED if remaining is not None and remaining <= 0 else grpc.StatusCode.CANCELLED
+
+
 def prefill_metadata_handler(plane: DataPlane) -> grpc.GenericRpcHandler:
     """PrefillMetadata's methods, each the data plane's. Requests arrive as bytes and the data plane parses
     them: grpcio's own deserializer would answer undecodable bytes with INTERNAL and a traceback, where the
@@ -42,7 +50,7 @@ def prefill_metadata_handler(plane: DataPlane) -> grpc.GenericRpcHandler:
 
     def unary(method: str) -> grpc.RpcMethodHandler:
         def behavior(data: bytes, context: grpc.ServicerContext) -> object:
-            return plane.call(method, data)
+            return plane.call(method, data, abandoned=lambda: abandoned_code(context))
 
         return grpc.unary_unary_rpc_method_handler(
             behavior, request_deserializer=None, response_serializer=RESPONSE_TYPES[method].SerializeToString
