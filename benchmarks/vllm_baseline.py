@@ -18,7 +18,12 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.specialization import BLOCK_SIZE, ModelConfig, warmup_compress_ratios
+from kernels.specialization import (
+    BLOCK_SIZE,
+    ModelConfig,
+    triton_int_specialization_class,
+    warmup_compress_ratios,
+)
 
 
 def _vllm_shaped_kernel_fn(
@@ -71,11 +76,22 @@ def vllm_shaped_kernel():
     return triton.jit(_vllm_shaped_kernel_fn)
 
 
-def warmup_one_by_one(kernel, model: ModelConfig, max_num_batched_tokens: int, device: str) -> int:
-    """vLLM's warmup key space (spec section 4), each key compiled in turn; returns the key count."""
+def vllm_warmup_points(model: ModelConfig, max_num_batched_tokens: int) -> list[tuple[int, int, int, bool]]:
+    """One ``(slice_start, slice_stop, ratio, seq_lens aligned)`` per key of vLLM's warmup set (spec section 4):
+    the warmup inputs expanded, mapped to Triton's integer classes, deduplicated in first-seen order."""
     tokens = max(1, min(max_num_batched_tokens, 8))
-    stops = sorted({1, 2 * tokens - 1, 2 * tokens})
-    points = list(itertools.product((0, 1, 2), stops, warmup_compress_ratios(model), (True, False)))
+    points: dict[tuple[int, int, int, bool], tuple[int, int, int, bool]] = {}
+    for start, stop, ratio, aligned in itertools.product(
+        (0, 1, 2), (1, 2 * tokens - 1, 2 * tokens), warmup_compress_ratios(model), (True, False)
+    ):
+        key = (triton_int_specialization_class(start), triton_int_specialization_class(stop), ratio, aligned)
+        points.setdefault(key, (start, stop, ratio, aligned))
+    return list(points.values())
+
+
+def warmup_one_by_one(kernel, model: ModelConfig, max_num_batched_tokens: int, device: str) -> int:
+    """vLLM's warmup key space, each key compiled in turn; returns the key count."""
+    points = vllm_warmup_points(model, max_num_batched_tokens)
     for slice_start, slice_stop, ratio, aligned in points:
         buffers = [torch.zeros(8, dtype=torch.int32, device=device) for _ in range(7)]
         if not aligned:

@@ -74,8 +74,8 @@ def triton_int_type(value: int) -> str:
 def triton_int_specialization_class(value: int) -> int:
     """Triton's class for an integer it *does* specialize: 1, divisible by 16, or generic, per width.
 
-    Used to count what the kernel would compile if its scalars were specialized (the vLLM-style key space
-    the benchmark compares against); the service's own kernel does not specialize them.
+    Names the variants a kernel with specialized scalars compiles: the vLLM-style key space the warmup
+    benchmark compares against (``benchmarks/vllm_baseline.py``); the service's own kernel specializes none.
     """
     if value == 1:
         return 1

@@ -10,6 +10,7 @@ import triton
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from benchmarks.vllm_baseline import vllm_warmup_points
 from kernels.compile_engine import compile_only_driver, parse_target, warmup_arguments, watch_compiles
 from kernels.inputs import DcpConfig
 from kernels.specialization import (
@@ -175,3 +176,14 @@ def test_every_warmup_key_is_reachable_by_a_valid_request(model):
     for ratio in warmup_compress_ratios(model):
         builder(random_chunk_inputs(np.random.default_rng(ratio), BatchShape(4, 8, 600), ratio))
     assert set(reached) == set(warmup_keys(model))
+
+
+@pytest.mark.parametrize(
+    ("model", "max_num_batched_tokens", "keys"),
+    [(ModelConfig(FLASH_RATIOS), 8192, 54), (ModelConfig((0, 0, 4, 128, 0), 32), 8192, 72),
+     (ModelConfig(), 8192, 18), (ModelConfig(FLASH_RATIOS), 4, 36), (ModelConfig(FLASH_RATIOS), 1, 36)],
+    ids=["flash", "kpool32", "v32", "mnbt4", "mnbt1"],
+)  # fmt: skip
+def test_the_benchmark_baseline_is_vllms_key_space(model, max_num_batched_tokens, keys):
+    """The spec's key counts (section 4): what the vLLM-style warmup baseline compiles one by one."""
+    assert len(vllm_warmup_points(model, max_num_batched_tokens)) == keys
