@@ -6,7 +6,9 @@
 
 Retries and load balancing live in the gRPC service config, not in Python loops: every RPC is idempotent, so
 UNAVAILABLE (a replica warming up, draining, or gone) is retried with backoff on another replica, within the
-call's deadline. Round-robin spreads calls over every address a target resolves to, and client-side health
+call's deadline, and so is CANCELLED: a caller never sees its own cancellation come back, and a server that
+shuts down answers CANCELLED to calls it had received but not yet handed to a handler (grpc/grpc#41785).
+Round-robin spreads calls over every address a target resolves to, and client-side health
 checking keeps calls off replicas that are not SERVING. Failed calls raise ``grpc.RpcError``.
 """
 
@@ -42,8 +44,8 @@ def channel_target(addresses: str | Sequence[str]) -> str:
 
 
 def service_config(max_attempts: int = 5, health_check: bool = True) -> str:
-    """The channel's service config: round-robin, retry of UNAVAILABLE with backoff (``max_attempts`` calls in
-    all; 1: no retry), optional client-side health checks."""
+    """The channel's service config: round-robin, retry of UNAVAILABLE and CANCELLED with backoff
+    (``max_attempts`` calls in all; 1: no retry), optional client-side health checks."""
     method: dict[str, object] = {"name": [{"service": SERVICE_NAME}]}
     if max_attempts > 1:  # gRPC rejects a whole service config whose retryPolicy has maxAttempts < 2
         method["retryPolicy"] = {
@@ -51,7 +53,7 @@ def service_config(max_attempts: int = 5, health_check: bool = True) -> str:
             "initialBackoff": "0.05s",
             "maxBackoff": "1s",
             "backoffMultiplier": 2,
-            "retryableStatusCodes": ["UNAVAILABLE"],
+            "retryableStatusCodes": ["UNAVAILABLE", "CANCELLED"],
         }
     config: dict[str, object] = {"loadBalancingConfig": [{"round_robin": {}}], "methodConfig": [method]}
     if health_check:

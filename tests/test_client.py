@@ -8,6 +8,7 @@ import json
 import signal
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import numpy as np
@@ -15,6 +16,8 @@ import pytest
 
 from kernels.inputs import ChunkInputs
 from kernels.naive import build_chunk_metadata_numpy
+from protos.indexer.v1 import indexer_pb2 as pb
+from protos.indexer.v1 import indexer_pb2_grpc as pb_grpc
 from service.client import IndexerClient, channel_target, service_config
 from service.codec import SERVICE_NAME, encode_int32
 from tests.conftest import ServerProcess, StartServer, scrape
@@ -117,9 +120,45 @@ def test_service_config_retries_idempotent_calls_round_robin() -> None:
     assert config["healthCheckConfig"] == {"serviceName": SERVICE_NAME}
     (method,) = config["methodConfig"]
     assert method["name"] == [{"service": SERVICE_NAME}]
-    assert "UNAVAILABLE" in method["retryPolicy"]["retryableStatusCodes"]
+    assert set(method["retryPolicy"]["retryableStatusCodes"]) == {"UNAVAILABLE", "CANCELLED"}
     single = json.loads(service_config(max_attempts=1, health_check=False))
     assert "retryPolicy" not in single["methodConfig"][0] and "healthCheckConfig" not in single
+
+
+class RefusesFirstAttempts(pb_grpc.PrefillMetadataServicer):
+    """Answers each call's first attempts with the codes a shutting-down server gives, then the status."""
+
+    def __init__(self, codes: list[grpc.StatusCode]) -> None:
+        self.codes = codes
+        self.attempts = 0
+
+    def GetWarmupStatus(self, request: pb.GetWarmupStatusRequest, context: grpc.ServicerContext) -> object:
+        self.attempts += 1
+        if self.attempts <= len(self.codes):
+            context.abort(self.codes[self.attempts - 1], "shutting down")
+        return pb.GetWarmupStatusResponse(state=pb.WARMUP_STATE_READY)
+
+
+@pytest.mark.parametrize("codes", [["UNAVAILABLE"], ["CANCELLED"], ["CANCELLED", "UNAVAILABLE"]])
+def test_codes_of_a_shutting_down_server_are_retried(codes: list[str]) -> None:
+    """grpc/grpc#41785: a server shutting down answers CANCELLED to calls it had not yet handed to a handler;
+    the caller must not see it, any more than UNAVAILABLE."""
+    servicer = RefusesFirstAttempts([grpc.StatusCode[c] for c in codes])
+    server = grpc.server(ThreadPoolExecutor(max_workers=2))
+    pb_grpc.add_PrefillMetadataServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        with IndexerClient(f"127.0.0.1:{port}", health_check=False) as client:
+            assert client.warmup_status(timeout=5).state == pb.WARMUP_STATE_READY
+        assert servicer.attempts == len(codes) + 1
+        with IndexerClient(f"127.0.0.1:{port}", health_check=False, max_attempts=1) as client:
+            servicer.attempts = 0
+            with pytest.raises(grpc.RpcError) as refused:
+                client.warmup_status(timeout=5)
+            assert refused.value.code() is grpc.StatusCode[codes[0]]
+    finally:
+        server.stop(None).wait()
 
 
 def test_arrays_outside_int32_are_refused_before_sending() -> None:
