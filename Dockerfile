@@ -29,11 +29,9 @@ LABEL org.opencontainers.image.title="indexer-service" \
       org.opencontainers.image.description="DeepSeek-V4 sparse-indexer prefill chunk metadata over gRPC, warmup-gated readiness" \
       org.opencontainers.image.licenses="Apache-2.0"
 
-# MALLOC_ARENA_MAX=2: with glibc's default per-thread arenas the gRPC worker threads kept idle RSS 8-14 %
-# above its start after 100k requests; with 2 arenas, 0.8 % (benchmarks/soak.py, benchmarks/RESULTS.md).
+# glibc malloc is tuned by the service itself (malloc_arena_max, malloc_retain_bytes in docs/service.md).
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
-    MALLOC_ARENA_MAX=2 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     HOME=/home/indexer \
     TRITON_CACHE_DIR=/opt/indexer/triton-cache

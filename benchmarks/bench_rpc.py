@@ -7,13 +7,13 @@ Batches: bench_kernel's small (8 requests, 351 query tokens), medium (64, 8,885)
 8 and 32 calls in flight, each phase bounded by ``--seconds`` and a call count.
 
 Baseline, measured in the same run: an echo server with the service's gRPC settings (sync ``grpc.server``, the
-same thread count, message size limits, concurrency limit and channel options) that answers each request's
-bytes with the service's own response bytes for it, recorded beforehand: the floor for moving exactly these
-bytes through gRPC in Python. Both are separate processes on CPU 0 (the client on CPU 1; ``--no-pin`` to let
-the OS schedule), started the same way; the client is the same code for both: request bytes out, a parsed
-BuildChunkResponse back. Targets: the service's p50 within 1.3x the echo's, its calls/s at least 0.75x.
-The service runs the default config but for ``--max-num-batched-tokens 131072`` (the large batch has 65,961
-query tokens; the default allows 8,192) and no warmup (nothing on the numpy request path compiles).
+same thread count, message size limits, concurrency limit, channel options and malloc settings) that answers
+each request's bytes with the service's own response bytes for it, recorded beforehand: the floor for moving
+exactly these bytes through gRPC in Python. Both are separate processes on CPU 0 (the client on CPU 1;
+``--no-pin`` to let the OS schedule), started the same way; the client is the same code for both: request
+bytes out, a parsed BuildChunkResponse back. Targets: the service's p50 within 1.3x the echo's, its calls/s
+at least 0.75x. The service runs the default config but for ``--max-num-batched-tokens 131072`` (the large
+batch has 65,961 query tokens; the default allows 8,192) and no warmup (nothing on the numpy request path compiles).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from benchmarks.bench_kernel import make_inputs
 from benchmarks.fuzzing import Limits, check_answer, judge
 from benchmarks.harness import ServiceProcess, channel, clean_env, closed_loop, percentile_us, write_json
 from protos.indexer.v1 import indexer_pb2 as pb
+from service.allocator import configure_malloc
 from service.codec import SERVICE_NAME, chunk_inputs_to_proto
 from service.config import ServiceConfig, load_config
 from service.grpc_server import connection_age_options
@@ -59,6 +60,7 @@ def grpc_options(config: ServiceConfig) -> list[tuple[str, int]]:
 def serve_echo(canned: Path, port_file: Path) -> None:
     """The baseline server: each known request's bytes get their recorded response bytes, nothing else."""
     config = load_config(env={})
+    configure_malloc(config.malloc_arena_max, config.malloc_retain_bytes)  # as serve() does
     answers = {(canned / f"{n}.request").read_bytes(): (canned / f"{n}.response").read_bytes()
                for n in range(len(list(canned.glob("*.request"))))}  # fmt: skip
 

@@ -25,6 +25,7 @@ with atheris.instrument_imports(include=["kernels", "service", "benchmarks.fuzzi
         FUZZ_LIMITS,
         REQUEST_TYPES,
         REQUESTS,
+        RESPONSE_TYPES,
         check_answer,
         describe,
         judge,
@@ -68,7 +69,8 @@ def one_input(data: bytes) -> None:
         request = REQUESTS[method](source.ConsumeIntInRange, FUZZ_LIMITS)
     verdict = judge(method, request, FUZZ_LIMITS)
     try:
-        response, code, details = PLANE.call(method, request), grpc.StatusCode.OK, ""
+        response = RESPONSE_TYPES[method].FromString(PLANE.call(method, request))
+        code, details = grpc.StatusCode.OK, ""
     except ServiceError as exc:
         response, code, details = None, exc.code, exc.message
     problems = check_answer(verdict, request, code, details, response)

@@ -6,7 +6,10 @@ int32``): decoding is a zero-copy ``np.frombuffer``.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import numpy as np
+from google.protobuf.descriptor import Descriptor, FieldDescriptor
 
 from kernels.inputs import ChunkInputs, ChunkMetadata, DcpConfig, InvalidInputError
 from kernels.planner import BatchInputs, ChunkSpec, PrefillPlan
@@ -116,30 +119,101 @@ def batch_inputs_to_proto(batch: BatchInputs, omit_token_to_seq: bool = False) -
     return request
 
 
-# --- results ----------------------------------------------------------------------------------------------
+# --- results ---------------------------------------------------------------------------------------------
+# Responses leave the data plane as protobuf wire bytes written straight from the result arrays: one
+# ``b"".join`` copies each array once into the answer, where filling a message and serializing it copied it
+# three times (tobytes, into the message, out of it), megabytes for a large batch. Field numbers and types
+# come from the message descriptors; tests check the bytes against protobuf's own encoding.
+
+Part = bytes | memoryview
 
 
-def write_metadata(meta: ChunkMetadata, omit_token_to_seq: bool, into: pb.ChunkMetadata) -> None:
-    """Fill ``into`` (a response's own submessage) in place: building a separate message and assigning it
-    would copy every array once more, megabytes for a large batch."""
+def _varint(value: int) -> bytes:
+    value &= (1 << 64) - 1  # a negative integer is ten bytes of two's complement, as protobuf writes it
+    out = bytearray()
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _wire_view(values: np.ndarray, field: str) -> memoryview:
+    """The array's little-endian int32 bytes, without a copy when it already is one."""
+    if values.dtype != WIRE_INT32 or not values.flags.c_contiguous:
+        values = np.frombuffer(encode_int32(values, field), dtype=WIRE_INT32)
+    return memoryview(values).cast("B")
+
+
+class _WireMessage:
+    """Encodes one message type's fields, given by name, in field-number order; proto3 fields without
+    presence are left out at their default, as protobuf does."""
+
+    def __init__(self, descriptor: Descriptor) -> None:
+        self.fields = sorted(descriptor.fields, key=lambda f: f.number)
+
+    def parts(self, values: Mapping[str, object]) -> list[Part]:
+        parts: list[Part] = []
+        for field in self.fields:
+            value = values.get(field.name)
+            if value is None:
+                continue
+            if field.type == FieldDescriptor.TYPE_MESSAGE:
+                # A submessage, or a repeated one's items, each already as parts.
+                for item in value if field.is_repeated else [value]:
+                    parts += [_varint(field.number << 3 | 2) + _varint(sum(len(p) for p in item)), *item]
+            elif field.type == FieldDescriptor.TYPE_BYTES:
+                if len(value) or field.has_presence:
+                    parts += [_varint(field.number << 3 | 2) + _varint(len(value)), value]
+            elif value or field.has_presence:
+                parts.append(_varint(field.number << 3) + _varint(int(value)))
+        return parts
+
+
+_CHUNK_METADATA = _WireMessage(pb.ChunkMetadata.DESCRIPTOR)
+_QUERY_SLICE = _WireMessage(pb.QuerySlice.DESCRIPTOR)
+_CHUNK_SPEC = _WireMessage(pb.ChunkSpec.DESCRIPTOR)
+_BUILD_CHUNK_RESPONSE = _WireMessage(pb.BuildChunkResponse.DESCRIPTOR)
+_PLAN_BATCH_RESPONSE = _WireMessage(pb.PlanBatchResponse.DESCRIPTOR)
+
+
+def _metadata_parts(meta: ChunkMetadata, omit_token_to_seq: bool) -> list[Part]:
     a, b = meta.query_slice
-    into.cu_seq_lens = encode_int32(meta.cu_seq_lens)
-    if not omit_token_to_seq:
-        into.token_to_seq = encode_int32(meta.token_to_seq)
-    into.cu_seqlen_ks = encode_int32(meta.cu_seqlen_ks)
-    into.cu_seqlen_ke = encode_int32(meta.cu_seqlen_ke)
-    into.total_seq_lens = meta.total_seq_lens
-    into.token_start = meta.token_start
-    into.token_end = meta.token_end
-    into.num_reqs = meta.num_reqs
-    into.skip_kv_gather = meta.skip_kv_gather
-    into.local_cu_seq_lens = encode_int32(meta.local_cu_seq_lens)
-    into.local_total_seq_lens = meta.local_total_seq_lens
-    into.max_local_total_seq_lens = meta.max_local_total_seq_lens
-    into.req_start = meta.req_start
-    into.req_end = meta.req_end
-    into.query_slice.start, into.query_slice.stop = a, b
-    into.token_to_seq_omitted = omit_token_to_seq
+    return _CHUNK_METADATA.parts({
+        "cu_seq_lens": _wire_view(meta.cu_seq_lens, "cu_seq_lens"),
+        "token_to_seq": None if omit_token_to_seq else _wire_view(meta.token_to_seq, "token_to_seq"),
+        "cu_seqlen_ks": _wire_view(meta.cu_seqlen_ks, "cu_seqlen_ks"),
+        "cu_seqlen_ke": _wire_view(meta.cu_seqlen_ke, "cu_seqlen_ke"),
+        "total_seq_lens": meta.total_seq_lens,
+        "token_start": meta.token_start,
+        "token_end": meta.token_end,
+        "num_reqs": meta.num_reqs,
+        "skip_kv_gather": meta.skip_kv_gather,
+        "local_cu_seq_lens": _wire_view(meta.local_cu_seq_lens, "local_cu_seq_lens"),
+        "local_total_seq_lens": meta.local_total_seq_lens,
+        "max_local_total_seq_lens": meta.max_local_total_seq_lens,
+        "req_start": meta.req_start,
+        "req_end": meta.req_end,
+        "query_slice": _QUERY_SLICE.parts({"start": a, "stop": b}),
+        "token_to_seq_omitted": omit_token_to_seq,
+    })  # fmt: skip
+
+
+def build_chunk_response_bytes(meta: ChunkMetadata | None, omit_token_to_seq: bool) -> bytes:
+    """A serialized BuildChunkResponse: ``metadata`` absent when the chunk holds no compressed token."""
+    metadata = None if meta is None else _metadata_parts(meta, omit_token_to_seq)
+    return b"".join(_BUILD_CHUNK_RESPONSE.parts({"metadata": metadata}))
+
+
+def plan_response_bytes(plan: PrefillPlan, omit_token_to_seq: bool) -> bytes:
+    """A serialized PlanBatchResponse."""
+    fields = ("req_start", "req_end", "query_start", "query_stop")
+    chunks = [_CHUNK_SPEC.parts({name: getattr(c, name) for name in fields}) for c in plan.chunks]
+    return b"".join(_PLAN_BATCH_RESPONSE.parts({
+        "chunks": chunks,
+        "metadata": [_metadata_parts(meta, omit_token_to_seq) for meta in plan.metadata],
+        "max_prefill_seq_len": plan.max_prefill_seq_len,
+    }))  # fmt: skip
 
 
 def metadata_from_proto(message: pb.ChunkMetadata) -> ChunkMetadata:
@@ -161,19 +235,6 @@ def metadata_from_proto(message: pb.ChunkMetadata) -> ChunkMetadata:
         req_end=message.req_end,
         query_slice=(message.query_slice.start, message.query_slice.stop),
     )
-
-
-def plan_to_proto(plan: PrefillPlan, omit_token_to_seq: bool) -> pb.PlanBatchResponse:
-    response = pb.PlanBatchResponse(
-        chunks=[
-            pb.ChunkSpec(req_start=c.req_start, req_end=c.req_end, query_start=c.query_start, query_stop=c.query_stop)
-            for c in plan.chunks
-        ],
-        max_prefill_seq_len=plan.max_prefill_seq_len,
-    )
-    for meta in plan.metadata:
-        write_metadata(meta, omit_token_to_seq, response.metadata.add())
-    return response
 
 
 def plan_from_proto(message: pb.PlanBatchResponse) -> PrefillPlan:

@@ -59,6 +59,8 @@ class ServiceConfig:
     warmup_workers: int = _setting("parallel compiles during warmup")
     strict: bool = _setting("refuse launches that need a kernel variant outside the warmed set")
     triton_cache_dir: str = _setting("Triton cache directory (an existing TRITON_CACHE_DIR wins)")
+    malloc_arena_max: int = _setting("most glibc malloc arenas (0: glibc's default)")
+    malloc_retain_bytes: int = _setting("freed memory glibc keeps per arena for reuse (0: glibc's default)")
     log_level: str = _setting("DEBUG, INFO, WARNING or ERROR")
 
     @property
@@ -234,6 +236,9 @@ def _validate(config: ServiceConfig, sources: Mapping[str, str]) -> None:
         4096 <= config.max_message_bytes <= _INT32_MAX,
         f"must be in [4096, {_INT32_MAX}], got {config.max_message_bytes}",
     )
+    for name in ("malloc_arena_max", "malloc_retain_bytes"):  # mallopt takes a C int
+        value = getattr(config, name)
+        check(name, 0 <= value <= _INT32_MAX, f"must be in [0, {_INT32_MAX}], got {value}")
     for name in ("shutdown_grace_seconds", "shutdown_delay_seconds", "max_connection_age_seconds"):
         check(name, getattr(config, name) >= 0, f"must be >= 0, got {getattr(config, name)}")
     check("max_logits_bytes", config.max_logits_bytes >= 4, f"must be >= 4, got {config.max_logits_bytes}")

@@ -241,8 +241,9 @@ class DataPlane:
         request: object,
         where: str = "request",
         abandoned: Callable[[], grpc.StatusCode | None] | None = None,
-    ) -> object:
-        """Serve one RPC; raises only :class:`ServiceError`. ``request`` is a message, or its serialized bytes
+    ) -> bytes:
+        """Serve one RPC: the response message's wire bytes, which both transports send as they are; raises
+        only :class:`ServiceError`. ``request`` is a message, or its serialized bytes
         (undecodable bytes are INVALID_ARGUMENT naming ``where``). ``abandoned`` says whether the caller has
         gone (CANCELLED or DEADLINE_EXCEEDED); a build checks it between its phases and stops."""
         handler, needs_ready = self._handlers[method]
@@ -365,20 +366,18 @@ class DataPlane:
         self.metrics.request_batch_requests.labels(method=method).observe(requests)
         self.metrics.request_query_tokens.labels(method=method).observe(tokens)
 
-    def _build_chunk(self, request: pb.BuildChunkRequest) -> pb.BuildChunkResponse:
+    def _build_chunk(self, request: pb.BuildChunkRequest) -> bytes:
         inputs = codec.chunk_inputs_from_proto(request)
         self._admit_request(inputs)
         (meta,) = self._build("BuildChunk", [inputs], request.omit_token_to_seq)
         if meta is None:
             self._observe_size("BuildChunk", inputs.req_end - inputs.req_start, 0)
-            return pb.BuildChunkResponse()
-        a, b = meta.query_slice
-        self._observe_size("BuildChunk", meta.num_reqs, b - a)
-        response = pb.BuildChunkResponse()
-        codec.write_metadata(meta, request.omit_token_to_seq, response.metadata)
-        return response
+        else:
+            a, b = meta.query_slice
+            self._observe_size("BuildChunk", meta.num_reqs, b - a)
+        return codec.build_chunk_response_bytes(meta, request.omit_token_to_seq)
 
-    def _plan_batch(self, request: pb.PlanBatchRequest) -> pb.PlanBatchResponse:
+    def _plan_batch(self, request: pb.PlanBatchRequest) -> bytes:
         config = self.config
         batch = codec.batch_inputs_from_proto(request, config.max_model_len, config.max_logits_bytes)
         self._admit_request(batch)
@@ -394,9 +393,9 @@ class DataPlane:
         tokens = int(batch.query_start_loc[-1] - batch.query_start_loc[decodes])
         self._observe_size("PlanBatch", batch.seq_lens.size - decodes, tokens)
         stop_if_abandoned()
-        return codec.plan_to_proto(plan, request.omit_token_to_seq)
+        return codec.plan_response_bytes(plan, request.omit_token_to_seq)
 
-    def _warmup_status(self, request: pb.GetWarmupStatusRequest) -> pb.GetWarmupStatusResponse:
+    def _warmup_status(self, request: pb.GetWarmupStatusRequest) -> bytes:
         warmup = self.warmup
         with self._lock:
             compiles_after_ready = self._compiles_after_ready
@@ -418,4 +417,4 @@ class DataPlane:
             warmup_seconds=warmup.seconds,
             compiles_after_ready=compiles_after_ready,
             ready=self.ready,
-        )
+        ).SerializeToString()

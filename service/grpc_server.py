@@ -20,7 +20,7 @@ from grpc_reflection.v1alpha import reflection
 
 from service.codec import SERVICE_NAME
 from service.config import ServiceConfig
-from service.dataplane import RESPONSE_TYPES, DataPlane, ServiceError
+from service.dataplane import REQUEST_TYPES, DataPlane, ServiceError
 
 log = logging.getLogger(__name__)
 
@@ -44,19 +44,18 @@ def abandoned_code(context: grpc.ServicerContext) -> grpc.StatusCode | None:
 
 
 def prefill_metadata_handler(plane: DataPlane) -> grpc.GenericRpcHandler:
-    """PrefillMetadata's methods, each the data plane's. Requests arrive as bytes and the data plane parses
-    them: grpcio's own deserializer would answer undecodable bytes with INTERNAL and a traceback, where the
-    caller deserves INVALID_ARGUMENT (as over HTTP). Errors are mapped by :class:`ErrorMappingInterceptor`."""
+    """PrefillMetadata's methods, each the data plane's, bytes in and bytes out. The data plane parses
+    requests: grpcio's own deserializer would answer undecodable bytes with INTERNAL and a traceback, where the
+    caller deserves INVALID_ARGUMENT (as over HTTP). It answers with wire bytes it wrote from the result arrays
+    (one copy, see service/codec.py). Errors are mapped by :class:`ErrorMappingInterceptor`."""
 
     def unary(method: str) -> grpc.RpcMethodHandler:
         def behavior(data: bytes, context: grpc.ServicerContext) -> object:
             return plane.call(method, data, abandoned=lambda: abandoned_code(context))
 
-        return grpc.unary_unary_rpc_method_handler(
-            behavior, request_deserializer=None, response_serializer=RESPONSE_TYPES[method].SerializeToString
-        )
+        return grpc.unary_unary_rpc_method_handler(behavior)  # no (de)serializers: bytes both ways
 
-    return grpc.method_handlers_generic_handler(SERVICE_NAME, {method: unary(method) for method in RESPONSE_TYPES})
+    return grpc.method_handlers_generic_handler(SERVICE_NAME, {method: unary(method) for method in REQUEST_TYPES})
 
 
 class _ServiceInterceptor(grpc.ServerInterceptor):

@@ -74,7 +74,7 @@ class HttpApp:
             payload = json.dumps({"code": exc.code.name, "message": exc.message}).encode()
             await _reply(send, _HTTP_STATUS.get(exc.code, 500), payload, content_type=b"application/json")
             return
-        await _reply(send, 200, response.SerializeToString(), content_type=PROTOBUF)
+        await _reply(send, 200, response, content_type=PROTOBUF)
 
 
 async def _read_body(receive, limit: int) -> bytes | None:

@@ -20,6 +20,7 @@ from pathlib import Path
 import uvicorn
 
 from kernels.specialization import warmup_keys
+from service.allocator import configure_malloc
 from service.config import ServiceConfig
 from service.dataplane import DataPlane, launch_admission, make_backend, resolve_backend
 from service.grpc_server import create_grpc_server, create_health_servicer, health_listener, host_port
@@ -147,6 +148,7 @@ def serve(config: ServiceConfig, port_file: Path | None = None) -> int:
     previous = {s: signal.signal(s, lambda signum, frame: None) for s in signals}
     try:
         log.info("start pid=%d config: %s", os.getpid(), config.summary())
+        configure_malloc(config.malloc_arena_max, config.malloc_retain_bytes)
         server = IndexerServer(config)
         server.start()
         if port_file is not None:

@@ -115,7 +115,7 @@ def test_triton_backend_answers_warmed_ratios_like_numpy(strict_triton) -> None:
     plane, _ = strict_triton
     for ratio in (0, 1, 4):
         inputs = ChunkInputs(E1.query_start_loc, E1.seq_lens, ratio, 1, 3, query_slice=(1, 7))
-        response = plane.call("BuildChunk", codec.chunk_inputs_to_proto(inputs))
+        response = pb.BuildChunkResponse.FromString(plane.call("BuildChunk", codec.chunk_inputs_to_proto(inputs)))
         got = codec.metadata_from_proto(response.metadata)
         assert metadata_as_dict(got) == metadata_as_dict(build_chunk_metadata_numpy(inputs))
     labels = {"method": "BuildChunk", "backend": "triton"}
@@ -142,7 +142,9 @@ def test_a_whole_plan_is_one_launch_on_the_triton_backend() -> None:
     plane.refresh_readiness()
     qsl, seq = random_batch(np.random.default_rng(5), BatchShape(12, 40, 400))
     batch = BatchInputs(qsl, seq, 4, num_decodes=2, max_model_len=100, max_logits_bytes=4 * 300)
-    plan = codec.plan_from_proto(plane.call("PlanBatch", codec.batch_inputs_to_proto(batch)))
+    plan = codec.plan_from_proto(
+        pb.PlanBatchResponse.FromString(plane.call("PlanBatch", codec.batch_inputs_to_proto(batch)))
+    )
     expected = build_prefill_batch(batch, build_chunk_metadata_numpy)
     assert len(expected.metadata) >= 3 and plan.chunks == expected.chunks
     assert [metadata_as_dict(m) for m in plan.metadata] == [metadata_as_dict(m) for m in expected.metadata]
@@ -166,7 +168,8 @@ def test_compiles_after_ready_come_from_tritons_hook() -> None:
     finally:
         uninstall()
     assert registry.get_sample_value("indexer_compiles_after_ready_total") == 1
-    assert plane.call("GetWarmupStatus", pb.GetWarmupStatusRequest()).compiles_after_ready == 1
+    status = pb.GetWarmupStatusResponse.FromString(plane.call("GetWarmupStatus", pb.GetWarmupStatusRequest()))
+    assert status.compiles_after_ready == 1
 
 
 def test_dcp_with_compression_is_a_failed_precondition_on_the_triton_backend(strict_triton) -> None:
