@@ -128,7 +128,12 @@ def batch_inputs_to_proto(batch: BatchInputs, omit_token_to_seq: bool = False) -
 Part = bytes | memoryview
 
 
+_ONE_BYTE_VARINTS = [bytes([v]) for v in range(0x80)]
+
+
 def _varint(value: int) -> bytes:
+    if 0 <= value < 0x80:
+        return _ONE_BYTE_VARINTS[value]
     value &= (1 << 64) - 1  # a negative integer is ten bytes of two's complement, as protobuf writes it
     out = bytearray()
     while value > 0x7F:
@@ -145,28 +150,37 @@ def _wire_view(values: np.ndarray, field: str) -> memoryview:
     return memoryview(values).cast("B")
 
 
+_MESSAGE, _BYTES, _SCALAR = range(3)
+
+
 class _WireMessage:
     """Encodes one message type's fields, given by name, in field-number order; proto3 fields without
     presence are left out at their default, as protobuf does."""
 
     def __init__(self, descriptor: Descriptor) -> None:
-        self.fields = sorted(descriptor.fields, key=lambda f: f.number)
+        kinds = {FieldDescriptor.TYPE_MESSAGE: _MESSAGE, FieldDescriptor.TYPE_BYTES: _BYTES}
+        self.fields = [
+            # name, tag bytes, kind, repeated, written at its default
+            (f.name, _varint(f.number << 3 | (0 if kinds.get(f.type, _SCALAR) == _SCALAR else 2)),
+             kinds.get(f.type, _SCALAR), f.is_repeated, f.has_presence)
+            for f in sorted(descriptor.fields, key=lambda f: f.number)
+        ]  # fmt: skip
 
     def parts(self, values: Mapping[str, object]) -> list[Part]:
         parts: list[Part] = []
-        for field in self.fields:
-            value = values.get(field.name)
+        for name, tag, kind, repeated, has_presence in self.fields:
+            value = values.get(name)
             if value is None:
                 continue
-            if field.type == FieldDescriptor.TYPE_MESSAGE:
+            if kind == _MESSAGE:
                 # A submessage, or a repeated one's items, each already as parts.
-                for item in value if field.is_repeated else [value]:
-                    parts += [_varint(field.number << 3 | 2) + _varint(sum(len(p) for p in item)), *item]
-            elif field.type == FieldDescriptor.TYPE_BYTES:
-                if len(value) or field.has_presence:
-                    parts += [_varint(field.number << 3 | 2) + _varint(len(value)), value]
-            elif value or field.has_presence:
-                parts.append(_varint(field.number << 3) + _varint(int(value)))
+                for item in value if repeated else [value]:
+                    parts += [tag + _varint(sum(map(len, item))), *item]
+            elif kind == _BYTES:
+                if len(value) or has_presence:
+                    parts += [tag + _varint(len(value)), value]
+            elif value or has_presence:
+                parts.append(tag + _varint(int(value)))
         return parts
 
 

@@ -247,7 +247,7 @@ class DataPlane:
         (undecodable bytes are INVALID_ARGUMENT naming ``where``). ``abandoned`` says whether the caller has
         gone (CANCELLED or DEADLINE_EXCEEDED); a build checks it between its phases and stops."""
         handler, needs_ready = self._handlers[method]
-        in_flight = self.metrics.requests_in_flight.labels(method=method)
+        in_flight = self.metrics.child(self.metrics.requests_in_flight, method)
         in_flight.inc()
         start = time.perf_counter()
         code = grpc.StatusCode.OK
@@ -278,11 +278,11 @@ class DataPlane:
             log.exception("internal error method=%s", method)
             raise ServiceError(code, f"internal error ({type(exc).__name__}); see the server log") from exc
         finally:
-            self.metrics.request_duration_seconds.labels(method=method, code=code.name).observe(
+            self.metrics.child(self.metrics.request_duration_seconds, method, code.name).observe(
                 time.perf_counter() - start
             )
             if code is not grpc.StatusCode.OK:
-                self.metrics.request_errors_total.labels(method=method, code=code.name).inc()
+                self.metrics.child(self.metrics.request_errors_total, method, code.name).inc()
             in_flight.dec()
 
     def _admit_request(self, inputs: ChunkInputs | BatchInputs) -> None:
@@ -327,7 +327,7 @@ class DataPlane:
         present = [host for host in hosts if host is not None]
         start = time.perf_counter()
         arrays = iter(self.backend.arrays_many(present, chunks[0].dcp, not omit_token_to_seq) if present else [])
-        self.metrics.backend_duration_seconds.labels(method=method, backend=self.backend.name).observe(
+        self.metrics.child(self.metrics.backend_duration_seconds, method, self.backend.name).observe(
             time.perf_counter() - start
         )
         stop_if_abandoned()
@@ -363,8 +363,8 @@ class DataPlane:
             )
 
     def _observe_size(self, method: str, requests: int, tokens: int) -> None:
-        self.metrics.request_batch_requests.labels(method=method).observe(requests)
-        self.metrics.request_query_tokens.labels(method=method).observe(tokens)
+        self.metrics.child(self.metrics.request_batch_requests, method).observe(requests)
+        self.metrics.child(self.metrics.request_query_tokens, method).observe(tokens)
 
     def _build_chunk(self, request: pb.BuildChunkRequest) -> bytes:
         inputs = codec.chunk_inputs_from_proto(request)

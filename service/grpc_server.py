@@ -1,5 +1,5 @@
-"""The gRPC transport: a thin servicer over the data plane, interceptors for access logs and error mapping,
-health (overall and per service) and reflection.
+"""The gRPC transport: a thin servicer over the data plane, wrapped for access logs and error mapping; health
+(overall and per service) and reflection.
 
 The server is the sync ``grpc.server`` with a thread pool, not ``grpc.aio``: the work is CPU-bound numpy (or a
 GPU launch) and, measured on the target machines, the sync server answered a medium request in 486 us against
@@ -44,72 +44,59 @@ def abandoned_code(context: grpc.ServicerContext) -> grpc.StatusCode | None:
 
 
 def prefill_metadata_handler(plane: DataPlane) -> grpc.GenericRpcHandler:
-    """PrefillMetadata's methods, each the data plane's, bytes in and bytes out. The data plane parses
-    requests: grpcio's own deserializer would answer undecodable bytes with INTERNAL and a traceback, where the
-    caller deserves INVALID_ARGUMENT (as over HTTP). It answers with wire bytes it wrote from the result arrays
-    (one copy, see service/codec.py). Errors are mapped by :class:`ErrorMappingInterceptor`."""
+    """PrefillMetadata's methods, each the data plane's, bytes in and bytes out, each wrapped once in
+    :func:`access_logged` and :func:`error_mapped` (KServe's interceptors, composed at start: grpcio's own
+    interceptor pipeline rebuilds its wrappers on every call). The data plane parses requests: grpcio's own
+    deserializer would answer undecodable bytes with INTERNAL and a traceback, where the caller deserves
+    INVALID_ARGUMENT (as over HTTP). It answers with wire bytes written from the result arrays (one copy, see
+    service/codec.py). Health and reflection are grpcio's own and pass unwrapped."""
 
     def unary(method: str) -> grpc.RpcMethodHandler:
-        def behavior(data: bytes, context: grpc.ServicerContext) -> object:
+        def behavior(data: bytes, context: grpc.ServicerContext) -> bytes:
             return plane.call(method, data, abandoned=lambda: abandoned_code(context))
 
-        return grpc.unary_unary_rpc_method_handler(behavior)  # no (de)serializers: bytes both ways
+        # no (de)serializers: bytes both ways
+        return grpc.unary_unary_rpc_method_handler(access_logged(method, error_mapped(method, behavior)))
 
     return grpc.method_handlers_generic_handler(SERVICE_NAME, {method: unary(method) for method in REQUEST_TYPES})
 
 
-class _ServiceInterceptor(grpc.ServerInterceptor):
-    """Wraps the unary methods of PrefillMetadata; health and reflection (streams) pass untouched."""
-
-    def intercept_service(self, continuation, handler_call_details):
-        handler = continuation(handler_call_details)
-        service, _, method = handler_call_details.method.lstrip("/").partition("/")
-        if handler is None or handler.unary_unary is None or service != SERVICE_NAME:
-            return handler
-        return handler._replace(unary_unary=self.wrap(method, handler.unary_unary))
-
-    def wrap(self, method: str, behavior: Behavior) -> Behavior:
-        raise NotImplementedError
-
-
-class ErrorMappingInterceptor(_ServiceInterceptor):
+def error_mapped(method: str, behavior: Behavior) -> Behavior:
     """ServiceError -> its status; anything else -> INTERNAL with a logged traceback. Never crashes the server."""
 
-    def wrap(self, method: str, behavior: Behavior) -> Behavior:
-        def mapped(request, context):
-            try:
-                return behavior(request, context)
-            except ServiceError as exc:
-                context.abort(exc.code, exc.message)
-            except Exception as exc:
-                log.exception("internal error method=%s", method)
-                context.abort(grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__}); see the server log")
+    def mapped(request: bytes, context: grpc.ServicerContext) -> object:
+        try:
+            return behavior(request, context)
+        except ServiceError as exc:
+            context.abort(exc.code, exc.message)
+        except Exception as exc:
+            log.exception("internal error method=%s", method)
+            context.abort(grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__}); see the server log")
 
-        return mapped
+    return mapped
 
 
-class AccessLogInterceptor(_ServiceInterceptor):
+def access_logged(method: str, behavior: Behavior) -> Behavior:
     """One line per call that did not succeed (INFO; INTERNAL at ERROR), and per success at DEBUG."""
 
-    def wrap(self, method: str, behavior: Behavior) -> Behavior:
-        def logged(request, context):
-            start = time.perf_counter()
-            try:
-                return behavior(request, context)
-            finally:
-                code = context.code() or grpc.StatusCode.OK
-                ms = (time.perf_counter() - start) * 1e3
-                if code is grpc.StatusCode.OK:
-                    log.debug("rpc method=%s code=OK ms=%.3f peer=%s", method, ms, context.peer())
-                else:
-                    details = context.details()  # the sync server keeps them encoded
-                    if isinstance(details, bytes):
-                        details = details.decode(errors="replace")
-                    level = logging.ERROR if code is grpc.StatusCode.INTERNAL else logging.INFO
-                    log.log(level, "rpc method=%s code=%s ms=%.3f peer=%s details=%r", method, code.name, ms,
-                            context.peer(), details)  # fmt: skip
+    def logged(request: bytes, context: grpc.ServicerContext) -> object:
+        start = time.perf_counter()
+        try:
+            return behavior(request, context)
+        finally:
+            code = context.code() or grpc.StatusCode.OK
+            if code is not grpc.StatusCode.OK:
+                details = context.details()  # the sync server keeps them encoded
+                if isinstance(details, bytes):
+                    details = details.decode(errors="replace")
+                level = logging.ERROR if code is grpc.StatusCode.INTERNAL else logging.INFO
+                log.log(level, "rpc method=%s code=%s ms=%.3f peer=%s details=%r", method, code.name,
+                        (time.perf_counter() - start) * 1e3, context.peer(), details)  # fmt: skip
+            elif log.isEnabledFor(logging.DEBUG):
+                log.debug("rpc method=%s code=OK ms=%.3f peer=%s", method, (time.perf_counter() - start) * 1e3,
+                          context.peer())  # fmt: skip
 
-        return logged
+    return logged
 
 
 def create_health_servicer() -> health.HealthServicer:
@@ -159,7 +146,6 @@ def create_grpc_server(
     """The server, bound (not started); returns it and the bound port."""
     server = grpc.server(
         ThreadPoolExecutor(max_workers=config.grpc_workers, thread_name_prefix="grpc"),
-        interceptors=[AccessLogInterceptor(), ErrorMappingInterceptor()],  # first = outermost
         # Over the limit gRPC answers RESOURCE_EXHAUSTED itself, before any thread or memory is spent.
         maximum_concurrent_rpcs=config.max_concurrent_rpcs,
         options=[

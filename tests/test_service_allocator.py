@@ -62,7 +62,8 @@ def test_kept_memory_is_reused_without_page_faults() -> None:
     assert defaults["outcome"] == {"arena_max": "glibc default", "retain_bytes": "glibc default"}
     # glibc's default trims the heap top once over 2x the largest block freed so far: those pages fault again.
     assert kept["faults_per_call"] < PAGES_PER_CALL * 0.02, kept
-    assert defaults["faults_per_call"] > 20 * max(kept["faults_per_call"], 1), (defaults, kept)
+    assert defaults["faults_per_call"] > PAGES_PER_CALL * 0.15, defaults
+    assert defaults["faults_per_call"] > 8 * max(kept["faults_per_call"], 1), (defaults, kept)
 
 
 @needs_glibc
