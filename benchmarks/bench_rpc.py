@@ -1,6 +1,7 @@
 """End-to-end RPC latency and throughput of BuildChunk on 127.0.0.1, against a bare gRPC echo of the same bytes.
 
-    python -m benchmarks.bench_rpc [--seconds 1] [--rounds 5] [--no-pin] [--out rpc.json] [--plot rpc.png]
+    python -m benchmarks.bench_rpc [--seconds 1] [--rounds 5] [--backend numpy|triton] [--no-pin] [--out rpc.json]
+        [--plot rpc.png]
 
 Batches: bench_kernel's small (8 requests, 351 query tokens), medium (64, 8,885) and large (256, 65,961) at ratio
 4, each sent whole as one chunk. Per batch: p50 and p99 with one client calling back to back, then calls/s with
@@ -14,7 +15,9 @@ exactly these bytes through gRPC in Python. Both are separate processes on CPU 0
 ``--no-pin`` to let the OS schedule), started the same way; the client is the same code for both: request
 bytes out, a parsed BuildChunkResponse back. Targets: the service's p50 within 1.3x the echo's, its calls/s
 at least 0.75x. The service runs the default config but for ``--max-num-batched-tokens 131072`` (the large
-batch has 65,961 query tokens; the default allows 8,192) and no warmup (nothing on the numpy request path compiles).
+batch has 65,961 query tokens; the default allows 8,192) and no warmup: nothing on the numpy request path
+compiles, and with ``--backend triton`` (a CUDA machine) the unmeasured first calls of each phase compile the
+one kernel variant ratio 4 needs.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from service.config import ServiceConfig, load_config
 from service.grpc_server import connection_age_options
 
 BATCHES = ("small-8", "medium-64", "large-256")
-SERVICE_FLAGS = ("--backend", "numpy", "--warmup-target", "none", "--max-num-batched-tokens", "131072")
+SERVICE_FLAGS = ("--warmup-target", "none", "--max-num-batched-tokens", "131072")
 METHOD = f"/{SERVICE_NAME}/BuildChunk"
 P50_TARGET, THROUGHPUT_TARGET = 1.3, 0.75
 IN_FLIGHT = (8, 32)
@@ -157,6 +160,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seconds", type=float, default=1.0, help="bound of each measured phase of a round")
     parser.add_argument("--rounds", type=int, default=5, help="alternating echo/service rounds per batch")
+    parser.add_argument("--backend", choices=("numpy", "triton"), default="numpy", help="the service's backend")
     parser.add_argument("--no-pin", action="store_true", help="do not pin servers to CPU 0 and the client to CPU 1")
     parser.add_argument("--out", type=Path, help="write the figures as JSON here")
     parser.add_argument("--plot", type=Path, help="write a PNG of the figures here")
@@ -175,7 +179,7 @@ def main() -> None:
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="bench-rpc-") as scratch:
         canned = Path(scratch)
-        with ServiceProcess(*SERVICE_FLAGS, cpus=server_cpus) as service:
+        with ServiceProcess(*SERVICE_FLAGS, "--backend", args.backend, cpus=server_cpus) as service:
             requests = record_responses(service, canned)
             echo_command = [sys.executable, "-m", "benchmarks.bench_rpc", "--serve-echo", str(canned)]
             with ServiceProcess(command=echo_command, cpus=server_cpus, env=clean_env()) as echo:
@@ -189,9 +193,8 @@ def main() -> None:
                     results[name] = {server: median_row(rows) for server, rows in rounds.items()}
                     print(f"measured {name}", file=sys.stderr)
 
-    print(
-        f"BuildChunk over gRPC on 127.0.0.1, ratio 4, servers {'on CPU 0, client on the rest' if pin else 'unpinned'}"
-    )
+    where = "on CPU 0, client on the rest" if pin else "unpinned"
+    print(f"BuildChunk over gRPC on 127.0.0.1, ratio 4, {args.backend} backend, servers {where}")
     header = f"{'batch':10} {'server':8} {'p50 us':>9} {'p99 us':>9}" + "".join(
         f" {f'calls/s @{k}':>13}" for k in IN_FLIGHT
     )
@@ -216,7 +219,8 @@ def main() -> None:
         verdicts |= {f"{name} {k}": v for k, v in met.items()}
     missed = [k for k, v in verdicts.items() if not v]
     print(f"targets met: {len(verdicts) - len(missed)}/{len(verdicts)}" + (f"; missed: {missed}" if missed else ""))
-    write_json(args.out, {"pinned": pin, "seconds": args.seconds, "rounds": args.rounds, "batches": results})
+    write_json(args.out, {"backend": args.backend, "pinned": pin, "seconds": args.seconds, "rounds": args.rounds,
+                          "batches": results})  # fmt: skip
     if args.plot:
         _plot(results, args.plot)
 

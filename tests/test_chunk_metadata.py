@@ -7,35 +7,18 @@ import zlib
 import numpy as np
 import pytest
 import torch
-import triton
 from hypothesis import given
 from hypothesis import strategies as st
-from triton.runtime.errors import InterpreterError
 
 from kernels import triton_kernel
 from kernels.inputs import ChunkInputs, DcpConfig, chunk_host_part, dcp_local_lens
 from kernels.naive import build_chunk_metadata_numpy, chunk_arrays_numpy
 from kernels.planner import BatchInputs, chunk_inputs_of_plan, plan_prefill_batch
 from kernels.testing import BatchShape, random_batch, random_chunk_inputs
-from kernels.triton_kernel import TritonChunkBuilder, interpreted_kernel
+from kernels.triton_kernel import TritonChunkBuilder
 from tests.golden import ARRAY_FIELDS, GOLDEN, SCALAR_FIELDS, case_id, chunk_inputs, metadata_as_dict
 
 SENTINEL = -0x5EED
-
-
-@pytest.fixture(scope="module")
-def triton_cpu() -> TritonChunkBuilder:
-    builder = TritonChunkBuilder("cpu", kernel=interpreted_kernel())
-    try:
-        builder(chunk_inputs(GOLDEN["chunk_metadata"][0]))
-    except InterpreterError as exc:
-        # Triton 3.6's interpreter calls int() on a one-element array for a loop bound loaded from memory,
-        # which numpy 2.5 refuses (seen on the H200 image); Triton 3.9's does not. The compiled kernel is
-        # unaffected (tests/test_gpu.py).
-        if "only 0-dimensional arrays" not in str(exc):
-            raise
-        pytest.skip(f"this Triton {triton.__version__} interpreter cannot run with numpy {np.__version__}: {exc}")
-    return builder
 
 
 @pytest.fixture

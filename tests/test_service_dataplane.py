@@ -17,7 +17,7 @@ from kernels.naive import build_chunk_metadata_numpy, chunk_arrays_numpy
 from kernels.planner import BatchInputs, build_prefill_batch
 from kernels.specialization import CompileKey, warmup_keys
 from kernels.testing import BatchShape, random_batch
-from kernels.triton_kernel import TritonChunkBuilder, interpreted_kernel
+from kernels.triton_kernel import TritonChunkBuilder
 from protos.indexer.v1 import indexer_pb2 as pb
 from protos.indexer.v1 import indexer_pb2_grpc as pb_grpc
 from service import codec
@@ -99,12 +99,12 @@ def test_out_of_memory_is_resource_exhausted_and_the_next_request_succeeds(flaky
 
 
 @pytest.fixture(scope="module")
-def strict_triton() -> tuple[DataPlane, TritonChunkBuilder]:
+def strict_triton(triton_cpu: TritonChunkBuilder) -> tuple[DataPlane, TritonChunkBuilder]:
     """Strict mode over the Triton kernel (interpreted on the CPU), warmed for ratios 4 and 1 (AOT, cuda:90)."""
     config = load_config({"strict": True, "compress_ratios": "4"}, env={})
     metrics = Metrics()
     warmup = Warmup(warmup_keys(config.model), target="cuda:90", enabled=True, workers=1, metrics=metrics)
-    builder = TritonChunkBuilder("cpu", kernel=interpreted_kernel(), admit=launch_admission(warmup))
+    builder = TritonChunkBuilder("cpu", kernel=triton_cpu.kernel, admit=launch_admission(warmup))
     plane = DataPlane(config, metrics, warmup, Backend("triton", builder.arrays_many))
     assert warmup.run() is WarmupState.READY
     plane.refresh_readiness()
@@ -134,10 +134,10 @@ def test_strict_mode_refuses_before_the_request_and_at_the_launch(strict_triton)
         builder(unwarmed)
 
 
-def test_a_whole_plan_is_one_launch_on_the_triton_backend() -> None:
+def test_a_whole_plan_is_one_launch_on_the_triton_backend(triton_cpu: TritonChunkBuilder) -> None:
     config = load_config({"warmup_target": "none"}, env={})
     launches: list[CompileKey] = []
-    builder = TritonChunkBuilder("cpu", kernel=interpreted_kernel(), admit=launches.append)
+    builder = TritonChunkBuilder("cpu", kernel=triton_cpu.kernel, admit=launches.append)
     plane = make_plane(config, Backend("triton", builder.arrays_many))
     plane.refresh_readiness()
     qsl, seq = random_batch(np.random.default_rng(5), BatchShape(12, 40, 400))
