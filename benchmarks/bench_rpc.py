@@ -40,8 +40,8 @@ from benchmarks.harness import ServiceProcess, channel, clean_env, closed_loop, 
 from protos.indexer.v1 import indexer_pb2 as pb
 from service.allocator import configure_malloc
 from service.codec import SERVICE_NAME, chunk_inputs_to_proto
-from service.config import ServiceConfig, load_config
-from service.grpc_server import connection_age_options
+from service.config import load_config
+from service.grpc_server import server_options
 
 BATCHES = ("small-8", "medium-64", "large-256")
 SERVICE_FLAGS = ("--warmup-target", "none", "--max-num-batched-tokens", "131072")
@@ -49,16 +49,6 @@ METHOD = f"/{SERVICE_NAME}/BuildChunk"
 P50_TARGET, THROUGHPUT_TARGET = 1.3, 0.75
 IN_FLIGHT = (8, 32)
 LATENCY_CALLS, LOAD_CALLS = 5_000, 100_000
-
-
-def grpc_options(config: ServiceConfig) -> list[tuple[str, int]]:
-    """The service's server options (service/grpc_server.py), for the echo."""
-    return [
-        ("grpc.max_receive_message_length", config.max_message_bytes),
-        ("grpc.max_send_message_length", config.max_message_bytes),
-        ("grpc.so_reuseport", 0),
-        *connection_age_options(config.max_connection_age_seconds),
-    ]
 
 
 def serve_echo(canned: Path, port_file: Path) -> None:
@@ -72,7 +62,7 @@ def serve_echo(canned: Path, port_file: Path) -> None:
         return answers[request]
 
     server = grpc.server(
-        ThreadPoolExecutor(max_workers=config.grpc_workers), options=grpc_options(config),
+        ThreadPoolExecutor(max_workers=config.grpc_workers), options=server_options(config),
         maximum_concurrent_rpcs=config.max_concurrent_rpcs,
     )  # fmt: skip
     handler = grpc.unary_unary_rpc_method_handler(echo)  # no (de)serializers: bytes in, bytes out

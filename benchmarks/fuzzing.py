@@ -42,6 +42,7 @@ from kernels.planner import (
     plan_prefill_batch,
 )
 from protos.indexer.v1 import indexer_pb2 as pb
+from service import dataplane
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 OK = grpc.StatusCode.OK
@@ -209,8 +210,9 @@ REQUESTS: dict[str, Callable[[Draw, Limits], pb.BuildChunkRequest | pb.PlanBatch
     "BuildChunk": chunk_request,
     "PlanBatch": plan_request,
 }
-REQUEST_TYPES = {"BuildChunk": pb.BuildChunkRequest, "PlanBatch": pb.PlanBatchRequest}
-RESPONSE_TYPES = {"BuildChunk": pb.BuildChunkResponse, "PlanBatch": pb.PlanBatchResponse}
+# The fuzzed methods' message types, as the service maps them.
+REQUEST_TYPES = {method: dataplane.REQUEST_TYPES[method] for method in REQUESTS}
+RESPONSE_TYPES = {method: dataplane.RESPONSE_TYPES[method] for method in REQUESTS}
 FIELDS = {m: frozenset(t.DESCRIPTOR.fields_by_name) | EXTRA_FIELDS for m, t in REQUEST_TYPES.items()}
 
 # --- the oracle ---------------------------------------------------------------------------------------------

@@ -151,6 +151,10 @@ def _wire_view(values: np.ndarray, field: str) -> memoryview:
 
 
 _MESSAGE, _BYTES, _SCALAR = range(3)
+_VARINT_TYPES = frozenset({
+    FieldDescriptor.TYPE_INT32, FieldDescriptor.TYPE_INT64, FieldDescriptor.TYPE_UINT32,
+    FieldDescriptor.TYPE_UINT64, FieldDescriptor.TYPE_BOOL, FieldDescriptor.TYPE_ENUM,
+})  # fmt: skip
 
 
 class _WireMessage:
@@ -158,13 +162,17 @@ class _WireMessage:
     presence are left out at their default, as protobuf does."""
 
     def __init__(self, descriptor: Descriptor) -> None:
-        kinds = {FieldDescriptor.TYPE_MESSAGE: _MESSAGE, FieldDescriptor.TYPE_BYTES: _BYTES}
-        self.fields = [
-            # name, tag bytes, kind, repeated, written at its default
-            (f.name, _varint(f.number << 3 | (0 if kinds.get(f.type, _SCALAR) == _SCALAR else 2)),
-             kinds.get(f.type, _SCALAR), f.is_repeated, f.has_presence)
-            for f in sorted(descriptor.fields, key=lambda f: f.number)
-        ]  # fmt: skip
+        self.fields = []  # name, tag bytes, kind, repeated, written at its default
+        for f in sorted(descriptor.fields, key=lambda f: f.number):
+            if f.type == FieldDescriptor.TYPE_MESSAGE:
+                kind, wire_type = _MESSAGE, 2
+            elif f.type == FieldDescriptor.TYPE_BYTES:
+                kind, wire_type = _BYTES, 2
+            elif f.type in _VARINT_TYPES:
+                kind, wire_type = _SCALAR, 0
+            else:  # a proto change this encoder does not speak must fail at import, not garble answers
+                raise TypeError(f"{descriptor.full_name}.{f.name}: field type {f.type} is not encoded here")
+            self.fields.append((f.name, _varint(f.number << 3 | wire_type), kind, f.is_repeated, f.has_presence))
 
     def parts(self, values: Mapping[str, object]) -> list[Part]:
         parts: list[Part] = []

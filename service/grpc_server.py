@@ -128,6 +128,17 @@ def connection_age_options(seconds: float) -> list[tuple[str, int]]:
     return [("grpc.max_connection_age_ms", int(seconds * 1000)), ("grpc.max_connection_age_grace_ms", 10_000)]
 
 
+def server_options(config: ServiceConfig) -> list[tuple[str, int]]:
+    """The gRPC server's channel options: message limits both ways, no shared port, connection age."""
+    return [
+        ("grpc.max_receive_message_length", config.max_message_bytes),
+        ("grpc.max_send_message_length", config.max_message_bytes),
+        # Never share a port silently with another process (Linux allows it by default in gRPC).
+        ("grpc.so_reuseport", 0),
+        *connection_age_options(config.max_connection_age_seconds),
+    ]
+
+
 def server_credentials(config: ServiceConfig) -> grpc.ServerCredentials | None:
     """TLS credentials of the gRPC port, requiring client certificates when a client CA is configured."""
     if not config.tls_enabled:
@@ -148,13 +159,7 @@ def create_grpc_server(
         ThreadPoolExecutor(max_workers=config.grpc_workers, thread_name_prefix="grpc"),
         # Over the limit gRPC answers RESOURCE_EXHAUSTED itself, before any thread or memory is spent.
         maximum_concurrent_rpcs=config.max_concurrent_rpcs,
-        options=[
-            ("grpc.max_receive_message_length", config.max_message_bytes),
-            ("grpc.max_send_message_length", config.max_message_bytes),
-            # Never share a port silently with another process (Linux allows it by default in gRPC).
-            ("grpc.so_reuseport", 0),
-            *connection_age_options(config.max_connection_age_seconds),
-        ],
+        options=server_options(config),
     )
     server.add_generic_rpc_handlers((prefill_metadata_handler(plane),))
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

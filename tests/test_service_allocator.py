@@ -76,11 +76,14 @@ def test_an_operators_malloc_environment_wins() -> None:
     assert result["faults_per_call"] > PAGES_PER_CALL * 0.1, result  # a tiny trim threshold: faults again
 
 
-def test_settings_are_validated_as_c_ints() -> None:
+def test_settings_are_c_ints_and_zeros_leave_glibc_alone(monkeypatch: pytest.MonkeyPatch) -> None:
     from service.config import ConfigError, load_config
 
     with pytest.raises(ConfigError, match="malloc_retain_bytes"):
         load_config({"malloc_retain_bytes": str(2**31)}, env={})
     with pytest.raises(ConfigError, match="malloc_arena_max"):
         load_config({"malloc_arena_max": "-1"}, env={})
-    assert configure_malloc.__doc__  # the module imports without glibc too
+    # Zeros leave glibc alone (no mallopt call), so this can run in the test process itself.
+    for name in ("MALLOC_ARENA_MAX", "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_"):
+        monkeypatch.delenv(name, raising=False)
+    assert configure_malloc(0, 0) == {"arena_max": "glibc default", "retain_bytes": "glibc default"}

@@ -112,3 +112,10 @@ def test_plan_bytes_equal_protobufs_serialization(omit_token_to_seq: bool) -> No
         plan_response_bytes(one, False)
         == pb.PlanBatchResponse(chunks=[pb.ChunkSpec(req_end=1)], max_prefill_seq_len=7).SerializeToString()
     )
+
+
+def test_a_field_type_the_encoder_does_not_speak_fails_at_construction() -> None:
+    from service.codec import _WireMessage
+
+    with pytest.raises(TypeError, match=r"indexer\.v1\.KeyStatus\.label"):
+        _WireMessage(pb.KeyStatus.DESCRIPTOR)  # a string first (compile_seconds, a double, would fail too)
