@@ -58,6 +58,7 @@ class ServiceConfig:
     warmup_target: str = _setting("ahead-of-time warmup target without GPU (cuda:90, hip:gfx942) or none")
     warmup_workers: int = _setting("parallel compiles during warmup")
     strict: bool = _setting("refuse launches that need a kernel variant outside the warmed set")
+    native_fast_path: bool = _setting("serve plain BuildChunk requests in compiled C when the backend is numpy")
     triton_cache_dir: str = _setting("Triton cache directory (an existing TRITON_CACHE_DIR wins)")
     malloc_arena_max: int = _setting("most glibc malloc arenas (0: glibc's default)")
     malloc_retain_bytes: int = _setting("freed memory glibc keeps per arena for reuse (0: glibc's default)")

@@ -30,6 +30,7 @@ from kernels.inputs import (
 )
 from kernels.naive import chunk_arrays_numpy_many
 from kernels.planner import (
+    WORKSPACE_TOKENS_PER_MODEL_LEN,
     BatchInputs,
     PrefillPlan,
     chunk_inputs_of_plan,
@@ -39,7 +40,7 @@ from kernels.planner import (
 )
 from kernels.specialization import CompileKey, normalize_compress_ratio
 from protos.indexer.v1 import indexer_pb2 as pb
-from service import codec
+from service import _fastpath, codec
 from service.config import ConfigError, ServiceConfig
 from service.metrics import Metrics
 from service.warmup import KeyState, Warmup, WarmupState
@@ -48,6 +49,8 @@ log = logging.getLogger(__name__)
 
 # Upper bound of a ChunkMetadata's (and its ChunkSpec's) bytes besides the arrays: tags, lengths, scalars.
 _CHUNK_OVERHEAD_BYTES = 512
+# The backend label of calls that service/fastpath.c served whole.
+FAST_PATH_BACKEND = "native"
 
 
 _METHODS = pb.DESCRIPTOR.services_by_name["PrefillMetadata"].methods
@@ -92,14 +95,19 @@ def _at(field: str, index: int | None = None) -> str:
 
 # (host parts, DCP settings, with_token_to_seq) -> each chunk's arrays
 ArraysFn = Callable[[Sequence[ChunkHostPart], DcpConfig, bool], list[ChunkArrays]]
+# (request bytes, limits, admitted ratios) -> (response bytes, requests, query tokens, seconds), or None: see
+# service/fastpath.c
+FastPathFn = Callable[[bytes, tuple[int, ...], tuple[int, ...] | None], tuple[bytes, int, int, float] | None]
 
 
 @dataclass(frozen=True)
 class Backend:
-    """What computes the three arrays of a request's chunks once their host parts are known."""
+    """What computes the three arrays of a request's chunks once their host parts are known; optionally a
+    compiled path that serves BuildChunk's common case whole."""
 
     name: str
     arrays_many: ArraysFn
+    build_chunk_fast: FastPathFn | None = None
 
 
 def resolve_backend(choice: str) -> str:
@@ -129,14 +137,16 @@ def launch_admission(warmup: Warmup) -> Callable[[CompileKey], None]:
     return admit
 
 
-def make_backend(name: str, admit: Callable[[CompileKey], None] | None) -> Backend:
-    """The numpy implementation, or the Triton kernel on the current CUDA device (``admit`` sees each launch)."""
+def make_backend(name: str, admit: Callable[[CompileKey], None] | None, native_fast_path: bool = False) -> Backend:
+    """The numpy implementation (with service/fastpath.c for BuildChunk's common case when
+    ``native_fast_path``), or the Triton kernel on the current CUDA device (``admit`` sees each launch)."""
     if name == "triton":
         from kernels.triton_kernel import TritonChunkBuilder
 
-        # One launch for all the chunks of a request (a whole prefill plan): one copy in, one copy out.
+        # One launch for all the chunks of a request (a whole prefill plan): one copy in, one copy out. No fast
+        # path: this backend's point is computing on the GPU.
         return Backend("triton", TritonChunkBuilder("cuda", admit=admit).arrays_many)
-    return Backend("numpy", chunk_arrays_numpy_many)
+    return Backend("numpy", chunk_arrays_numpy_many, _fastpath.build_chunk if native_fast_path else None)
 
 
 _WARMUP_STATES = {
@@ -162,6 +172,11 @@ class DataPlane:
         self.warmup = warmup
         self.backend = backend
         self._admit = launch_admission(warmup) if config.strict else None
+        self._fast_limits = (
+            config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len,
+            config.max_model_len * WORKSPACE_TOKENS_PER_MODEL_LEN, config.max_message_bytes, _CHUNK_OVERHEAD_BYTES,
+        )  # fmt: skip
+        self._fast_admitted: tuple[int, ...] | None = None
         self._handlers: dict[str, tuple[Callable, bool]] = {
             "BuildChunk": (self._build_chunk, True),
             "PlanBatch": (self._plan_batch, True),
@@ -257,6 +272,10 @@ class DataPlane:
                 # get answered (gRPC itself refuses new ones once the server stops).
                 raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"not ready: {self.not_ready_reason()}")
             if isinstance(request, bytes):
+                if method == "BuildChunk" and self.backend.build_chunk_fast is not None:
+                    answer = self._build_chunk_fast(request)
+                    if answer is not None:
+                        return answer
                 request = _parse(method, request, where)
             token = _ABANDONED.set(abandoned)
             try:
@@ -365,6 +384,28 @@ class DataPlane:
     def _observe_size(self, method: str, requests: int, tokens: int) -> None:
         self.metrics.child(self.metrics.request_batch_requests, method).observe(requests)
         self.metrics.child(self.metrics.request_query_tokens, method).observe(tokens)
+
+    def _build_chunk_fast(self, data: bytes) -> bytes | None:
+        """The response from service/fastpath.c, or None where the request needs the general path (errors
+        included: their messages are all the general path's)."""
+        served = self.backend.build_chunk_fast(data, self._fast_limits, self._admitted_ratios())
+        if served is None:
+            return None
+        response, requests, tokens, seconds = served
+        self.metrics.child(self.metrics.backend_duration_seconds, "BuildChunk", FAST_PATH_BACKEND).observe(seconds)
+        self._observe_size("BuildChunk", requests, tokens)
+        return response
+
+    def _admitted_ratios(self) -> tuple[int, ...] | None:
+        """Strict mode's admitted compress ratios for the fast path (None: any). Read once the warmup is over:
+        the numpy backend compiles nothing after it, so the warmed set no longer changes."""
+        if self._admit is None:
+            return None
+        if self._fast_admitted is None:
+            self._fast_admitted = tuple(
+                sorted({k.compress_ratio for k in self.warmup.compiled_keys() if k == CompileKey(k.compress_ratio)})
+            )
+        return self._fast_admitted
 
     def _build_chunk(self, request: pb.BuildChunkRequest) -> bytes:
         inputs = codec.chunk_inputs_from_proto(request)

@@ -2,7 +2,7 @@
 
 Naming follows Prometheus conventions: base units (seconds, counts), ``_seconds`` and ``_total``
 suffixes, histograms rather than summaries. Every label set is bounded: ``method`` by the proto,
-``code`` by gRPC's status codes, ``key`` by the model's warmup set, ``backend`` by two values.
+``code`` by gRPC's status codes, ``key`` by the model's warmup set, ``backend`` by three values (numpy, triton, native).
 """
 
 from __future__ import annotations

@@ -82,10 +82,12 @@ class IndexerServer:
             workers=config.warmup_workers,
             metrics=self.metrics,
         )
-        log.info("backend=%s warmup_target=%s triton_cache_dir=%s", self.backend, self.warmup.target_name,
-                 cache_dir or "(Triton's default)")  # fmt: skip
         admit = launch_admission(self.warmup) if config.strict else None
-        self.plane = DataPlane(config, self.metrics, self.warmup, make_backend(self.backend, admit))
+        backend = make_backend(self.backend, admit, config.native_fast_path)
+        log.info("backend=%s native_fast_path=%s warmup_target=%s triton_cache_dir=%s", self.backend,
+                 backend.build_chunk_fast is not None, self.warmup.target_name,
+                 cache_dir or "(Triton's default)")  # fmt: skip
+        self.plane = DataPlane(config, self.metrics, self.warmup, backend)
         self.health = create_health_servicer()
         self.plane.add_readiness_listener(health_listener(self.health))
         self.grpc_server, self.grpc_port = create_grpc_server(config, self.plane, self.health)

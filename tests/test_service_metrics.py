@@ -63,9 +63,12 @@ def test_request_metrics_count_the_calls(after_calls: tuple[Scrape, Scrape]) -> 
     assert increase(before, after, "indexer_request_query_tokens_sum", method="BuildChunk") == 3 * 8
     assert increase(before, after, "indexer_request_batch_requests_sum", method="BuildChunk") == 3 * 2
     assert increase(before, after, "indexer_request_batch_requests_sum", method="PlanBatch") == 2  # prefills only
-    assert increase(before, after, "indexer_backend_duration_seconds_count", method="BuildChunk", backend="numpy") == 3
+    # The live server runs the default config: the valid BuildChunk calls take the compiled fast path.
+    assert increase(before, after, "indexer_backend_duration_seconds_count", method="BuildChunk", backend="native") == 3
+    assert increase(before, after, "indexer_backend_duration_seconds_count", method="BuildChunk", backend="numpy") == 0
+    assert increase(before, after, "indexer_backend_duration_seconds_count", method="PlanBatch", backend="numpy") == 1
     backend_seconds = increase(before, after, "indexer_backend_duration_seconds_sum", method="BuildChunk",
-                               backend="numpy")  # fmt: skip
+                               backend="native")  # fmt: skip
     request_seconds = increase(before, after, "indexer_request_duration_seconds_sum", method="BuildChunk", code="OK")
     assert 0 < backend_seconds < request_seconds < 1
     for method in METHODS:
@@ -95,7 +98,7 @@ def test_histograms_are_cumulative_and_labels_bounded(after_calls: tuple[Scrape,
             assert labels.get("method", "BuildChunk") in METHODS
             assert labels.get("code", "OK") in codes
             assert labels.get("key", next(iter(KEY_LABELS))) in KEY_LABELS
-            assert labels.get("backend", "numpy") in {"numpy", "triton"}
+            assert labels.get("backend", "numpy") in {"numpy", "triton", "native"}
             assert sample.value >= 0
         if kind != "histogram":
             continue

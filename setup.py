@@ -1,0 +1,17 @@
+"""The one compiled module, BuildChunk's common case (service/fastpath.c); everything else is in pyproject.toml.
+
+A C compiler and the Python headers build it during ``pip install`` (both are on a fresh machine and in the
+image's build stage).
+"""
+
+from setuptools import Extension, setup
+
+setup(
+    ext_modules=[
+        Extension(
+            "service._fastpath",
+            sources=["service/fastpath.c"],
+            extra_compile_args=["-O3", "-std=c11", "-Wall", "-Wextra", "-Werror=implicit-function-declaration"],
+        )
+    ]
+)

@@ -1,0 +1,278 @@
+"""service/fastpath.c against the Python request path it stands in for: where it answers, its bytes are the
+general path's bytes (and its size figures the same); where the general path refuses, it steps aside (None);
+and on the plain requests schedulers send, it does answer. Golden cases, hypothesis-generated requests valid
+and not, raw byte mutations, wire encodings protobuf accepts but the fast path leaves alone, every limit."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from benchmarks.fuzzing import FUZZ_LIMITS, chunk_request, rng_draw
+from kernels.inputs import ChunkInputs
+from kernels.specialization import CompileKey, warmup_keys
+from kernels.testing import BatchShape, random_chunk_inputs
+from protos.indexer.v1 import indexer_pb2 as pb
+from service import _fastpath, codec
+from service.config import ServiceConfig, load_config
+from service.dataplane import FAST_PATH_BACKEND, DataPlane, ServiceError, launch_admission, make_backend
+from service.metrics import Metrics
+from service.warmup import Warmup, WarmupState
+from tests.golden import GOLDEN, case_id, chunk_inputs, metadata_as_dict
+
+FUZZ = settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+BASE = load_config({"warmup_target": "none"}, env={})
+LIMITED = dataclasses.replace(
+    BASE,
+    max_num_seqs=FUZZ_LIMITS.max_num_seqs,
+    max_num_batched_tokens=FUZZ_LIMITS.max_num_batched_tokens,
+    max_model_len=FUZZ_LIMITS.max_model_len,
+    max_message_bytes=FUZZ_LIMITS.max_message_bytes,
+)
+
+
+class WarmedSet:
+    """A finished warmup that compiled exactly ``ratios`` (strict mode's admitted set)."""
+
+    finished_ok = True
+    state = WarmupState.READY
+
+    def __init__(self, ratios: tuple[int, ...]) -> None:
+        self._keys = frozenset(CompileKey(r) for r in ratios)
+
+    def compiled_keys(self) -> frozenset[CompileKey]:
+        return self._keys
+
+
+class Paths:
+    """One configuration served twice: with the fast path (as the server runs) and without it."""
+
+    def __init__(self, config: ServiceConfig, strict_ratios: tuple[int, ...] | None = None) -> None:
+        self.fast = self._plane(config, True, strict_ratios)
+        self.general = self._plane(config, False, strict_ratios)
+
+    @staticmethod
+    def _plane(config: ServiceConfig, fast: bool, strict_ratios: tuple[int, ...] | None) -> DataPlane:
+        metrics = Metrics()
+        if strict_ratios is None:
+            warmup = Warmup(warmup_keys(config.model), target=None, enabled=False, workers=1, metrics=metrics)
+            admit = None
+        else:
+            config, warmup = dataclasses.replace(config, strict=True), WarmedSet(strict_ratios)
+            admit = launch_admission(warmup)
+        plane = DataPlane(config, metrics, warmup, make_backend("numpy", admit, native_fast_path=fast))
+        plane.refresh_readiness()
+        return plane
+
+    def native(self, data: bytes) -> tuple[bytes, int, int, float] | None:
+        """What service/fastpath.c itself says of ``data``."""
+        return _fastpath.build_chunk(data, self.fast._fast_limits, self.fast._admitted_ratios())
+
+    def check(self, data: bytes) -> bool:
+        """Asserts the fast path agrees with the general path on ``data``; True when it answered itself."""
+        native = self.native(data)
+        try:
+            general = self.general.call("BuildChunk", data)
+        except ServiceError as exc:
+            assert native is None, f"the fast path answered where the general path says {exc.code.name}: {exc}"
+            with pytest.raises(ServiceError) as through_fast:
+                self.fast.call("BuildChunk", data)
+            assert (through_fast.value.code, through_fast.value.message) == (exc.code, exc.message)
+            return False
+        assert self.fast.call("BuildChunk", data) == general
+        if native is None:
+            return False
+        response, requests, tokens, seconds = native
+        assert response == general
+        message = pb.BuildChunkRequest.FromString(data)
+        assert requests == message.req_end - message.req_start
+        meta = pb.BuildChunkResponse.FromString(response).metadata
+        assert tokens == meta.query_slice.stop - meta.query_slice.start
+        assert seconds >= 0
+        return True
+
+
+@pytest.fixture(scope="module")
+def paths() -> Paths:
+    return Paths(BASE)
+
+
+@pytest.fixture(scope="module")
+def limited() -> Paths:
+    return Paths(LIMITED)
+
+
+def _wire(inputs: ChunkInputs, omit_token_to_seq: bool = False) -> bytes:
+    return codec.chunk_inputs_to_proto(inputs, omit_token_to_seq).SerializeToString()
+
+
+GOLDEN_CASES = GOLDEN["chunk_metadata"]
+
+
+@pytest.mark.parametrize("case", [c for c in GOLDEN_CASES if "world" not in c["input"]], ids=case_id)
+@pytest.mark.parametrize("omit", [False, True], ids=["with-token-to-seq", "omit-token-to-seq"])
+def test_golden_cases_are_answered_with_the_general_paths_bytes(case: dict, omit: bool, paths: Paths) -> None:
+    data = _wire(chunk_inputs(case), omit)
+    assert paths.check(data)
+    response = pb.BuildChunkResponse.FromString(paths.native(data)[0])
+    if case["expected"] is None:
+        assert not response.HasField("metadata")
+        return
+    got = metadata_as_dict(codec.metadata_from_proto(response.metadata))
+    if omit:
+        assert got.pop("token_to_seq") is None
+    assert got == {k: case["expected"][k] for k in got}
+
+
+@pytest.mark.parametrize("case", [c for c in GOLDEN_CASES if "world" in c["input"]], ids=case_id)
+def test_dcp_goes_the_general_way(case: dict, paths: Paths) -> None:
+    assert not paths.check(_wire(chunk_inputs(case)))
+
+
+@pytest.mark.parametrize("ratio", [0, 1, 2, 3, 4, 7, 128])
+@pytest.mark.parametrize(
+    "shape",
+    [BatchShape(1, 5, 20), BatchShape(8, 40, 3000), BatchShape(64, 200, 9000, zero_query_share=0.3)],
+    ids=["one-request", "small", "medium-many-empty-queries"],
+)
+def test_random_valid_chunks_are_served_by_the_fast_path(ratio: int, shape: BatchShape, paths: Paths) -> None:
+    rng = np.random.default_rng(ratio * 1000 + shape.num_requests)
+    answered = 0
+    for _ in range(20):
+        inputs = random_chunk_inputs(rng, shape, ratio)
+        answered += paths.check(_wire(inputs, omit_token_to_seq=bool(rng.integers(2))))
+    # Every chunk with a compressed token is a fast-path answer; the rest (total 0) are answered empty.
+    assert answered == 20
+
+
+def test_a_large_request_releases_the_gil_and_agrees(paths: Paths) -> None:
+    """Above 65,536 elements the arrays are written without the GIL: the same bytes."""
+    rng = np.random.default_rng(7)
+    inputs = random_chunk_inputs(rng, BatchShape(32, 250, 40_000), 1, with_slice=False)
+    assert int(inputs.seq_lens[inputs.req_start : inputs.req_end].sum()) > 65_536
+    assert paths.check(_wire(inputs))
+
+
+def test_seeded_generated_requests_mostly_answered_where_valid(limited: Paths) -> None:
+    """The fuzzer's requests from a fixed seed: every answer agrees, and the fast path takes a real share (not a
+    path that always steps aside)."""
+    draw = rng_draw(np.random.default_rng(1))
+    answered = sum(limited.check(chunk_request(draw).SerializeToString()) for _ in range(1000))
+    assert answered > 250
+
+
+@FUZZ
+@given(data=st.data())
+def test_generated_requests_valid_and_not(data: st.DataObject, limited: Paths) -> None:
+    request = chunk_request(lambda lo, hi: data.draw(st.integers(lo, hi)))
+    limited.check(request.SerializeToString())
+
+
+@FUZZ
+@given(data=st.data())
+def test_mutated_request_bytes(data: st.DataObject, limited: Paths) -> None:
+    """Flipped, cut and inserted bytes of a valid request: never a crash, never an answer of its own."""
+    wire = bytearray(_wire(ChunkInputs(np.array([0, 3, 7, 7]), np.array([9, 40, 12]), 4, 0, 3, (1, 6))))
+    for _ in range(data.draw(st.integers(1, 4))):
+        at = data.draw(st.integers(0, len(wire)))
+        kind = data.draw(st.sampled_from(["flip", "cut", "insert"]))
+        if kind == "flip" and at < len(wire):
+            wire[at] ^= data.draw(st.integers(1, 255))
+        elif kind == "cut":
+            del wire[at:]
+        else:
+            wire[at:at] = data.draw(st.binary(min_size=1, max_size=6))
+    data_bytes = bytes(wire)
+    native = limited.native(data_bytes)
+    try:
+        message = pb.BuildChunkRequest.FromString(data_bytes)
+    except Exception:
+        assert native is None  # protobuf itself refuses it
+        return
+    assert message is not None
+    limited.check(data_bytes)
+
+
+PLAIN = ChunkInputs(np.array([0, 3, 7]), np.array([9, 40]), 4, 0, 2)
+
+
+def _field(number: int, wire_type: int, payload: bytes) -> bytes:
+    return codec._varint(number << 3 | wire_type) + payload
+
+
+@pytest.mark.parametrize(
+    ("extra", "answered"),
+    [
+        (_field(99, 0, b"\x01"), False),  # an unknown field: protobuf keeps it aside
+        (_field(3, 0, b"\x04"), False),  # compress_ratio twice: the last one wins
+        (_field(7, 0, b"\x02"), False),  # skip_kv_gather = 2 is true to protobuf
+        (_field(5, 0, b"\xff" * 9 + b"\x01"), False),  # req_end -1 in ten bytes
+        (_field(5, 0, b"\x82\x80\x80\x80\x10"), False),  # req_end 2 + 2^32: protobuf truncates to int32
+        (_field(3, 2, b"\x00"), False),  # compress_ratio with the wrong wire type
+        (_field(4, 0, b"\x80\x00"), True),  # req_start 0 as a two-byte varint: still 0
+    ],
+    ids=["unknown-field", "repeated-scalar", "bool-two", "negative-int32", "truncated-int32", "wrong-wire-type",
+         "long-varint"],
+)
+def test_unusual_encodings_go_the_general_way(extra: bytes, answered: bool, paths: Paths) -> None:
+    assert paths.check(_wire(PLAIN) + extra) is answered
+
+
+@pytest.mark.parametrize(
+    ("change", "code"),
+    [
+        ({"max_num_seqs": 1}, "RESOURCE_EXHAUSTED"),
+        ({"max_num_batched_tokens": 6}, "RESOURCE_EXHAUSTED"),
+        ({"max_model_len": 39}, "RESOURCE_EXHAUSTED"),
+        ({"max_model_len": 40, "max_num_batched_tokens": 8}, None),  # the KV workspace still fits: answered
+        ({"max_message_bytes": 600}, "RESOURCE_EXHAUSTED"),
+    ],
+    ids=["seqs", "tokens", "model-len", "at-the-limits", "message-size"],
+)
+def test_every_limit_is_the_general_paths_to_refuse(change: dict, code: str | None) -> None:
+    limited = Paths(dataclasses.replace(BASE, **change))
+    if code is None:
+        assert limited.check(_wire(PLAIN))
+        return
+    assert limited.native(_wire(PLAIN)) is None
+    with pytest.raises(ServiceError) as refused:
+        limited.fast.call("BuildChunk", _wire(PLAIN))
+    assert refused.value.code.name == code
+
+
+def test_workspace_limit() -> None:
+    """max_model_len * 40 / ratio compressed tokens per chunk: one over is refused by the general path."""
+    inputs = ChunkInputs(np.array([0, 1]), np.array([1000]), 1, 0, 1)
+    assert Paths(dataclasses.replace(BASE, max_model_len=1000)).check(_wire(inputs))
+    tight = Paths(dataclasses.replace(BASE, max_model_len=24))  # workspace 960 < 1000; seq 1000 > 24 also
+    assert tight.native(_wire(inputs)) is None
+
+
+def test_strict_mode_admits_only_the_warmed_ratios() -> None:
+    strict = Paths(BASE, strict_ratios=(4,))
+    assert strict.check(_wire(PLAIN))
+    refused = _wire(dataclasses.replace(PLAIN, compress_ratio=128))
+    assert strict.native(refused) is None
+    with pytest.raises(ServiceError) as outside:
+        strict.fast.call("BuildChunk", refused)
+    assert outside.value.code.name == "FAILED_PRECONDITION"
+
+
+def test_fast_path_calls_carry_the_native_backend_label(paths: Paths) -> None:
+    registry = paths.fast.metrics.registry
+    labels = {"method": "BuildChunk", "backend": FAST_PATH_BACKEND}
+    before = registry.get_sample_value("indexer_backend_duration_seconds_count", labels) or 0
+    paths.fast.call("BuildChunk", _wire(PLAIN))
+    assert registry.get_sample_value("indexer_backend_duration_seconds_count", labels) == before + 1
+
+
+def test_off_switch_sends_everything_the_general_way() -> None:
+    config = load_config({"warmup_target": "none", "native_fast_path": "false"}, env={})
+    assert not config.native_fast_path
+    backend = make_backend("numpy", None, config.native_fast_path)
+    assert backend.build_chunk_fast is None
+    assert make_backend("numpy", None, True).build_chunk_fast is _fastpath.build_chunk
