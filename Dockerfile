@@ -41,8 +41,15 @@ RUN groupadd --gid 10001 indexer \
     && mkdir -p /opt/indexer/triton-cache \
     && chown indexer:indexer /opt/indexer/triton-cache
 
+# A C compiler and the C library's headers: `pip install .` builds service/fastpath.c, and on a GPU Triton compiles
+# its launcher stub at run time (runtime images need not carry one). Versions follow the base image's release.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
+
 WORKDIR /opt/indexer/src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY kernels ./kernels
 COPY protos ./protos
 COPY service ./service

@@ -149,6 +149,15 @@ def make_backend(name: str, admit: Callable[[CompileKey], None] | None, native_f
     return Backend("numpy", chunk_arrays_numpy_many, _fastpath.build_chunk if native_fast_path else None)
 
 
+def fast_path_limits(config: ServiceConfig) -> tuple[int, ...]:
+    """The limits service/fastpath.c checks, in its order (the general path's, see ``_admit_request`` and
+    ``_check_sizes``)."""
+    return (
+        config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len,
+        config.max_model_len * WORKSPACE_TOKENS_PER_MODEL_LEN, config.max_message_bytes, _CHUNK_OVERHEAD_BYTES,
+    )  # fmt: skip
+
+
 _WARMUP_STATES = {
     WarmupState.RUNNING: pb.WARMUP_STATE_RUNNING,
     WarmupState.READY: pb.WARMUP_STATE_READY,
@@ -172,10 +181,7 @@ class DataPlane:
         self.warmup = warmup
         self.backend = backend
         self._admit = launch_admission(warmup) if config.strict else None
-        self._fast_limits = (
-            config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len,
-            config.max_model_len * WORKSPACE_TOKENS_PER_MODEL_LEN, config.max_message_bytes, _CHUNK_OVERHEAD_BYTES,
-        )  # fmt: skip
+        self._fast_limits = fast_path_limits(config)
         self._fast_admitted: tuple[int, ...] | None = None
         self._handlers: dict[str, tuple[Callable, bool]] = {
             "BuildChunk": (self._build_chunk, True),

@@ -190,6 +190,7 @@ static double monotonic_seconds(void) {
 typedef struct {
     const Request *r;
     int64_t ratio, base, rows_start, rows_stop, total;
+    int shift; /* log2(ratio) when ratio is a power of two, else -1 */
     Py_ssize_t reqs;
     uint8_t *cu, *token_to_seq, *ks, *ke, *local_cu; /* where each array's bytes go in the response */
 } Layout;
@@ -216,16 +217,27 @@ static void write_arrays(const Layout *l) {
         int64_t lo = load_i32(r->qsl, r->req_start + i) - l->base, hi = load_i32(r->qsl, r->req_start + i + 1) - l->base;
         int64_t from = lo > l->rows_start ? lo : l->rows_start, to = hi < l->rows_stop ? hi : l->rows_stop;
         if (from >= to) continue;
-        int64_t start = load_i32(l->cu, i);
-        /* Row q of request i sees causal position seq_len - (hi - lo) + 1 + (q - lo), one more per row: its
-         * compressed position is kept as quotient and remainder instead of dividing on every row. */
-        int64_t position = load_i32(r->seq, r->req_start + i) - (hi - lo) + 1 + (from - lo);
-        int64_t visible = position / l->ratio, remainder = position % l->ratio;
-        for (int64_t q = from; q < to; q++, row++) {
-            store_i32(l->ks, row, start);
-            store_i32(l->ke, row, start + visible);
-            if (++remainder == l->ratio) remainder = 0, visible++;
+        int32_t start = (int32_t)load_i32(l->cu, i);
+        /* Row q of request i sees causal position seq_len - (hi - lo) + 1 + (q - lo): one more per row. All of
+         * it fits int32 (positions <= seq_len), and int32 loops without division vectorize. */
+        int32_t position = (int32_t)(load_i32(r->seq, r->req_start + i) - (hi - lo) + 1 + (from - lo));
+        int32_t rows = (int32_t)(to - from);
+        uint8_t *ks = l->ks + 4 * row, *ke = l->ke + 4 * row;
+        for (int32_t k = 0; k < rows; k++) memcpy(ks + 4 * k, &start, 4);
+        if (l->shift >= 0) {
+            for (int32_t k = 0; k < rows; k++) {
+                int32_t end = start + ((position + k) >> l->shift);
+                memcpy(ke + 4 * k, &end, 4);
+            }
+        } else { /* quotient and remainder carried from row to row instead of a division per row */
+            int32_t visible = position / (int32_t)l->ratio, remainder = position % (int32_t)l->ratio;
+            for (int32_t k = 0; k < rows; k++) {
+                int32_t end = start + visible;
+                memcpy(ke + 4 * k, &end, 4);
+                if (++remainder == l->ratio) remainder = 0, visible++;
+            }
         }
+        row += rows;
     }
 }
 
@@ -314,7 +326,10 @@ static PyObject *build_chunk(PyObject *self, PyObject *args) {
     if (!response) goto done;
     uint8_t *out = (uint8_t *)PyBytes_AS_STRING(response);
     Layout layout = {.r = &r, .ratio = ratio, .base = base, .rows_start = a, .rows_stop = b, .total = total,
-                     .reqs = reqs};
+                     .reqs = reqs, .shift = -1};
+    if ((ratio & (ratio - 1)) == 0) {
+        for (layout.shift = 0; (INT64_C(1) << layout.shift) < ratio;) layout.shift++;
+    }
 
     out = put_bytes_header(out, 1, meta_size); /* BuildChunkResponse.metadata */
     out = put_bytes_header(out, 1, cu_bytes), layout.cu = out, out += cu_bytes;

@@ -369,8 +369,10 @@ def test_docker_context_holds_what_pip_install_needs(tmp_path: Path) -> None:
     for rel in files:
         (context / rel).parent.mkdir(parents=True, exist_ok=True)
         (context / rel).write_bytes((ROOT / rel).read_bytes())
-    copied = {i.args.split()[0] for i in dockerfile_instructions() if i.keyword == "COPY"}
+    copied = {src for i in dockerfile_instructions() if i.keyword == "COPY" for src in i.args.split()[:-1]}
+    assert {"pyproject.toml", "setup.py"} <= copied
     assert all((context / src).exists() for src in copied), copied
+    assert not [f for f in files if f.endswith(".so")], "a locally built extension must not reach the image"
     out = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), "."],
         cwd=context,
@@ -384,6 +386,7 @@ def test_docker_context_holds_what_pip_install_needs(tmp_path: Path) -> None:
     assert "service/default_config.toml" in names
     assert any(n.startswith("protos/indexer/v1/") and n.endswith(".proto") for n in names)
     assert any(n.startswith("kernels/") for n in names)
+    assert any(n.startswith("service/_fastpath.") and n.endswith(".so") for n in names), "compiled in the wheel"
 
 
 def test_every_path_the_deploy_readme_names_exists() -> None:
