@@ -11,6 +11,7 @@ from kernels.inputs import ChunkInputs
 from kernels.planner import BatchInputs
 from kernels.specialization import ModelConfig, warmup_keys
 from service.client import IndexerClient
+from service.dataplane import FAST_PATH_BACKEND
 from service.metrics import Metrics
 from tests.conftest import Scrape, ServerProcess, scrape
 
@@ -50,7 +51,13 @@ def test_every_defined_metric_is_exported_with_its_type(after_calls: tuple[Scrap
         assert after.families[name].samples, f"{name} has no sample"
 
 
-def test_request_metrics_count_the_calls(after_calls: tuple[Scrape, Scrape]) -> None:
+@pytest.fixture(scope="module")
+def served_backend(live_server: ServerProcess) -> str:
+    with IndexerClient(live_server.address) as client:
+        return client.warmup_status().backend
+
+
+def test_request_metrics_count_the_calls(after_calls: tuple[Scrape, Scrape], served_backend: str) -> None:
     before, after = after_calls
     assert increase(before, after, "indexer_request_duration_seconds_count", method="BuildChunk", code="OK") == 3
     assert increase(before, after, "indexer_request_duration_seconds_count", method="PlanBatch", code="OK") == 1
@@ -63,12 +70,18 @@ def test_request_metrics_count_the_calls(after_calls: tuple[Scrape, Scrape]) -> 
     assert increase(before, after, "indexer_request_query_tokens_sum", method="BuildChunk") == 3 * 8
     assert increase(before, after, "indexer_request_batch_requests_sum", method="BuildChunk") == 3 * 2
     assert increase(before, after, "indexer_request_batch_requests_sum", method="PlanBatch") == 2  # prefills only
-    # The live server runs the default config: the valid BuildChunk calls take the compiled fast path.
-    assert increase(before, after, "indexer_backend_duration_seconds_count", method="BuildChunk", backend="native") == 3
-    assert increase(before, after, "indexer_backend_duration_seconds_count", method="BuildChunk", backend="numpy") == 0
-    assert increase(before, after, "indexer_backend_duration_seconds_count", method="PlanBatch", backend="numpy") == 1
+    # The live server runs the default config: numpy without a GPU, where valid BuildChunk calls take the
+    # compiled fast path ("native"); the Triton kernel on a CUDA machine, which has no fast path.
+    backend = served_backend
+    chunk_backend = FAST_PATH_BACKEND if backend == "numpy" else backend
+    assert increase(before, after, "indexer_backend_duration_seconds_count", method="BuildChunk",
+                    backend=chunk_backend) == 3  # fmt: skip
+    if chunk_backend != backend:
+        assert increase(before, after, "indexer_backend_duration_seconds_count", method="BuildChunk",
+                        backend=backend) == 0  # fmt: skip
+    assert increase(before, after, "indexer_backend_duration_seconds_count", method="PlanBatch", backend=backend) == 1
     backend_seconds = increase(before, after, "indexer_backend_duration_seconds_sum", method="BuildChunk",
-                               backend="native")  # fmt: skip
+                               backend=chunk_backend)  # fmt: skip
     request_seconds = increase(before, after, "indexer_request_duration_seconds_sum", method="BuildChunk", code="OK")
     assert 0 < backend_seconds < request_seconds < 1
     for method in METHODS:
