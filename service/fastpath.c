@@ -189,7 +189,7 @@ static double monotonic_seconds(void) {
 
 typedef struct {
     const Request *r;
-    int64_t ratio, base, rows_start, rows_stop, total;
+    int64_t ratio, base, rows_start, rows_stop;
     int shift; /* log2(ratio) when ratio is a power of two, else -1 */
     Py_ssize_t reqs;
     uint8_t *cu, *token_to_seq, *ks, *ke, *local_cu; /* where each array's bytes go in the response */
@@ -325,7 +325,7 @@ static PyObject *build_chunk(PyObject *self, PyObject *args) {
     PyObject *response = PyBytes_FromStringAndSize(NULL, 1 + varint_size((uint64_t)meta_size) + meta_size);
     if (!response) goto done;
     uint8_t *out = (uint8_t *)PyBytes_AS_STRING(response);
-    Layout layout = {.r = &r, .ratio = ratio, .base = base, .rows_start = a, .rows_stop = b, .total = total,
+    Layout layout = {.r = &r, .ratio = ratio, .base = base, .rows_start = a, .rows_stop = b,
                      .reqs = reqs, .shift = -1};
     if ((ratio & (ratio - 1)) == 0) {
         for (layout.shift = 0; (INT64_C(1) << layout.shift) < ratio;) layout.shift++;
