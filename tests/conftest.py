@@ -20,6 +20,10 @@ from benchmarks.harness import clean_env, http_get
 
 INDEXER_SERVICE = str(Path(sys.executable).with_name("indexer-service"))
 LOOPBACK = "127.0.0.1"
+# A warmup that fails every key and so never becomes ready: sm_1 does not exist and ptxas says so. The numpy
+# backend keeps this ahead-of-time target in use on a CUDA machine too, where the Triton backend would compile
+# in-process for its own GPU instead.
+FAILING_WARMUP = ("--backend", "numpy", "--warmup-target", "cuda:1")
 _serial = itertools.count()
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from kernels.specialization import CompileKey
-from tests.conftest import INDEXER_SERVICE, LOOPBACK, ServerProcess, StartServer, clean_env
+from tests.conftest import FAILING_WARMUP, INDEXER_SERVICE, LOOPBACK, ServerProcess, StartServer, clean_env
 
 
 def run(*args: str, timeout: float = 120, **env: str) -> subprocess.CompletedProcess[str]:
@@ -96,7 +96,7 @@ def test_check_a_serving_server(live_server: ServerProcess) -> None:
 
 
 def test_check_a_server_that_is_not_ready(start_server: StartServer) -> None:
-    server = start_server("--warmup-target", "cuda:1", ready=False)
+    server = start_server(*FAILING_WARMUP, ready=False)
     out = run("check", server.address)
     assert out.returncode == 1
     assert "health overall=NOT_SERVING" in out.stdout

@@ -14,17 +14,17 @@ import grpc
 import numpy as np
 import pytest
 
+from benchmarks.harness import FAST_START
 from kernels.inputs import ChunkInputs
 from kernels.naive import build_chunk_metadata_numpy
 from protos.indexer.v1 import indexer_pb2 as pb
 from protos.indexer.v1 import indexer_pb2_grpc as pb_grpc
 from service.client import IndexerClient, channel_target, service_config
 from service.codec import SERVICE_NAME, encode_int32
-from tests.conftest import ServerProcess, StartServer, scrape
+from tests.conftest import FAILING_WARMUP, ServerProcess, StartServer, scrape
 
 pytestmark = pytest.mark.slow
 
-FAST = ("--backend", "numpy", "--warmup-target", "none")
 E1 = ChunkInputs(np.array([0, 1, 4, 9], dtype=np.int64), np.array([20, 10, 5], dtype=np.int64), 4, 1, 3)
 
 
@@ -33,7 +33,7 @@ def served(server: ServerProcess, code: str = "OK") -> float:
 
 
 def test_round_robin_spreads_calls_over_every_replica(start_server: StartServer) -> None:
-    servers = [start_server(*FAST) for _ in range(3)]
+    servers = [start_server(*FAST_START) for _ in range(3)]
     expected = build_chunk_metadata_numpy(E1)
     with IndexerClient([s.address for s in servers]) as client:
         for _ in range(60):
@@ -45,7 +45,7 @@ def test_round_robin_spreads_calls_over_every_replica(start_server: StartServer)
 
 
 def test_no_call_fails_while_one_replica_drains_and_another_dies(start_server: StartServer) -> None:
-    draining, dying, survivor = (start_server(*FAST) for _ in range(3))
+    draining, dying, survivor = (start_server(*FAST_START) for _ in range(3))
     failures: list[BaseException] = []
     ok = [0]
     stop = threading.Event()
@@ -80,8 +80,8 @@ def test_no_call_fails_while_one_replica_drains_and_another_dies(start_server: S
 
 
 def test_a_replica_that_is_not_ready_gets_no_calls(start_server: StartServer) -> None:
-    ready = start_server(*FAST)
-    failed = start_server("--warmup-target", "cuda:1", ready=False)  # every compile fails: never ready
+    ready = start_server(*FAST_START)
+    failed = start_server(*FAILING_WARMUP, ready=False)
     with IndexerClient([failed.address, ready.address]) as client:
         for _ in range(20):
             client.build_chunk(E1)
@@ -97,7 +97,7 @@ def test_a_replica_that_is_not_ready_gets_no_calls(start_server: StartServer) ->
 
 
 def test_deadline_is_enforced(start_server: StartServer) -> None:
-    server = start_server(*FAST)
+    server = start_server(*FAST_START)
     heavy = ChunkInputs(np.array([0, 8192]), np.array([1_000_000]), 1, 0, 1)
     with IndexerClient(server.address) as client:
         with pytest.raises(grpc.RpcError) as late:

@@ -15,7 +15,7 @@ from kernels.specialization import ModelConfig, warmup_keys
 from protos.indexer.v1 import indexer_pb2 as pb
 from protos.indexer.v1 import indexer_pb2_grpc as pb_grpc
 from service.codec import SERVICE_NAME, encode_int32
-from tests.conftest import StartServer, clean_env, http_get, scrape
+from tests.conftest import FAILING_WARMUP, StartServer, clean_env, http_get, scrape
 
 pytestmark = pytest.mark.slow
 
@@ -36,8 +36,10 @@ def health_statuses(channel: grpc.Channel) -> dict[str, int]:
 
 
 def test_not_serving_until_warmup_has_compiled_every_key(start_server: StartServer, tmp_path: Path) -> None:
-    # A cold Triton cache makes the warmup take seconds: long enough to see every step.
-    server = start_server(ready=False, env=clean_env(TRITON_CACHE_DIR=str(tmp_path / "cold-cache")))
+    # A cold Triton cache makes the warmup take seconds: long enough to see every step. The ahead-of-time warmup
+    # of a CPU host, on any machine; the Triton backend's in-process warmup is tests/test_service_gpu.py's.
+    cold_cache = clean_env(TRITON_CACHE_DIR=str(tmp_path / "cold-cache"))
+    server = start_server("--backend", "numpy", ready=False, env=cold_cache)
     with grpc.insecure_channel(server.address) as channel:
         status, body = http_get(f"{server.http_url}/readyz")
         assert (status, body.startswith("warming up")) == (503, True), body
@@ -81,8 +83,7 @@ def test_not_serving_until_warmup_has_compiled_every_key(start_server: StartServ
 
 
 def test_a_failed_compile_keeps_the_server_not_ready(start_server: StartServer) -> None:
-    # sm_1 does not exist: ptxas fails every key, with its own message.
-    server = start_server("--warmup-target", "cuda:1", ready=False)
+    server = start_server(*FAILING_WARMUP, ready=False)
     with grpc.insecure_channel(server.address) as channel:
         stub = pb_grpc.PrefillMetadataStub(channel)
         deadline = time.monotonic() + 60
