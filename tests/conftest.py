@@ -24,6 +24,17 @@ LOOPBACK = "127.0.0.1"
 # backend keeps this ahead-of-time target in use on a CUDA machine too, where the Triton backend would compile
 # in-process for its own GPU instead.
 FAILING_WARMUP = ("--backend", "numpy", "--warmup-target", "cuda:1")
+
+
+def cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def default_backend_and_target() -> tuple[str, str]:
+    """What the default config serves with on this machine (``backend = auto``): the live server's."""
+    return ("triton", "in-process") if cuda_available() else ("numpy", "cuda:90")
 _serial = itertools.count()
 
 
