@@ -89,7 +89,7 @@ def test_request_metrics_count_the_calls(after_calls: tuple[Scrape, Scrape], ser
 
 
 def test_warmup_and_readiness_metrics(after_calls: tuple[Scrape, Scrape]) -> None:
-    _, after = after_calls
+    before, after = after_calls
     assert {s.labels["state"]: s.value for s in after.samples("indexer_warmup_keys")} == {
         "planned": 3, "compiled": 3, "failed": 0,
     }  # fmt: skip
@@ -99,7 +99,9 @@ def test_warmup_and_readiness_metrics(after_calls: tuple[Scrape, Scrape]) -> Non
     assert after.value("indexer_warmup_duration_seconds") > 0
     assert after.value("indexer_warmup_failures_total") == 0
     assert after.value("indexer_ready") == 1
-    assert after.value("indexer_compiles_after_ready_total") == 0
+    # This module's calls use warmed ratios only: they compile nothing. (Other tests on the same server may send
+    # unwarmed ratios, which a non-strict Triton server compiles and counts.)
+    assert increase(before, after, "indexer_compiles_after_ready_total") == 0
 
 
 def test_histograms_are_cumulative_and_labels_bounded(after_calls: tuple[Scrape, Scrape]) -> None:
