@@ -17,6 +17,8 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.harness import clean_env, http_get
+from service.dataplane import resolve_backend
+from service.warmup import IN_PROCESS
 
 INDEXER_SERVICE = str(Path(sys.executable).with_name("indexer-service"))
 LOOPBACK = "127.0.0.1"
@@ -33,8 +35,12 @@ def cuda_available() -> bool:
 
 
 def default_backend_and_target() -> tuple[str, str]:
-    """What the default config serves with on this machine (``backend = auto``): the live server's."""
-    return ("triton", "in-process") if cuda_available() else ("numpy", "cuda:90")
+    """What the default config serves with on this machine (``backend = auto``): the live server's. The
+    embedded default's ``warmup_target`` (cuda:90) applies to numpy only; Triton compiles in-process."""
+    backend = resolve_backend("auto")
+    return backend, IN_PROCESS if backend == "triton" else "cuda:90"
+
+
 _serial = itertools.count()
 
 
