@@ -42,6 +42,8 @@ class ServiceConfig:
     max_message_bytes: int = _setting("largest gRPC message or HTTP body, either way, in bytes")
     max_concurrent_rpcs: int = _setting("most RPCs handled at once; more get RESOURCE_EXHAUSTED")
     max_connection_age_seconds: float = _setting("seconds before a client is asked to reconnect (0: never)")
+    max_streams_per_connection: int = _setting("most concurrent HTTP/2 streams (calls) on one gRPC connection")
+    health_port: int = _setting("plaintext gRPC port serving only grpc.health.v1, for probes (0: any free port)")
     tls_cert_file: str = _setting("PEM certificate chain of the gRPC port (with tls_key_file: TLS on)")
     tls_key_file: str = _setting("PEM private key of tls_cert_file")
     tls_client_ca_file: str = _setting("PEM CA bundle that client certificates must chain to (mutual TLS)")
@@ -54,6 +56,18 @@ class ServiceConfig:
     max_num_seqs: int = _setting("most sequences in one request's batch")
     max_model_len: int = _setting("longest sequence; also sizes the chunk KV workspace")
     max_logits_bytes: int = _setting("default logits budget of a planned chunk, in bytes")
+    max_plan_chunks: int = _setting("most chunks in one PlanBatch plan; more is RESOURCE_EXHAUSTED")
+    response_budget_bytes: int = _setting(
+        "bytes of responses held at once (built, queued or unsent); 0: min(256 MiB, memory limit / 8)"
+    )
+    response_drain_seconds: float = _setting("seconds a caller has to read its response before it is cancelled")
+    heavy_request_bytes: int = _setting("estimated cost in bytes above which a request takes the heavy lane")
+    heavy_lane_slots: int = _setting("heavy requests computed at once")
+    admission_wait_seconds: float = _setting("longest wait for the response budget or a heavy-lane slot")
+    http_max_header_bytes: int = _setting("largest HTTP request head (request line and headers), in bytes")
+    http_idle_timeout_seconds: float = _setting("seconds an HTTP connection may sit with no request in progress")
+    http_max_connections: int = _setting("most open HTTP connections; more are refused")
+    idle_trim_seconds: float = _setting("seconds with no call in flight before free heap returns to the OS (0: never)")
     backend: str = _setting("compute backend: auto (Triton on a CUDA GPU, else numpy), numpy or triton")
     warmup_target: str = _setting("ahead-of-time warmup target without GPU (cuda:90, hip:gfx942) or none")
     warmup_workers: int = _setting("parallel compiles during warmup")
@@ -224,11 +238,12 @@ def _validate(config: ServiceConfig, sources: Mapping[str, str]) -> None:
 
     for name in ("grpc_host", "http_host"):
         check(name, bool(getattr(config, name).strip()), "must not be empty")
-    for name in ("grpc_port", "http_port"):
+    for name in ("grpc_port", "http_port", "health_port"):
         check(name, 0 <= getattr(config, name) <= 65535, f"must be in [0, 65535], got {getattr(config, name)}")
     for name in (
         "grpc_workers", "warmup_workers", "max_num_batched_tokens", "max_num_seqs", "max_model_len",
-        "max_concurrent_rpcs",
+        "max_concurrent_rpcs", "max_streams_per_connection", "max_plan_chunks", "heavy_request_bytes",
+        "heavy_lane_slots", "http_max_header_bytes", "http_max_connections",
     ):  # fmt: skip
         check(name, getattr(config, name) >= 1, f"must be >= 1, got {getattr(config, name)}")
     # gRPC takes message limits as a C int.
@@ -240,7 +255,11 @@ def _validate(config: ServiceConfig, sources: Mapping[str, str]) -> None:
     for name in ("malloc_arena_max", "malloc_retain_bytes"):  # mallopt takes a C int
         value = getattr(config, name)
         check(name, 0 <= value <= _INT32_MAX, f"must be in [0, {_INT32_MAX}], got {value}")
-    for name in ("shutdown_grace_seconds", "shutdown_delay_seconds", "max_connection_age_seconds"):
+    check("response_budget_bytes", config.response_budget_bytes >= 0, "must be >= 0 (0: automatic)")
+    for name in (
+        "shutdown_grace_seconds", "shutdown_delay_seconds", "max_connection_age_seconds", "response_drain_seconds",
+        "admission_wait_seconds", "http_idle_timeout_seconds", "idle_trim_seconds",
+    ):  # fmt: skip
         check(name, getattr(config, name) >= 0, f"must be >= 0, got {getattr(config, name)}")
     check("max_logits_bytes", config.max_logits_bytes >= 4, f"must be >= 4, got {config.max_logits_bytes}")
     check("index_kpool", config.index_kpool >= 0, f"must be >= 0 (0: absent), got {config.index_kpool}")
