@@ -3,7 +3,7 @@
 
 The server is the sync ``grpc.server`` with a thread pool, not ``grpc.aio``: the work is CPU-bound numpy (or a
 GPU launch) and, measured on the target machines, the sync server answered a medium request in 486 us against
-571 us for aio and sustained 3.3k against 1.8k calls/s (../shared/notes/measured-facts.md).
+571 us for aio and sustained 3.3k against 1.8k calls/s (docs/spec.md, section 10).
 """
 
 from __future__ import annotations

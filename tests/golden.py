@@ -1,9 +1,8 @@
-"""The hand-checked cases of ../shared/testdata/golden-cases.json, as the project's own types."""
+"""The hand-checked cases of docs/spec.md (tests/data/golden-cases.json), as the project's own types."""
 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +10,7 @@ import numpy as np
 from kernels.inputs import ChunkInputs, ChunkMetadata, DcpConfig
 
 REPO = Path(__file__).resolve().parent.parent
-GOLDEN_PATH = Path(os.environ.get("INDEXER_SHARED_DIR", REPO.parent / "shared")) / "testdata/golden-cases.json"
+GOLDEN_PATH = REPO / "tests" / "data" / "golden-cases.json"
 GOLDEN = json.loads(GOLDEN_PATH.read_text())
 
 ARRAY_FIELDS = ("cu_seq_lens", "token_to_seq", "cu_seqlen_ks", "cu_seqlen_ke", "local_cu_seq_lens")
