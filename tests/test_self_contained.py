@@ -1,0 +1,85 @@
+"""The repository stands alone: nothing in it reads or cites a folder beside it, and the whole suite collects
+from a copy of its files with nothing next to that copy (as on a fresh clone)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+# Spelled in two parts so this file does not match its own check.
+SIBLING = "../" + "shared"
+
+
+def repository_files() -> list[str]:
+    """Tracked files, plus untracked ones git does not ignore (work in progress in this tree); on a clean clone
+    that is exactly the tracked set. Files deleted in the working tree are left out."""
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=REPO,
+        capture_output=True,
+        check=True,
+    ).stdout.decode()
+    return sorted({name for name in listed.split("\0") if name and (REPO / name).is_file()})
+
+
+@pytest.fixture(scope="module")
+def files() -> list[str]:
+    if not (REPO / ".git").exists():
+        pytest.skip("not a git checkout: no file list to copy")
+    return repository_files()
+
+
+def test_no_file_reads_or_cites_a_sibling_folder(files: list[str]) -> None:
+    offenders = []
+    for name in files:
+        data = (REPO / name).read_bytes()
+        for marker in (SIBLING.encode(), b"INDEXER_" + b"SHARED_DIR"):
+            if marker in data:
+                line = data[: data.index(marker)].count(b"\n") + 1
+                offenders.append(f"{name}:{line}: {marker.decode()}")
+    assert not offenders, "files that reach outside the repository:\n" + "\n".join(offenders)
+
+
+def test_suite_collects_from_a_lone_copy(files: list[str], tmp_path: Path) -> None:
+    # tmp_path/alone/ holds the copy and nothing else, so a relative "../<anything>" finds nothing.
+    copy = tmp_path / "alone" / "indexer-service"
+    for name in files:
+        target = copy / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(REPO / name, target)
+    # The compiled fast path is a build output (git ignores *.so) that `make test`'s install step makes on a
+    # fresh clone; bring this tree's build along rather than compile it again.
+    for built in (REPO / "service").glob("_fastpath*.so"):
+        shutil.copy2(built, copy / "service" / built.name)
+    assert list((tmp_path / "alone").iterdir()) == [copy]
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH" and not k.startswith("INDEXER_")}
+    which = subprocess.run(
+        [sys.executable, "-c", "import service, tests.golden as g; print(service.__file__); print(g.GOLDEN_PATH)"],
+        cwd=copy,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert which.returncode == 0, which.stderr
+    assert all(line.startswith(str(copy)) for line in which.stdout.split()), which.stdout
+
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"],
+        cwd=copy,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    output = run.stdout + run.stderr
+    assert run.returncode == 0, output[-4000:]
+    assert "error" not in output.lower().split("\n")[-2], output[-4000:]
+    assert " tests collected" in output or " test collected" in output, output[-2000:]
