@@ -3,7 +3,9 @@
 Every setting has one name used by all layers: the key in a TOML file, ``INDEXER_<NAME>`` in the environment,
 ``--<name-with-dashes>`` on the command line. Layers, lowest first: the embedded ``default_config.toml`` (the
 only place defaults live), ``--config PATH``, the environment, the flags. Any invalid value stops the start
-with a :class:`ConfigError` naming the setting and where the value came from.
+with a :class:`ConfigError` naming the setting and where the value came from: every setting has one rule in
+:data:`RULES` (bounds, finiteness, choices), and files (model config, TLS certificates and key) are read and
+parsed at load time, so nothing invalid reaches the server.
 """
 
 from __future__ import annotations
@@ -11,7 +13,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
+import re
+import ssl
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -25,7 +30,6 @@ CONFIG_FILE_ENV = ENV_PREFIX + "CONFIG"
 BACKENDS = ("auto", "numpy", "triton")
 NO_WARMUP = "none"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
-_INT32_MAX = 2**31 - 1
 
 
 def _setting(help_text: str) -> object:
@@ -110,8 +114,124 @@ class ConfigError(ValueError):
     def __init__(self, setting: str, message: str, source: str | None = None) -> None:
         self.setting = setting
         self.source = source
+        self.message = message
         where = f" (from {source})" if source else ""
         super().__init__(f"invalid config: {setting}{where}: {message}")
+
+
+# --- the range of every setting --------------------------------------------------------------------------
+
+_INT32_MAX = 2**31 - 1
+_INT64_MAX = 2**63 - 1
+# Durations: gRPC and the HTTP server take some of them as int32 milliseconds (max_connection_age_ms), so
+# every duration is held to that range: about 24.8 days.
+MAX_SECONDS = _INT32_MAX / 1000
+# A compress ratio is a Triton constexpr and a request's int32 field; 2^20 (the default max_model_len) is far
+# above any real model's (4, 128) and compiles in every backend.
+MAX_COMPRESS_RATIO = 2**20
+
+
+@dataclass(frozen=True)
+class Rule:
+    """What one setting accepts, beyond its type: bounds (inclusive unless ``above``), choices, non-empty.
+
+    Floats must also be finite (no inf, no nan). ``zero`` names what 0 means where 0 is allowed below ``low``.
+    """
+
+    low: float | None = None
+    high: float | None = None
+    above: float | None = None  # exclusive lower bound
+    zero: str = ""  # "0 means ...": 0 is accepted even when below ``low``
+    choices: tuple[str, ...] = ()
+    fold_case: bool = False  # choices match in any case
+    nonempty: bool = False
+
+    def problem(self, value: object) -> str | None:
+        """Why ``value`` is out of range, or None."""
+        if isinstance(value, tuple):
+            for i, item in enumerate(value):
+                if (why := self.problem(item)) is not None:
+                    return f"[{i}]: {why}"
+            return None
+        if isinstance(value, str):
+            if self.nonempty and not value.strip():
+                return "must not be empty"
+            fold = str.upper if self.fold_case else str
+            if self.choices and fold(value) not in {fold(c) for c in self.choices}:
+                return f"must be one of {', '.join(self.choices)}, got {value!r}"
+            return None
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            return None
+        if isinstance(value, float) and not math.isfinite(value):
+            return f"must be a finite number, got {value}"
+        if value == 0 and self.zero:
+            return None
+        zero = f" (or 0: {self.zero})" if self.zero else ""
+        low_ok = value > self.above if self.above is not None else self.low is None or value >= self.low
+        if low_ok and (self.high is None or value <= self.high):
+            return None
+        opening = f"({_number(self.above)}" if self.above is not None else f"[{_number(self.low)}"
+        if self.high is None:
+            return f"must be {'>' if self.above is not None else '>='} {opening[1:]}{zero}, got {value}"
+        if self.low is None and self.above is None:
+            return f"must be <= {_number(self.high)}{zero}, got {value}"
+        return f"must be in {opening}, {_number(self.high)}]{zero}, got {value}"
+
+
+def _number(bound: float) -> str:
+    return str(int(bound)) if float(bound).is_integer() else repr(bound)
+
+
+_PORT = Rule(0, 65535)
+_COUNT32 = Rule(1, _INT32_MAX)  # counts and sizes gRPC, C or int32 kernels take
+_SECONDS = Rule(0, MAX_SECONDS)
+_RATIO = Rule(0, MAX_COMPRESS_RATIO)
+_PATH = Rule()  # files are checked by loading them, below
+
+# One rule per setting (tests/test_service_config.py holds every setting to it, from every layer).
+RULES: dict[str, Rule] = {
+    "grpc_host": Rule(nonempty=True),
+    "grpc_port": _PORT,
+    "http_host": Rule(nonempty=True),
+    "http_port": _PORT,
+    "grpc_workers": _COUNT32,
+    "max_message_bytes": Rule(4096, _INT32_MAX),  # gRPC takes message limits as a C int
+    "max_concurrent_rpcs": _COUNT32,
+    "max_connection_age_seconds": Rule(0.001, MAX_SECONDS, zero="never"),  # int32 milliseconds in gRPC
+    "max_streams_per_connection": _COUNT32,  # HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS, a C int in gRPC
+    "health_port": _PORT,
+    "tls_cert_file": _PATH,
+    "tls_key_file": _PATH,
+    "tls_client_ca_file": _PATH,
+    "shutdown_grace_seconds": _SECONDS,
+    "shutdown_delay_seconds": _SECONDS,
+    "compress_ratios": _RATIO,  # each
+    "index_kpool": _RATIO,
+    "model_config": _PATH,
+    "max_num_batched_tokens": _COUNT32,  # int32 in the kernel and on the wire
+    "max_num_seqs": _COUNT32,
+    "max_model_len": _COUNT32,
+    "max_logits_bytes": Rule(4, _INT64_MAX),  # int64 on the wire (PlanBatchRequest.max_logits_bytes)
+    "max_plan_chunks": _COUNT32,
+    "response_budget_bytes": Rule(1, _INT64_MAX, zero="automatic"),
+    "response_drain_seconds": Rule(above=0, high=MAX_SECONDS),
+    "heavy_request_bytes": Rule(1, _INT64_MAX),
+    "heavy_lane_slots": _COUNT32,
+    "admission_wait_seconds": _SECONDS,
+    "http_max_header_bytes": Rule(1024, _INT32_MAX),  # below 1 KiB even a probe's request head is refused
+    "http_idle_timeout_seconds": Rule(above=0, high=MAX_SECONDS),
+    "http_max_connections": _COUNT32,
+    "idle_trim_seconds": Rule(0, MAX_SECONDS),  # 0: never
+    "backend": Rule(choices=BACKENDS),
+    "warmup_target": Rule(nonempty=True),  # parsed by the compile engine, below
+    "warmup_workers": _COUNT32,
+    "strict": Rule(),
+    "native_fast_path": Rule(),
+    "triton_cache_dir": _PATH,
+    "malloc_arena_max": Rule(0, _INT32_MAX),  # mallopt takes a C int; 0: glibc's default
+    "malloc_retain_bytes": Rule(0, _INT32_MAX),
+    "log_level": Rule(choices=LOG_LEVELS, fold_case=True),
+}
 
 
 _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
@@ -144,17 +264,32 @@ def _coerce(name: str, value: object, source: str) -> object:
         if not isinstance(value, str):
             raise ValueError(f"expected a string, got {value!r}")
         return value
-    except (TypeError, ValueError) as exc:
-        message = str(exc) if "expected" in str(exc) else f"cannot read {value!r} as {kind}"
+    except (TypeError, ValueError, OverflowError) as exc:
+        message = str(exc) if "expected" in str(exc) else f"cannot read {_short(value)} as {kind}"
         raise ConfigError(name, message, source) from None
 
 
+def _short(value: object, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
 def read_hf_model_config(path: str | Path) -> ModelConfig:
-    """``compress_ratios`` and ``index_kpool`` of a Hugging Face config.json, at the top level or in text_config."""
+    """``compress_ratios`` and ``index_kpool`` of a Hugging Face config.json, at the top level or in text_config.
+
+    ``compress_ratios`` must be there: a config.json without it (a typo, or a model with no compressed layer)
+    is an error rather than a silent "every layer uncompressed"; set ``compress_ratios`` instead.
+    """
     try:
         data = json.loads(Path(path).read_text())
+    except RecursionError:
+        raise ConfigError("model_config", f"cannot read {path}: JSON nested too deeply") from None
     except (OSError, ValueError) as exc:
-        raise ConfigError("model_config", f"cannot read {path}: {exc}") from None
+        raise ConfigError("model_config", f"cannot read {path}: {_one_line(exc)}") from None
     if not isinstance(data, dict):
         raise ConfigError("model_config", f"{path}: expected a JSON object")
     text_config = data.get("text_config") if isinstance(data.get("text_config"), dict) else {}
@@ -162,15 +297,23 @@ def read_hf_model_config(path: str | Path) -> ModelConfig:
     def lookup(key: str) -> object:
         return data[key] if key in data else text_config.get(key)
 
-    ratios, kpool = lookup("compress_ratios") or [], lookup("index_kpool") or 0
+    ratios, kpool = lookup("compress_ratios"), lookup("index_kpool") or 0
+    if ratios is None or ratios == []:
+        near = sorted(k for k in {*data, *text_config} if "compress" in k.lower() or "ratio" in k.lower())
+        hint = f" (found {', '.join(near)})" if near else ""
+        raise ConfigError(
+            "model_config",
+            f"{path}: no compress_ratios, at the top level or in text_config{hint}; for a model without "
+            "compressed layers set compress_ratios (and index_kpool) instead of model_config",
+        )
     if not isinstance(ratios, list) or any(isinstance(r, bool) or not isinstance(r, int) for r in ratios):
-        raise ConfigError("model_config", f"{path}: compress_ratios must be a list of integers, got {ratios!r}")
+        raise ConfigError("model_config", f"{path}: compress_ratios must be a list of integers, got {_short(ratios)}")
     if isinstance(kpool, bool) or not isinstance(kpool, int):
-        raise ConfigError("model_config", f"{path}: index_kpool must be an integer, got {kpool!r}")
-    try:
-        return ModelConfig(tuple(ratios), kpool or None)
-    except ValueError as exc:
-        raise ConfigError("model_config", f"{path}: {exc}") from None
+        raise ConfigError("model_config", f"{path}: index_kpool must be an integer, got {_short(kpool)}")
+    for name, value in (("compress_ratios", tuple(ratios)), ("index_kpool", kpool)):
+        if (why := RULES[name].problem(value)) is not None:
+            raise ConfigError("model_config", f"{path}: {name}{'' if why.startswith('[') else ': '}{why}")
+    return ModelConfig(tuple(ratios), kpool or None)
 
 
 def _read_toml(text: str, source: str) -> dict[str, object]:
@@ -178,14 +321,23 @@ def _read_toml(text: str, source: str) -> dict[str, object]:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError("config", f"{source}: {exc}") from None
+    except RecursionError:
+        raise ConfigError("config", f"{source}: nested too deeply") from None
 
 
 def load_config(
     flags: Mapping[str, object] | None = None,
     env: Mapping[str, str] | None = None,
     config_file: str | Path | None = None,
+    *,
+    flag_names: Mapping[str, str] | None = None,
+    needs_warmup: str = "",
 ) -> ServiceConfig:
-    """The configuration from the embedded defaults, a TOML file, the environment and flags (that order)."""
+    """The configuration from the embedded defaults, a TOML file, the environment and flags (that order).
+
+    ``flag_names`` maps a setting to the option the user typed (an alias such as ``--target``), for messages;
+    ``needs_warmup`` names a command that cannot run with ``warmup_target = "none"``.
+    """
     env = os.environ if env is None else env
     values: dict[str, object] = {}
     sources: dict[str, str] = {}
@@ -203,19 +355,23 @@ def load_config(
     if missing:
         raise ConfigError(sorted(missing)[0], "has no default in default_config.toml")
 
-    config_file = config_file or env.get(CONFIG_FILE_ENV)
+    if config_file:
+        file_source = "flag --config"
+    else:
+        config_file, file_source = env.get(CONFIG_FILE_ENV), f"env {CONFIG_FILE_ENV}"
     if config_file:
         try:
             text = Path(config_file).read_text()
-        except OSError as exc:
-            raise ConfigError("config", f"cannot read {config_file}: {exc}") from None
+        except (OSError, ValueError) as exc:  # ValueError: not UTF-8
+            raise ConfigError("config", f"cannot read {config_file}: {_one_line(exc)}", file_source) from None
         for name, value in _read_toml(text, str(config_file)).items():
             put(name, value, f"file {config_file}")
     for name in SETTINGS:
         if (variable := ENV_PREFIX + name.upper()) in env:
             put(name, env[variable], f"env {variable}")
     for name, value in (flags or {}).items():
-        put(name, value, f"flag --{name.replace('_', '-')}")
+        option = (flag_names or {}).get(name) or f"--{name.replace('_', '-')}"
+        put(name, value, f"flag {option}")
 
     if values["model_config"]:
         for name in ("compress_ratios", "index_kpool"):
@@ -223,52 +379,28 @@ def load_config(
                 raise ConfigError(
                     "model_config", f"set together with {name} ({sources[name]}): use one", sources["model_config"]
                 )
-        model = read_hf_model_config(str(values["model_config"]))
+        try:
+            model = read_hf_model_config(str(values["model_config"]))
+        except ConfigError as exc:
+            raise ConfigError(exc.setting, exc.message, sources["model_config"]) from None
         values["compress_ratios"], values["index_kpool"] = model.compress_ratios, model.index_kpool or 0
+        sources["compress_ratios"] = sources["index_kpool"] = f"model_config {values['model_config']}"
 
     config = ServiceConfig(**values)
-    _validate(config, sources)
+    _validate(config, sources, needs_warmup)
     return config
 
 
-def _validate(config: ServiceConfig, sources: Mapping[str, str]) -> None:
-    def check(name: str, ok: bool, message: str) -> None:
-        if not ok:
-            raise ConfigError(name, message, sources.get(name))
+def _validate(config: ServiceConfig, sources: Mapping[str, str], needs_warmup: str = "") -> None:
+    def fail(name: str, message: str, source: str | None = None) -> None:
+        raise ConfigError(name, message, source or sources.get(name))
 
-    for name in ("grpc_host", "http_host"):
-        check(name, bool(getattr(config, name).strip()), "must not be empty")
-    for name in ("grpc_port", "http_port", "health_port"):
-        check(name, 0 <= getattr(config, name) <= 65535, f"must be in [0, 65535], got {getattr(config, name)}")
-    for name in (
-        "grpc_workers", "warmup_workers", "max_num_batched_tokens", "max_num_seqs", "max_model_len",
-        "max_concurrent_rpcs", "max_streams_per_connection", "max_plan_chunks", "heavy_request_bytes",
-        "heavy_lane_slots", "http_max_header_bytes", "http_max_connections",
-    ):  # fmt: skip
-        check(name, getattr(config, name) >= 1, f"must be >= 1, got {getattr(config, name)}")
-    # gRPC takes message limits as a C int.
-    check(
-        "max_message_bytes",
-        4096 <= config.max_message_bytes <= _INT32_MAX,
-        f"must be in [4096, {_INT32_MAX}], got {config.max_message_bytes}",
-    )
-    for name in ("malloc_arena_max", "malloc_retain_bytes"):  # mallopt takes a C int
-        value = getattr(config, name)
-        check(name, 0 <= value <= _INT32_MAX, f"must be in [0, {_INT32_MAX}], got {value}")
-    check("response_budget_bytes", config.response_budget_bytes >= 0, "must be >= 0 (0: automatic)")
-    for name in (
-        "shutdown_grace_seconds", "shutdown_delay_seconds", "max_connection_age_seconds", "response_drain_seconds",
-        "admission_wait_seconds", "http_idle_timeout_seconds", "idle_trim_seconds",
-    ):  # fmt: skip
-        check(name, getattr(config, name) >= 0, f"must be >= 0, got {getattr(config, name)}")
-    check("max_logits_bytes", config.max_logits_bytes >= 4, f"must be >= 4, got {config.max_logits_bytes}")
-    check("index_kpool", config.index_kpool >= 0, f"must be >= 0 (0: absent), got {config.index_kpool}")
-    try:
-        config.model  # noqa: B018 - ModelConfig validates every ratio, naming its index
-    except ValueError as exc:
-        raise ConfigError("compress_ratios", str(exc), sources.get("compress_ratios")) from None
-    check("backend", config.backend in BACKENDS, f"must be one of {', '.join(BACKENDS)}, got {config.backend!r}")
-    check("log_level", config.log_level.upper() in LOG_LEVELS, f"must be one of {', '.join(LOG_LEVELS)}")
+    # Every setting against its rule, in the order of the settings.
+    for name in SETTINGS:
+        why = RULES.get(name, Rule()).problem(getattr(config, name))
+        if why is not None:
+            fail(name, f"{name}{why}" if why.startswith("[") else why)
+    # Settings that depend on each other.
     if config.warmup_enabled:
         # Imported here: the compile engine pulls in torch and Triton, which only a real warmup needs.
         from kernels.compile_engine import parse_target
@@ -276,15 +408,92 @@ def _validate(config: ServiceConfig, sources: Mapping[str, str]) -> None:
         try:
             parse_target(config.warmup_target)
         except ValueError as exc:
-            raise ConfigError("warmup_target", f"{exc} (or '{NO_WARMUP}')", sources.get("warmup_target")) from None
-    check("strict", not (config.strict and not config.warmup_enabled), "needs a warmup, but warmup_target is none")
-    check("tls_key_file", bool(config.tls_cert_file) == bool(config.tls_key_file),
-          "tls_cert_file and tls_key_file go together")  # fmt: skip
-    check("tls_client_ca_file", not config.tls_client_ca_file or config.tls_enabled,
-          "mutual TLS needs tls_cert_file and tls_key_file too")  # fmt: skip
-    for name in ("tls_cert_file", "tls_key_file", "tls_client_ca_file"):
+            fail("warmup_target", f"{_one_line(exc)} (or '{NO_WARMUP}')")
+    elif needs_warmup:
+        fail("warmup_target", f"{needs_warmup} needs a target such as cuda:90, got {NO_WARMUP!r}")
+    if config.strict and not config.warmup_enabled:
+        fail("strict", f"needs a warmup, but warmup_target is none ({sources.get('warmup_target')})")
+    _validate_tls(config, sources)
+    _validate_cache_dir(config.triton_cache_dir, sources.get("triton_cache_dir"))
+
+
+def _validate_tls(config: ServiceConfig, sources: Mapping[str, str]) -> None:
+    """TLS settings go together, and their files are PEM that Python's ssl (OpenSSL) loads: a bad file is a
+    config error naming the setting, not a bind failure later."""
+    cert, key, client_ca = config.tls_cert_file, config.tls_key_file, config.tls_client_ca_file
+    if cert and not key:
+        raise ConfigError("tls_key_file", f"not set, but tls_cert_file is ({sources.get('tls_cert_file')}): "
+                          "TLS needs both")  # fmt: skip
+    if key and not cert:
+        raise ConfigError("tls_cert_file", f"not set, but tls_key_file is ({sources.get('tls_key_file')}): "
+                          "TLS needs both")  # fmt: skip
+    if client_ca and not cert:
+        raise ConfigError("tls_client_ca_file", "mutual TLS needs tls_cert_file and tls_key_file too",
+                          sources.get("tls_client_ca_file"))  # fmt: skip
+    if not cert:
+        return
+    for name, marker in (("tls_cert_file", "CERTIFICATE"), ("tls_key_file", "PRIVATE KEY"),
+                         ("tls_client_ca_file", "CERTIFICATE")):  # fmt: skip
         path = getattr(config, name)
-        check(name, not path or os.access(path, os.R_OK), f"cannot read {path}")
+        if not path:
+            continue
+        try:
+            text = Path(path).read_bytes()
+        except OSError as exc:
+            raise ConfigError(name, f"cannot read {path}: {_one_line(exc)}", sources.get(name)) from None
+        if f"-----BEGIN {marker}-----".encode() not in text and not (
+            marker == "PRIVATE KEY" and re.search(rb"-----BEGIN [A-Z ]*PRIVATE KEY-----", text)
+        ):
+            raise ConfigError(name, f"{path} is not a PEM file with a {marker.lower()}", sources.get(name))
+    for name in ("tls_cert_file", "tls_client_ca_file"):
+        if getattr(config, name):
+            try:
+                ssl.create_default_context().load_verify_locations(cafile=getattr(config, name))
+            except (ssl.SSLError, OSError, ValueError) as exc:
+                raise ConfigError(name, f"{getattr(config, name)}: not a valid PEM certificate: {_one_line(exc)}",
+                                  sources.get(name)) from None  # fmt: skip
+    try:
+        # A key that is encrypted, broken, or not the certificate's own: the password callback keeps OpenSSL
+        # from prompting on the terminal.
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert, key, password=lambda: b"")
+    except (ssl.SSLError, OSError, ValueError) as exc:
+        message = f"{key}: not an unencrypted PEM key of {cert}: {_one_line(exc)}"
+        raise ConfigError("tls_key_file", message, sources.get("tls_key_file")) from None
+
+
+def _validate_cache_dir(path: str, source: str | None) -> None:
+    """A configured Triton cache directory is a directory, or can be made one (its nearest existing ancestor
+    is a writable directory)."""
+    if not path:
+        return
+    existing = Path(path)
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError("triton_cache_dir", f"{existing} is not a directory", source)
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError("triton_cache_dir", f"{existing} is not writable", source)
+
+
+class _Store(argparse.Action):
+    """Stores the value and remembers which option string gave it (an alias such as ``--target``)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, values)
+        _remember(namespace, self.dest, option_string)
+
+
+class _StoreBool(argparse.BooleanOptionalAction):
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        super().__call__(parser, namespace, values, option_string)
+        _remember(namespace, self.dest, option_string)
+
+
+def _remember(namespace: argparse.Namespace, dest: str, option_string: str | None) -> None:
+    names = dict(getattr(namespace, "flag_names", None) or {})
+    if option_string:
+        names[dest] = option_string
+    namespace.flag_names = names
 
 
 def add_config_arguments(parser: argparse.ArgumentParser, aliases: Mapping[str, str] | None = None) -> None:
@@ -296,16 +505,17 @@ def add_config_arguments(parser: argparse.ArgumentParser, aliases: Mapping[str, 
     for name, f in SETTINGS.items():
         options = [f"--{name.replace('_', '-')}", *([aliases[name]] if aliases and name in aliases else [])]
         if f.type == "bool":
-            group.add_argument(
-                *options, dest=name, action=argparse.BooleanOptionalAction, default=None, help=f.metadata["help"]
-            )
+            group.add_argument(*options, dest=name, action=_StoreBool, default=None, help=f.metadata["help"])
         else:
-            group.add_argument(*options, dest=name, default=None, metavar="VALUE", help=f.metadata["help"])
+            group.add_argument(*options, dest=name, action=_Store, default=None, metavar="VALUE",
+                               help=f.metadata["help"])  # fmt: skip
 
 
-def config_from_arguments(args: argparse.Namespace) -> ServiceConfig:
+def config_from_arguments(args: argparse.Namespace, needs_warmup: str = "") -> ServiceConfig:
     flags = {name: getattr(args, name) for name in SETTINGS if getattr(args, name, None) is not None}
-    return load_config(flags, config_file=args.config)
+    return load_config(
+        flags, config_file=args.config, flag_names=getattr(args, "flag_names", None), needs_warmup=needs_warmup
+    )
 
 
 def configure_logging(level: str) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kernels.specialization import ModelConfig, warmup_compress_ratios
-from service.config import SETTINGS, ConfigError, load_config, read_hf_model_config
+from service.config import RULES, SETTINGS, ConfigError, load_config, read_hf_model_config
 from service.warmup import use_triton_cache_dir
 
 FLASH_RATIOS = (0, 0, *([4, 128] * 20), 4, 0)
@@ -64,14 +64,16 @@ def test_list_settings_from_env_and_flags_are_comma_separated() -> None:
     [
         ({"grpc_port": "70000"}, {}, "grpc_port", "[0, 65535]"),
         ({}, {"INDEXER_HTTP_PORT": "eighty"}, "http_port", "env INDEXER_HTTP_PORT"),
-        ({"max_num_seqs": "0"}, {}, "max_num_seqs", ">= 1"),
+        ({"max_num_seqs": "0"}, {}, "max_num_seqs", "[1, 2147483647]"),
         ({"compress_ratios": "4,-2"}, {}, "compress_ratios", "compress_ratios[1]"),
         ({"backend": "cuda"}, {}, "backend", "auto, numpy, triton"),
         ({"warmup_target": "sm90"}, {}, "warmup_target", "cuda:90"),
         ({"strict": True, "warmup_target": "none"}, {}, "strict", "warmup"),
         ({}, {"INDEXER_STRICT": "maybe"}, "strict", "true or false"),
         ({"max_message_bytes": "100"}, {}, "max_message_bytes", "4096"),
-        ({"shutdown_grace_seconds": "-1"}, {}, "shutdown_grace_seconds", ">= 0"),
+        ({"shutdown_grace_seconds": "-1"}, {}, "shutdown_grace_seconds", "[0, 2147483.647]"),
+        ({"max_connection_age_seconds": "inf"}, {}, "max_connection_age_seconds", "finite"),
+        ({"max_connection_age_seconds": "1e12"}, {}, "max_connection_age_seconds", "(or 0: never)"),
         ({"log_level": "loud"}, {}, "log_level", "INFO"),
         ({"grpc_host": " "}, {}, "grpc_host", "empty"),
     ],
@@ -113,10 +115,8 @@ def test_hf_model_config_top_level_and_text_config(tmp_path: Path) -> None:
     assert read_hf_model_config(top) == ModelConfig(FLASH_RATIOS, None)
     nested = _write_json(tmp_path / "nested.json", {"text_config": {"compress_ratios": [0, 4], "index_kpool": 32}})
     assert warmup_compress_ratios(read_hf_model_config(nested)) == (1, 4, 32)
-    glm = _write_json(tmp_path / "glm.json", {"model_type": "glm", "text_config": {"index_kpool": 4}})
+    glm = _write_json(tmp_path / "glm.json", {"text_config": {"compress_ratios": [0, 0], "index_kpool": 4}})
     assert warmup_compress_ratios(read_hf_model_config(glm)) == (1, 4)
-    plain = _write_json(tmp_path / "plain.json", {"model_type": "deepseek_v32"})
-    assert warmup_compress_ratios(read_hf_model_config(plain)) == (1,)
     config = load_config({"model_config": str(nested)}, env={})
     assert warmup_compress_ratios(config.model) == (1, 4, 32)
 
@@ -127,13 +127,25 @@ def test_hf_model_config_errors_name_the_setting(tmp_path: Path) -> None:
         "broken.json": "{",
         "negative.json": json.dumps({"compress_ratios": [4, -1]}),
         "strings.json": json.dumps({"compress_ratios": ["4"]}),
+        "huge.json": json.dumps({"compress_ratios": [4, 2**40]}),
+        "deep.json": "[" * 100_000 + "]" * 100_000,
+        # A model without compressed layers, or a typo: an error, not a silent "ratio 1 only".
+        "typo.json": json.dumps({"compress_ratio": [4, 128]}),
+        "plain.json": json.dumps({"model_type": "deepseek_v32", "text_config": {"index_kpool": 4}}),
+        "empty.json": json.dumps({"compress_ratios": []}),
+        "binary.json": None,
     }
     for name, text in cases.items():
         path = tmp_path / name
-        if text is not None:
+        if name == "binary.json":
+            path.write_bytes(b"\xff\xfe\x00{")
+        elif text is not None:
             path.write_text(text)
-        with pytest.raises(ConfigError, match=f"model_config.*{name}"):
+        with pytest.raises(ConfigError, match=f"model_config.*{name}") as raised:
             load_config({"model_config": str(path)}, env={})
+        assert "\n" not in str(raised.value) and len(str(raised.value)) < 400
+    with pytest.raises(ConfigError, match=r"typo.json: no compress_ratios.*\(found compress_ratio\)"):
+        read_hf_model_config(tmp_path / "typo.json")
 
 
 def test_model_config_and_explicit_ratios_conflict(tmp_path: Path) -> None:
@@ -163,3 +175,196 @@ def test_docs_list_every_setting_and_metric() -> None:
     for family in Metrics().registry.collect():
         name = f"{family.name}_total" if family.type == "counter" else family.name
         assert f"| `{name}` |" in docs, f"docs/service.md does not list the metric {name}"
+
+
+# --- every setting, every layer: the range table ------------------------------------------------------------
+
+TOO_BIG_INT32 = str(2**31)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """PEM files (a CA, a server certificate and its key, another key), a non-PEM file, model configs."""
+    import trustme
+
+    folder = tmp_path_factory.mktemp("files")
+    ca = trustme.CA()
+    server, other = ca.issue_cert("127.0.0.1"), ca.issue_cert("other.example")
+    ca.cert_pem.write_to_path(str(folder / "ca.pem"))
+    server.cert_chain_pems[0].write_to_path(str(folder / "cert.pem"))
+    server.private_key_pem.write_to_path(str(folder / "key.pem"))
+    other.private_key_pem.write_to_path(str(folder / "other-key.pem"))
+    (folder / "junk.pem").write_text("not a certificate\n")
+    (folder / "der.pem").write_bytes(b"0\x82\x01\x0a" + bytes(200))
+    (folder / "broken-cert.pem").write_text("-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n")
+    (folder / "deep.json").write_text("[" * 100_000 + "]" * 100_000)
+    (folder / "no-ratios.json").write_text(json.dumps({"model_type": "x", "compress_ratio": [4]}))
+    (folder / "file").write_text("")
+    return {p.stem.replace("-", "_"): str(p) for p in folder.iterdir()}
+
+
+# setting -> invalid values (text, as a flag or an environment variable gives them; {name} is a file above),
+# and the other settings that value needs to be the one at fault. Every setting has at least one.
+VALID_TLS = {"tls_cert_file": "{cert}", "tls_key_file": "{key}"}
+INVALID: dict[str, tuple[list[str], dict[str, str]]] = {
+    "grpc_host": ([" "], {}),
+    "grpc_port": (["70000", "-1", "eighty", "1.5"], {}),
+    "http_host": ([""], {}),
+    "http_port": (["65536"], {}),
+    "grpc_workers": (["0", TOO_BIG_INT32], {}),
+    "max_message_bytes": (["100", TOO_BIG_INT32], {}),
+    "max_concurrent_rpcs": (["0", TOO_BIG_INT32], {}),
+    "max_connection_age_seconds": (["inf", "nan", "1e12", "2147484", "-1", "0.0001", "soon"], {}),
+    "max_streams_per_connection": (["0", TOO_BIG_INT32], {}),
+    "health_port": (["70000", "-1"], {}),
+    "tls_cert_file": (["/nonexistent.pem", "{junk}", "{der}", "{broken_cert}"], {"tls_key_file": "{key}"}),
+    "tls_key_file": (["/nonexistent.pem", "{junk}", "{other_key}", "{cert}"], {"tls_cert_file": "{cert}"}),
+    "tls_client_ca_file": (["/nonexistent.pem", "{junk}", "{broken_cert}"], VALID_TLS),
+    "shutdown_grace_seconds": (["-1", "inf", "1e10"], {}),
+    "shutdown_delay_seconds": (["nan", "-0.5"], {}),
+    "compress_ratios": (["4,-2", "1099511627776", "4,x", str(2**20 + 1)], {}),
+    "index_kpool": (["-1", str(2**20 + 1)], {}),
+    "model_config": (["/nonexistent.json", "{deep}", "{no_ratios}", "{junk}"], {}),
+    "max_num_batched_tokens": (["0", TOO_BIG_INT32], {}),
+    "max_num_seqs": (["0", "-5"], {}),
+    "max_model_len": (["0", TOO_BIG_INT32], {}),
+    "max_logits_bytes": (["3", str(2**63)], {}),
+    "max_plan_chunks": (["0", TOO_BIG_INT32], {}),
+    "response_budget_bytes": (["-1", str(2**63)], {}),
+    "response_drain_seconds": (["0", "inf", "-1"], {}),
+    "heavy_request_bytes": (["0"], {}),
+    "heavy_lane_slots": (["0", TOO_BIG_INT32], {}),
+    "admission_wait_seconds": (["-0.5", "nan"], {}),
+    "http_max_header_bytes": (["100", TOO_BIG_INT32], {}),
+    "http_idle_timeout_seconds": (["0", "inf"], {}),
+    "http_max_connections": (["0"], {}),
+    "idle_trim_seconds": (["-1", "inf"], {}),
+    "backend": (["cuda", "NUMPY"], {}),
+    "warmup_target": (["sm90", ""], {}),
+    "warmup_workers": (["0", TOO_BIG_INT32], {}),
+    "strict": (["maybe"], {}),
+    "native_fast_path": (["2"], {}),
+    "triton_cache_dir": (["{file}/cache"], {}),
+    "malloc_arena_max": (["-1", TOO_BIG_INT32], {}),
+    "malloc_retain_bytes": ([TOO_BIG_INT32], {}),
+    "log_level": (["loud"], {}),
+}
+LAYERS = ("flag", "env", "file")
+
+
+def test_the_tables_cover_every_setting() -> None:
+    assert set(RULES) == set(SETTINGS)
+    assert set(INVALID) == set(SETTINGS), "give every new setting invalid values in INVALID"
+
+
+def _toml_value(name: str, text: str) -> str:
+    """The TOML a user would write for ``text``: numbers bare (TOML has inf and nan), lists as arrays."""
+    kind = SETTINGS[name].type
+    if kind == "tuple[int, ...]":
+        items = text.split(",")
+        return "[" + ", ".join(i if i.lstrip("-").isdigit() else json.dumps(i) for i in items) + "]"
+    if kind in ("int", "float"):
+        try:
+            float(text)
+            return text
+        except ValueError:
+            pass
+    return json.dumps(text)
+
+
+def _cases() -> list:
+    cases = []
+    for name, (values, _) in INVALID.items():
+        for i, value in enumerate(values):
+            # The first value through every layer, the others through one layer each, in turn.
+            for layer in LAYERS if i == 0 else (LAYERS[i % 3],):
+                cases.append(pytest.param(name, value, layer, id=f"{name}-{layer}-{i}"))
+    return cases
+
+
+@pytest.mark.parametrize(("name", "value", "layer"), _cases())
+def test_every_invalid_value_stops_the_start_naming_setting_and_source(
+    name: str, value: str, layer: str, files: dict[str, str], tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """Through the command line in-process: exit 2, one stderr line, the setting and where its value came from,
+    never a traceback."""
+    from service.cli import main as cli_main
+
+    value = value.format(**files)
+    extra = {k: v.format(**files) for k, v in INVALID[name][1].items()}
+    args = ["serve"]
+    if name not in ("warmup_target", "strict"):
+        args += ["--warmup-target", "none"]  # no torch import for the compile engine's target parser
+    for other, other_value in extra.items():
+        args += [f"--{other.replace('_', '-')}", other_value]
+    env = {}
+    if layer == "flag" and SETTINGS[name].type == "bool":
+        # A boolean flag has no value to get wrong (--strict / --no-strict): argparse refuses one, exit 2.
+        with pytest.raises(SystemExit) as usage:
+            cli_main([*args, f"--{name.replace('_', '-')}={value}"])
+        err = capsys.readouterr().err
+        assert usage.value.code == 2 and f"--{name.replace('_', '-')}" in err and "Traceback" not in err
+        return
+    if layer == "flag":
+        args += [f"--{name.replace('_', '-')}={value}"]
+        source = f"flag --{name.replace('_', '-')}"
+    elif layer == "env":
+        env[f"INDEXER_{name.upper()}"] = value
+        source = f"env INDEXER_{name.upper()}"
+    else:
+        config_file = tmp_path / "indexer.toml"
+        config_file.write_text(f"{name} = {_toml_value(name, value)}\n")
+        args += ["--config", str(config_file)]
+        source = f"file {config_file}"
+    with pytest.MonkeyPatch.context() as patch:
+        for key in [k for k in os.environ if k.startswith("INDEXER_")]:
+            patch.delenv(key)
+        for key, text in env.items():
+            patch.setenv(key, text)
+        code = cli_main(args)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith(f"indexer-service serve: invalid config: {name} (from {source}): "), err
+
+
+@pytest.mark.parametrize(
+    ("flags", "setting", "fragment"),
+    [
+        ({"tls_cert_file": "{cert}"}, "tls_key_file", "tls_cert_file is (flag --tls-cert-file)"),
+        ({"tls_key_file": "{key}"}, "tls_cert_file", "tls_key_file is (flag --tls-key-file)"),
+        ({"tls_client_ca_file": "{ca}"}, "tls_client_ca_file", "from flag --tls-client-ca-file"),
+        ({"strict": True, "warmup_target": "none"}, "strict", "warmup_target is none (flag --warmup-target)"),
+    ],
+)
+def test_settings_that_go_together_blame_the_missing_one(
+    flags: dict, setting: str, fragment: str, files: dict[str, str]
+) -> None:
+    flags = {k: v.format(**files) if isinstance(v, str) else v for k, v in flags.items()}
+    with pytest.raises(ConfigError) as raised:
+        load_config(flags, env={})
+    assert raised.value.setting == setting and fragment in str(raised.value), str(raised.value)
+    assert "(from default)" not in str(raised.value)
+
+
+def test_valid_tls_and_edge_values_are_accepted(files: dict[str, str]) -> None:
+    config = load_config(
+        {"tls_cert_file": files["cert"], "tls_key_file": files["key"], "tls_client_ca_file": files["ca"],
+         "max_connection_age_seconds": "0", "response_budget_bytes": "0", "idle_trim_seconds": "0",
+         "compress_ratios": f"0,{2**20}", "grpc_port": "65535", "health_port": "0", "log_level": "debug",
+         "max_message_bytes": str(2**31 - 1)},
+        env={"INDEXER_MAX_CONNECTION_AGE_SECONDS": "2147483.647"},
+    )  # fmt: skip
+    assert config.tls_enabled and config.compress_ratios == (0, 2**20)
+
+
+def test_unreadable_and_malformed_config_files_name_the_file(tmp_path: Path) -> None:
+    cases = {"binary.toml": b"\xff\xfe = 1\n", "deep.toml": b"x = " + b"[" * 100_000 + b"]" * 100_000 + b"\n"}
+    for name, blob in cases.items():
+        (tmp_path / name).write_bytes(blob)
+        with pytest.raises(ConfigError, match=f"config.*{name}"):
+            load_config(env={}, config_file=tmp_path / name)
+    with pytest.raises(ConfigError, match=r"config \(from env INDEXER_CONFIG\): cannot read /nonexistent.toml"):
+        load_config(env={"INDEXER_CONFIG": "/nonexistent.toml"})
+    with pytest.raises(ConfigError, match=r"config \(from flag --config\): cannot read .*Is a directory"):
+        load_config(env={}, config_file=tmp_path)
