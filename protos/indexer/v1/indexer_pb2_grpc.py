@@ -26,7 +26,12 @@ if _version_not_supported:
 
 
 class PrefillMetadataStub:
-    """Prefill chunk metadata of the sparse-MLA indexer. Integer arrays are little-endian int32 bytes.
+    """Prefill chunk metadata of the sparse-MLA indexer: for each query row of a prefill chunk, the window
+    [ks, ke) of compressed KV it may attend to, and the request of each compressed KV token. Integer arrays
+    are little-endian int32 bytes. Health: grpc.health.v1 for "" and "indexer.v1.PrefillMetadata"; the
+    server is SERVING only once its kernel warmup has finished.
+
+    (The name predates the lint rule asking for a "Service" suffix; renaming would break every client.)
     """
 
     def __init__(self, channel):
@@ -53,25 +58,32 @@ class PrefillMetadataStub:
 
 
 class PrefillMetadataServicer:
-    """Prefill chunk metadata of the sparse-MLA indexer. Integer arrays are little-endian int32 bytes.
+    """Prefill chunk metadata of the sparse-MLA indexer: for each query row of a prefill chunk, the window
+    [ks, ke) of compressed KV it may attend to, and the request of each compressed KV token. Integer arrays
+    are little-endian int32 bytes. Health: grpc.health.v1 for "" and "indexer.v1.PrefillMetadata"; the
+    server is SERVING only once its kernel warmup has finished.
+
+    (The name predates the lint rule asking for a "Service" suffix; renaming would break every client.)
     """
 
     def BuildChunk(self, request, context):
         """One chunk's metadata: requests [req_start, req_end) of a batch, optionally only some query rows.
+        The answer's `metadata` is absent when the chunk holds no compressed KV token.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def PlanBatch(self, request, context):
-        """A whole batch's prefill part: the chunk plan and every non-empty chunk's metadata.
+        """A whole batch's prefill part: the chunk plan (KV workspace and logits budgets) and every non-empty
+        chunk's metadata, computed in one pass.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def GetWarmupStatus(self, request, context):
-        """Warmup state, per key. Answered at any time, also before the server is ready.
+        """Warmup state, per kernel variant. Answered at any time, also before the server is ready.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -104,7 +116,12 @@ def add_PrefillMetadataServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class PrefillMetadata:
-    """Prefill chunk metadata of the sparse-MLA indexer. Integer arrays are little-endian int32 bytes.
+    """Prefill chunk metadata of the sparse-MLA indexer: for each query row of a prefill chunk, the window
+    [ks, ke) of compressed KV it may attend to, and the request of each compressed KV token. Integer arrays
+    are little-endian int32 bytes. Health: grpc.health.v1 for "" and "indexer.v1.PrefillMetadata"; the
+    server is SERVING only once its kernel warmup has finished.
+
+    (The name predates the lint rule asking for a "Service" suffix; renaming would break every client.)
     """
 
     @staticmethod
