@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import sys
 import time
 from pathlib import Path
 
-import grpc
-
 from service.config import (
-    NO_WARMUP,
     ConfigError,
     ServiceConfig,
     add_config_arguments,
@@ -21,19 +19,45 @@ from service.config import (
 
 log = logging.getLogger("service.cli")
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+# check: 0 serving, 1 not serving, 2 usage or configuration error, 3 unreachable. serve, keys, precompile:
+# 0 done, 1 failed (a fatal start-up error, a failed compile), 2 usage or configuration error.
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
 
 
-def _configure(args: argparse.Namespace) -> ServiceConfig:
-    config = config_from_arguments(args)
+class UsageError(ValueError):
+    """A command-line mistake outside the settings (a check flag): exit 2, one line."""
+
+
+def _configure(args: argparse.Namespace, needs_warmup: str = "") -> ServiceConfig:
+    config = config_from_arguments(args, needs_warmup)
     configure_logging(config.log_level)
     return config
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from service.server import serve
+    from service.lifecycle import ShutdownSignals, end_process
 
-    return serve(_configure(args), args.port_file)
+    # Signals first: from here on SIGTERM or SIGINT ends the process with 0, whatever it is doing.
+    signals = ShutdownSignals()
+    try:
+        config = _configure(args)
+    except BaseException:
+        signals.close()
+        raise
+    try:
+        from service.server import serve
+
+        code = serve(config, args.port_file, signals)
+    except (OSError, RuntimeError) as exc:  # a fatal start-up error: bind, port file, the HTTP server
+        log.error("fatal %s", exc)
+        print(f"indexer-service serve: {exc}", file=sys.stderr)
+        code = EXIT_FAILED
+    except BaseException:
+        log.exception("fatal internal error")
+        code = EXIT_FAILED
+    # Never a normal interpreter exit once the server may have started: service/lifecycle.py says why.
+    end_process(code)
+    return code  # not reached
 
 
 def _keys(args: argparse.Namespace) -> int:
@@ -48,9 +72,7 @@ def _precompile(args: argparse.Namespace) -> int:
     from kernels.specialization import warmup_keys
     from service.warmup import compile_and_log, use_triton_cache_dir
 
-    config = _configure(args)
-    if not config.warmup_enabled:
-        raise ConfigError("warmup_target", f"precompile needs a target such as cuda:90, got {NO_WARMUP!r}")
+    config = _configure(args, needs_warmup="precompile")
     cache_dir = use_triton_cache_dir(config.triton_cache_dir)
     keys = warmup_keys(config.model)
     log.info("precompile start keys=%d target=%s cache_dir=%s", len(keys), config.warmup_target,
@@ -64,23 +86,57 @@ def _precompile(args: argparse.Namespace) -> int:
     return EXIT_FAILED if failed else EXIT_OK
 
 
+def _check_credentials(args: argparse.Namespace) -> object:
+    """None (plaintext), or TLS credentials: any --tls* flag turns TLS on; without --tls-ca the server's
+    certificate must chain to the system's trusted roots."""
+    from service.client import tls_credentials
+
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise UsageError("--tls-cert and --tls-key go together (a client certificate and its key)")
+    if not (args.tls or args.tls_ca or args.tls_cert):
+        return None
+    for option, path in (("--tls-ca", args.tls_ca), ("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key)):
+        if path is None:
+            continue
+        try:
+            text = Path(path).read_bytes()
+        except OSError as exc:
+            raise UsageError(f"{option}: cannot read {path}: {exc.strerror or exc}") from None
+        if b"-----BEGIN " not in text:
+            raise UsageError(f"{option}: {path} is not a PEM file")
+    return tls_credentials(args.tls_ca, args.tls_cert, args.tls_key)
+
+
 def _check(args: argparse.Namespace) -> int:
+    if not math.isfinite(args.timeout) or args.timeout <= 0:
+        raise UsageError(f"--timeout: must be a finite number of seconds > 0, got {args.timeout}")
+    if not args.address.strip():
+        raise UsageError("address: must not be empty")
+    credentials = _check_credentials(args)
+
+    import grpc
+
     from protos.indexer.v1 import indexer_pb2 as pb
-    from service.client import IndexerClient, tls_credentials
+    from service.client import IndexerClient
     from service.codec import SERVICE_NAME
 
-    credentials = tls_credentials(args.tls_ca, args.tls_cert, args.tls_key) if args.tls_ca else None
-    # No client-side health check (a server that is not SERVING must still answer) and one attempt: the
-    # answer is about this server now.
+    # No client-side health check (a server that is not SERVING must still answer), one attempt and no
+    # waiting for a ready server: the answer is about this server now.
     with IndexerClient(
-        args.address, timeout=args.timeout, max_attempts=1, health_check=False, credentials=credentials
-    ) as client:
+        args.address, timeout=args.timeout, max_attempts=1, health_check=False, wait_for_ready=False,
+        credentials=credentials,
+    ) as client:  # fmt: skip
         try:
             overall, service = client.health(""), client.health(SERVICE_NAME)
             status = client.warmup_status()
         except grpc.RpcError as exc:
-            print(f"unreachable address={args.address} code={exc.code().name} details={exc.details()!r}")
-            return EXIT_USAGE
+            code = exc.code()
+            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                print(f"unreachable address={args.address} code={code.name} details={exc.details()!r}")
+                return EXIT_UNREACHABLE
+            # Answered, but not as a serving indexer (another service, refused credentials, ...).
+            print(f"not serving address={args.address} code={code.name} details={exc.details()!r}")
+            return EXIT_FAILED
     print(f"health overall={overall} {SERVICE_NAME}={service}")
     states = [pb.KeyState.Name(k.state).removeprefix("KEY_STATE_") for k in status.keys]
     print(
@@ -130,12 +186,17 @@ def build_parser() -> argparse.ArgumentParser:
     check = commands.add_parser(
         "check", help="ask a running server for its health and warmup status",
         description="Call a running server once; print its health and warmup status. Exit 0 when serving, 1 when "
-        "not serving, 2 when unreachable.",
+        "not serving (or answering as something else), 2 on a usage error (a bad flag, an unreadable --tls-* "
+        "file), 3 when unreachable (connection refused, TLS handshake failed, no answer within --timeout). "
+        "Takes only the flags below, not the server's settings. Any --tls* flag turns TLS on; the server's "
+        "certificate must then chain to --tls-ca, or to the system's trusted roots without it.",
     )  # fmt: skip
-    check.add_argument("address", help="host:port of the gRPC server")
+    check.add_argument("address", help="host:port of the gRPC server (or a gRPC target such as dns:///name:port)")
     check.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS", help="deadline of each call")
+    check.add_argument("--tls", action="store_true", help="connect with TLS, trusting the system's roots")
     check.add_argument("--tls-ca", metavar="PEM", help="connect with TLS, trusting this CA bundle")
-    check.add_argument("--tls-cert", metavar="PEM", help="client certificate, for a server that requires mTLS")
+    check.add_argument("--tls-cert", metavar="PEM", help="client certificate (TLS on), for a server that requires "
+                       "mutual TLS; needs --tls-key")  # fmt: skip
     check.add_argument("--tls-key", metavar="PEM", help="private key of --tls-cert")
     check.set_defaults(run=_check)
     return parser
@@ -145,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)
-    except ConfigError as exc:
+    except (ConfigError, UsageError) as exc:
         print(f"indexer-service {args.command}: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except OSError as exc:

@@ -10,10 +10,23 @@ call's deadline, and so is CANCELLED: a caller never sees its own cancellation c
 shuts down answers CANCELLED to calls it had received but not yet handed to a handler (grpc/grpc#41785).
 Round-robin spreads calls over every address a target resolves to, and client-side health
 checking keeps calls off replicas that are not SERVING. Failed calls raise ``grpc.RpcError``.
+
+Targets: a string is a gRPC target used as is (``host:port``, ``dns:///name:port``, ``ipv4:a:p1,b:p2``). A list
+is ``host:port`` items: IP literals (``10.0.0.1:50051``, ``[fd00::1]:50051``, one family) become one
+``ipv4:``/``ipv6:`` target; one host name (``["localhost:50051"]``) becomes ``dns:///localhost:50051`` (every
+address it resolves to, re-resolved as replicas come and go). Several host names in one list are refused with
+a ValueError: give one DNS name that resolves to every replica (a Kubernetes headless Service), or literals.
+
+Wait for ready: ``build_chunk`` and ``plan_batch`` wait, within the call's deadline, for a replica to be
+connected and SERVING (gRPC's ``wait_for_ready``), so a scheduler that starts beside replicas still warming
+up gets its answer once one is ready instead of UNAVAILABLE at once. ``IndexerClient(...,
+wait_for_ready=False)`` fails fast instead. ``health`` and ``warmup_status`` never wait: they report on the
+server as it is now.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -32,15 +45,54 @@ DEFAULT_MAX_MESSAGE_BYTES = 64 * 2**20  # the server's default max_message_bytes
 DEFAULT_TIMEOUT_SECONDS = 10.0
 
 
+_SCHEMES = ("dns:", "ipv4:", "ipv6:", "unix:", "unix-abstract:", "vsock:", "xds:")
+
+
+def _host_port(address: str) -> tuple[str, str]:
+    """``host:port`` or ``[v6]:port`` split; a ValueError naming the item otherwise."""
+    if address.startswith("["):
+        host, sep, port = address[1:].partition("]:")
+    else:
+        host, sep, port = address.rpartition(":")
+        if ":" in host:
+            raise ValueError(f"{address!r}: write an IPv6 address in brackets, [addr]:port")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
+        raise ValueError(f"{address!r}: expected host:port")
+    return host, port
+
+
 def channel_target(addresses: str | Sequence[str]) -> str:
     """A gRPC target: a string is used as is (``host:port``, ``dns:///name:port``, ``ipv4:a:p1,b:p2``); a list
-    of ``host:port`` literals becomes one ``ipv4:`` or ``ipv6:`` target that round-robin spreads over."""
+    of ``host:port`` IP literals becomes one ``ipv4:`` or ``ipv6:`` target that round-robin spreads over, a list
+    of one host name (or one target with a scheme) a ``dns:///`` target. See the module docstring."""
     if isinstance(addresses, str):
         return addresses
+    addresses = list(addresses)
     if not addresses:
         raise ValueError("no server address given")
-    scheme = "ipv6" if any(a.startswith("[") for a in addresses) else "ipv4"
-    return f"{scheme}:{','.join(addresses)}"
+    if any(a.startswith(_SCHEMES) for a in addresses):
+        if len(addresses) > 1:
+            raise ValueError(f"a target with a scheme stands alone, got {addresses!r}")
+        return addresses[0]
+    families: set[int] = set()
+    names: list[str] = []
+    for address in addresses:
+        host, port = _host_port(address)
+        try:
+            families.add(ipaddress.ip_address(host).version)
+        except ValueError:
+            names.append(f"{host}:{port}")
+    if names:
+        if len(addresses) > 1:
+            raise ValueError(
+                f"several addresses with host names ({', '.join(names)}) cannot share one channel: give one DNS "
+                "name that resolves to every replica, as 'dns:///name:port' (e.g. a headless Service), or IP "
+                "literals"
+            )
+        return f"dns:///{names[0]}"
+    if len(families) > 1:
+        raise ValueError(f"IPv4 and IPv6 literals cannot share one channel, got {addresses!r}")
+    return f"ipv{families.pop()}:{','.join(addresses)}"
 
 
 def service_config(max_attempts: int = 5, health_check: bool = True) -> str:
@@ -62,14 +114,14 @@ def service_config(max_attempts: int = 5, health_check: bool = True) -> str:
 
 
 def tls_credentials(
-    ca_file: str | Path, cert_file: str | Path | None = None, key_file: str | Path | None = None
+    ca_file: str | Path | None, cert_file: str | Path | None = None, key_file: str | Path | None = None
 ) -> grpc.ChannelCredentials:
-    """Credentials for a server whose certificate chains to ``ca_file``; with a client certificate and key,
-    for a server that requires mutual TLS."""
+    """Credentials for a server whose certificate chains to ``ca_file`` (None: the system's trusted roots);
+    with a client certificate and key, for a server that requires mutual TLS."""
     if (cert_file is None) != (key_file is None):
         raise ValueError("a client certificate and its key go together")
     return grpc.ssl_channel_credentials(
-        root_certificates=Path(ca_file).read_bytes(),
+        root_certificates=Path(ca_file).read_bytes() if ca_file else None,
         private_key=Path(key_file).read_bytes() if key_file else None,
         certificate_chain=Path(cert_file).read_bytes() if cert_file else None,
     )
@@ -80,7 +132,8 @@ class IndexerClient:
 
     ``health_check=False`` sends calls to replicas that are not SERVING too (what ``indexer-service check``
     needs to ask a warming server for its status). ``credentials`` (see :func:`tls_credentials`) makes the
-    channel TLS.
+    channel TLS. ``wait_for_ready`` (default on): ``build_chunk`` and ``plan_batch`` wait within their deadline
+    for a connected, SERVING replica instead of failing UNAVAILABLE at once.
     """
 
     def __init__(
@@ -91,9 +144,11 @@ class IndexerClient:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         max_attempts: int = 5,
         health_check: bool = True,
+        wait_for_ready: bool = True,
         credentials: grpc.ChannelCredentials | None = None,
     ) -> None:
         self.timeout = timeout
+        self.wait_for_ready = wait_for_ready
         options = [
             ("grpc.service_config", service_config(max_attempts, health_check)),
             ("grpc.enable_retries", 1),
@@ -124,7 +179,7 @@ class IndexerClient:
         """One chunk's metadata; None when the chunk holds no compressed token. ``token_to_seq`` is None when
         omitted."""
         request = codec.chunk_inputs_to_proto(inputs, omit_token_to_seq)
-        response = self.stub.BuildChunk(request, timeout=timeout or self.timeout)
+        response = self.stub.BuildChunk(request, timeout=timeout or self.timeout, wait_for_ready=self.wait_for_ready)
         return codec.metadata_from_proto(response.metadata) if response.HasField("metadata") else None
 
     def plan_batch(
@@ -132,9 +187,12 @@ class IndexerClient:
     ) -> PrefillPlan:
         """The batch's prefill chunk plan and the metadata of every non-empty chunk."""
         request = codec.batch_inputs_to_proto(batch, omit_token_to_seq)
-        return codec.plan_from_proto(self.stub.PlanBatch(request, timeout=timeout or self.timeout))
+        response = self.stub.PlanBatch(request, timeout=timeout or self.timeout, wait_for_ready=self.wait_for_ready)
+        return codec.plan_from_proto(response)
 
     def warmup_status(self, *, timeout: float | None = None) -> pb.GetWarmupStatusResponse:
+        """The warmup's progress; never waits for a ready server (use ``health_check=False`` to ask one that is
+        warming up)."""
         return self.stub.GetWarmupStatus(pb.GetWarmupStatusRequest(), timeout=timeout or self.timeout)
 
     def health(self, service: str = SERVICE_NAME, *, timeout: float | None = None) -> str:

@@ -37,14 +37,15 @@ def run(*args: str, timeout: float = 120, **env: str) -> subprocess.CompletedPro
                       "--strict", "--shutdown-grace-seconds", "INDEXER_")),
         (("keys",), ("--model-config", "--compress-ratios", "--index-kpool")),
         (("precompile",), ("--target", "--cache-dir", "--model-config")),
-        (("check",), ("address", "--timeout")),
+        (("check",), ("address", "--timeout", "--tls", "--tls-ca", "3 when unreachable", "2 on a usage error")),
     ],
 )  # fmt: skip
 def test_every_command_has_help(command: tuple[str, ...], expected: tuple[str, ...]) -> None:
     out = run(*command, "--help")
     assert out.returncode == 0, out.stderr
+    text = " ".join(out.stdout.split())  # argparse wraps lines
     for fragment in expected:
-        assert fragment in out.stdout
+        assert fragment in text
 
 
 def key_ratios(stdout: str) -> list[int]:
@@ -88,11 +89,6 @@ def test_precompile_exits_nonzero_when_a_key_fails(tmp_path: Path) -> None:
     assert "precompile failed keys=3 failed=3" in out.stderr and "sm_1" in out.stderr
 
 
-def test_precompile_needs_a_target(tmp_path: Path) -> None:
-    out = run("precompile", "--target", "none", "--cache-dir", str(tmp_path))
-    assert out.returncode == 2 and "warmup_target" in out.stderr
-
-
 def test_check_a_serving_server(live_server: ServerProcess) -> None:
     out = run("check", live_server.address)
     assert out.returncode == 0, out.stdout + out.stderr
@@ -121,7 +117,99 @@ def free_port() -> int:
 
 def test_check_an_unreachable_address() -> None:
     out = run("check", f"{LOOPBACK}:{free_port()}", "--timeout", "2")
-    assert out.returncode == 2 and "unreachable" in out.stdout and "UNAVAILABLE" in out.stdout
+    assert out.returncode == 3 and "unreachable" in out.stdout and "UNAVAILABLE" in out.stdout
+
+
+@pytest.fixture(scope="module")
+def pem(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    import trustme
+
+    folder = tmp_path_factory.mktemp("pem")
+    ca = trustme.CA()
+    client = ca.issue_cert("scheduler@example.org")
+    ca.cert_pem.write_to_path(str(folder / "ca.pem"))
+    client.cert_chain_pems[0].write_to_path(str(folder / "cert.pem"))
+    client.private_key_pem.write_to_path(str(folder / "key.pem"))
+    (folder / "junk.pem").write_text("not PEM\n")
+    (folder / "config.toml").write_text("grpc_port = 1\n")
+    return {p.stem: str(p) for p in folder.iterdir()}
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (("--tls-ca", "/missing.pem"), "--tls-ca: cannot read /missing.pem"),
+        (("--tls-ca", "{junk}"), "is not a PEM file"),
+        (("--tls-cert", "{cert}"), "--tls-cert and --tls-key go together"),
+        (("--tls-key", "{key}"), "--tls-cert and --tls-key go together"),
+        (("--timeout", "-1"), "--timeout"),
+        (("--timeout", "inf"), "--timeout"),
+    ],
+)
+def test_check_usage_errors_exit_2_with_one_line(args: tuple[str, ...], fragment: str, pem: dict) -> None:
+    """A usage error is not "not serving" (1) nor "unreachable" (3); nothing is called."""
+    from service.cli import main as cli_main
+
+    argv = ["check", f"{LOOPBACK}:1", *(a.format(**pem) for a in args)]
+    out = run(*argv, timeout=60)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert out.stderr.count("\n") == 1 and fragment in out.stderr and not out.stdout, out.stderr
+    assert cli_main(argv) == 2  # in-process too
+
+
+def test_check_takes_no_server_settings(pem: dict) -> None:
+    out = run("check", f"{LOOPBACK}:1", "--config", pem["config"], timeout=60)
+    assert out.returncode == 2 and "unrecognized arguments: --config" in out.stderr
+
+
+def test_check_with_a_client_certificate_but_no_ca_speaks_tls(live_server: ServerProcess, pem: dict) -> None:
+    """Before: --tls-cert and --tls-key without --tls-ca were dropped and check went plaintext (exit 0). Any
+    --tls* flag turns TLS on (system roots without --tls-ca): against this plaintext server the handshake
+    fails, which is unreachable (3)."""
+    for extra in (("--tls-cert", pem["cert"], "--tls-key", pem["key"]), ("--tls",), ("--tls-ca", pem["ca"])):
+        out = run("check", live_server.address, "--timeout", "3", *extra, timeout=60)
+        assert out.returncode == 3 and out.stdout.startswith("unreachable"), (extra, out.stdout, out.stderr)
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (("--max-connection-age-seconds", "inf"), "max_connection_age_seconds (from flag --max-connection-age-seconds"),
+        (("--max-connection-age-seconds", "1e12"), "max_connection_age_seconds (from flag"),
+        (("--compress-ratios", "1099511627776"), "compress_ratios (from flag --compress-ratios)"),
+        (("--model-config", "{deep}"), "model_config (from flag --model-config): cannot read"),
+        (("--model-config", "{no_ratios}"), "no compress_ratios"),
+        (("--tls-cert-file", "{junk}", "--tls-key-file", "{junk}"), "tls_cert_file (from flag --tls-cert-file)"),
+        (("--tls-cert-file", "{cert}"), "tls_key_file: not set, but tls_cert_file is (flag --tls-cert-file)"),
+    ],
+)  # fmt: skip
+def test_invalid_values_from_the_issue_exit_2_with_one_line(
+    args: tuple[str, ...], fragment: str, pem: dict, tmp_path: Path
+) -> None:
+    """The real executable, as the issue ran it: one stderr line, exit 2, never a traceback."""
+    (tmp_path / "deep.json").write_text("[" * 100_000 + "]" * 100_000)
+    (tmp_path / "no_ratios.json").write_text(json.dumps({"compress_ratio": [4, 128]}))
+    files = pem | {"deep": str(tmp_path / "deep.json"), "no_ratios": str(tmp_path / "no_ratios.json")}
+    out = run("serve", "--warmup-target", "none", *(a.format(**files) for a in args), timeout=60)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.startswith("indexer-service serve: invalid config: ") and fragment in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (("--target", "sm90", "--cache-dir", "{tmp}"), "warmup_target (from flag --target)"),
+        (("--target", "none", "--cache-dir", "{tmp}"), "warmup_target (from flag --target): precompile needs"),
+        (("--warmup-target", "none"), "warmup_target (from flag --warmup-target)"),
+        (("--target", "cuda:90", "--cache-dir", "{file}/cache"), "triton_cache_dir (from flag --cache-dir)"),
+    ],
+)
+def test_errors_through_an_alias_name_the_alias(args: tuple[str, ...], fragment: str, tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("")
+    out = run("precompile", *(a.format(tmp=tmp_path, file=tmp_path / "file") for a in args), timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.count("\n") == 1 and fragment in out.stderr, out.stderr
 
 
 @pytest.mark.parametrize(
@@ -130,8 +218,14 @@ def test_check_an_unreachable_address() -> None:
         (("--grpc-port", "70000"), {}, "grpc_port (from flag --grpc-port): must be in [0, 65535]"),
         ((), {"INDEXER_MAX_NUM_SEQS": "many"}, "max_num_seqs (from env INDEXER_MAX_NUM_SEQS)"),
         (("--model-config", "/nonexistent/config.json"), {}, "model_config"),
-        pytest.param(("--backend", "triton"), {}, "backend", marks=pytest.mark.skipif(
-            cuda_available(), reason="this machine has CUDA: the Triton backend is a valid choice here")),
+        pytest.param(
+            ("--backend", "triton"),
+            {},
+            "backend",
+            marks=pytest.mark.skipif(
+                cuda_available(), reason="this machine has CUDA: the Triton backend is a valid choice here"
+            ),
+        ),
     ],
 )
 def test_invalid_config_stops_the_start_naming_the_setting(args: tuple, env: dict, fragment: str) -> None:
@@ -146,5 +240,8 @@ def test_serve_refuses_a_port_in_use() -> None:
         busy.listen()
         port = busy.getsockname()[1]
         out = run("serve", "--backend", "numpy", "--warmup-target", "none", "--grpc-host", LOOPBACK,
-                  "--grpc-port", str(port), "--http-host", LOOPBACK, "--http-port", "0", timeout=60)  # fmt: skip
+                  "--grpc-port", str(port), "--http-host", LOOPBACK, "--http-port", "0", "--health-port", "0",
+                  timeout=60)  # fmt: skip
     assert out.returncode == 1 and f"cannot bind gRPC to {LOOPBACK}:{port}" in out.stderr
+    errors = [line for line in out.stderr.splitlines() if line.startswith("indexer-service serve:")]
+    assert len(errors) == 1 and "cannot bind gRPC" in errors[0] and "Traceback" not in out.stderr, out.stderr
