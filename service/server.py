@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
 import socket
 import threading
 import time
@@ -25,6 +24,7 @@ from service.config import ServiceConfig
 from service.dataplane import DataPlane, launch_admission, make_backend, resolve_backend
 from service.grpc_server import create_grpc_server, create_health_servicer, health_listener, host_port
 from service.http_app import HttpApp
+from service.lifecycle import ShutdownSignals
 from service.metrics import Metrics
 from service.warmup import Warmup, use_triton_cache_dir
 
@@ -131,40 +131,69 @@ class IndexerServer:
         log.info("stopped drain_seconds=%.3f", time.monotonic() - start)
 
 
+def _port_file_error(path: Path, exc: OSError) -> OSError:
+    return OSError(f"cannot write --port-file {path}: {exc.strerror or exc}")
+
+
+def _check_port_file(path: Path) -> None:
+    """Fail before anything starts when the port file cannot be written (rather than half-start)."""
+    partial = path.with_name(path.name + ".partial")
+    try:
+        partial.write_text("")
+        partial.unlink()
+    except OSError as exc:
+        raise _port_file_error(path, exc) from None
+
+
 def _write_port_file(path: Path, server: IndexerServer) -> None:
     """Bound ports as JSON, written atomically (tests and wrappers read it once it exists)."""
     payload = {"grpc_port": server.grpc_port, "http_port": server.http_port, "pid": os.getpid()}
     partial = path.with_name(path.name + ".partial")
-    partial.write_text(json.dumps(payload) + "\n")
-    partial.replace(path)
+    try:
+        partial.write_text(json.dumps(payload) + "\n")
+        partial.replace(path)
+    except OSError as exc:
+        raise _port_file_error(path, exc) from None
 
 
-def serve(config: ServiceConfig, port_file: Path | None = None) -> int:
-    """Run until SIGTERM or SIGINT, then drain; returns the exit code."""
-    # The C-level handler writes each signal to this socket: the main thread sleeps on it with no lock a
-    # handler could re-enter and no polling.
-    wake_read, wake_write = socket.socketpair()
-    wake_write.setblocking(False)
-    previous_fd = signal.set_wakeup_fd(wake_write.fileno())
-    signals = (signal.SIGTERM, signal.SIGINT)
-    previous = {s: signal.signal(s, lambda signum, frame: None) for s in signals}
+def tls_mode(config: ServiceConfig) -> str:
+    """``off``, ``tls`` or ``mutual`` (client certificates required), for the start-up log."""
+    if not config.tls_enabled:
+        return "off"
+    return "mutual" if config.tls_client_ca_file else "tls"
+
+
+def serve(config: ServiceConfig, port_file: Path | None = None, signals: ShutdownSignals | None = None) -> int:
+    """Run until SIGTERM or SIGINT, then drain; returns the exit code.
+
+    ``signals``: the process's :class:`ShutdownSignals`, installed as early as possible (the CLI does it before
+    reading the configuration); without, serve() installs its own. A signal at any moment ends the run with 0:
+    before the listeners are up, nothing starts; during or after the warmup, the server drains. A fatal
+    start-up error (port file, bind) raises OSError at once. The caller ends the process with
+    :func:`service.lifecycle.end_process` (the CLI does), which also stops whatever had started: a warmup may
+    still be compiling, and listeners may be up.
+    """
+    own_signals = signals is None
+    signals = signals or ShutdownSignals()
     try:
         log.info("start pid=%d config: %s", os.getpid(), config.summary())
+        log.info("tls mode=%s cert=%s client_ca=%s", tls_mode(config), config.tls_cert_file or "-",
+                 config.tls_client_ca_file or "-")  # fmt: skip
+        if port_file is not None:
+            _check_port_file(port_file)
         configure_malloc(config.malloc_arena_max, config.malloc_retain_bytes)
-        server = IndexerServer(config)
+        server = IndexerServer(config) if signals.pending() is None else None
+        if server is None or signals.pending() is not None:
+            log.info("shutdown signal=%s before the server started", signals.wait().name)
+            return 0
         server.start()
         if port_file is not None:
             _write_port_file(port_file, server)
-        received = None
-        while received not in signals:
-            received = signal.Signals(wake_read.recv(1)[0])
+        received = signals.wait()
         log.info("shutdown signal=%s", received.name)
         # A second signal during the drain lands in the socket and is ignored: the drain is bounded anyway.
         server.shutdown()
     finally:
-        signal.set_wakeup_fd(previous_fd)
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-        wake_read.close()
-        wake_write.close()
+        if own_signals:
+            signals.close()
     return 0
