@@ -85,13 +85,13 @@ class ServiceProcess:
         self.grpc_host, self.http_host = grpc_host, http_host
         if command is None:
             command = [INDEXER_SERVICE, "serve", "--grpc-host", grpc_host, "--http-host", http_host,
-                       "--grpc-port", "0", "--http-port", "0"]  # fmt: skip
+                       "--grpc-port", "0", "--http-port", "0", "--health-port", "0"]  # fmt: skip
         self.command = [*command, "--port-file", str(self.port_file), *flags]
         self.env = env if env is not None else clean_env(TRITON_CACHE_DIR=str(self.workdir / "triton-cache"))
         self.cpus = set(cpus) if cpus is not None else None
         self.process: subprocess.Popen | None = None
         self.started_at = 0.0
-        self.grpc_port = self.http_port = 0
+        self.grpc_port = self.http_port = self.health_port = 0
 
     def start(self) -> ServiceProcess:
         cpus = self.cpus
@@ -132,6 +132,7 @@ class ServiceProcess:
             time.sleep(0.01)
         ports = json.loads(self.port_file.read_text())
         self.grpc_port, self.http_port = ports["grpc_port"], ports.get("http_port", 0)
+        self.health_port = ports.get("health_port", 0)  # servers before issue 10 have no health listener
         return self
 
     def wait_ready(self, timeout: float = 180.0, poll: float = 0.01) -> float:
