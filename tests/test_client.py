@@ -25,6 +25,9 @@ from tests.conftest import FAILING_WARMUP, ServerProcess, StartServer, scrape
 
 pytestmark = pytest.mark.slow
 
+# Each server its own health port (the default 50052 is one per host).
+FAST_START = (*FAST_START, "--health-port", "0")
+FAILING_WARMUP = (*FAILING_WARMUP, "--health-port", "0")
 E1 = ChunkInputs(np.array([0, 1, 4, 9], dtype=np.int64), np.array([20, 10, 5], dtype=np.int64), 4, 1, 3)
 
 
@@ -108,10 +111,92 @@ def test_deadline_is_enforced(start_server: StartServer) -> None:
 
 def test_channel_targets() -> None:
     assert channel_target("dns:///indexer:50051") == "dns:///indexer:50051"
+    assert channel_target("localhost:50051") == "localhost:50051"
     assert channel_target(["127.0.0.1:1", "127.0.0.1:2"]) == "ipv4:127.0.0.1:1,127.0.0.1:2"
     assert channel_target(["[::1]:1", "[::1]:2"]) == "ipv6:[::1]:1,[::1]:2"
-    with pytest.raises(ValueError):
-        channel_target([])
+    assert channel_target(["localhost:50051"]) == "dns:///localhost:50051"
+    assert channel_target(["indexer.ns.svc.cluster.local:50051"]) == "dns:///indexer.ns.svc.cluster.local:50051"
+    assert channel_target(["dns:///indexer:50051"]) == "dns:///indexer:50051"
+    for bad, fragment in [
+        ([], "no server address"),
+        (["a:1", "b:1"], "dns:///name:port"),
+        (["a:1", "127.0.0.1:1"], "dns:///name:port"),
+        (["127.0.0.1:1", "[::1]:1"], "IPv4 and IPv6"),
+        (["localhost"], "host:port"),
+        (["::1:50051"], "brackets"),
+        (["dns:///a:1", "dns:///b:1"], "stands alone"),
+    ]:
+        with pytest.raises(ValueError, match=fragment.replace("(", r"\(")):
+            channel_target(bad)
+
+
+def test_a_host_name_in_the_list_form_works(start_server: StartServer) -> None:
+    """The README's list form with a host name: ``localhost`` resolves (to ::1 too, where nothing listens:
+    round-robin uses the address that answers)."""
+    server = start_server(*FAST_START)
+    with IndexerClient([f"localhost:{server.grpc_port}"], timeout=30) as client:
+        assert client.build_chunk(E1).total_seq_lens == build_chunk_metadata_numpy(E1).total_seq_lens
+    with IndexerClient(f"dns:///localhost:{server.grpc_port}", timeout=30) as client:
+        assert client.build_chunk(E1) is not None
+
+
+def test_calls_wait_for_a_warming_replica_within_their_deadline(start_server: StartServer, tmp_path) -> None:
+    """Wait for ready (the default): a call made while the only replica warms up is answered once it is ready.
+    Without it the call fails UNAVAILABLE at once, long before its deadline."""
+    from tests.conftest import clean_env, http_get
+
+    cold = clean_env(TRITON_CACHE_DIR=str(tmp_path / "cold-cache"))  # a cold cache: the warmup takes seconds
+    server = start_server("--backend", "numpy", "--health-port", "0", ready=False, env=cold)
+    assert http_get(f"{server.http_url}/readyz")[0] == 503
+    with IndexerClient([server.address], wait_for_ready=False, max_attempts=1) as client:
+        start = time.monotonic()
+        with pytest.raises(grpc.RpcError) as refused:
+            client.build_chunk(E1, timeout=60)
+        assert refused.value.code() is grpc.StatusCode.UNAVAILABLE
+        assert time.monotonic() - start < 10
+    assert http_get(f"{server.http_url}/readyz")[0] == 503, "warmed up too fast to tell"
+    with IndexerClient([server.address]) as client:
+        assert client.build_chunk(E1, timeout=120) is not None
+    assert "warmup done" in server.log()
+    assert served(server) >= 1
+
+
+def test_a_call_made_before_the_server_starts_waits_for_it(start_server: StartServer) -> None:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    result: dict[str, object] = {}
+
+    def call() -> None:
+        with IndexerClient([f"127.0.0.1:{port}"]) as client:
+            try:
+                result["metadata"] = client.build_chunk(E1, timeout=90)
+            except grpc.RpcError as exc:
+                result["error"] = exc
+
+    caller = threading.Thread(target=call)
+    caller.start()
+    time.sleep(1.0)
+    assert caller.is_alive(), result  # waiting, not failed
+    server = start_server(*FAST_START, "--grpc-port", str(port))
+    caller.join(90)
+    assert "error" not in result, result
+    assert result["metadata"] is not None and served(server) == 1
+    with IndexerClient([f"127.0.0.1:{free_port()}"], wait_for_ready=False) as client:
+        start = time.monotonic()
+        with pytest.raises(grpc.RpcError) as refused:
+            client.build_chunk(E1, timeout=30)
+        assert refused.value.code() is grpc.StatusCode.UNAVAILABLE and time.monotonic() - start < 15
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def test_service_config_retries_idempotent_calls_round_robin() -> None:
