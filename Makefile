@@ -21,6 +21,7 @@ serve: $(STAMP)
 # Debian's prometheus (promtool) and kustomize for the deploy tests: installed only when missing.
 test: $(STAMP)
 	bash scripts/install-deploy-tools.sh $(VENV)
+	bash scripts/install-client-tools.sh
 	$(PY) -m pytest -q
 
 lint: $(STAMP)

@@ -1,0 +1,52 @@
+"""The Node client (clients/node, @grpc/grpc-js + @grpc/proto-loader) against a real server on 127.0.0.1: every
+golden case, a bad request's code and message, the number-array pitfall, and health."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from collections.abc import Iterator
+
+import pytest
+
+from benchmarks.harness import FAST_START, ServiceProcess
+from tests.clients_support import GOLDEN_FILE, NODE_DIR, PROTOS, node_missing
+
+pytestmark = pytest.mark.skipif(node_missing() is not None, reason=node_missing() or "")
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServiceProcess]:
+    with ServiceProcess(*FAST_START) as process:
+        yield process
+
+
+def run_node(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["node", *args], cwd=NODE_DIR, capture_output=True, text=True, timeout=120)
+
+
+def test_node_client_golden_cases_bad_request_and_health(server: ServiceProcess) -> None:
+    run = run_node("check.js", server.address, str(PROTOS / "indexer/v1/indexer.proto"), str(GOLDEN_FILE))
+    assert run.returncode == 0, run.stdout + run.stderr
+    summary = json.loads(run.stdout)
+    assert summary["problems"] == []
+    cases = summary["cases"]
+    for example in ("E1", "E2", "E3"):
+        assert any(name.startswith(example) for name in cases), cases
+    assert set(cases.values()) == {"ok"}, cases
+    assert summary["bad_request"] == {
+        "code": "INVALID_ARGUMENT",
+        "message": "seq_lens: byte length 3 is not a multiple of 4 (little-endian int32)",
+    }
+    # The documented pitfall holds: a plain number array is cut to one byte per element and refused.
+    assert summary["number_array"] is not None
+    assert summary["number_array"]["message"].startswith("query_start_loc")
+    assert summary["health"][""] == "SERVING"
+    assert summary["health"]["indexer.v1.PrefillMetadata"] == "SERVING"
+    assert summary["health"]["no.such.Service"] == "NOT_FOUND"
+
+
+def test_node_example_of_the_docs(server: ServiceProcess) -> None:
+    run = run_node("example.js", server.address)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.splitlines()[:2] == ["health: SERVING", "cu_seq_lens: 0,2,3"]
