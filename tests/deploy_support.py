@@ -424,10 +424,11 @@ class Server(LoggedProcess):
         argv = [*(argv or ["indexer-service", "serve"]), "--port-file", str(self.port_file)]
         # Loopback only, ports chosen by the kernel: these override whatever the caller's (pod's) env says.
         listen = {"INDEXER_GRPC_HOST": "127.0.0.1", "INDEXER_HTTP_HOST": "127.0.0.1"}
-        listen |= {"INDEXER_GRPC_PORT": "0", "INDEXER_HTTP_PORT": "0"}
+        listen |= {"INDEXER_GRPC_PORT": "0", "INDEXER_HTTP_PORT": "0", "INDEXER_HEALTH_PORT": "0"}
         env = base_env(**{**env, **listen})
         super().__init__(argv, workdir / f"{name}.log", env)
         self.grpc_port = self.http_port = 0
+        self.health_port: int | None = None  # None: this server build has no health-only port yet
 
     def wait_listening(self, timeout: float = 90) -> Server:
         ports = wait_for(
@@ -435,6 +436,7 @@ class Server(LoggedProcess):
             timeout, f"{self.log_path.stem} listening", process=self.process,
         )  # fmt: skip
         self.grpc_port, self.http_port = ports["grpc_port"], ports["http_port"]
+        self.health_port = ports.get("health_port")
         return self
 
     def wait_ready(self, timeout: float = 120) -> Server:
