@@ -126,3 +126,52 @@ def test_sigterm_during_a_burst_drains_and_exits_0(start_server: StartServer) ->
     drained = re.search(r"stopped drain_seconds=([\d.]+)", log)
     assert "shutdown signal=SIGTERM" in log and "draining" in log and drained, log
     assert float(drained.group(1)) < GRACE
+
+
+# A signal at any moment of the start-up: before the warmup (the configuration just read), early in a cold
+# warmup (where the interpreter's teardown used to abort the process, exit -6, "terminate called after throwing
+# an instance of ''": the warmup thread was inside Triton's C++ compiler), later in it, and once ready.
+MOMENTS = [
+    (signal.SIGTERM, "start pid=", 0.0),
+    (signal.SIGINT, "start pid=", 0.0),
+    (signal.SIGTERM, "warmup start", 0.0),
+    (signal.SIGTERM, "warmup start", 0.3),
+    (signal.SIGINT, "warmup start", 0.3),
+    (signal.SIGTERM, "warmup start", 0.3),
+    (signal.SIGTERM, "warmup start", 0.8),
+    (signal.SIGINT, "warmup 1/3", 0.0),
+    (signal.SIGTERM, "ready backend=", 0.2),
+]
+
+
+def test_a_signal_at_any_moment_ends_the_process_with_0(tmp_path) -> None:
+    import subprocess
+
+    from tests.conftest import INDEXER_SERVICE, LOOPBACK, clean_env
+
+    outcomes = []
+    for n, (signum, marker, delay) in enumerate(MOMENTS):
+        log_path = tmp_path / f"server-{n}.log"
+        env = clean_env(TRITON_CACHE_DIR=str(tmp_path / f"cold-cache-{n}"))  # cold: the warmup compiles
+        command = [INDEXER_SERVICE, "serve", "--backend", "numpy", "--warmup-target", "cuda:90",
+                   "--grpc-host", LOOPBACK, "--http-host", LOOPBACK, "--grpc-port", "0", "--http-port", "0",
+                   "--health-port", "0"]  # fmt: skip
+        with open(log_path, "wb") as log:
+            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+        try:
+            deadline = time.monotonic() + 120
+            while marker not in log_path.read_text(errors="replace"):
+                assert process.poll() is None and time.monotonic() < deadline, log_path.read_text()
+                time.sleep(0.01)
+            time.sleep(delay)
+            process.send_signal(signum)
+            code = process.wait(60)
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait(10)
+        text = log_path.read_text(errors="replace")
+        outcomes.append((signum.name, marker, delay, code))
+        assert code == 0, (outcomes, text)
+        assert "terminate called" not in text and "Traceback" not in text, text
+        assert f"shutdown signal={signum.name}" in text, text

@@ -126,3 +126,49 @@ def test_warmup_off_reports_keys_skipped_and_is_ready_at_once(start_server: Star
     assert metrics.value("indexer_warmup_keys", state="planned") == 3
     assert metrics.value("indexer_warmup_keys", state="compiled") == 0
     assert metrics.value("indexer_ready") == 1
+
+
+def test_an_unwritable_port_file_stops_the_start_at_once(tmp_path: Path) -> None:
+    """Before: the error was printed and the process lived on half-started (gRPC refusing, /readyz 503 with a
+    false reason). Now: exit 1 before anything listens, one line naming the port file."""
+    import subprocess
+
+    from tests.conftest import INDEXER_SERVICE, LOOPBACK
+
+    port_file = tmp_path / "missing-dir" / "ports.json"
+    start = time.monotonic()
+    out = subprocess.run(
+        [INDEXER_SERVICE, "serve", "--backend", "numpy", "--grpc-host", LOOPBACK, "--http-host", LOOPBACK,
+         "--grpc-port", "0", "--http-port", "0", "--health-port", "0", "--port-file", str(port_file)],
+        capture_output=True, text=True, timeout=120, env=clean_env(TRITON_CACHE_DIR=str(tmp_path / "cache")),
+    )  # fmt: skip
+    assert out.returncode == 1, out.stderr
+    errors = [line for line in out.stderr.splitlines() if line.startswith("indexer-service serve:")]
+    assert errors == [f"indexer-service serve: cannot write --port-file {port_file}: No such file or directory"]
+    assert "Traceback" not in out.stderr and "listening" not in out.stderr and "warmup start" not in out.stderr
+    assert time.monotonic() - start < 60
+
+
+def test_the_start_up_log_states_the_tls_mode(start_server: StartServer, tmp_path: Path) -> None:
+    import trustme
+
+    from service.config import load_config
+    from service.server import tls_mode
+
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1")
+    paths = {name: str(tmp_path / f"{name}.pem") for name in ("ca", "cert", "key")}
+    ca.cert_pem.write_to_path(paths["ca"])
+    cert.cert_chain_pems[0].write_to_path(paths["cert"])
+    cert.private_key_pem.write_to_path(paths["key"])
+    tls = {"tls_cert_file": paths["cert"], "tls_key_file": paths["key"], "warmup_target": "none"}
+    assert tls_mode(load_config({"warmup_target": "none"}, env={})) == "off"
+    assert tls_mode(load_config(tls, env={})) == "tls"
+    assert tls_mode(load_config(tls | {"tls_client_ca_file": paths["ca"]}, env={})) == "mutual"
+
+    plain = start_server("--warmup-target", "none", "--backend", "numpy", "--health-port", "0")
+    assert "tls mode=off cert=- client_ca=-" in plain.log()
+    mutual = start_server("--warmup-target", "none", "--backend", "numpy", "--health-port", "0",
+                          "--tls-cert-file", paths["cert"], "--tls-key-file", paths["key"],
+                          "--tls-client-ca-file", paths["ca"], ready=False)  # fmt: skip
+    assert f"tls mode=mutual cert={paths['cert']} client_ca={paths['ca']}" in mutual.log()
