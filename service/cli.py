@@ -48,6 +48,9 @@ def _serve(args: argparse.Namespace) -> int:
         from service.server import serve
 
         code = serve(config, args.port_file, signals)
+    except ConfigError as exc:  # found only once the server is built (none should be)
+        print(f"indexer-service serve: {exc}", file=sys.stderr)
+        code = EXIT_USAGE
     except (OSError, RuntimeError) as exc:  # a fatal start-up error: bind, port file, the HTTP server
         log.error("fatal %s", exc)
         print(f"indexer-service serve: {exc}", file=sys.stderr)

@@ -400,7 +400,14 @@ def _validate(config: ServiceConfig, sources: Mapping[str, str], needs_warmup: s
         why = RULES.get(name, Rule()).problem(getattr(config, name))
         if why is not None:
             fail(name, f"{name}{why}" if why.startswith("[") else why)
-    # Settings that depend on each other.
+    # Settings that depend on each other, or on the machine.
+    if config.backend == "triton":
+        from service.dataplane import resolve_backend  # imports torch: only for an explicit triton
+
+        try:
+            resolve_backend("triton")
+        except ConfigError as exc:
+            fail("backend", exc.message)
     if config.warmup_enabled:
         # Imported here: the compile engine pulls in torch and Triton, which only a real warmup needs.
         from kernels.compile_engine import parse_target
