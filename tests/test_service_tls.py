@@ -46,7 +46,7 @@ def test_tls_serves_and_refuses_plaintext(start_server, pki):
     with IndexerClient([server.address], credentials=tls_credentials(pki["ca"]), timeout=10) as client:
         got = client.build_chunk(INPUTS)
     assert got.cu_seqlen_ke.tolist() == build_chunk_metadata_numpy(INPUTS).cu_seqlen_ke.tolist()
-    plain = IndexerClient([server.address], max_attempts=1, health_check=False, timeout=3)
+    plain = IndexerClient([server.address], max_attempts=1, health_check=False, wait_for_ready=False, timeout=3)
     with plain, pytest.raises(grpc.RpcError) as info:
         plain.build_chunk(INPUTS)
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -56,7 +56,12 @@ def test_tls_serves_and_refuses_plaintext(start_server, pki):
 def test_mutual_tls_requires_a_client_certificate(start_server, pki, capsys):
     server = tls_server(start_server, pki, "--tls-client-ca-file", pki["ca"])
     anonymous = IndexerClient(
-        [server.address], max_attempts=1, health_check=False, timeout=3, credentials=tls_credentials(pki["ca"])
+        [server.address],
+        max_attempts=1,
+        health_check=False,
+        wait_for_ready=False,
+        timeout=3,
+        credentials=tls_credentials(pki["ca"]),
     )
     with anonymous, pytest.raises(grpc.RpcError) as info:
         anonymous.build_chunk(INPUTS)
