@@ -26,6 +26,14 @@ DEFAULT_MAX_LOGITS_BYTES = 512 * 2**20  # VLLM_SPARSE_INDEXER_MAX_LOGITS_MB defa
 WORKSPACE_TOKENS_PER_MODEL_LEN = 40
 
 
+class PlanTooLargeError(Exception):
+    """A plan would have more chunks than the caller allows; raised before the plan is built."""
+
+    def __init__(self, max_chunks: int) -> None:
+        super().__init__(f"the plan has more than {max_chunks} chunks")
+        self.max_chunks = max_chunks
+
+
 @dataclass(frozen=True)
 class ChunkSpec:
     """Requests ``[req_start, req_end)`` (absolute) and chunk-local query rows ``[query_start, query_stop)``."""
@@ -47,8 +55,11 @@ def plan_prefill_chunks(
     workspace_size: int,
     max_logits_elems: int,
     request_offset: int = 0,
+    max_chunks: int | None = None,
 ) -> list[ChunkSpec]:
-    """Greedy plan over contiguous requests (spec section 2); ``request_offset`` is added to request indices."""
+    """Greedy plan over contiguous requests (spec section 2); ``request_offset`` is added to request indices.
+    With ``max_chunks``, a plan that would pass it raises :class:`PlanTooLargeError` as soon as its size is
+    known, before the chunks are made: each costs fixed time downstream."""
     seq = [int(x) for x in compressed_seq_lens]
     queries = [int(x) for x in query_lens]
     if len(seq) != len(queries):
@@ -73,6 +84,8 @@ def plan_prefill_chunks(
             if not fits:  # the first request of a chunk is taken alone even when it does not fit
                 break
         max_q = max(1, max_logits_elems // total_kv) if total_kv > 0 else max(1, total_q)
+        if max_chunks is not None and len(plan) + -(-total_q // max_q) > max_chunks:
+            raise PlanTooLargeError(max_chunks)
         for offset in range(0, total_q, max_q):
             plan.append(ChunkSpec(start + request_offset, end + request_offset, offset, min(offset + max_q, total_q)))
         start = end
@@ -102,8 +115,9 @@ class PrefillPlan:
 ChunkBuilder = Callable[[ChunkInputs], "ChunkMetadata | None"]
 
 
-def plan_prefill_batch(batch: BatchInputs) -> list[ChunkSpec]:
-    """Validate a batch and plan its prefill requests into chunks."""
+def plan_prefill_batch(batch: BatchInputs, max_chunks: int | None = None) -> list[ChunkSpec]:
+    """Validate a batch and plan its prefill requests into chunks (at most ``max_chunks``, see
+    :func:`plan_prefill_chunks`)."""
     qsl, seq = validate_batch(batch.query_start_loc, batch.seq_lens)
     try:
         ratio = normalize_compress_ratio(batch.compress_ratio)
@@ -122,6 +136,7 @@ def plan_prefill_batch(batch: BatchInputs) -> list[ChunkSpec]:
         prefill_workspace_size(batch.max_model_len, ratio),
         batch.max_logits_bytes // 4,
         request_offset=nd,
+        max_chunks=max_chunks,
     )
 
 

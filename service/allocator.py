@@ -45,6 +45,17 @@ def _mallopt() -> Callable[[int, int], int] | None:
     return mallopt
 
 
+def trim_heap() -> bool | None:
+    """Return free heap pages to the OS now (glibc's malloc_trim(0)); None where malloc is not glibc's."""
+    name = ctypes.util.find_library("c")
+    try:
+        malloc_trim = ctypes.CDLL(name).malloc_trim
+    except (OSError, AttributeError, TypeError):
+        return None
+    malloc_trim.argtypes, malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return bool(malloc_trim(0))
+
+
 def configure_malloc(arena_max: int, retain_bytes: int) -> dict[str, str]:
     """At most ``arena_max`` arenas (0: glibc's default); keep up to ``retain_bytes`` of freed memory per arena
     for reuse, and serve blocks up to that size (at most 32 MiB) from the heap (0: glibc's defaults). Call once,

@@ -11,6 +11,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from contextvars import ContextVar
 from dataclasses import dataclass
 
@@ -27,11 +28,14 @@ from kernels.inputs import (
     InvalidInputError,
     assemble,
     chunk_host_parts,
+    validate_batch,
+    validate_dcp,
 )
 from kernels.naive import chunk_arrays_numpy_many
 from kernels.planner import (
     WORKSPACE_TOKENS_PER_MODEL_LEN,
     BatchInputs,
+    PlanTooLargeError,
     PrefillPlan,
     chunk_inputs_of_plan,
     max_prefill_seq_len,
@@ -41,6 +45,7 @@ from kernels.planner import (
 from kernels.specialization import CompileKey, normalize_compress_ratio
 from protos.indexer.v1 import indexer_pb2 as pb
 from service import _fastpath, codec
+from service.admission import Admission, Caller, Refused, container_memory_limit, default_response_budget
 from service.config import ConfigError, ServiceConfig
 from service.metrics import Metrics
 from service.warmup import KeyState, Warmup, WarmupState
@@ -51,6 +56,9 @@ log = logging.getLogger(__name__)
 _CHUNK_OVERHEAD_BYTES = 512
 # The backend label of calls that service/fastpath.c served whole.
 FAST_PATH_BACKEND = "native"
+# What a planned chunk costs besides its bytes, in bytes of response: each is a few Python objects and a
+# backend call (~150 us against ~1 GB/s for the arrays), which is what makes tiny-budget plans expensive.
+CHUNK_COST_BYTES = 64 * 2**10
 
 
 _METHODS = pb.DESCRIPTOR.services_by_name["PrefillMetadata"].methods
@@ -59,25 +67,41 @@ RESPONSE_TYPES = {method.name: getattr(pb, method.output_type.name) for method i
 
 
 class ServiceError(Exception):
-    """A request's final status: a gRPC code and a message for the caller."""
+    """A request's final status: a gRPC code and a message for the caller; ``shed_reason`` (one of
+    metrics.SHED_REASONS) when the server refused or cut the call to protect itself."""
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, shed_reason: str | None = None) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.shed_reason = shed_reason
 
 
-# The current call's "has the caller gone?" (set by DataPlane.call for the call's duration, on its thread).
-_ABANDONED: ContextVar[Callable[[], grpc.StatusCode | None] | None] = ContextVar("abandoned", default=None)
+@dataclass
+class _CallState:
+    """The current call, for the phases of its handler: who calls, what it holds until it returns (a heavy-lane
+    slot), and whether the server's shutdown grace has ended."""
+
+    caller: Caller
+    held: ExitStack
+    shutdown_cut: threading.Event
+
+
+# Set by DataPlane.call for the call's duration, on its thread.
+_CALL: ContextVar[_CallState | None] = ContextVar("call", default=None)
 
 
 def stop_if_abandoned() -> None:
-    """Stop the current call's work when its caller has cancelled or its deadline has passed: nobody would
-    read the answer, and the thread is better spent on calls whose callers wait."""
-    check = _ABANDONED.get()
-    code = check() if check is not None else None
-    if code is not None:
-        raise ServiceError(code, "the caller went away (cancelled or past its deadline); work stopped")
+    """Stop the current call's work when its caller has cancelled or its deadline has passed (or the shutdown
+    grace has ended and the server cancelled it): nobody would read the answer, and the thread is better spent
+    on calls whose callers wait."""
+    state = _CALL.get()
+    code = state.caller.gone() if state is not None else None
+    if code is None:
+        return
+    if state.shutdown_cut.is_set():
+        raise ServiceError(code, "the server shut down before the call finished; work stopped", "shutdown")
+    raise ServiceError(code, "the caller went away (cancelled or past its deadline); work stopped")
 
 
 def _parse(method: str, data: bytes, where: str) -> object:
@@ -149,13 +173,20 @@ def make_backend(name: str, admit: Callable[[CompileKey], None] | None, native_f
     return Backend("numpy", chunk_arrays_numpy_many, _fastpath.build_chunk if native_fast_path else None)
 
 
-def fast_path_limits(config: ServiceConfig) -> tuple[int, ...]:
+def fast_path_limits(config: ServiceConfig, max_response_bytes: int) -> tuple[int, ...]:
     """The limits service/fastpath.c checks, in its order (the general path's, see ``_admit_request`` and
-    ``_check_sizes``)."""
+    ``_check_sizes``); a larger answer than ``max_response_bytes`` steps aside to the general path."""
     return (
         config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len,
-        config.max_model_len * WORKSPACE_TOKENS_PER_MODEL_LEN, config.max_message_bytes, _CHUNK_OVERHEAD_BYTES,
+        config.max_model_len * WORKSPACE_TOKENS_PER_MODEL_LEN, max_response_bytes, _CHUNK_OVERHEAD_BYTES,
     )  # fmt: skip
+
+
+def max_request_bytes(config: ServiceConfig) -> int:
+    """The largest request message either transport accepts: what a valid request at the configured limits can
+    take (two int32 arrays of max_num_seqs + 1 elements and a few scalars), with room for other encodings.
+    Anything larger is refused before it is read whole, so queued requests cannot fill memory."""
+    return min(config.max_message_bytes, 64 * 2**10 + 32 * (config.max_num_seqs + 1))
 
 
 _WARMUP_STATES = {
@@ -181,7 +212,19 @@ class DataPlane:
         self.warmup = warmup
         self.backend = backend
         self._admit = launch_admission(warmup) if config.strict else None
-        self._fast_limits = fast_path_limits(config)
+        budget = config.response_budget_bytes or default_response_budget(container_memory_limit())
+        # Waiters hold a gRPC thread each: at most half the pool waits, the rest serves light calls.
+        self.admission = Admission(
+            budget, config.heavy_request_bytes, config.heavy_lane_slots, config.admission_wait_seconds,
+            max_waiting=config.grpc_workers // 2, metrics=metrics,
+        )  # fmt: skip
+        # The fast path serves light answers only: it reserves this much before it knows the size, and a
+        # larger answer takes the general path, which reserves its estimate and the heavy lane.
+        self._fast_reserve = min(config.max_message_bytes, config.heavy_request_bytes)
+        self._fast_limits = fast_path_limits(config, self._fast_reserve)
+        # Set when the shutdown grace ends: calls still running were cut by the shutdown, not by their callers.
+        self.shutdown_cut = threading.Event()
+        self.last_call_end = time.monotonic()
         self._fast_admitted: tuple[int, ...] | None = None
         self._handlers: dict[str, tuple[Callable, bool]] = {
             "BuildChunk": (self._build_chunk, True),
@@ -256,22 +299,20 @@ class DataPlane:
 
     # --- the request path -------------------------------------------------------------------------------
 
-    def call(
-        self,
-        method: str,
-        request: object,
-        where: str = "request",
-        abandoned: Callable[[], grpc.StatusCode | None] | None = None,
-    ) -> bytes:
+    def call(self, method: str, request: object, where: str = "request", caller: Caller | None = None) -> bytes:
         """Serve one RPC: the response message's wire bytes, which both transports send as they are; raises
-        only :class:`ServiceError`. ``request`` is a message, or its serialized bytes
-        (undecodable bytes are INVALID_ARGUMENT naming ``where``). ``abandoned`` says whether the caller has
-        gone (CANCELLED or DEADLINE_EXCEEDED); a build checks it between its phases and stops."""
+        only :class:`ServiceError`. ``request`` is a message, or its serialized bytes (undecodable bytes are
+        INVALID_ARGUMENT naming ``where``). ``caller`` is the transport's view of the call (see
+        :class:`~service.admission.Caller`): a build checks ``caller.gone()`` between its phases and stops, and
+        on success ``caller.ticket`` holds the answer's bytes in the response budget until the transport
+        releases it. Without a caller the ticket is released on return."""
         handler, needs_ready = self._handlers[method]
         in_flight = self.metrics.child(self.metrics.requests_in_flight, method)
         in_flight.inc()
         start = time.perf_counter()
         code = grpc.StatusCode.OK
+        local = caller is None
+        caller = Caller() if caller is None else caller
         try:
             if needs_ready and not self.warmup.finished_ok:
                 # Gated on the warmup, not on readiness: while draining, calls already on their way still
@@ -279,17 +320,23 @@ class DataPlane:
                 raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"not ready: {self.not_ready_reason()}")
             if isinstance(request, bytes):
                 if method == "BuildChunk" and self.backend.build_chunk_fast is not None:
-                    answer = self._build_chunk_fast(request)
+                    answer = self._build_chunk_fast(request, caller)
                     if answer is not None:
                         return answer
                 request = _parse(method, request, where)
-            token = _ABANDONED.set(abandoned)
-            try:
-                return handler(request)
-            finally:
-                _ABANDONED.reset(token)
+            with ExitStack() as held:
+                token = _CALL.set(_CallState(caller, held, self.shutdown_cut))
+                try:
+                    answer = handler(request)
+                finally:
+                    _CALL.reset(token)
+            if caller.ticket is not None:
+                caller.ticket.shrink(len(answer))
+            return answer
         except ServiceError as exc:
             code = exc.code
+            if exc.shed_reason is not None:
+                self.admission.shed.record(method, exc.shed_reason, exc.message)
             raise
         except InvalidInputError as exc:
             code = grpc.StatusCode.INVALID_ARGUMENT
@@ -303,18 +350,46 @@ class DataPlane:
             log.exception("internal error method=%s", method)
             raise ServiceError(code, f"internal error ({type(exc).__name__}); see the server log") from exc
         finally:
+            if caller.ticket is not None and (local or code is not grpc.StatusCode.OK):
+                caller.ticket.release()
             self.metrics.child(self.metrics.request_duration_seconds, method, code.name).observe(
                 time.perf_counter() - start
             )
             if code is not grpc.StatusCode.OK:
                 self.metrics.child(self.metrics.request_errors_total, method, code.name).inc()
             in_flight.dec()
+            self.last_call_end = time.monotonic()
+
+    def shed(self, method: str, reason: str, detail: str) -> None:
+        """Count and log a call the transport refused or cut before or after the data plane saw it."""
+        self.admission.shed.record(method, reason, detail)
+
+    def _admit_work(self, response_bytes: int, num_chunks: int) -> None:
+        """Hold the answer's bytes in the response budget and, for a heavy request, a heavy-lane slot until the
+        call returns; or refuse (RESOURCE_EXHAUSTED, or the caller's own code when it left while waiting)."""
+        state = _CALL.get()
+        if state is None:  # a handler called outside DataPlane.call (tests): nothing to hold
+            return
+        caller, admission = state.caller, self.admission
+        try:
+            caller.ticket = admission.budget.reserve(caller.peer, response_bytes, caller)
+            if response_bytes + CHUNK_COST_BYTES * num_chunks > admission.heavy_request_bytes:
+                state.held.enter_context(admission.lane.slot(caller))
+        except Refused as exc:
+            code = (caller.gone() or grpc.StatusCode.CANCELLED) if exc.gone else grpc.StatusCode.RESOURCE_EXHAUSTED
+            raise ServiceError(code, exc.message, exc.reason) from None
 
     def _admit_request(self, inputs: ChunkInputs | BatchInputs) -> None:
-        """Limits (RESOURCE_EXHAUSTED) and policy (FAILED_PRECONDITION) before any work; the kernel layer
-        validates everything else (INVALID_ARGUMENT)."""
+        """Malformed input first (INVALID_ARGUMENT), then limits (RESOURCE_EXHAUSTED), then policy
+        (FAILED_PRECONDITION), all before any work: a request is named malformed before a limit or a policy
+        speaks about values that mean nothing. The kernel layer checks the rest of the shape (chunk bounds)."""
         config = self.config
-        qsl, seq = inputs.query_start_loc, inputs.seq_lens
+        qsl, seq = validate_batch(inputs.query_start_loc, inputs.seq_lens)
+        validate_dcp(inputs.dcp)
+        try:
+            ratio = normalize_compress_ratio(inputs.compress_ratio)
+        except ValueError as exc:
+            raise InvalidInputError("compress_ratio", str(exc)) from None
         exhausted = grpc.StatusCode.RESOURCE_EXHAUSTED
         if seq.size > config.max_num_seqs:
             raise ServiceError(exhausted, f"{_at('seq_lens')}: {seq.size} sequences, above max_num_seqs "
@@ -327,10 +402,6 @@ class DataPlane:
             i = int(np.argmax(seq > config.max_model_len))
             raise ServiceError(exhausted, f"{_at('seq_lens', i)}: {seq[i]} tokens, above max_model_len "
                                           f"{config.max_model_len}")  # fmt: skip
-        try:
-            ratio = normalize_compress_ratio(inputs.compress_ratio)
-        except ValueError as exc:
-            raise InvalidInputError("compress_ratio", str(exc)) from None
         if inputs.dcp.world_size > 1 and ratio > 1:
             raise ServiceError(
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -347,7 +418,8 @@ class DataPlane:
         """Every chunk's metadata (None where it has no compressed token) after the limits on the workspace
         and the response size, checked on the host parts before any array is computed."""
         hosts = chunk_host_parts(chunks)
-        self._check_sizes(chunks, hosts, omit_token_to_seq)
+        response_bytes = self._check_sizes(chunks, hosts, omit_token_to_seq)
+        self._admit_work(response_bytes, len(chunks))
         stop_if_abandoned()
         present = [host for host in hosts if host is not None]
         start = time.perf_counter()
@@ -363,7 +435,8 @@ class DataPlane:
 
     def _check_sizes(
         self, chunks: Sequence[ChunkInputs], hosts: Sequence[ChunkHostPart | None], omit_token_to_seq: bool
-    ) -> None:
+    ) -> int:
+        """The response's size (an upper bound), after the limits on the workspace and max_message_bytes."""
         config = self.config
         response_bytes = _CHUNK_OVERHEAD_BYTES * len(chunks)
         for inputs, host in zip(chunks, hosts, strict=True):
@@ -386,18 +459,26 @@ class DataPlane:
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"response: about {response_bytes} bytes, above max_message_bytes {config.max_message_bytes}; {advice}",
             )
+        return response_bytes
 
     def _observe_size(self, method: str, requests: int, tokens: int) -> None:
         self.metrics.child(self.metrics.request_batch_requests, method).observe(requests)
         self.metrics.child(self.metrics.request_query_tokens, method).observe(tokens)
 
-    def _build_chunk_fast(self, data: bytes) -> bytes | None:
+    def _build_chunk_fast(self, data: bytes, caller: Caller) -> bytes | None:
         """The response from service/fastpath.c, or None where the request needs the general path (errors
-        included: their messages are all the general path's)."""
+        included: their messages are all the general path's; answers above the fast path's reserve; a budget
+        too full to reserve it without waiting)."""
+        ticket = self.admission.budget.try_reserve(caller.peer, self._fast_reserve)
+        if ticket is None:
+            return None
         served = self.backend.build_chunk_fast(data, self._fast_limits, self._admitted_ratios())
         if served is None:
+            ticket.release()
             return None
         response, requests, tokens, seconds = served
+        ticket.shrink(len(response))
+        caller.ticket = ticket
         self.metrics.child(self.metrics.backend_duration_seconds, "BuildChunk", FAST_PATH_BACKEND).observe(seconds)
         self._observe_size("BuildChunk", requests, tokens)
         return response
@@ -433,7 +514,16 @@ class DataPlane:
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"max_model_len: {batch.max_model_len}, above the server's max_model_len {config.max_model_len}",
             )
-        chunks = plan_prefill_batch(batch)
+        try:
+            chunks = plan_prefill_batch(batch, config.max_plan_chunks)
+        except PlanTooLargeError:
+            raise ServiceError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"max_logits_bytes: {batch.max_logits_bytes} bytes of logits per chunk would split the batch into "
+                f"more than max_plan_chunks {config.max_plan_chunks} chunks; raise max_logits_bytes or send fewer "
+                "query tokens",
+                "work_limit",
+            ) from None
         built = self._build("PlanBatch", chunk_inputs_of_plan(batch, chunks), request.omit_token_to_seq)
         plan = PrefillPlan(chunks, [meta for meta in built if meta is not None], max_prefill_seq_len(batch))
         decodes = batch.num_decodes  # validated by the planner

@@ -1,5 +1,12 @@
 """The gRPC transport: a thin servicer over the data plane, wrapped for access logs and error mapping; health
-(overall and per service) and reflection.
+(overall and per service, also on a probe-only listener) and reflection.
+
+Abuse and overload (docs/service.md, "Overload and abuse"): each connection opens at most
+``max_streams_per_connection`` calls; a request message is at most what a valid request at the configured
+limits can be; past ``max_concurrent_rpcs`` gRPC refuses a call before it takes a thread (counted here as shed
+"concurrency"); a call whose caller leaves before it starts is counted as shed "queue_deadline" (a stream reset
+flood shows there); an answer is held in the response budget until the call ends, and cancelled if its caller
+has not read it within ``response_drain_seconds``.
 
 The server is the sync ``grpc.server`` with a thread pool, not ``grpc.aio``: the work is CPU-bound numpy (or a
 GPU launch) and, measured on the target machines, the sync server answered a medium request in 486 us against
@@ -9,18 +16,22 @@ GPU launch) and, measured on the target machines, the sync server answered a med
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from service.admission import Caller, DrainWatchdog
 from service.codec import SERVICE_NAME
 from service.config import ServiceConfig
-from service.dataplane import REQUEST_TYPES, DataPlane, ServiceError
+from service.dataplane import REQUEST_TYPES, DataPlane, ServiceError, max_request_bytes
+from service.health import HealthServicer
 
 log = logging.getLogger(__name__)
 
@@ -43,22 +54,99 @@ def abandoned_code(context: grpc.ServicerContext) -> grpc.StatusCode | None:
     return grpc.StatusCode.DEADLINE_EXCEEDED if remaining is not None and remaining <= 0 else grpc.StatusCode.CANCELLED
 
 
-def prefill_metadata_handler(plane: DataPlane) -> grpc.GenericRpcHandler:
+class RpcThreadPool(ThreadPoolExecutor):
+    """The gRPC server's pool, counting the calls it holds (queued or running) the way gRPC does for
+    ``maximum_concurrent_rpcs``, and noticing calls that end without their handler ever starting: the caller
+    cancelled, reset the stream or passed its deadline while the call waited for a thread."""
+
+    def __init__(self, max_workers: int) -> None:
+        super().__init__(max_workers=max_workers, thread_name_prefix="grpc")
+        self._lock = threading.Lock()
+        self.calls = 0
+        self._arrived = threading.local()  # set by PrefillMetadataHandler.service just before gRPC submits
+        self._started = threading.local()
+        self.on_never_started: Callable[[str], None] = lambda method: None
+
+    def note_arrival(self, method: str) -> None:
+        self._arrived.method = method
+
+    def note_started(self) -> None:
+        self._started.value = True
+
+    def submit(self, fn: Callable, /, *args: object, **kwargs: object) -> Future:
+        method = getattr(self._arrived, "method", None)
+        self._arrived.method = None
+        with self._lock:
+            self.calls += 1
+
+        def run() -> object:
+            self._started.value = False
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                with self._lock:
+                    self.calls -= 1
+                if method is not None and not self._started.value:
+                    self.on_never_started(method)
+
+        return super().submit(run)
+
+
+class PrefillMetadataHandler(grpc.GenericRpcHandler):
     """PrefillMetadata's methods, each the data plane's, bytes in and bytes out, each wrapped once in
     :func:`access_logged` and :func:`error_mapped` (KServe's interceptors, composed at start: grpcio's own
     interceptor pipeline rebuilds its wrappers on every call). The data plane parses requests: grpcio's own
     deserializer would answer undecodable bytes with INTERNAL and a traceback, where the caller deserves
     INVALID_ARGUMENT (as over HTTP). It answers with wire bytes written from the result arrays (one copy, see
-    service/codec.py). Health and reflection are grpcio's own and pass unwrapped."""
+    service/codec.py). Health and reflection are registered apart and pass unwrapped.
 
-    def unary(method: str) -> grpc.RpcMethodHandler:
+    gRPC looks a handler up (:meth:`service`) on its polling thread before it checks ``maximum_concurrent_rpcs``
+    and hands the call to the pool: that is where a call refused for concurrency is seen and counted."""
+
+    def __init__(self, plane: DataPlane, pool: RpcThreadPool, max_concurrent_rpcs: int, drain_seconds: float) -> None:
+        self.plane = plane
+        self.pool = pool
+        self.max_concurrent_rpcs = max_concurrent_rpcs
+        self.watchdog = DrainWatchdog(drain_seconds)
+        self._handlers = {f"/{SERVICE_NAME}/{method}": (method, self._unary(method)) for method in REQUEST_TYPES}
+        pool.on_never_started = lambda method: plane.shed(
+            method, "queue_deadline", "the caller cancelled, reset the stream or passed its deadline before the "
+            "call started",
+        )  # fmt: skip
+
+    def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+        found = self._handlers.get(handler_call_details.method)
+        if found is None:
+            return None
+        method, handler = found
+        if self.pool.calls >= self.max_concurrent_rpcs:
+            self.plane.shed(method, "concurrency", f"{self.pool.calls} calls in the server (max_concurrent_rpcs)")
+        else:
+            self.pool.note_arrival(method)
+        return handler
+
+    def _unary(self, method: str) -> grpc.RpcMethodHandler:
+        plane, pool, watchdog = self.plane, self.pool, self.watchdog
+
         def behavior(data: bytes, context: grpc.ServicerContext) -> bytes:
-            return plane.call(method, data, abandoned=lambda: abandoned_code(context))
+            pool.note_started()
+            caller = Caller(context.peer(), lambda: abandoned_code(context))
+            response = plane.call(method, data, caller=caller)
+            ticket = caller.ticket
+            if ticket is not None:
+                # Held until the call ends (the answer read, or the call cancelled); cancelled unread.
+                if not context.add_callback(ticket.release):
+                    ticket.release()
+
+                def cancel_unread() -> None:
+                    plane.shed(method, "unread_response", f"{ticket.nbytes} bytes unread by {caller.peer}")
+                    context.cancel()
+
+                watchdog.watch(ticket, cancel_unread)
+            return response
 
         # no (de)serializers: bytes both ways
         return grpc.unary_unary_rpc_method_handler(access_logged(method, error_mapped(method, behavior)))
-
-    return grpc.method_handlers_generic_handler(SERVICE_NAME, {method: unary(method) for method in REQUEST_TYPES})
 
 
 def error_mapped(method: str, behavior: Behavior) -> Behavior:
@@ -99,25 +187,8 @@ def access_logged(method: str, behavior: Behavior) -> Behavior:
     return logged
 
 
-def create_health_servicer() -> health.HealthServicer:
-    """Health that says NOT_SERVING until the data plane turns ready (the library's default is SERVING)."""
-    # Non-blocking Watch: a watching client (Kubernetes, a client's health check) holds no worker thread.
-    servicer = health.HealthServicer(
-        experimental_non_blocking=True,
-        experimental_thread_pool=ThreadPoolExecutor(max_workers=1, thread_name_prefix="health"),
-    )
-    for name in HEALTH_NAMES:
-        servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    return servicer
-
-
-def health_listener(servicer: health.HealthServicer) -> Callable[[bool], None]:
-    def publish(ready: bool) -> None:
-        status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
-        for name in HEALTH_NAMES:
-            servicer.set(name, status)
-
-    return publish
+def health_listener(servicer: HealthServicer) -> Callable[[bool], None]:
+    return servicer.set_serving
 
 
 def connection_age_options(seconds: float) -> list[tuple[str, int]]:
@@ -129,10 +200,14 @@ def connection_age_options(seconds: float) -> list[tuple[str, int]]:
 
 
 def server_options(config: ServiceConfig) -> list[tuple[str, int]]:
-    """The gRPC server's channel options: message limits both ways, no shared port, connection age."""
+    """The gRPC server's channel options: message limits both ways (a request is never larger than a valid one
+    can be), streams per connection, pending calls, no shared port, connection age."""
     return [
-        ("grpc.max_receive_message_length", config.max_message_bytes),
+        ("grpc.max_receive_message_length", max_request_bytes(config)),
         ("grpc.max_send_message_length", config.max_message_bytes),
+        ("grpc.max_concurrent_streams", config.max_streams_per_connection),
+        # Calls gRPC core has accepted but the server has not yet taken: a stream flood waits in C, bounded.
+        ("grpc.server.max_pending_requests", config.max_concurrent_rpcs),
         # Never share a port silently with another process (Linux allows it by default in gRPC).
         ("grpc.so_reuseport", 0),
         *connection_age_options(config.max_connection_age_seconds),
@@ -151,17 +226,30 @@ def server_credentials(config: ServiceConfig) -> grpc.ServerCredentials | None:
     )
 
 
-def create_grpc_server(
-    config: ServiceConfig, plane: DataPlane, health_servicer: health.HealthServicer
-) -> tuple[grpc.Server, int]:
-    """The server, bound (not started); returns it and the bound port."""
+@dataclass
+class GrpcServer:
+    """The RPC server and its parts that outlive start-up (the drain watchdog stops with it)."""
+
+    server: grpc.Server
+    port: int
+    handler: PrefillMetadataHandler
+
+    def stop(self, grace: float) -> None:
+        self.server.stop(grace).wait()
+        self.handler.watchdog.stop()
+
+
+def create_grpc_server(config: ServiceConfig, plane: DataPlane, health_servicer: HealthServicer) -> GrpcServer:
+    """The RPC server, bound (not started)."""
+    pool = RpcThreadPool(config.grpc_workers)
     server = grpc.server(
-        ThreadPoolExecutor(max_workers=config.grpc_workers, thread_name_prefix="grpc"),
+        pool,
         # Over the limit gRPC answers RESOURCE_EXHAUSTED itself, before any thread or memory is spent.
         maximum_concurrent_rpcs=config.max_concurrent_rpcs,
         options=server_options(config),
     )
-    server.add_generic_rpc_handlers((prefill_metadata_handler(plane),))
+    handler = PrefillMetadataHandler(plane, pool, config.max_concurrent_rpcs, config.response_drain_seconds)
+    server.add_generic_rpc_handlers((handler,))
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, HEALTH_SERVICE_NAME, reflection.SERVICE_NAME), server)
     address = host_port(config.grpc_host, config.grpc_port)
@@ -172,4 +260,22 @@ def create_grpc_server(
         raise OSError(f"cannot bind gRPC to {address}: {exc}") from None
     if port == 0:
         raise OSError(f"cannot bind gRPC to {address}")
+    return GrpcServer(server, port, handler)
+
+
+def create_health_server(config: ServiceConfig, health_servicer: HealthServicer) -> tuple[grpc.Server, int]:
+    """The probe listener: grpc.health.v1 only, plaintext (kubelet's gRPC probes speak no TLS), its own small
+    pool and no concurrency limit, so a probe never waits behind RPC work, its limit or its connections."""
+    server = grpc.server(
+        ThreadPoolExecutor(max_workers=2, thread_name_prefix="health-rpc"),
+        options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", 4096)],
+    )
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    address = host_port(config.grpc_host, config.health_port)
+    try:
+        port = server.add_insecure_port(address)
+    except RuntimeError as exc:
+        raise OSError(f"cannot bind the gRPC health port to {address}: {exc}") from None
+    if port == 0:
+        raise OSError(f"cannot bind the gRPC health port to {address}")
     return server, port

@@ -1,11 +1,19 @@
-"""The HTTP transport, plain ASGI on uvicorn: probes, metrics, and the RPCs as binary protobuf over HTTP.
+"""The HTTP transport, plain ASGI on uvicorn: probes, metrics, and the RPCs as protobuf or JSON over HTTP.
 
 - ``GET /livez``: 200 while the process runs.
 - ``GET /readyz``: 200 once warmup has finished, 503 with the reason before that and while draining.
 - ``GET /metrics``: Prometheus exposition of the service's registry.
-- ``POST /indexer.v1.PrefillMetadata/<Method>``: the gRPC method's request message as the body
-  (``application/x-protobuf``), its response message back; errors as JSON ``{"code", "message"}`` with the
-  HTTP status gRPC's HTTP mapping gives the code. Same data plane, limits, metrics as gRPC.
+- ``POST /indexer.v1.PrefillMetadata/<Method>``: the gRPC method's request message as the body, binary
+  protobuf (``application/x-protobuf``, also the default without a content type) or the proto3 JSON mapping
+  (``application/json``: bytes fields as base64, int64 as strings or numbers); the response comes back in the
+  same format. Any other content type is 415 naming the accepted ones. Errors are JSON ``{"code", "message"}``
+  with the HTTP status gRPC's HTTP mapping gives the code. Same data plane, limits, metrics as gRPC.
+
+Limits (docs/service.md, "Overload and abuse"): :func:`limited_protocol` bounds the request head
+(``http_max_header_bytes``: 431 and close), the time a connection may sit without a request in progress or
+take to send one (``http_idle_timeout_seconds``), and open connections (``http_max_connections``: 503 and
+close). An answer is written in pieces; a caller that has not read it within ``response_drain_seconds`` loses
+its connection, and the answer's memory comes back.
 """
 
 from __future__ import annotations
@@ -13,24 +21,40 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+from google.protobuf import json_format
 from prometheus_client import make_asgi_app
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from service.admission import Caller
 from service.codec import SERVICE_NAME
-from service.dataplane import REQUEST_TYPES, DataPlane, ServiceError
+from service.config import ServiceConfig
+from service.dataplane import REQUEST_TYPES, RESPONSE_TYPES, DataPlane, ServiceError, max_request_bytes
+from service.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
 PROTOBUF = b"application/x-protobuf"
+JSON = b"application/json"
+ACCEPTED_TYPES = (PROTOBUF, JSON)
 # google.rpc.Code to HTTP, as in google/api/http.proto's mapping.
 _HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,
     grpc.StatusCode.FAILED_PRECONDITION: 400,
     grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
     grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.CANCELLED: 499,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
     grpc.StatusCode.INTERNAL: 500,
 }
+# Answers are written this much at a time: a reader that stops holds at most one piece in the socket buffer.
+SEND_PIECE_BYTES = 2**20
+# ASGI scope key through which the app can drop its connection at once (see limited_protocol).
+ABORT_KEY = "indexer.abort"
 
 
 class HttpApp:
@@ -38,7 +62,14 @@ class HttpApp:
 
     def __init__(self, plane: DataPlane) -> None:
         self.plane = plane
+        config = plane.config
         self.metrics_app = make_asgi_app(registry=plane.metrics.registry)
+        self.max_body = max_request_bytes(config)
+        self.drain_seconds = config.response_drain_seconds
+        self.max_in_flight = config.max_concurrent_rpcs
+        self.in_flight = 0
+        # The data plane is CPU-bound: it runs here, never on the event loop that answers probes and scrapes.
+        self.executor = ThreadPoolExecutor(max_workers=config.grpc_workers, thread_name_prefix="http-rpc")
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -53,28 +84,99 @@ class HttpApp:
             await _reply(send, 503 if reason else 200, f"{reason or 'ready'}\n".encode())
         elif path.startswith(f"/{SERVICE_NAME}/") and path.rsplit("/", 1)[1] in REQUEST_TYPES:
             if verb != "POST":
-                await _reply(send, 405, b"POST a protobuf request message\n", [(b"allow", b"POST")])
+                await _reply(send, 405, b"POST a request message\n", [(b"allow", b"POST")])
             else:
-                await self._rpc(path.rsplit("/", 1)[1], receive, send)
+                await self._rpc(path.rsplit("/", 1)[1], scope, receive, send)
         else:
             await _reply(send, 404, b"not found\n")
 
-    async def _rpc(self, method: str, receive, send) -> None:
-        body = await _read_body(receive, self.plane.config.max_message_bytes)
+    async def _rpc(self, method: str, scope, receive, send) -> None:
+        content_type = _content_type(scope)
+        if content_type not in ACCEPTED_TYPES:
+            accepted = b", ".join(ACCEPTED_TYPES)
+            text = f"content type {content_type.decode(errors='replace')!r} is not accepted; send {accepted.decode()}\n"
+            await _reply(send, 415, text.encode(), [(b"accept", accepted)])
+            return
+        caller = Caller(_peer(scope))
         try:
+            body = await _read_body(receive, self.max_body)
             if body is None:
+                self.plane.metrics.http_refused_total.labels(reason="body_too_large").inc()
                 raise ServiceError(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"body: above max_message_bytes {self.plane.config.max_message_bytes}",
+                    f"body: above {self.max_body} bytes, more than a request at this server's limits can be",
                 )
-            # The data plane is CPU-bound: keep the event loop free for probes and scrapes.
-            response = await asyncio.get_running_loop().run_in_executor(None, self.plane.call, method, body, "body")
+            request = _from_json(method, body) if content_type == JSON else body
+            if self.in_flight >= self.max_in_flight:
+                message = f"busy: {self.in_flight} HTTP calls in the server (max_concurrent_rpcs)"
+                self.plane.shed(method, "concurrency", message)
+                raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
+            self.in_flight += 1
+            try:
+                loop = asyncio.get_running_loop()
+                response = await loop.run_in_executor(self.executor, self.plane.call, method, request, "body", caller)
+            finally:
+                self.in_flight -= 1
         except ServiceError as exc:
             log.info("http method=%s code=%s details=%r", method, exc.code.name, exc.message)
             payload = json.dumps({"code": exc.code.name, "message": exc.message}).encode()
-            await _reply(send, _HTTP_STATUS.get(exc.code, 500), payload, content_type=b"application/json")
+            await _reply(send, _HTTP_STATUS.get(exc.code, 500), payload, content_type=JSON)
             return
-        await _reply(send, 200, response, content_type=PROTOBUF)
+        try:
+            if content_type == JSON:
+                response = _to_json(method, response)
+            await self._send_answer(method, scope, send, response, content_type, caller)
+        finally:
+            if caller.ticket is not None:
+                caller.ticket.release()
+
+    async def _send_answer(
+        self, method: str, scope, send, response: bytes, content_type: bytes, caller: Caller
+    ) -> None:
+        """The answer in pieces, each waiting for the reader; past ``response_drain_seconds`` the connection is
+        dropped and the call counted as shed ``unread_response``."""
+        give_up = time.monotonic() + self.drain_seconds
+        try:
+            await asyncio.wait_for(_start(send, 200, len(response), content_type), give_up - time.monotonic())
+            view = memoryview(response)
+            for offset in range(0, len(view), SEND_PIECE_BYTES):
+                piece = bytes(view[offset : offset + SEND_PIECE_BYTES])
+                more = offset + SEND_PIECE_BYTES < len(view)
+                message = {"type": "http.response.body", "body": piece, "more_body": more}
+                await asyncio.wait_for(send(message), max(give_up - time.monotonic(), 0))
+        except TimeoutError:
+            self.plane.shed(method, "unread_response", f"{len(response)} bytes unread by {caller.peer} over HTTP")
+            abort: Callable[[], None] | None = scope.get(ABORT_KEY)
+            if abort is not None:
+                abort()
+                await asyncio.sleep(0)  # let the connection close before the app returns
+
+
+def _content_type(scope) -> bytes:
+    for name, value in scope["headers"]:
+        if name == b"content-type":
+            return value.split(b";", 1)[0].strip().lower()
+    return PROTOBUF
+
+
+def _peer(scope) -> str:
+    client = scope.get("client")
+    return f"http:{client[0]}:{client[1]}" if client else "http:unknown"
+
+
+def _from_json(method: str, body: bytes) -> bytes:
+    try:
+        message = json_format.Parse(body, REQUEST_TYPES[method](), ignore_unknown_fields=False)
+    except (json_format.ParseError, UnicodeDecodeError) as exc:
+        raise ServiceError(
+            grpc.StatusCode.INVALID_ARGUMENT, f"body: not a {REQUEST_TYPES[method].__name__} in JSON: {exc}"
+        ) from None
+    return message.SerializeToString()
+
+
+def _to_json(method: str, response: bytes) -> bytes:
+    message = RESPONSE_TYPES[method].FromString(response)
+    return json_format.MessageToJson(message, preserving_proto_field_name=False, indent=None).encode()
 
 
 async def _read_body(receive, limit: int) -> bytes | None:
@@ -93,6 +195,11 @@ async def _read_body(receive, limit: int) -> bytes | None:
             return b"".join(chunks)
 
 
+async def _start(send, status: int, length: int, content_type: bytes, extra=None) -> None:
+    headers = [(b"content-type", content_type), (b"content-length", str(length).encode()), *(extra or [])]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+
+
 async def _reply(
     send,
     status: int,
@@ -100,6 +207,101 @@ async def _reply(
     extra_headers: list[tuple[bytes, bytes]] | None = None,
     content_type: bytes = b"text/plain; charset=utf-8",
 ) -> None:
-    headers = [(b"content-type", content_type), (b"content-length", str(len(body)).encode()), *(extra_headers or [])]
-    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await _start(send, status, len(body), content_type, extra_headers)
     await send({"type": "http.response.body", "body": body})
+
+
+def limited_protocol(config: ServiceConfig, metrics: Metrics) -> type[HttpToolsProtocol]:
+    """uvicorn's httptools protocol with this server's limits on heads, idle time and connections."""
+    max_head = config.http_max_header_bytes
+    idle_seconds = config.http_idle_timeout_seconds
+    max_connections = config.http_max_connections
+    refused = {reason: metrics.http_refused_total.labels(reason=reason) for reason in (
+        "header_too_large", "idle_timeout", "too_many_connections")}  # fmt: skip
+
+    class LimitedHttpToolsProtocol(HttpToolsProtocol):
+        """Counts a request's head bytes before httptools buffers them (it would take any size, and a 128 MiB
+        header took 15 s of the loop), and closes a connection that has no request in progress, or sends one
+        too slowly, for ``http_idle_timeout_seconds``."""
+
+        _refused = False
+
+        def connection_made(self, transport) -> None:
+            if len(self.connections) >= max_connections:
+                self._refused = True
+                refused["too_many_connections"].inc()
+                transport.write(_status_only(503, "too many connections"))
+                transport.close()
+                return
+            super().connection_made(transport)
+            metrics.http_connections.set(len(self.connections))
+            self._head_bytes = 0
+            self._in_head = True
+            self._request_timer = None
+            self._arm_idle()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self._refused:
+                return
+            self._cancel_request_timer()
+            super().connection_lost(exc)
+            metrics.http_connections.set(len(self.connections))
+
+        def _arm_idle(self) -> None:
+            self._unset_keepalive_if_required()
+            self.timeout_keep_alive_task = self.loop.call_later(idle_seconds, self._close_idle)
+
+        def _close_idle(self) -> None:
+            if not self.transport.is_closing():
+                refused["idle_timeout"].inc()
+                self.transport.abort()
+
+        def _cancel_request_timer(self) -> None:
+            if self._request_timer is not None:
+                self._request_timer.cancel()
+                self._request_timer = None
+
+        def data_received(self, data: bytes) -> None:
+            if self._refused:
+                return
+            if self._in_head:
+                if self._request_timer is None:  # the whole request must arrive within the idle time
+                    self._request_timer = self.loop.call_later(idle_seconds, self._close_idle)
+                end = data.find(b"\r\n\r\n")
+                self._head_bytes += len(data) if end < 0 else end + 4
+                if self._head_bytes > max_head:
+                    refused["header_too_large"].inc()
+                    self.transport.write(_status_only(431, f"request head above {max_head} bytes"))
+                    self.transport.close()
+                    self._in_head = False
+                    return
+            super().data_received(data)
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            self.scope[ABORT_KEY] = self.transport.abort
+
+        def on_headers_complete(self) -> None:
+            self._in_head = False
+            super().on_headers_complete()
+
+        def on_message_complete(self) -> None:
+            self._cancel_request_timer()
+            super().on_message_complete()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._head_bytes = 0
+            self._in_head = True
+            if not self.transport.is_closing() and not self.pipeline:
+                self._arm_idle()
+
+    return LimitedHttpToolsProtocol
+
+
+def _status_only(status: int, reason: str) -> bytes:
+    body = f"{reason}\n".encode()
+    return (
+        f"HTTP/1.1 {status} {reason}\r\ncontent-type: text/plain; charset=utf-8\r\ncontent-length: {len(body)}\r\n"
+        "connection: close\r\n\r\n"
+    ).encode() + body

@@ -22,6 +22,17 @@ TOKEN_BUCKETS = tuple(float(4**i) for i in range(0, 11))  # 1 .. ~1M
 REQUEST_COUNT_BUCKETS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 4096.0)
 
 WARMUP_STATES = ("planned", "compiled", "failed")
+# Why the server refused or cut a call to protect itself (indexer_requests_shed_total's reason label):
+SHED_REASONS = (
+    "concurrency",  # max_concurrent_rpcs calls already in the server
+    "memory",  # the response budget stayed full for admission_wait_seconds
+    "heavy_lane",  # every heavy-lane slot stayed busy for admission_wait_seconds
+    "work_limit",  # the request's work is above a limit (max_plan_chunks)
+    "queue_deadline",  # the caller's deadline passed, or it cancelled, while the call waited to start
+    "shutdown",  # still running when the shutdown grace ended
+    "unread_response",  # the caller did not read its response within response_drain_seconds
+)
+HTTP_REFUSALS = ("header_too_large", "idle_timeout", "too_many_connections", "body_too_large")
 
 
 class Metrics:
@@ -76,10 +87,28 @@ class Metrics:
         self.requests_in_flight = Gauge(
             "indexer_requests_in_flight", "RPCs being served right now.", ["method"], registry=r
         )
+        self.requests_shed_total = Counter(
+            "indexer_requests_shed_total",
+            "Calls the server refused or cut to protect itself (overload or abuse), by method and reason.",
+            ["method", "reason"], registry=r,
+        )  # fmt: skip
+        self.response_bytes_held = Gauge(
+            "indexer_response_bytes_held", "Bytes of responses being built, queued or not yet read.", registry=r
+        )
+        self.response_budget_bytes = Gauge(
+            "indexer_response_budget_bytes", "The most bytes of responses the server holds at once.", registry=r
+        )
+        self.http_connections = Gauge("indexer_http_connections", "Open HTTP connections.", registry=r)
+        self.http_refused_total = Counter(
+            "indexer_http_refused_total", "HTTP connections or requests refused by a limit, by reason.",
+            ["reason"], registry=r,
+        )  # fmt: skip
         self._children: dict[tuple[int, tuple[str, ...]], object] = {}
         for state in WARMUP_STATES:
             self.warmup_keys.labels(state=state).set(0)
         self.ready.set(0)
+        for reason in HTTP_REFUSALS:
+            self.http_refused_total.labels(reason=reason)
 
     def child(self, metric: M, *label_values: str) -> M:
         """``metric.labels(*label_values)``, resolved once: ``labels()`` validates its arguments and takes a

@@ -19,11 +19,12 @@ from pathlib import Path
 import uvicorn
 
 from kernels.specialization import warmup_keys
-from service.allocator import configure_malloc
+from service.allocator import configure_malloc, trim_heap
 from service.config import ServiceConfig
 from service.dataplane import DataPlane, launch_admission, make_backend, resolve_backend
-from service.grpc_server import create_grpc_server, create_health_servicer, health_listener, host_port
-from service.http_app import HttpApp
+from service.grpc_server import HEALTH_NAMES, create_grpc_server, create_health_server, host_port
+from service.health import HealthServicer
+from service.http_app import HttpApp, limited_protocol
 from service.lifecycle import ShutdownSignals
 from service.metrics import Metrics
 from service.warmup import Warmup, use_triton_cache_dir
@@ -36,7 +37,8 @@ _HTTP_START_TIMEOUT_SECONDS = 10.0
 class _HttpServer:
     """uvicorn (httptools + uvloop) on its own thread and event loop, on a socket bound up front."""
 
-    def __init__(self, app: HttpApp, host: str, port: int, grace: float) -> None:
+    def __init__(self, app: HttpApp, service_config: ServiceConfig, metrics: Metrics) -> None:
+        host, port, grace = service_config.http_host, service_config.http_port, service_config.shutdown_grace_seconds
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.socket = socket.socket(family, socket.SOCK_STREAM)
         self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -47,8 +49,9 @@ class _HttpServer:
             raise OSError(f"cannot bind HTTP to {host_port(host, port)}: {exc}") from None
         self.port = self.socket.getsockname()[1]
         config = uvicorn.Config(
-            app, loop="uvloop", http="httptools", lifespan="off", access_log=False, log_config=None,
-            timeout_graceful_shutdown=max(grace, 0.1),
+            app, loop="uvloop", http=limited_protocol(service_config, metrics), lifespan="off", access_log=False,
+            log_config=None, timeout_graceful_shutdown=max(grace, 0.1),
+            timeout_keep_alive=service_config.http_idle_timeout_seconds,
         )  # fmt: skip
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]}, name="http")
@@ -88,22 +91,30 @@ class IndexerServer:
                  backend.build_chunk_fast is not None, self.warmup.target_name,
                  cache_dir or "(Triton's default)")  # fmt: skip
         self.plane = DataPlane(config, self.metrics, self.warmup, backend)
-        self.health = create_health_servicer()
-        self.plane.add_readiness_listener(health_listener(self.health))
-        self.grpc_server, self.grpc_port = create_grpc_server(config, self.plane, self.health)
-        self.http = _HttpServer(HttpApp(self.plane), config.http_host, config.http_port, config.shutdown_grace_seconds)
+        self.health = HealthServicer(HEALTH_NAMES)
+        self.plane.add_readiness_listener(self.health.set_serving)
+        self.grpc = create_grpc_server(config, self.plane, self.health)
+        self.grpc_port = self.grpc.port
+        self.health_server, self.health_port = create_health_server(config, self.health)
+        self.http = _HttpServer(HttpApp(self.plane), config, self.metrics)
         self.http_port = self.http.port
         self._unwatch = None
         self._warmup_thread = threading.Thread(target=self._run_warmup, name="warmup", daemon=True)
+        self._stopping = threading.Event()
+        self._trim_thread = threading.Thread(target=self._trim_when_idle, name="idle-trim", daemon=True)
 
     def start(self) -> None:
-        self.grpc_server.start()
+        self.grpc.server.start()
+        self.health_server.start()
         self.http.start()
         log.info(
-            "listening grpc=%s http=%s",
+            "listening grpc=%s health=%s http=%s",
             host_port(self.config.grpc_host, self.grpc_port),
+            host_port(self.config.grpc_host, self.health_port),
             host_port(self.config.http_host, self.http_port),
         )
+        if self.config.idle_trim_seconds > 0:
+            self._trim_thread.start()
         if self.backend == "triton":
             # Only a GPU backend launches kernels after ready; numpy never compiles.
             from kernels.compile_engine import watch_compiles
@@ -115,17 +126,39 @@ class IndexerServer:
         self.warmup.run()
         self.plane.refresh_readiness()
 
+    def _trim_when_idle(self) -> None:
+        """Hand free heap back to the OS once no call has ended for ``idle_trim_seconds``: a burst's peak then
+        does not stay as idle RSS (glibc keeps freed memory for reuse, see service/allocator.py)."""
+        idle = self.config.idle_trim_seconds
+        trimmed_at = self.plane.last_call_end
+        while not self._stopping.wait(min(1.0, idle / 2)):
+            last = self.plane.last_call_end
+            if last != trimmed_at and time.monotonic() - last >= idle:
+                trimmed_at = last
+                released = trim_heap()
+                log.debug("idle trim released=%s", released)
+
     def shutdown(self) -> None:
-        """Drain: NOT_SERVING, optional delay, stop taking calls, let in-flight ones finish within the grace."""
+        """Drain: NOT_SERVING (Watch streams told, then ended), optional delay, stop taking calls, let in-flight
+        ones finish within the grace; calls still running when it ends are cut and counted as shed."""
         config = self.config
         self.plane.begin_drain()
-        log.info("draining delay_seconds=%.1f grace_seconds=%.1f", config.shutdown_delay_seconds,
-                 config.shutdown_grace_seconds)  # fmt: skip
+        watchers = self.health.drain()
+        log.info("draining delay_seconds=%.1f grace_seconds=%.1f health_watchers_ended=%d",
+                 config.shutdown_delay_seconds, config.shutdown_grace_seconds, watchers)  # fmt: skip
         if config.shutdown_delay_seconds:
             time.sleep(config.shutdown_delay_seconds)
         start = time.monotonic()
-        self.grpc_server.stop(config.shutdown_grace_seconds).wait()
+        # gRPC cancels what still runs once the grace is over; the data plane then names the shutdown as cause.
+        cut = threading.Timer(config.shutdown_grace_seconds, self.plane.shutdown_cut.set)
+        cut.daemon = True
+        cut.start()
+        self.grpc.stop(config.shutdown_grace_seconds)
+        cut.cancel()
         self.http.stop(timeout=config.shutdown_grace_seconds + 1.0)
+        self.health_server.stop(0).wait()
+        self.health.close()
+        self._stopping.set()
         if self._unwatch is not None:
             self._unwatch()
         log.info("stopped drain_seconds=%.3f", time.monotonic() - start)
@@ -147,7 +180,12 @@ def _check_port_file(path: Path) -> None:
 
 def _write_port_file(path: Path, server: IndexerServer) -> None:
     """Bound ports as JSON, written atomically (tests and wrappers read it once it exists)."""
-    payload = {"grpc_port": server.grpc_port, "http_port": server.http_port, "pid": os.getpid()}
+    payload = {
+        "grpc_port": server.grpc_port,
+        "http_port": server.http_port,
+        "health_port": server.health_port,
+        "pid": os.getpid(),
+    }
     partial = path.with_name(path.name + ".partial")
     try:
         partial.write_text(json.dumps(payload) + "\n")

@@ -79,7 +79,7 @@ class ServerProcess:
         self.log_path = workdir / f"server-{n}.log"
         command = [
             INDEXER_SERVICE, "serve", "--grpc-host", LOOPBACK, "--http-host", LOOPBACK, "--grpc-port", "0",
-            "--http-port", "0", "--port-file", str(self.port_file), *args,
+            "--http-port", "0", "--health-port", "0", "--port-file", str(self.port_file), *args,
         ]  # fmt: skip
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)

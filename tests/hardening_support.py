@@ -17,6 +17,8 @@ SMALL = pb.BuildChunkRequest(
 # A plan of SLOW_CHUNKS one-row chunks (a logits budget of one element): about 0.35 s of server work on this
 # machine that no shortcut skips, since each chunk is answered; long enough for calls to overlap.
 SLOW_CHUNKS = 4096
+# A server that is to take SLOW at all allows plans of its size (the default max_plan_chunks is 1,024).
+SLOW_FLAGS = ("--max-plan-chunks", str(SLOW_CHUNKS))
 SLOW = pb.PlanBatchRequest(
     query_start_loc=np.array([0, SLOW_CHUNKS], "<i4").tobytes(), seq_lens=np.array([100_000], "<i4").tobytes(),
     compress_ratio=1, max_logits_bytes=4, omit_token_to_seq=True,

@@ -20,7 +20,7 @@ from benchmarks.fuzzing import stubs_for
 from benchmarks.harness import FAST_START, ServiceProcess, channel, http_get
 from kernels.inputs import MAX_DCP_WORLD_SIZE
 from protos.indexer.v1 import indexer_pb2 as pb
-from tests.hardening_support import SLOW, SLOW_CHUNKS, SMALL, assert_healthy_after, wait_idle
+from tests.hardening_support import SLOW, SLOW_CHUNKS, SLOW_FLAGS, SMALL, assert_healthy_after, wait_idle
 
 
 def oversized(limit: int) -> pb.BuildChunkRequest:
@@ -56,7 +56,8 @@ def test_messages_over_max_message_bytes_are_resource_exhausted_on_both_transpor
 
 def test_calls_over_max_concurrent_rpcs_are_resource_exhausted() -> None:
     limit, calls = 2, 8
-    with ServiceProcess(*FAST_START, "--max-concurrent-rpcs", str(limit), "--grpc-workers", str(limit)) as server:
+    flags = ("--max-concurrent-rpcs", str(limit), "--grpc-workers", str(limit), *SLOW_FLAGS)
+    with ServiceProcess(*FAST_START, *flags) as server:
         with channel(server.address) as chan:
             plan = stubs_for(chan)["PlanBatch"]
             futures = [plan.future(SLOW, timeout=60) for _ in range(calls)]

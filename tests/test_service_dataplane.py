@@ -23,7 +23,8 @@ from protos.indexer.v1 import indexer_pb2_grpc as pb_grpc
 from service import codec
 from service.config import ServiceConfig, load_config
 from service.dataplane import Backend, DataPlane, ServiceError, launch_admission, make_backend
-from service.grpc_server import create_grpc_server, create_health_servicer
+from service.grpc_server import HEALTH_NAMES, create_grpc_server
+from service.health import HealthServicer
 from service.metrics import Metrics
 from service.warmup import Warmup, WarmupState
 from tests.golden import metadata_as_dict
@@ -59,13 +60,13 @@ def flaky_server(request) -> Iterator[tuple[DataPlane, pb_grpc.PrefillMetadataSt
     config = load_config({"grpc_host": "127.0.0.1", "grpc_port": "0", "warmup_target": "none"}, env={})
     plane = make_plane(config, Backend("numpy", FlakyBackend(failure)))
     plane.refresh_readiness()
-    server, port = create_grpc_server(config, plane, create_health_servicer())
-    server.start()
+    server = create_grpc_server(config, plane, HealthServicer(HEALTH_NAMES))
+    server.server.start()
     try:
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
             yield plane, pb_grpc.PrefillMetadataStub(channel)
     finally:
-        server.stop(None).wait(10)
+        server.stop(None)
 
 
 def test_unexpected_failure_is_internal_logged_and_the_server_keeps_serving(flaky_server, caplog) -> None:

@@ -24,6 +24,7 @@ from protos.indexer.v1 import indexer_pb2 as pb
 from protos.indexer.v1 import indexer_pb2_grpc as pb_grpc
 from service.client import IndexerClient
 from service.codec import SERVICE_NAME, encode_int32
+from service.config import load_config
 from tests.conftest import ServerProcess, StartServer, default_backend_and_target, scrape
 from tests.golden import ARRAY_FIELDS, GOLDEN, SCALAR_FIELDS, case_id, chunk_inputs, metadata_as_dict
 
@@ -111,6 +112,9 @@ def test_plan_batch_equals_golden_plans(client: IndexerClient, case: dict) -> No
     assert plan.max_prefill_seq_len == expected.max_prefill_seq_len
 
 
+MAX_PLAN_CHUNKS = load_config(env={}).max_plan_chunks
+
+
 def test_plan_batch_equals_numpy_on_random_batches(client: IndexerClient) -> None:
     rng = np.random.default_rng(11)
     for i in range(40):
@@ -120,7 +124,14 @@ def test_plan_batch_equals_numpy_on_random_batches(client: IndexerClient) -> Non
             qsl, seq_lens, (0, 1, 4, 128)[i % 4], int(rng.integers(0, num_requests + 1)),
             max_model_len=int(rng.integers(100, 20_000)), max_logits_bytes=int(rng.integers(4, 400_000)),
         )  # fmt: skip
-        plan, expected = client.plan_batch(batch), build_prefill_batch(batch, build_chunk_metadata_numpy)
+        expected = build_prefill_batch(batch, build_chunk_metadata_numpy)
+        if len(expected.chunks) > MAX_PLAN_CHUNKS:  # the server's work limit speaks first
+            with pytest.raises(grpc.RpcError) as refused:
+                client.plan_batch(batch)
+            assert refused.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert refused.value.details().startswith("max_logits_bytes:")
+            continue
+        plan = client.plan_batch(batch)
         assert plan.chunks == expected.chunks
         assert plan.max_prefill_seq_len == expected.max_prefill_seq_len
         for got, want in zip(plan.metadata, expected.metadata, strict=True):

@@ -63,7 +63,8 @@ def burst(address: str, calls: list[Call], stop: threading.Event) -> None:
 def test_sigterm_during_a_burst_drains_and_exits_0(start_server: StartServer) -> None:
     server = start_server(
         "--backend", "numpy", "--warmup-target", "none", "--max-num-batched-tokens", str(LONG_ROWS),
-        "--shutdown-delay-seconds", str(SHUTDOWN_DELAY), "--shutdown-grace-seconds", str(GRACE),
+        "--max-plan-chunks", str(LONG_ROWS), "--shutdown-delay-seconds", str(SHUTDOWN_DELAY),
+        "--shutdown-grace-seconds", str(GRACE),
     )  # fmt: skip
     calls: list[Call] = []
     stop = threading.Event()

@@ -1,0 +1,363 @@
+"""Admission: what the server lets in when callers are many, heavy or hostile (docs/service.md, "Overload
+and abuse").
+
+Two resources are bounded before any work starts, each with a short, deadline-bounded wait:
+
+- **memory**: the bytes of responses the server holds (being built, queued, or sent but not yet read) stay
+  under ``response_budget_bytes``. A connection already holding something may hold at most a quarter of it, so
+  one reader that stops reading cannot take the budget from everyone else; a response is held until its
+  transport has handed it over (gRPC: the call ended; HTTP: the last byte was written), and a watchdog
+  cancels the ones not read within ``response_drain_seconds``.
+- **CPU**: requests whose estimated cost is above ``heavy_request_bytes`` are computed ``heavy_lane_slots`` at
+  a time, so heavy callers cannot take every thread from light ones.
+
+Every refusal goes through :class:`ShedLog`: one counter series per reason and a rate-limited log line, so a
+dashboard and the log both show shedding as it happens.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from service.metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+# A connection holding anything may hold at most this share of the budget.
+CONNECTION_SHARE = 4
+# Without a container memory limit (or above 2 GiB of it) the budget is this; else limit / 8.
+DEFAULT_BUDGET_BYTES = 256 * 2**20
+_LIMIT_FRACTION = 8
+# Waiters re-check the caller (cancelled, deadline) this often.
+_WAIT_SLICE_SECONDS = 0.05
+# One log line per reason at most this often; the count covers everything shed in between.
+SHED_LOG_INTERVAL_SECONDS = 10.0
+
+_CGROUP_LIMIT_FILES = (Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"))
+
+
+def container_memory_limit() -> int | None:
+    """The memory limit of this process's cgroup (v2, else v1), or None where there is none."""
+    for path in _CGROUP_LIMIT_FILES:
+        try:
+            text = path.read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit() and int(text) < 2**60:  # v1 says "no limit" with a huge number, v2 with "max"
+            return int(text)
+    return None
+
+
+def default_response_budget(memory_limit: int | None) -> int:
+    """``response_budget_bytes = 0``: an eighth of the memory limit, at most 256 MiB."""
+    if memory_limit is None:
+        return DEFAULT_BUDGET_BYTES
+    return max(1, min(DEFAULT_BUDGET_BYTES, memory_limit // _LIMIT_FRACTION))
+
+
+class Refused(Exception):
+    """A call the server will not take now. ``reason`` is one of metrics.SHED_REASONS; ``gone`` is True when the
+    caller left (cancelled or past its deadline) while it waited."""
+
+    def __init__(self, reason: str, message: str, gone: bool = False) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+        self.gone = gone
+
+
+class ShedLog:
+    """Counts every shed call in ``indexer_requests_shed_total`` and logs at most one line per reason every
+    :data:`SHED_LOG_INTERVAL_SECONDS`, with how many were shed since the last line."""
+
+    def __init__(self, metrics: Metrics, interval: float = SHED_LOG_INTERVAL_SECONDS) -> None:
+        self.metrics = metrics
+        self.interval = interval
+        self._lock = threading.Lock()
+        self._pending: dict[str, int] = {}
+        self._last_logged: dict[str, float] = {}
+
+    def record(self, method: str, reason: str, detail: str) -> None:
+        self.metrics.child(self.metrics.requests_shed_total, method, reason).inc()
+        now = time.monotonic()
+        with self._lock:
+            count = self._pending.get(reason, 0) + 1
+            if now - self._last_logged.get(reason, -self.interval) < self.interval:
+                self._pending[reason] = count
+                return
+            self._pending[reason] = 0
+            self._last_logged[reason] = now
+        log.warning("shed reason=%s count=%d method=%s last=%r", reason, count, method, detail)
+
+
+@dataclass(eq=False)
+class Ticket:
+    """Bytes of the response budget held for one call, by one connection. Released once, by whoever is first."""
+
+    budget: ResponseBudget
+    peer: str
+    nbytes: int
+    released: bool = False
+    forget: Callable[[], None] | None = None
+
+    def shrink(self, nbytes: int) -> None:
+        """Hold only ``nbytes`` (the response turned out smaller than reserved)."""
+        self.budget._resize(self, nbytes)
+
+    def release(self) -> None:
+        self.budget._release(self)
+        if self.forget is not None:
+            self.forget()
+
+
+@dataclass
+class _Waiting:
+    """How many threads wait in admission; the waiting room is bounded so waiters never take every thread."""
+
+    limit: int
+    count: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class ResponseBudget:
+    """The bytes of responses held at once, overall and per connection (see the module docstring)."""
+
+    def __init__(self, limit: int, metrics: Metrics, waiting: _Waiting, wait_seconds: float) -> None:
+        self.limit = limit
+        self.share = max(1, limit // CONNECTION_SHARE)
+        self.metrics = metrics
+        self.wait_seconds = wait_seconds
+        self._waiting = waiting
+        self._cond = threading.Condition()
+        self._held = 0
+        self._by_peer: dict[str, int] = {}
+        metrics.response_budget_bytes.set(limit)
+        metrics.response_bytes_held.set(0)
+
+    @property
+    def held(self) -> int:
+        with self._cond:
+            return self._held
+
+    def _fits(self, peer: str, nbytes: int) -> bool:
+        mine = self._by_peer.get(peer, 0)
+        return self._held + nbytes <= self.limit and (mine == 0 or mine + nbytes <= self.share)
+
+    def _grant(self, peer: str, nbytes: int) -> Ticket:
+        self._held += nbytes
+        self._by_peer[peer] = self._by_peer.get(peer, 0) + nbytes
+        self.metrics.response_bytes_held.set(self._held)
+        return Ticket(self, peer, nbytes)
+
+    def try_reserve(self, peer: str, nbytes: int) -> Ticket | None:
+        """``nbytes`` now, or None: never waits."""
+        with self._cond:
+            return self._grant(peer, nbytes) if self._fits(peer, nbytes) else None
+
+    def reserve(self, peer: str, nbytes: int, caller: Caller) -> Ticket:
+        """``nbytes``, waiting up to ``wait_seconds`` (never past the caller's deadline) for room."""
+        if nbytes > self.limit:
+            raise Refused(
+                "memory",
+                f"response: about {nbytes} bytes, above response_budget_bytes {self.limit}; send a smaller batch",
+            )
+        with self._cond:
+            if self._fits(peer, nbytes):
+                return self._grant(peer, nbytes)
+            with _waiting_room(self._waiting, "memory"):
+                give_up = time.monotonic() + self.wait_seconds
+                while not self._fits(peer, nbytes):
+                    _wait(self._cond, give_up, caller, "memory", self._full_message(peer, nbytes))
+                return self._grant(peer, nbytes)
+
+    def _full_message(self, peer: str, nbytes: int) -> str:
+        mine = self._by_peer.get(peer, 0)
+        if mine and mine + nbytes > self.share:
+            return (
+                f"response: this connection already holds {mine} bytes of unsent responses; {nbytes} more would "
+                f"pass its share {self.share} of response_budget_bytes; read the answers you have"
+            )
+        return (
+            f"response: the server holds {self._held} bytes of responses and {nbytes} more would pass "
+            f"response_budget_bytes {self.limit}; retry with backoff"
+        )
+
+    def _resize(self, ticket: Ticket, nbytes: int) -> None:
+        with self._cond:
+            if ticket.released or nbytes >= ticket.nbytes:
+                return
+            delta = ticket.nbytes - nbytes
+            ticket.nbytes = nbytes
+            self._take_back(ticket.peer, delta)
+
+    def _release(self, ticket: Ticket) -> None:
+        with self._cond:
+            if ticket.released:
+                return
+            ticket.released = True
+            self._take_back(ticket.peer, ticket.nbytes)
+
+    def _take_back(self, peer: str, nbytes: int) -> None:
+        self._held -= nbytes
+        left = self._by_peer.get(peer, 0) - nbytes
+        if left > 0:
+            self._by_peer[peer] = left
+        else:
+            self._by_peer.pop(peer, None)
+        self.metrics.response_bytes_held.set(self._held)
+        self._cond.notify_all()
+
+
+class HeavyLane:
+    """At most ``slots`` heavy requests computed at once."""
+
+    def __init__(self, slots: int, waiting: _Waiting, wait_seconds: float) -> None:
+        self.slots = slots
+        self.wait_seconds = wait_seconds
+        self._waiting = waiting
+        self._cond = threading.Condition()
+        self._busy = 0
+
+    @contextmanager
+    def slot(self, caller: Caller) -> Iterator[None]:
+        with self._cond:
+            if self._busy >= self.slots:
+                message = (
+                    f"busy: {self.slots} heavy requests (estimated cost above heavy_request_bytes) are being "
+                    "computed; retry with backoff or send smaller batches"
+                )
+                with _waiting_room(self._waiting, "heavy_lane"):
+                    give_up = time.monotonic() + self.wait_seconds
+                    while self._busy >= self.slots:
+                        _wait(self._cond, give_up, caller, "heavy_lane", message)
+            self._busy += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._busy -= 1
+                self._cond.notify()
+
+
+@dataclass
+class Caller:
+    """Who a call is for, as its transport sees it: which connection (``peer``), whether the caller still waits
+    (``gone()`` returns the status the call ends with once it has cancelled or passed its deadline: CANCELLED
+    or DEADLINE_EXCEEDED), and, once the data plane has answered, the budget ``ticket`` of the answer: the
+    transport releases it when the answer has been handed over."""
+
+    peer: str = "local"
+    gone: Callable[[], Any] = field(default=lambda: None)
+    ticket: Ticket | None = None
+
+
+@contextmanager
+def _waiting_room(waiting: _Waiting, reason: str) -> Iterator[None]:
+    with waiting.lock:
+        if waiting.count >= waiting.limit:
+            raise Refused(reason, f"busy: {waiting.count} calls already wait for admission; retry with backoff")
+        waiting.count += 1
+    try:
+        yield
+    finally:
+        with waiting.lock:
+            waiting.count -= 1
+
+
+def _wait(cond: threading.Condition, give_up: float, caller: Caller, reason: str, message: str) -> None:
+    """One slice of a wait on ``cond``; raises :class:`Refused` once the wait is over or the caller has gone."""
+    left = give_up - time.monotonic()
+    if left <= 0:
+        raise Refused(reason, message)
+    why_gone = caller.gone()
+    if why_gone is not None:
+        raise Refused(
+            "queue_deadline",
+            f"the caller went away ({getattr(why_gone, 'name', why_gone)}) while the call waited to start",
+            gone=True,
+        )
+    cond.wait(min(left, _WAIT_SLICE_SECONDS))
+
+
+class Admission:
+    """The response budget and the heavy lane of one server, sharing one bounded waiting room."""
+
+    def __init__(
+        self,
+        budget_bytes: int,
+        heavy_request_bytes: int,
+        heavy_lane_slots: int,
+        wait_seconds: float,
+        max_waiting: int,
+        metrics: Metrics,
+    ) -> None:
+        waiting = _Waiting(max(1, max_waiting))
+        self.heavy_request_bytes = heavy_request_bytes
+        self.budget = ResponseBudget(budget_bytes, metrics, waiting, wait_seconds)
+        self.lane = HeavyLane(heavy_lane_slots, waiting, wait_seconds)
+        self.shed = ShedLog(metrics)
+
+
+class Held(Protocol):
+    """Something held until its caller has read it: a :class:`Ticket`, or a health message on its way. Its
+    ``forget`` is set by the watchdog and must be called when it is released."""
+
+    released: bool
+    forget: Callable[[], None] | None
+
+
+class DrainWatchdog:
+    """Acts on responses their callers have not read within ``seconds`` (cancels them, in practice). One thread
+    scans what is held now (released ones drop out at the next scan): a watched call costs a dict entry, not a
+    timer."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.scan_seconds = min(1.0, max(seconds / 4, 0.05))
+        self._lock = threading.Lock()
+        self._watched: dict[int, tuple[float, Held, Callable[[], None]]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="drain-watchdog", daemon=True)
+        self._thread.start()
+
+    def watch(self, ticket: Held, on_unread: Callable[[], None]) -> None:
+        """Call ``on_unread()`` if ``ticket`` is still held ``seconds`` from now. Its entry (and what
+        ``on_unread`` refers to: a gRPC call, whose HTTP/2 stream counts against the connection's limit while
+        referenced) goes as soon as the ticket is released."""
+        key = id(ticket)
+
+        def forget() -> None:
+            with self._lock:
+                self._watched.pop(key, None)
+
+        with self._lock:
+            self._watched[key] = (time.monotonic() + self.seconds, ticket, on_unread)
+        ticket.forget = forget
+        if ticket.released:
+            forget()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.scan_seconds):
+            now = time.monotonic()
+            with self._lock:
+                expired = [e for e in self._watched.values() if e[1].released or e[0] <= now]
+                for _, ticket, _ in expired:
+                    del self._watched[id(ticket)]
+            for _, ticket, on_unread in expired:
+                if ticket.released:
+                    continue
+                try:
+                    on_unread()
+                except Exception:
+                    log.exception("cancelling an unread response failed")

@@ -1,0 +1,200 @@
+"""Admission in process: the response budget and its per-connection share, the heavy lane, the shed log, the
+drain watchdog, the plan-size limit and the order in which a request is judged (malformed, limits, policy)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from kernels.planner import PlanTooLargeError, plan_prefill_chunks
+from protos.indexer.v1 import indexer_pb2 as pb
+from service import codec
+from service.admission import (
+    DEFAULT_BUDGET_BYTES,
+    Admission,
+    Caller,
+    DrainWatchdog,
+    Refused,
+    ShedLog,
+    default_response_budget,
+)
+from service.config import load_config
+from service.dataplane import DataPlane, ServiceError, make_backend
+from service.metrics import Metrics
+from service.warmup import Warmup
+
+
+def admission(budget: int = 100, slots: int = 1, wait: float = 0.2, max_waiting: int = 4) -> Admission:
+    return Admission(budget, heavy_request_bytes=10, heavy_lane_slots=slots, wait_seconds=wait,
+                     max_waiting=max_waiting, metrics=Metrics())  # fmt: skip
+
+
+def test_default_budget_is_an_eighth_of_the_memory_limit_at_most_256_mib() -> None:
+    assert default_response_budget(None) == DEFAULT_BUDGET_BYTES
+    assert default_response_budget(1 << 30) == (1 << 30) // 8
+    assert default_response_budget(64 << 30) == DEFAULT_BUDGET_BYTES
+
+
+def test_budget_grants_until_full_then_refuses_after_the_wait() -> None:
+    budget = admission(budget=100).budget
+    held = [budget.reserve(f"peer{i}", 40, Caller()) for i in range(2)]
+    start = time.monotonic()
+    with pytest.raises(Refused) as refused:
+        budget.reserve("peer9", 40, Caller())
+    assert refused.value.reason == "memory" and time.monotonic() - start >= 0.19
+    assert "response_budget_bytes 100" in refused.value.message
+    held[0].release()
+    held[0].release()  # twice is once
+    assert budget.held == 40
+    budget.reserve("peer9", 40, Caller()).release()
+
+
+def test_a_waiter_gets_in_when_memory_comes_back() -> None:
+    budget = admission(budget=100, wait=5.0).budget
+    first = budget.reserve("a", 100, Caller())
+    threading.Timer(0.1, first.release).start()
+    ticket = budget.reserve("b", 60, Caller())
+    assert ticket.nbytes == 60 and budget.held == 60
+
+
+def test_one_connection_holds_at_most_a_quarter_once_it_holds_anything() -> None:
+    budget = admission(budget=100, wait=0.05).budget
+    big = budget.reserve("reader", 90, Caller())  # a connection holding nothing may take up to the budget
+    with pytest.raises(Refused, match="this connection already holds 90 bytes"):
+        budget.reserve("reader", 5, Caller())
+    big.release()
+    small = budget.reserve("reader", 20, Caller())
+    with pytest.raises(Refused, match="share 25"):
+        budget.reserve("reader", 10, Caller())
+    assert budget.reserve("other", 10, Caller()).nbytes == 10
+    small.shrink(5)
+    assert budget.held == 15
+
+
+def test_an_answer_larger_than_the_budget_is_refused_at_once() -> None:
+    with pytest.raises(Refused, match="above response_budget_bytes 100"):
+        admission(budget=100, wait=5.0).budget.reserve("a", 101, Caller())
+
+
+def test_a_caller_that_leaves_while_waiting_is_shed_as_queue_deadline() -> None:
+    budget = admission(budget=10, wait=5.0).budget
+    budget.reserve("a", 10, Caller())
+    gone = Caller("b", lambda: grpc.StatusCode.DEADLINE_EXCEEDED)
+    with pytest.raises(Refused) as refused:
+        budget.reserve("b", 10, gone)
+    assert refused.value.reason == "queue_deadline" and refused.value.gone
+    assert "DEADLINE_EXCEEDED" in refused.value.message
+
+
+def test_heavy_lane_runs_slots_at_a_time_and_bounds_its_waiters() -> None:
+    gate = admission(slots=1, wait=0.1, max_waiting=1)
+    with gate.lane.slot(Caller()):
+        results: list[str] = []
+
+        def wait_for_slot() -> None:
+            try:
+                with gate.lane.slot(Caller()):
+                    results.append("ran")
+            except Refused as exc:
+                results.append(exc.reason)
+
+        waiting = threading.Thread(target=wait_for_slot)
+        waiting.start()
+        time.sleep(0.03)
+        with pytest.raises(Refused, match="already wait for admission"), gate.lane.slot(Caller()):
+            pass  # the waiting room (1) is full
+        waiting.join()
+    assert results == ["heavy_lane"]
+    with gate.lane.slot(Caller()):
+        pass
+
+
+def test_shed_log_counts_every_call_and_logs_once_per_interval(caplog) -> None:
+    metrics = Metrics()
+    shed = ShedLog(metrics, interval=60.0)
+    with caplog.at_level(logging.WARNING, logger="service.admission"):
+        for _ in range(5):
+            shed.record("BuildChunk", "memory", "full")
+    lines = [r.getMessage() for r in caplog.records if "shed reason=memory" in r.getMessage()]
+    assert len(lines) == 1 and "count=1" in lines[0]
+    assert metrics.requests_shed_total.labels("BuildChunk", "memory")._value.get() == 5
+
+
+def test_drain_watchdog_acts_on_unreleased_tickets_only() -> None:
+    budget = admission(budget=100).budget
+    watchdog = DrainWatchdog(0.1)
+    unread, read = budget.reserve("a", 10, Caller()), budget.reserve("b", 10, Caller())
+    fired: list[str] = []
+    watchdog.watch(unread, lambda: fired.append("unread"))
+    watchdog.watch(read, lambda: fired.append("read"))
+    read.release()
+    time.sleep(0.4)
+    watchdog.stop()
+    assert fired == ["unread"]
+
+
+def test_plan_size_is_refused_before_the_plan_is_made() -> None:
+    # One request of 8,192 queries over 2^20 compressed tokens with a one-element logits budget: 8,192 chunks.
+    with pytest.raises(PlanTooLargeError):
+        plan_prefill_chunks([2**20], [8192], workspace_size=2**26, max_logits_elems=1, max_chunks=1024)
+    assert len(plan_prefill_chunks([2**20], [8192], 2**26, 1, max_chunks=8192)) == 8192
+
+
+@pytest.fixture
+def plane() -> DataPlane:
+    config = load_config({"warmup_target": "none", "backend": "numpy"}, env={})
+    metrics = Metrics()
+    warmup = Warmup((), target=None, enabled=False, workers=1, metrics=metrics)
+    warmup.run()
+    return DataPlane(config, metrics, warmup, make_backend("numpy", None))
+
+
+def call_code(plane: DataPlane, method: str, request) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(ServiceError) as failed:
+        plane.call(method, request.SerializeToString())
+    return failed.value.code, failed.value.message
+
+
+def test_cpu_amplifying_plan_is_refused_as_work_limit_and_counted(plane: DataPlane) -> None:
+    request = pb.PlanBatchRequest(
+        query_start_loc=codec.encode_int32([0, 8192]), seq_lens=codec.encode_int32([2**20]), compress_ratio=1,
+        max_logits_bytes=4, omit_token_to_seq=True,
+    )  # fmt: skip
+    start = time.perf_counter()
+    code, message = call_code(plane, "PlanBatch", request)
+    assert time.perf_counter() - start < 1.0  # it was 1.2 s of CPU before the limit
+    assert code is grpc.StatusCode.RESOURCE_EXHAUSTED and message.startswith("max_logits_bytes:")
+    assert plane.metrics.requests_shed_total.labels("PlanBatch", "work_limit")._value.get() == 1
+
+
+def test_malformed_input_is_named_before_limits_and_policy(plane: DataPlane) -> None:
+    garbage = pb.BuildChunkRequest(
+        query_start_loc=codec.encode_int32([0, 2**30, 5]), seq_lens=codec.encode_int32([2**30, 5]), req_end=2
+    )
+    assert call_code(plane, "BuildChunk", garbage)[0] is grpc.StatusCode.INVALID_ARGUMENT
+    dcp = pb.BuildChunkRequest(
+        query_start_loc=codec.encode_int32([0, 1]), seq_lens=codec.encode_int32([4]), compress_ratio=4, req_end=1,
+        dcp_world_size=65537,
+    )  # fmt: skip
+    code, message = call_code(plane, "BuildChunk", dcp)
+    assert code is grpc.StatusCode.INVALID_ARGUMENT and message.startswith("dcp_world_size")
+
+
+def test_a_served_answer_holds_its_bytes_until_released(plane: DataPlane) -> None:
+    request = pb.BuildChunkRequest(
+        query_start_loc=codec.encode_int32([0, 3]), seq_lens=codec.encode_int32([4096]), compress_ratio=1, req_end=1
+    )
+    caller = Caller("peer")
+    answer = plane.call("BuildChunk", request.SerializeToString(), caller=caller)
+    assert caller.ticket is not None and caller.ticket.nbytes == len(answer)
+    assert plane.admission.budget.held == len(answer)
+    caller.ticket.release()
+    assert plane.admission.budget.held == 0
+    plane.call("BuildChunk", request.SerializeToString())  # without a caller nothing stays held
+    assert plane.admission.budget.held == 0
+    assert np.isfinite(plane.last_call_end)
