@@ -25,13 +25,13 @@ from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from service.admission import Caller, DrainWatchdog
 from service.codec import SERVICE_NAME
 from service.config import ServiceConfig
 from service.dataplane import REQUEST_TYPES, DataPlane, ServiceError, max_request_bytes
 from service.health import HealthServicer
+from service.reflection import reflection_handlers
 
 log = logging.getLogger(__name__)
 
@@ -251,7 +251,7 @@ def create_grpc_server(config: ServiceConfig, plane: DataPlane, health_servicer:
     handler = PrefillMetadataHandler(plane, pool, config.max_concurrent_rpcs, config.response_drain_seconds)
     server.add_generic_rpc_handlers((handler,))
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection((SERVICE_NAME, HEALTH_SERVICE_NAME, reflection.SERVICE_NAME), server)
+    server.add_generic_rpc_handlers(reflection_handlers((SERVICE_NAME, HEALTH_SERVICE_NAME)))
     address = host_port(config.grpc_host, config.grpc_port)
     try:
         credentials = server_credentials(config)

@@ -84,6 +84,7 @@ class ServerProcess:
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
         self.grpc_port = self.http_port = 0
+        self.ports: dict[str, int] = {}
 
     @property
     def address(self) -> str:
@@ -104,8 +105,8 @@ class ServerProcess:
             if time.monotonic() > deadline:
                 pytest.fail(f"server not listening after {timeout} s:\n{self.log()}")
             time.sleep(0.02)
-        ports = json.loads(self.port_file.read_text())
-        self.grpc_port, self.http_port = ports["grpc_port"], ports["http_port"]
+        self.ports = json.loads(self.port_file.read_text())
+        self.grpc_port, self.http_port = self.ports["grpc_port"], self.ports["http_port"]
         return self
 
     def wait_ready(self, timeout: float = 120.0) -> ServerProcess:

@@ -1,0 +1,134 @@
+"""gRPC server reflection, ``grpc.reflection.v1`` and ``grpc.reflection.v1alpha`` (the same messages under two
+package names), sending the service's descriptors with their comments.
+
+grpcio-reflection serves only v1alpha, and from the descriptors compiled into ``*_pb2.py``, which carry no
+comments: ``grpcurl describe`` could not show the one rule every caller must know (arrays are little-endian
+int32 bytes). Here the files come from ``indexer_descriptor.binpb`` (``python -m protos.generate`` writes it
+with the source comments), plus health and reflection's own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from importlib import resources
+
+import grpc
+from google.protobuf import descriptor_pb2
+from grpc_health.v1 import health_pb2
+from grpc_reflection.v1alpha import reflection_pb2 as rpb
+
+V1ALPHA = rpb.DESCRIPTOR.services_by_name["ServerReflection"].full_name
+V1 = V1ALPHA.replace(".v1alpha.", ".v1.")
+REFLECTION_NAMES = (V1, V1ALPHA)
+_INDEXER_DESCRIPTORS = ("protos.indexer.v1", "indexer_descriptor.binpb")
+
+
+def _proto_of(file_descriptor) -> descriptor_pb2.FileDescriptorProto:
+    proto = descriptor_pb2.FileDescriptorProto()
+    file_descriptor.CopyToProto(proto)
+    return proto
+
+
+def _v1_reflection_file() -> descriptor_pb2.FileDescriptorProto:
+    """grpc/reflection/v1/reflection.proto: v1alpha's file with the package renamed (the messages are equal)."""
+    proto = _proto_of(rpb.DESCRIPTOR)
+    old, new = proto.package, proto.package.replace("v1alpha", "v1")
+    proto.name, proto.package = proto.name.replace("v1alpha", "v1"), new
+    for message in proto.message_type:
+        for field in message.field:
+            field.type_name = field.type_name.replace(f".{old}.", f".{new}.")
+    for service in proto.service:
+        for method in service.method:
+            method.input_type = method.input_type.replace(f".{old}.", f".{new}.")
+            method.output_type = method.output_type.replace(f".{old}.", f".{new}.")
+    return proto
+
+
+def served_files() -> list[descriptor_pb2.FileDescriptorProto]:
+    """Every file reflection answers with: the service's (with comments), health, and reflection v1/v1alpha."""
+    package, name = _INDEXER_DESCRIPTORS
+    indexer = descriptor_pb2.FileDescriptorSet.FromString(resources.files(package).joinpath(name).read_bytes())
+    return [*indexer.file, _proto_of(health_pb2.DESCRIPTOR), _proto_of(rpb.DESCRIPTOR), _v1_reflection_file()]
+
+
+def _symbols(proto: descriptor_pb2.FileDescriptorProto) -> Iterator[str]:
+    prefix = f"{proto.package}." if proto.package else ""
+
+    def messages(items: Iterable[descriptor_pb2.DescriptorProto], scope: str) -> Iterator[str]:
+        for message in items:
+            name = f"{scope}{message.name}"
+            yield name
+            yield from (f"{name}.{f.name}" for f in message.field)
+            yield from (f"{name}.{e.name}" for e in message.enum_type)
+            yield from messages(message.nested_type, f"{name}.")
+
+    yield from messages(proto.message_type, prefix)
+    for enum in proto.enum_type:
+        yield f"{prefix}{enum.name}"
+        yield from (f"{prefix}{value.name}" for value in enum.value)
+    for service in proto.service:
+        yield f"{prefix}{service.name}"
+        yield from (f"{prefix}{service.name}.{method.name}" for method in service.method)
+
+
+class ReflectionServicer:
+    """ServerReflectionInfo over a fixed set of files and listed services."""
+
+    def __init__(self, service_names: Sequence[str], files: Sequence[descriptor_pb2.FileDescriptorProto]) -> None:
+        self.service_names = tuple(sorted(service_names))
+        self._files = {f.name: f for f in files}
+        self._by_symbol = {symbol: f.name for f in files for symbol in _symbols(f)}
+
+    def _with_dependencies(self, name: str) -> list[bytes]:
+        order: list[str] = []
+
+        def visit(file_name: str) -> None:
+            if file_name in order or file_name not in self._files:
+                return
+            order.append(file_name)
+            for dependency in self._files[file_name].dependency:
+                visit(dependency)
+
+        visit(name)
+        return [self._files[n].SerializeToString() for n in order]
+
+    def _answer(self, request: rpb.ServerReflectionRequest) -> rpb.ServerReflectionResponse:
+        kind = request.WhichOneof("message_request")
+        response = rpb.ServerReflectionResponse(valid_host=request.host, original_request=request)
+        if kind == "list_services":
+            response.list_services_response.service.extend(rpb.ServiceResponse(name=n) for n in self.service_names)
+            return response
+        name = None
+        if kind == "file_by_filename":
+            name = request.file_by_filename if request.file_by_filename in self._files else None
+            missing = f"no file {request.file_by_filename!r}"
+        elif kind == "file_containing_symbol":
+            name = self._by_symbol.get(request.file_containing_symbol)
+            missing = f"no symbol {request.file_containing_symbol!r}"
+        else:
+            missing = f"{kind}: this server defines no extensions"
+        if name is None:
+            response.error_response.error_code = grpc.StatusCode.NOT_FOUND.value[0]
+            response.error_response.error_message = missing
+            return response
+        response.file_descriptor_response.file_descriptor_proto.extend(self._with_dependencies(name))
+        return response
+
+    def info(
+        self, requests: Iterator[rpb.ServerReflectionRequest], context: grpc.ServicerContext
+    ) -> Iterator[rpb.ServerReflectionResponse]:
+        for request in requests:
+            yield self._answer(request)
+
+
+def reflection_handlers(service_names: Sequence[str]) -> tuple[grpc.GenericRpcHandler, ...]:
+    """Reflection under both package names; ``service_names`` are listed with the two reflection services."""
+    servicer = ReflectionServicer([*service_names, *REFLECTION_NAMES], served_files())
+    method = grpc.stream_stream_rpc_method_handler(
+        servicer.info,
+        request_deserializer=rpb.ServerReflectionRequest.FromString,
+        response_serializer=rpb.ServerReflectionResponse.SerializeToString,
+    )
+    return tuple(
+        grpc.method_handlers_generic_handler(name, {"ServerReflectionInfo": method}) for name in REFLECTION_NAMES
+    )
