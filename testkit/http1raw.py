@@ -1,0 +1,212 @@
+"""The HTTP port's attacks on raw sockets: what no well-behaved HTTP client library would send.
+
+- :func:`huge_header`: one request whose header grows to ``header_bytes`` (streamed in pieces), to see whether
+  the server refuses it early or parses it all while probes wait.
+- :class:`IdleConnections`: sockets that connect and never send a byte.
+- :class:`UnreadAnswers`: POSTs of a request with a large answer, from sockets that never read it.
+"""
+
+from __future__ import annotations
+
+import select
+import socket
+import time
+from dataclasses import dataclass
+
+_PIECE_BYTES = 64 * 1024
+# The client's receive buffer for sockets that never read: small, so the answer stays on the server's side.
+_SMALL_RCVBUF = 4096
+
+
+def _connect(host: str, port: int, rcvbuf: int | None = None, timeout: float = 5.0) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    if rcvbuf is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)  # before connect: it sizes the TCP window
+    sock.settimeout(timeout)
+    sock.connect((host, port))
+    return sock
+
+
+def _status_of(head: bytes) -> int | None:
+    """The status code of an HTTP/1.1 response head, or None when ``head`` is not one."""
+    parts = head.split(b" ", 2)
+    return int(parts[1]) if len(parts) >= 2 and parts[0].startswith(b"HTTP/") and parts[1].isdigit() else None
+
+
+@dataclass
+class HugeHeaderReport:
+    header_bytes_sent: int
+    seconds: float
+    status: int | None  # what the server answered (e.g. 431), None when it only closed or never answered
+    closed_by_server: bool
+
+
+def huge_header(host: str, port: int, header_bytes: int, max_seconds: float = 60.0) -> HugeHeaderReport:
+    """``GET /livez`` with one header whose value grows to ``header_bytes``, sent in 64 KiB pieces; stops
+    early when the server answers or closes, or after ``max_seconds``."""
+    begin = time.monotonic()
+    sent, status, closed = 0, None, False
+    sock = _connect(host, port)
+    sock.settimeout(max_seconds)  # a server that stops reading blocks a send: at most for the whole budget
+    try:
+        sock.sendall(f"GET /livez HTTP/1.1\r\nHost: {host}\r\nX-Padding: ".encode())
+        piece = b"a" * _PIECE_BYTES
+        while sent < header_bytes and time.monotonic() - begin < max_seconds:
+            readable, _, _ = select.select([sock], [], [], 0)
+            if readable:
+                break  # the server answered (or closed) before the header ended
+            try:
+                sock.sendall(piece[: header_bytes - sent])
+            except TimeoutError:
+                break
+            except OSError:
+                closed = True
+                break
+            sent += min(_PIECE_BYTES, header_bytes - sent)
+        else:
+            try:
+                sock.sendall(b"\r\n\r\n")
+            except OSError:
+                closed = True
+        sock.settimeout(max(1.0, max_seconds - (time.monotonic() - begin)))
+        try:
+            head = sock.recv(4096)
+            status = _status_of(head)
+            closed = closed or not head
+        except TimeoutError:
+            pass
+        except OSError:
+            closed = True
+    finally:
+        sock.close()
+    return HugeHeaderReport(sent, time.monotonic() - begin, status, closed)
+
+
+def _silent(sock: socket.socket) -> bool:
+    """True while the server has neither closed the connection nor sent anything on it (a refusal such as a
+    503 is data waiting to be read); reads nothing."""
+    try:
+        sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False  # reset
+    return False  # closed (b"") or answered
+
+
+class IdleConnections:
+    """``count`` connections that never send a byte, open from :meth:`open` to :meth:`close` (a ``with``)."""
+
+    def __init__(self, host: str, port: int, count: int) -> None:
+        self.host, self.port, self.count = host, port, count
+        self.sockets: list[socket.socket] = []
+        self.refused = 0  # connections the server refused outright
+
+    def open(self) -> IdleConnections:
+        for _ in range(self.count):
+            try:
+                self.sockets.append(_connect(self.host, self.port))
+            except OSError:
+                self.refused += 1
+        return self
+
+    def still_open(self) -> int:
+        """How many of the connections the server has neither closed nor answered (with a refusal)."""
+        return sum(_silent(sock) for sock in self.sockets)
+
+    def close(self) -> None:
+        for sock in self.sockets:
+            sock.close()
+        self.sockets = []
+
+    def __enter__(self) -> IdleConnections:
+        return self.open()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+@dataclass
+class UnreadAnswer:
+    """One never-read POST, as found when the attacker finally reads: the answer's size and how much came."""
+
+    status: int | None
+    content_length: int | None
+    body_bytes_received: int
+
+    @property
+    def complete(self) -> bool:
+        return self.content_length is not None and self.body_bytes_received >= self.content_length
+
+
+class UnreadAnswers:
+    """``count`` connections, each POSTing ``body`` to ``path`` and then not reading the answer until
+    :meth:`collect` (or :meth:`close`, which never reads). The client's receive buffer is kept small, so the
+    answer waits in the server's memory, not in the client's kernel."""
+
+    def __init__(self, host: str, port: int, path: str, body: bytes, count: int) -> None:
+        self.host, self.port, self.path, self.body, self.count = host, port, path, body, count
+        self.sockets: list[socket.socket] = []
+        self.failed = 0  # connections refused or closed before the request was sent
+
+    def open(self) -> UnreadAnswers:
+        head = (
+            f"POST {self.path} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/x-protobuf\r\n"
+            f"Content-Length: {len(self.body)}\r\n\r\n"
+        ).encode()
+        for _ in range(self.count):
+            try:
+                sock = _connect(self.host, self.port, rcvbuf=_SMALL_RCVBUF)
+                sock.sendall(head + self.body)
+                self.sockets.append(sock)
+            except OSError:
+                self.failed += 1
+        return self
+
+    def collect(self, timeout: float = 10.0) -> list[UnreadAnswer]:
+        """Read every connection now, until its answer is complete, the server closed it, or ``timeout``."""
+        return [self._read_answer(sock, timeout) for sock in self.sockets]
+
+    @staticmethod
+    def _read_answer(sock: socket.socket, timeout: float) -> UnreadAnswer:
+        deadline = time.monotonic() + timeout
+        data = b""
+        status = length = None
+        body = 0
+        try:
+            while time.monotonic() < deadline:
+                sock.settimeout(max(0.01, deadline - time.monotonic()))
+                piece = sock.recv(1 << 20)
+                if not piece:
+                    break
+                if length is None:
+                    data += piece
+                    head, sep, rest = data.partition(b"\r\n\r\n")
+                    if not sep:
+                        continue
+                    status = _status_of(head)
+                    for line in head.split(b"\r\n")[1:]:
+                        name, _, value = line.partition(b":")
+                        if name.strip().lower() == b"content-length":
+                            length = int(value.strip())
+                    length = length if length is not None else 0
+                    body, data = len(rest), b""
+                else:
+                    body += len(piece)
+                if body >= length:
+                    break
+        except OSError:
+            pass  # reset or timed out: the answer is as far as it got
+        return UnreadAnswer(status, length, body)
+
+    def close(self) -> None:
+        for sock in self.sockets:
+            sock.close()
+        self.sockets = []
+
+    def __enter__(self) -> UnreadAnswers:
+        return self.open()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

@@ -1,0 +1,256 @@
+"""Issue 10 ("survive abuse and overload"), bounded: each attack of testkit/ against a real server process,
+asserting the issue's target in a scaled-down form (fewer streams, shorter loops, settings made smaller by
+flags so the defence shows within seconds). The full-size attacks are ``python -m benchmarks.attack``.
+
+Outcomes are asserted as counts and ratios; the only timings are the probes' 1 s (the stated target) and the
+drain's exit time, each with slack for a loaded 2-core CI machine.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Iterator
+
+import grpc
+import pytest
+
+from benchmarks.harness import (
+    FAST_START,
+    LOOPBACK,
+    ServiceProcess,
+    channel,
+    closed_loop,
+    http_get,
+    metric_total,
+    mib,
+    scrape,
+)
+from testkit.h2raw import StalledStreams, rapid_reset_parallel
+from testkit.http1raw import IdleConnections, UnreadAnswers, huge_header
+from testkit.observe import Callers, HealthWatch
+from testkit.payloads import (
+    AMPLIFIER_PLAN_BATCH,
+    BUILD_CHUNK_PATH,
+    PLAN_BATCH_PATH,
+    SMALL_BUILD_CHUNK,
+    big_answer_build_chunk,
+    one_row_chunks_plan_batch,
+)
+from testkit.siege import BYTES_HELD, ERRORS, SHED, Siege, counter_delta, health_address
+
+pytestmark = pytest.mark.timeout(120)
+
+MiB = 2**20
+BUDGET = 128 * MiB  # --response-budget-bytes of the memory tests: two ~64 MB answers
+DRAIN_SECONDS = 2.0  # --response-drain-seconds of the memory tests
+# Memory flags: a small budget and a short drain, so a stalled answer is cut within the test.
+MEMORY_FLAGS = ("--response-budget-bytes", str(BUDGET), "--response-drain-seconds", str(DRAIN_SECONDS))
+# RSS a held answer may cost beyond the bytes the budget counts (the answer's encoding copy, allocator slack):
+# the issue's target is < 512 MiB of RSS growth for a 256 MiB default budget, i.e. twice the budget.
+RSS_ALLOWANCE = 2 * BUDGET + 64 * MiB
+BIG_ANSWER = big_answer_build_chunk().SerializeToString()  # 140 bytes in, ~64 MB out
+# Heavy, and allowed by every limit (under max_plan_chunks' default of 1,024): fairness, not refusal, must
+# protect the light callers from it.
+HEAVY_PLAN = one_row_chunks_plan_batch(1000).SerializeToString()
+PROBES_IN_TIME = 0.99  # of probes answered within 1 s (the issue's 99.9 %, with slack for a bounded run)
+
+
+@pytest.fixture
+def serve() -> Iterator:
+    """``serve(*flags)``: a ready FAST_START server with these flags, killed after the test."""
+    started: list[ServiceProcess] = []
+
+    def start(*flags: str) -> ServiceProcess:
+        server = ServiceProcess(*FAST_START, *flags)
+        started.append(server)
+        return server.__enter__()
+
+    yield start
+    for server in started:
+        server.kill()
+
+
+def probe_report(siege: Siege) -> str:
+    return ", ".join(f"{s.target} {s.in_time}/{s.probes} (worst {s.worst_seconds:.2f} s)"
+                     for s in siege.probes.summaries().values())  # fmt: skip
+
+
+def wait_for(predicate, timeout: float, interval: float = 0.1) -> bool:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(interval)
+    return True
+
+
+def test_stalled_window_zero_streams_hold_at_most_the_budget(serve) -> None:
+    """Issue 10 #1: 5 streams asking for ~64 MB each with flow-control windows of 0 (before the defence:
+    +640 MiB held until the sockets close). The server holds at most its budget, cuts what is not read
+    within response_drain_seconds, counts it, and keeps serving others."""
+    server = serve(*MEMORY_FLAGS)
+    with Siege(server) as siege, StalledStreams(LOOPBACK, server.grpc_port, BUILD_CHUNK_PATH, BIG_ANSWER, 5, 2) as st:
+        ended = wait_for(lambda: st.snapshot().still_open == 0, DRAIN_SECONDS + 6.0)
+        report = st.snapshot()
+    figures = siege.figures()
+    assert report.opened == 5, report
+    assert ended, f"streams the server never ended: {report.statuses()}"
+    assert siege.rss_peak_growth < RSS_ALLOWANCE, f"RSS grew {mib(siege.rss_peak_growth):.0f} MiB: {figures}"
+    shed = siege.shed()
+    assert shed.get("unread_response", 0) + shed.get("memory", 0) >= 1, figures
+    assert siege.victim_ok_ratio() >= 0.95, figures
+    assert wait_for(lambda: metric_total(scrape(server.http_url), BYTES_HELD) == 0, 5.0), "bytes still held"
+
+
+def test_cpu_amplifier_refused_and_heavy_callers_do_not_starve_light_ones(serve) -> None:
+    """Issue 10 #2: the 22-byte PlanBatch (8,192 chunks) is refused before any work, naming the limit; and
+    4 callers looping a heavy PlanBatch that every limit allows (1,000 chunks) leave >= 99 % of small calls
+    with a 1 s deadline served, and the probes answering (before: 57 % of small calls, 46 % of gRPC health
+    checks in time with 10 callers of the 22-byte request)."""
+    server = serve()
+    assert server.health_port, "the server has no health_port in its port file"
+    with channel(server.address) as attacker, pytest.raises(grpc.RpcError) as refused:
+        attacker.unary_unary(PLAN_BATCH_PATH)(AMPLIFIER_PLAN_BATCH.SerializeToString(), timeout=30.0)
+    assert refused.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED, refused.value
+    assert "max_plan_chunks" in refused.value.details(), refused.value.details()
+    with Siege(server) as siege, Callers(server.address, PLAN_BATCH_PATH, HEAVY_PLAN, 30.0, 4, 0.0) as heavy:
+        time.sleep(6.0)
+    figures = siege.figures()
+    assert heavy.run().codes().get("OK", 0) >= 1, f"the heavy calls were never served: {heavy.run().codes()}"
+    assert siege.victim_ok_ratio() >= 0.99, figures
+    assert siege.probes.overall().ratio >= PROBES_IN_TIME, probe_report(siege)
+
+
+def test_rapid_reset_leaves_other_callers_served(serve) -> None:
+    """Issue 10 #3: 4 connections x 1,000 HEADERS + DATA + RST_STREAM (the benchmark sends 5,000 each); a
+    well-behaved caller on its own connection keeps >= 95 % of its calls and the probes answer."""
+    server = serve()
+    small = SMALL_BUILD_CHUNK.SerializeToString()
+    with Siege(server) as siege:
+        reports = rapid_reset_parallel(LOOPBACK, server.grpc_port, BUILD_CHUNK_PATH, small, 4, 1000, 20.0)
+        time.sleep(0.5)
+    figures = siege.figures()
+    assert sum(r.streams_reset for r in reports) >= 1000, reports  # the attack ran
+    assert siege.victim_ok_ratio() >= 0.95, figures
+    assert siege.probes.overall().ratio >= PROBES_IN_TIME, probe_report(siege)
+
+
+def test_http_huge_header_refused_early(serve) -> None:
+    """Issue 10 #4: a 16 MiB request header (the benchmark sends 64 MiB) is refused with 431 long before it
+    ends, counted, and /livez keeps answering (before: the whole header was parsed, then answered 200)."""
+    server = serve()
+    with Siege(server, victim=False, probe_interval=0.05) as siege:
+        report = huge_header(LOOPBACK, server.http_port, 16 * MiB, max_seconds=20.0)
+        time.sleep(0.5)
+    assert report.status == 431 or (report.status is None and report.closed_by_server), report
+    assert report.header_bytes_sent < 4 * MiB, report
+    assert siege.probes.summaries()["livez"].ratio >= PROBES_IN_TIME, probe_report(siege)
+    assert siege.http_refused().get("header_too_large", 0) >= 1, siege.figures()
+
+
+def test_http_idle_connections_closed_and_capped(serve) -> None:
+    """Issue 10 #4: connections that never send are closed after http_idle_timeout_seconds, and more than
+    http_max_connections are refused (before: 24 of 24 still open)."""
+    server = serve("--http-idle-timeout-seconds", "1", "--http-max-connections", "16")
+    with IdleConnections(LOOPBACK, server.http_port, 24) as idle:
+        capped = wait_for(lambda: idle.still_open() <= 16, 2.0)
+        open_after_cap = idle.still_open()
+        closed = wait_for(lambda: idle.still_open() == 0, 5.0)
+        open_at_end = idle.still_open()
+    assert capped, f"{open_after_cap} of 24 idle connections open, above http_max_connections 16"
+    assert closed, f"{open_at_end} of 24 idle connections still open after the 1 s idle timeout"
+    assert http_get(f"{server.http_url}/livez", timeout=2.0)[0] == 200
+    samples = scrape(server.http_url)
+    refused = {reason: metric_total(samples, "indexer_http_refused_total", reason=reason)
+               for reason in ("idle_timeout", "too_many_connections")}  # fmt: skip
+    assert refused["too_many_connections"] >= 8 and refused["idle_timeout"] >= 1, refused
+
+
+def test_http_never_read_answers_are_cut(serve) -> None:
+    """Issue 10 #1 over HTTP: 8 clients POST a BuildChunk with a ~64 MB answer and never read it (before:
+    ~50 MiB of RSS each, held until they close). The server holds at most its budget, closes what is not
+    read within response_drain_seconds, and counts it."""
+    server = serve(*MEMORY_FLAGS)
+    with Siege(server) as siege, UnreadAnswers(LOOPBACK, server.http_port, BUILD_CHUNK_PATH, BIG_ANSWER, 8) as unread:
+        time.sleep(DRAIN_SECONDS + 3.0)
+        answers = unread.collect(timeout=5.0)
+    figures = siege.figures()
+    delivered = [a for a in answers if a.status == 200 and a.complete]
+    assert not delivered, f"{len(delivered)} unread answers were still there to read after the drain time"
+    assert siege.rss_peak_growth < RSS_ALLOWANCE, f"RSS grew {mib(siege.rss_peak_growth):.0f} MiB: {figures}"
+    shed = siege.shed()
+    assert shed.get("unread_response", 0) + shed.get("memory", 0) >= 1, figures
+    assert siege.victim_ok_ratio() >= 0.95, figures
+
+
+def test_shedding_is_counted_and_logged(serve) -> None:
+    """Issue 10 #6: every RESOURCE_EXHAUSTED a caller sees for overload is in indexer_requests_shed_total and
+    the log says so; calls whose deadline passes while queued are counted too (before: 288 refusals of 300,
+    0 counted, no log line)."""
+    server = serve("--max-concurrent-rpcs", "8", "--grpc-workers", "2")
+    before = scrape(server.http_url)
+    channels = [channel(server.address) for _ in range(4)]
+    heavy = [ch.unary_unary(PLAN_BATCH_PATH).future(HEAVY_PLAN, timeout=30.0) for ch in channels * 10]
+    # Small calls with a short deadline, sent while the heavy ones fill the server: some expire in its queue.
+    small = SMALL_BUILD_CHUNK.SerializeToString()
+    hurried = [ch.unary_unary(BUILD_CHUNK_PATH).future(small, timeout=0.3) for ch in channels * 2]
+    codes = [f.exception().code() if f.exception() else grpc.StatusCode.OK for f in heavy + hurried]
+    for ch in channels:
+        ch.close()
+    after = scrape(server.http_url)
+    seen = {code.name: codes.count(code) for code in set(codes)}
+    shed = counter_delta(before, after, SHED, "reason")
+    errors = counter_delta(before, after, ERRORS, "code")
+    summary = f"callers saw {seen}; the server counted shed {shed}, errors {errors}"
+    assert seen.get("RESOURCE_EXHAUSTED", 0) >= 1, f"nothing was shed: {summary}"
+    assert sum(shed.values()) >= seen.get("RESOURCE_EXHAUSTED", 0), summary
+    late = shed.get("queue_deadline", 0) + errors.get("DEADLINE_EXCEEDED", 0)
+    assert late >= seen.get("DEADLINE_EXCEEDED", 0), summary
+    assert "shed reason=" in server.log(), server.log()[-3000:]
+
+
+def test_memory_comes_back_after_a_burst(serve) -> None:
+    """Issue 10 #7: after a burst of large answers ends, idle RSS returns within 1.2x of its idle value before
+    (the issue allows 60 s; idle_trim_seconds 1 makes it seconds here)."""
+    server = serve("--idle-trim-seconds", "1")
+    time.sleep(1.0)
+    idle_before = server.rss_bytes()
+    request = big_answer_build_chunk(8 * MiB).SerializeToString()
+    with channel(server.address) as burst:
+        call = burst.unary_unary(BUILD_CHUNK_PATH)
+
+        def one(_: int) -> tuple[grpc.StatusCode, str]:
+            call(request, timeout=30.0)
+            return grpc.StatusCode.OK, ""
+
+        run = closed_loop(one, in_flight=16, max_calls=400, max_seconds=3.0)
+    peak = server.peak_rss_bytes()
+    assert run.codes().get("OK", 0) >= 16, run.codes()
+    assert peak > idle_before + 64 * MiB, "the burst did not grow RSS: nothing to check"
+    came_back = wait_for(lambda: server.rss_bytes() <= 1.2 * idle_before, 15.0, interval=0.5)
+    figures = f"idle {mib(idle_before):.0f} MiB, peak {mib(peak):.0f} MiB, now {mib(server.rss_bytes()):.0f} MiB"
+    assert came_back, figures
+
+
+def test_drain_does_not_wait_on_watchers(serve) -> None:
+    """Issue 10 #8: with health Watch streams open, SIGTERM gets them NOT_SERVING and then ends them, and the
+    process exits in well under the 5 s grace (before: it waited the whole grace)."""
+    server = serve("--shutdown-grace-seconds", "5")
+    watchers = [HealthWatch(server.address), HealthWatch(health_address(server) or server.address)]
+    try:
+        assert all(w.wait_status("SERVING") for w in watchers), [w.statuses for w in watchers]
+        start = time.monotonic()
+        server.process.send_signal(signal.SIGTERM)
+        exit_code = server.process.wait(30.0)
+        exit_seconds = time.monotonic() - start
+        for watcher in watchers:
+            watcher.wait_end(5.0)
+        assert exit_code == 0
+        assert exit_seconds < 2.0, f"exit took {exit_seconds:.1f} s with Watch streams open"
+        for watcher in watchers:
+            assert watcher.statuses[-1] == "NOT_SERVING", watcher.statuses
+            assert watcher.ended_at is not None
+    finally:
+        for watcher in watchers:
+            watcher.close()
