@@ -57,25 +57,22 @@ def abandoned_code(context: grpc.ServicerContext) -> grpc.StatusCode | None:
 class RpcThreadPool(ThreadPoolExecutor):
     """The gRPC server's pool, counting the calls it holds (queued or running) the way gRPC does for
     ``maximum_concurrent_rpcs``, and noticing calls that end without their handler ever starting: the caller
-    cancelled, reset the stream or passed its deadline while the call waited for a thread."""
+    cancelled, reset the stream or passed its deadline while the call waited for a thread. gRPC submits each
+    call with its handler's behaviour among the arguments; ``behaviors`` names the ones to watch."""
 
     def __init__(self, max_workers: int) -> None:
         super().__init__(max_workers=max_workers, thread_name_prefix="grpc")
         self._lock = threading.Lock()
         self.calls = 0
-        self._arrived = threading.local()  # set by PrefillMetadataHandler.service just before gRPC submits
+        self.behaviors: dict[Callable, str] = {}
         self._started = threading.local()
         self.on_never_started: Callable[[str], None] = lambda method: None
-
-    def note_arrival(self, method: str) -> None:
-        self._arrived.method = method
 
     def note_started(self) -> None:
         self._started.value = True
 
     def submit(self, fn: Callable, /, *args: object, **kwargs: object) -> Future:
-        method = getattr(self._arrived, "method", None)
-        self._arrived.method = None
+        method = next((self.behaviors[a] for a in args if callable(a) and a in self.behaviors), None)
         with self._lock:
             self.calls += 1
 
@@ -119,10 +116,8 @@ class PrefillMetadataHandler(grpc.GenericRpcHandler):
         if found is None:
             return None
         method, handler = found
-        if self.pool.calls >= self.max_concurrent_rpcs:
+        if self.pool.calls >= self.max_concurrent_rpcs:  # gRPC refuses it next, before the pool sees it
             self.plane.shed(method, "concurrency", f"{self.pool.calls} calls in the server (max_concurrent_rpcs)")
-        else:
-            self.pool.note_arrival(method)
         return handler
 
     def _unary(self, method: str) -> grpc.RpcMethodHandler:
@@ -146,7 +141,9 @@ class PrefillMetadataHandler(grpc.GenericRpcHandler):
             return response
 
         # no (de)serializers: bytes both ways
-        return grpc.unary_unary_rpc_method_handler(access_logged(method, error_mapped(method, behavior)))
+        handler = grpc.unary_unary_rpc_method_handler(access_logged(method, error_mapped(method, behavior)))
+        pool.behaviors[handler.unary_unary] = method
+        return handler
 
 
 def error_mapped(method: str, behavior: Behavior) -> Behavior:
