@@ -1,5 +1,4 @@
-"""Admission: what the server lets in when callers are many, heavy or hostile (docs/service.md, "Overload
-and abuse").
+"""Admission: what the server lets in when callers are many, heavy or hostile (docs/overload.md).
 
 Two resources are bounded before any work starts, each with a short, deadline-bounded wait:
 

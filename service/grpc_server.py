@@ -1,7 +1,7 @@
 """The gRPC transport: a thin servicer over the data plane, wrapped for access logs and error mapping; health
 (overall and per service, also on a probe-only listener) and reflection.
 
-Abuse and overload (docs/service.md, "Overload and abuse"): each connection opens at most
+Abuse and overload (docs/overload.md): each connection opens at most
 ``max_streams_per_connection`` calls; a request message is at most what a valid request at the configured
 limits can be; past ``max_concurrent_rpcs`` gRPC refuses a call before it takes a thread (counted here as shed
 "concurrency"); a call whose caller leaves before it starts is counted as shed "queue_deadline" (a stream reset

@@ -9,7 +9,7 @@
   same format. Any other content type is 415 naming the accepted ones. Errors are JSON ``{"code", "message"}``
   with the HTTP status gRPC's HTTP mapping gives the code. Same data plane, limits, metrics as gRPC.
 
-Limits (docs/service.md, "Overload and abuse"): :func:`limited_protocol` bounds the request head
+Limits (docs/overload.md): :func:`limited_protocol` bounds the request head
 (``http_max_header_bytes``: 431 and close), the time a connection may sit without a request in progress or
 take to send one (``http_idle_timeout_seconds``), and open connections (``http_max_connections``: 503 and
 close). An answer is written in pieces; a caller that has not read it within ``response_drain_seconds`` loses
