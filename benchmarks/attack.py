@@ -174,7 +174,7 @@ def http_never_read(bench: Bench) -> dict:
     figures = siege.figures()
     statuses: dict[str, int] = {}
     for answer in answers:
-        key = f"{answer.status}-{'complete' if answer.complete else 'cut'}"
+        key = f"{answer.status}-{'complete' if answer.complete else 'cut' if answer.cut else 'still-arriving'}"
         statuses[key] = statuses.get(key, 0) + 1
     figures.update(tried=f"10 unread ~64 MB HTTP answers, {hold:.0f} s", answers=statuses,
                    rss_after_close_mib=_wait_rss(server, 5.0))  # fmt: skip

@@ -85,13 +85,17 @@ def huge_header(host: str, port: int, header_bytes: int, max_seconds: float = 60
 
 def _silent(sock: socket.socket) -> bool:
     """True while the server has neither closed the connection nor sent anything on it (a refusal such as a
-    503 is data waiting to be read); reads nothing."""
+    503 is data waiting to be read); reads nothing and never waits."""
+    timeout = sock.gettimeout()
+    sock.setblocking(False)  # with a timeout set, Python would first wait that long for something to read
     try:
-        sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        sock.recv(1, socket.MSG_PEEK)
     except BlockingIOError:
         return True
     except OSError:
         return False  # reset
+    finally:
+        sock.settimeout(timeout)
     return False  # closed (b"") or answered
 
 
@@ -129,15 +133,22 @@ class IdleConnections:
 
 @dataclass
 class UnreadAnswer:
-    """One never-read POST, as found when the attacker finally reads: the answer's size and how much came."""
+    """One never-read POST, as found when the attacker finally reads: the answer's size, how much of it came,
+    and whether the server closed (or reset) the connection first."""
 
     status: int | None
     content_length: int | None
     body_bytes_received: int
+    closed_by_server: bool
 
     @property
     def complete(self) -> bool:
         return self.content_length is not None and self.body_bytes_received >= self.content_length
+
+    @property
+    def cut(self) -> bool:
+        """The server gave up on the reader: closed before the whole answer was there."""
+        return self.closed_by_server and not self.complete
 
 
 class UnreadAnswers:
@@ -165,20 +176,23 @@ class UnreadAnswers:
         return self
 
     def collect(self, timeout: float = 10.0) -> list[UnreadAnswer]:
-        """Read every connection now, until its answer is complete, the server closed it, or ``timeout``."""
-        return [self._read_answer(sock, timeout) for sock in self.sockets]
+        """Read every connection now, each until its answer is complete or the server closed it, all within
+        ``timeout`` together (a reader whose answer is still arriving then is neither complete nor cut)."""
+        deadline = time.monotonic() + timeout
+        return [self._read_answer(sock, deadline) for sock in self.sockets]
 
     @staticmethod
-    def _read_answer(sock: socket.socket, timeout: float) -> UnreadAnswer:
-        deadline = time.monotonic() + timeout
+    def _read_answer(sock: socket.socket, deadline: float) -> UnreadAnswer:
         data = b""
         status = length = None
         body = 0
+        closed = False
         try:
             while time.monotonic() < deadline:
                 sock.settimeout(max(0.01, deadline - time.monotonic()))
                 piece = sock.recv(1 << 20)
                 if not piece:
+                    closed = True
                     break
                 if length is None:
                     data += piece
@@ -186,19 +200,21 @@ class UnreadAnswers:
                     if not sep:
                         continue
                     status = _status_of(head)
+                    length = 0
                     for line in head.split(b"\r\n")[1:]:
                         name, _, value = line.partition(b":")
                         if name.strip().lower() == b"content-length":
                             length = int(value.strip())
-                    length = length if length is not None else 0
                     body, data = len(rest), b""
                 else:
                     body += len(piece)
                 if body >= length:
                     break
+        except TimeoutError:
+            pass  # still arriving at the deadline
         except OSError:
-            pass  # reset or timed out: the answer is as far as it got
-        return UnreadAnswer(status, length, body)
+            closed = True  # reset
+        return UnreadAnswer(status, length, body, closed)
 
     def close(self) -> None:
         for sock in self.sockets:

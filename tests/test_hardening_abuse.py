@@ -123,15 +123,15 @@ def test_cpu_amplifier_refused_and_heavy_callers_do_not_starve_light_ones(serve)
 
 
 def test_rapid_reset_leaves_other_callers_served(serve) -> None:
-    """Issue 10 #3: 4 connections x 1,000 HEADERS + DATA + RST_STREAM (the benchmark sends 5,000 each); a
+    """Issue 10 #3: 4 connections x 5,000 HEADERS + DATA + RST_STREAM (before the defence: 7 of 67 calls CANCELLED); a
     well-behaved caller on its own connection keeps >= 95 % of its calls and the probes answer."""
     server = serve()
     small = SMALL_BUILD_CHUNK.SerializeToString()
     with Siege(server) as siege:
-        reports = rapid_reset_parallel(LOOPBACK, server.grpc_port, BUILD_CHUNK_PATH, small, 4, 1000, 20.0)
+        reports = rapid_reset_parallel(LOOPBACK, server.grpc_port, BUILD_CHUNK_PATH, small, 4, 5000, 20.0)
         time.sleep(0.5)
     figures = siege.figures()
-    assert sum(r.streams_reset for r in reports) >= 1000, reports  # the attack ran
+    assert sum(r.streams_reset for r in reports) >= 5000, reports  # the attack ran
     assert siege.victim_ok_ratio() >= 0.95, figures
     assert siege.probes.overall().ratio >= PROBES_IN_TIME, probe_report(siege)
 
@@ -176,8 +176,9 @@ def test_http_never_read_answers_are_cut(serve) -> None:
         time.sleep(DRAIN_SECONDS + 3.0)
         answers = unread.collect(timeout=5.0)
     figures = siege.figures()
-    delivered = [a for a in answers if a.status == 200 and a.complete]
-    assert not delivered, f"{len(delivered)} unread answers were still there to read after the drain time"
+    # A refusal (429 before any work) is fine; a 200 must have been cut, not kept for the reader.
+    kept = [a for a in answers if a.status == 200 and not a.cut]
+    assert not kept, f"{len(kept)} of 8 unread answers were still there to read after the drain time: {kept[:2]}"
     assert siege.rss_peak_growth < RSS_ALLOWANCE, f"RSS grew {mib(siege.rss_peak_growth):.0f} MiB: {figures}"
     shed = siege.shed()
     assert shed.get("unread_response", 0) + shed.get("memory", 0) >= 1, figures
