@@ -56,11 +56,20 @@ class RawGrpcConnection:
     """One HTTP/2 connection speaking gRPC by hand.
 
     ``initial_window_size`` is what the client advertises for the streams the server sends on (0: the server
-    may send no DATA until a WINDOW_UPDATE, which never comes). Frames are read on a daemon thread until
-    :meth:`close`; every outcome is recorded in :attr:`streams`.
+    may send no DATA until a WINDOW_UPDATE). With ``acknowledge_data`` the client grants credit back for the
+    DATA it receives, as a normal client does; without it no WINDOW_UPDATE is ever sent. Frames are read on a
+    daemon thread until :meth:`close`; every outcome is recorded in :attr:`streams`.
     """
 
-    def __init__(self, host: str, port: int, initial_window_size: int = 65535, connect_timeout: float = 5.0) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        initial_window_size: int = 65535,
+        acknowledge_data: bool = False,
+        connect_timeout: float = 5.0,
+    ) -> None:
+        self.acknowledge_data = acknowledge_data
         self.host, self.port = host, port
         self.sock = socket.create_connection((host, port), timeout=connect_timeout)
         self.sock.settimeout(None)
@@ -157,8 +166,7 @@ class RawGrpcConnection:
                     break
                 for event in events:
                     self._record_locked(event)
-                # SETTINGS and PING acknowledgements only: received DATA is never acknowledged, so the
-                # server's windows never reopen.
+                # SETTINGS and PING acknowledgements, and WINDOW_UPDATEs only with acknowledge_data.
                 self._send_or_close_locked()
         self.closed.set()
 
@@ -179,6 +187,8 @@ class RawGrpcConnection:
             self._read_status(stream, event.headers, now)
         elif isinstance(event, h2.events.DataReceived):
             stream.data_bytes += len(event.data)
+            if self.acknowledge_data:
+                self.h2.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
         elif isinstance(event, h2.events.StreamReset) and stream.ended_at is None:
             stream.reset_code, stream.ended_at = int(event.error_code), now
 
@@ -282,10 +292,13 @@ def rapid_reset(
     max_seconds: float,
     batch: int = 50,
     reconnect: bool = True,
+    acknowledge_data: bool = False,
 ) -> RapidResetReport:
     """``streams`` streams of HEADERS + DATA + RST_STREAM on one connection, written ``batch`` at a time;
-    with ``reconnect`` a GOAWAY only makes the attacker open a new connection (as a real one would). Stops
-    at ``streams`` or ``max_seconds``."""
+    with ``reconnect`` a GOAWAY only makes the attacker open a new connection (as a real one would). Answers
+    that slip out before a reset are left unacknowledged unless ``acknowledge_data`` (an attacker has no
+    reason to grant credit; measured on the undefended server, the victims suffer more when it does not).
+    Stops at ``streams`` or ``max_seconds``."""
     report = RapidResetReport()
     begin = time.monotonic()
     conn: RawGrpcConnection | None = None
@@ -298,7 +311,7 @@ def rapid_reset(
                     conn.close()
                     if not reconnect:
                         break
-                conn = RawGrpcConnection(host, port)
+                conn = RawGrpcConnection(host, port, acknowledge_data=acknowledge_data)
                 conn.wait_settings()
                 report.connections_used += 1
             sent = 0

@@ -71,6 +71,15 @@ def serve() -> Iterator:
         server.kill()
 
 
+def describe(siege: Siege) -> str:
+    """The siege's figures as one readable line for an assertion message."""
+    victim = siege.victim.run().codes() if siege.victim is not None else {}
+    return (
+        f"victim {victim}; RSS +{mib(siege.rss_peak_growth):.0f} MiB at peak; shed {siege.shed()}; "
+        f"errors {siege.errors()}; HTTP refused {siege.http_refused()}; probes: {probe_report(siege)}"
+    )
+
+
 def probe_report(siege: Siege) -> str:
     return ", ".join(f"{s.target} {s.in_time}/{s.probes} (worst {s.worst_seconds:.2f} s)"
                      for s in siege.probes.summaries().values())  # fmt: skip
@@ -93,32 +102,30 @@ def test_stalled_window_zero_streams_hold_at_most_the_budget(serve) -> None:
     with Siege(server) as siege, StalledStreams(LOOPBACK, server.grpc_port, BUILD_CHUNK_PATH, BIG_ANSWER, 5, 2) as st:
         ended = wait_for(lambda: st.snapshot().still_open == 0, DRAIN_SECONDS + 6.0)
         report = st.snapshot()
-    figures = siege.figures()
     assert report.opened == 5, report
     assert ended, f"streams the server never ended: {report.statuses()}"
-    assert siege.rss_peak_growth < RSS_ALLOWANCE, f"RSS grew {mib(siege.rss_peak_growth):.0f} MiB: {figures}"
+    assert siege.rss_peak_growth < RSS_ALLOWANCE, f"RSS grew {mib(siege.rss_peak_growth):.0f} MiB: {describe(siege)}"
     shed = siege.shed()
-    assert shed.get("unread_response", 0) + shed.get("memory", 0) >= 1, figures
-    assert siege.victim_ok_ratio() >= 0.95, figures
+    assert shed.get("unread_response", 0) + shed.get("memory", 0) >= 1, describe(siege)
+    assert siege.victim_ok_ratio() >= 0.95, describe(siege)
     assert wait_for(lambda: metric_total(scrape(server.http_url), BYTES_HELD) == 0, 5.0), "bytes still held"
 
 
 def test_cpu_amplifier_refused_and_heavy_callers_do_not_starve_light_ones(serve) -> None:
     """Issue 10 #2: the 22-byte PlanBatch (8,192 chunks) is refused before any work, naming the limit; and
-    4 callers looping a heavy PlanBatch that every limit allows (1,000 chunks) leave >= 99 % of small calls
-    with a 1 s deadline served, and the probes answering (before: 57 % of small calls, 46 % of gRPC health
-    checks in time with 10 callers of the 22-byte request)."""
+    10 callers looping a heavy PlanBatch that every limit allows (1,000 chunks) leave >= 99 % of small calls
+    with a 1 s deadline served, and the probes answering (before the defence: 16 of 18 small calls served,
+    97.7 % of probes in time)."""
     server = serve()
     assert server.health_port, "the server has no health_port in its port file"
     with channel(server.address) as attacker, pytest.raises(grpc.RpcError) as refused:
         attacker.unary_unary(PLAN_BATCH_PATH)(AMPLIFIER_PLAN_BATCH.SerializeToString(), timeout=30.0)
     assert refused.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED, refused.value
     assert "max_plan_chunks" in refused.value.details(), refused.value.details()
-    with Siege(server) as siege, Callers(server.address, PLAN_BATCH_PATH, HEAVY_PLAN, 30.0, 4, 0.0) as heavy:
-        time.sleep(6.0)
-    figures = siege.figures()
+    with Siege(server) as siege, Callers(server.address, PLAN_BATCH_PATH, HEAVY_PLAN, 30.0, 10, 0.0) as heavy:
+        time.sleep(8.0)
     assert heavy.run().codes().get("OK", 0) >= 1, f"the heavy calls were never served: {heavy.run().codes()}"
-    assert siege.victim_ok_ratio() >= 0.99, figures
+    assert siege.victim_ok_ratio() >= 0.99, describe(siege)
     assert siege.probes.overall().ratio >= PROBES_IN_TIME, probe_report(siege)
 
 
@@ -130,9 +137,8 @@ def test_rapid_reset_leaves_other_callers_served(serve) -> None:
     with Siege(server) as siege:
         reports = rapid_reset_parallel(LOOPBACK, server.grpc_port, BUILD_CHUNK_PATH, small, 4, 5000, 20.0)
         time.sleep(0.5)
-    figures = siege.figures()
     assert sum(r.streams_reset for r in reports) >= 5000, reports  # the attack ran
-    assert siege.victim_ok_ratio() >= 0.95, figures
+    assert siege.victim_ok_ratio() >= 0.95, describe(siege)
     assert siege.probes.overall().ratio >= PROBES_IN_TIME, probe_report(siege)
 
 
@@ -146,7 +152,7 @@ def test_http_huge_header_refused_early(serve) -> None:
     assert report.status == 431 or (report.status is None and report.closed_by_server), report
     assert report.header_bytes_sent < 4 * MiB, report
     assert siege.probes.summaries()["livez"].ratio >= PROBES_IN_TIME, probe_report(siege)
-    assert siege.http_refused().get("header_too_large", 0) >= 1, siege.figures()
+    assert siege.http_refused().get("header_too_large", 0) >= 1, describe(siege)
 
 
 def test_http_idle_connections_closed_and_capped(serve) -> None:
@@ -175,14 +181,13 @@ def test_http_never_read_answers_are_cut(serve) -> None:
     with Siege(server) as siege, UnreadAnswers(LOOPBACK, server.http_port, BUILD_CHUNK_PATH, BIG_ANSWER, 8) as unread:
         time.sleep(DRAIN_SECONDS + 3.0)
         answers = unread.collect(timeout=5.0)
-    figures = siege.figures()
     # A refusal (429 before any work) is fine; a 200 must have been cut, not kept for the reader.
     kept = [a for a in answers if a.status == 200 and not a.cut]
     assert not kept, f"{len(kept)} of 8 unread answers were still there to read after the drain time: {kept[:2]}"
-    assert siege.rss_peak_growth < RSS_ALLOWANCE, f"RSS grew {mib(siege.rss_peak_growth):.0f} MiB: {figures}"
+    assert siege.rss_peak_growth < RSS_ALLOWANCE, f"RSS grew {mib(siege.rss_peak_growth):.0f} MiB: {describe(siege)}"
     shed = siege.shed()
-    assert shed.get("unread_response", 0) + shed.get("memory", 0) >= 1, figures
-    assert siege.victim_ok_ratio() >= 0.95, figures
+    assert shed.get("unread_response", 0) + shed.get("memory", 0) >= 1, describe(siege)
+    assert siege.victim_ok_ratio() >= 0.95, describe(siege)
 
 
 def test_shedding_is_counted_and_logged(serve) -> None:
@@ -230,8 +235,9 @@ def test_memory_comes_back_after_a_burst(serve) -> None:
     assert run.codes().get("OK", 0) >= 16, run.codes()
     assert peak > idle_before + 64 * MiB, "the burst did not grow RSS: nothing to check"
     came_back = wait_for(lambda: server.rss_bytes() <= 1.2 * idle_before, 15.0, interval=0.5)
-    figures = f"idle {mib(idle_before):.0f} MiB, peak {mib(peak):.0f} MiB, now {mib(server.rss_bytes()):.0f} MiB"
-    assert came_back, figures
+    assert came_back, (
+        f"idle {mib(idle_before):.0f} MiB, peak {mib(peak):.0f} MiB, now {mib(server.rss_bytes()):.0f} MiB"
+    )
 
 
 def test_drain_does_not_wait_on_watchers(serve) -> None:
