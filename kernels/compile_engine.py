@@ -6,6 +6,14 @@ compile nothing); with no GPU, a stand-in driver that only reports the target le
 whole compiler (PTX and cubin for ``cuda:90``, hsaco for ``hip:gfx942``) and fill ``TRITON_CACHE_DIR``.
 A cache built that way in the serving image is hit by the serving process (see the measured facts).
 
+A key that compiled is then *proved* (:func:`prove_key`): one launch of it on a tiny input, every output element
+checked against numpy. In process that launch runs on the serving GPU (which also fills the launch cache, whatever
+the Triton version); ahead of time, with no GPU to run the cubin, the same kernel source runs through Triton's
+interpreter. A variant that compiles and computes garbage (the seed bug's ratio 0 wrote 16776640 in every ``ke``
+row on CUDA) is a failed key, named by its first wrong element.
+
+The kernel is looked up in :mod:`kernels.triton_kernel` at call time, so a test can swap in a wrong one.
+
 Keys compile in parallel through Triton's ``AsyncCompileMode`` when ``workers > 1``: most of a compile
 runs in native code and ``ptxas`` subprocesses, so threads overlap (benchmarks/bench_warmup.py measures
 it).
@@ -21,14 +29,18 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.backends.driver import DriverBase
 from triton.runtime.driver import driver
 
-from kernels.specialization import POINTER_ALIGNMENT, CompileKey
-from kernels.triton_kernel import KERNEL_JIT_OPTIONS, _build_prefill_metadata_kernel, _build_prefill_metadata_kernel_fn
+from kernels import triton_kernel
+from kernels.inputs import ChunkInputs, chunk_host_part
+from kernels.naive import chunk_arrays_numpy
+from kernels.specialization import BLOCK_SIZE, POINTER_ALIGNMENT, CompileKey
+from kernels.triton_kernel import KERNEL_JIT_OPTIONS
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +157,66 @@ class _TimedExecutor(Executor):
         return future
 
 
+class ProofUnavailableError(RuntimeError):
+    """This Triton's interpreter cannot run here (see tests/conftest.py's triton_cpu): the proof is skipped."""
+
+
+# Written into the outputs before a proof launch: an element the kernel leaves unwritten shows up as wrong.
+PROOF_SENTINEL = -0x5EED
+
+
+def proof_inputs(ratio: int) -> ChunkInputs:
+    """A tiny chunk with compressed tokens at any ratio: four requests, one without queries, rows over three."""
+    query_lens = np.array([1, 3, 0, 5])
+    seq_lens = np.array([3, 10, 21, 7]) * ratio + np.array([1, 5, 0, 3])
+    qsl = np.concatenate([[0], np.cumsum(query_lens)])
+    return ChunkInputs(qsl, seq_lens, ratio, 0, query_lens.size)
+
+
+def first_difference(got, expected) -> str | None:
+    """``name[i] = got, numpy gives expected (n of m wrong)`` for the first wrong element of the three arrays."""
+    for name, g, e in zip(("token_to_seq", "cu_seqlen_ks", "cu_seqlen_ke"), got, expected, strict=True):
+        if g.shape != e.shape:
+            return f"{name} has {g.size} elements, numpy gives {e.size}"
+        wrong = np.flatnonzero(g != e)
+        if wrong.size:
+            i = int(wrong[0])
+            return f"{name}[{i}] = {int(g[i])}, numpy gives {int(e[i])} ({wrong.size} of {e.size} elements wrong)"
+    return None
+
+
+def prove_key(key: CompileKey, *, on_gpu: bool) -> str | None:
+    """Launch ``key``'s variant once on :func:`proof_inputs` and compare with numpy: None when every element is
+    equal, else why not (the first wrong index). ``on_gpu``: the compiled kernel on the current CUDA device; else
+    the kernel's source through Triton's interpreter (raises :class:`ProofUnavailableError` where that cannot
+    run). Keys the service cannot launch (another block size or pointer class) are not launched: None."""
+    from kernels.triton_kernel import TritonChunkBuilder
+
+    if key != CompileKey(key.compress_ratio) or key.block_size != BLOCK_SIZE:
+        return None
+    inputs = proof_inputs(key.compress_ratio)
+    host = chunk_host_part(inputs)
+    launched: list[CompileKey] = []
+    if on_gpu:
+        builder = TritonChunkBuilder("cuda", kernel=triton_kernel._build_prefill_metadata_kernel,
+                                     admit=launched.append, poison=PROOF_SENTINEL)  # fmt: skip
+        where = f"cuda:{torch.cuda.current_device()}"
+    else:
+        builder = TritonChunkBuilder("cpu", kernel=triton_kernel.interpreted_kernel(), admit=launched.append,
+                                     poison=PROOF_SENTINEL)  # fmt: skip
+        where = "Triton's interpreter"
+    try:
+        got = builder.arrays(host, inputs.dcp)
+    except Exception as exc:
+        if not on_gpu and "only 0-dimensional arrays" in str(exc):
+            raise ProofUnavailableError(f"Triton {triton.__version__}'s interpreter cannot run here: {exc}") from exc
+        return f"proof launch on {where} failed: {_describe(exc)}"
+    if launched != [key]:
+        return f"proof launch on {where} used {[k.label() for k in launched]}, not {key.label()}"
+    wrong = first_difference(got, chunk_arrays_numpy(host, inputs.dcp))
+    return None if wrong is None else f"proof launch on {where} disagrees with numpy: {wrong}"
+
+
 def _describe(exc: BaseException) -> str:
     text = str(exc).strip() or type(exc).__name__
     return f"{type(exc).__name__}: {text}" if not text.startswith(type(exc).__name__) else text
@@ -196,31 +268,40 @@ def compile_keys(
     target: str | None = None,
     workers: int = 1,
     progress: Callable[[int, int, CompileOutcome], None] | None = None,
+    prove: bool = True,
 ) -> list[CompileOutcome]:
     """Compile ``keys`` (each must be in ``allowed``) and return one outcome per key, in key order.
 
     ``target=None`` warms the kernel that live launches use, on the current CUDA device. A target such
     as ``cuda:90`` compiles ahead of time with no GPU. A failed compile is an outcome with ``ok=False``
     and the compiler's message, never an exception; refused keys raise :class:`KeyRefusedError` before
-    anything compiles.
+    anything compiles. With ``prove``, each compiled key is then launched once (:func:`prove_key`): a wrong
+    answer makes it an outcome with ``ok=False`` naming the first wrong element. ``progress`` sees each key
+    once it is compiled and proved.
     """
     check_keys(keys, allowed)
     log.debug("Triton compiler start-up took %.3f s", start_compiler())
     if target is None:
-        kernel, gpu_target, device = _build_prefill_metadata_kernel, None, torch.device("cuda")
+        kernel, gpu_target, device = triton_kernel._build_prefill_metadata_kernel, None, torch.device("cuda")
     else:
         # A fresh JITFunction per ahead-of-time run: its per-device caches remember the target.
-        kernel = triton.jit(_build_prefill_metadata_kernel_fn, **KERNEL_JIT_OPTIONS)
+        kernel = triton.jit(triton_kernel._build_prefill_metadata_kernel_fn, **KERNEL_JIT_OPTIONS)
         gpu_target, device = parse_target(target), torch.device("cpu")
     async_mode = _async_compile_mode() if workers > 1 else None
     if workers > 1 and async_mode is None:
         log.warning("this Triton has no AsyncCompileMode: compiling %d keys one by one", len(keys))
 
     outcomes: dict[CompileKey, CompileOutcome] = {}
+    compiled: list[CompileOutcome] = []  # in completion order; proved after the compiler's driver is restored
     done = 0
 
     def finish(outcome: CompileOutcome) -> None:
+        compiled.append(outcome)
+
+    def conclude(outcome: CompileOutcome) -> None:
         nonlocal done
+        if prove and outcome.ok:
+            outcome = _proved(outcome, on_gpu=target is None)
         done += 1
         outcomes[outcome.key] = outcome
         if progress is not None:
@@ -244,6 +325,10 @@ def compile_keys(
                     finish(CompileOutcome(key, time.perf_counter() - start, False, _describe(exc)))
                 else:
                     finish(CompileOutcome(key, time.perf_counter() - start, True))
+                if target is None:  # nothing to restore: prove at once, so progress follows each key
+                    conclude(compiled.pop())
+            for outcome in compiled:
+                conclude(outcome)
             return [outcomes[k] for k in keys]
 
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="triton-compile") as pool:
@@ -263,7 +348,25 @@ def compile_keys(
                     key = timed.futures[future]
                     seconds, error = timed.timings[key]
                     finish(CompileOutcome(key, seconds, error is None, error))
+    for outcome in compiled:
+        conclude(outcome)
     return [outcomes[k] for k in keys]
+
+
+def _proved(outcome: CompileOutcome, *, on_gpu: bool) -> CompileOutcome:
+    """The outcome after :func:`prove_key`: failed with the proof's message when the launch disagrees."""
+    start = time.perf_counter()
+    try:
+        wrong = prove_key(outcome.key, on_gpu=on_gpu)
+    except ProofUnavailableError as exc:
+        log.warning("proof skipped key=%s: %s", outcome.key.label(), exc)
+        return outcome
+    except Exception as exc:  # the proof must never take the warmup down: a failed key, not a crash
+        wrong = f"proof launch raised {_describe(exc)}"
+    log.debug("proof key=%s seconds=%.4f ok=%s", outcome.key.label(), time.perf_counter() - start, wrong is None)
+    if wrong is None:
+        return outcome
+    return CompileOutcome(outcome.key, outcome.seconds, False, f"compiled, but {wrong}")
 
 
 def watch_compiles(callback: Callable[[str], None]) -> Callable[[], None]:
@@ -273,7 +376,7 @@ def watch_compiles(callback: Callable[[str], None]) -> Callable[[], None]:
     keeps any hook installed before. Returns a function that uninstalls it.
     """
     previous = triton.knobs.runtime.jit_post_compile_hook
-    kernel_name = _build_prefill_metadata_kernel_fn.__name__
+    kernel_name = triton_kernel._build_prefill_metadata_kernel_fn.__name__
 
     def hook(**kwargs):
         fn = kwargs.get("fn")

@@ -14,6 +14,8 @@ specialization axis.
 
 from __future__ import annotations
 
+import threading
+import weakref
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -205,22 +207,148 @@ def _output_segments(tokens: int, rows: int) -> tuple[int, tuple[slice, slice, s
 
 def _alloc_output(num_elements: int, device: torch.device) -> torch.Tensor:
     # Every element that is returned is written by the kernel; tests swap this for a sentinel fill to
-    # prove it (tests/test_chunk_metadata.py).
+    # prove it (tests/test_chunk_metadata.py). Used where no CUDA stream is involved (the interpreter on CPU).
     return torch.empty(num_elements, dtype=torch.int32, device=device)
 
 
+class PinnedPool:
+    """Page-locked host buffers, reused across calls: page-locking costs far more than a copy, so never per call.
+
+    Buffers come in power-of-two size classes (at least 64 KiB); released ones are kept for the next acquire of
+    their class, up to ``max_idle_bytes`` in all and ``max_kept_bytes`` each (a rare huge answer does not pin
+    host memory for the life of the process). ``allocations`` counts page-locked allocations (tests).
+    """
+
+    MIN_CLASS = 1 << 16
+
+    def __init__(self, max_idle_bytes: int = 256 << 20, max_kept_bytes: int = 64 << 20) -> None:
+        self.max_idle_bytes = max_idle_bytes
+        self.max_kept_bytes = max_kept_bytes
+        self.allocations = 0
+        self._free: dict[int, list[torch.Tensor]] = {}
+        self._idle = 0
+        # Reentrant: a lease's finaliser may run (garbage collection) while this thread holds the lock.
+        self._lock = threading.RLock()
+
+    @classmethod
+    def size_class(cls, nbytes: int) -> int:
+        return max(cls.MIN_CLASS, 1 << max(0, nbytes - 1).bit_length())
+
+    def acquire(self, nbytes: int) -> torch.Tensor:
+        size = self.size_class(nbytes)
+        with self._lock:
+            free = self._free.get(size)
+            if free:
+                self._idle -= size
+                return free.pop()
+            self.allocations += 1
+        return torch.empty(size, dtype=torch.uint8, pin_memory=True)
+
+    def release(self, buffer: torch.Tensor) -> None:
+        size = buffer.numel()
+        with self._lock:
+            if size <= self.max_kept_bytes and self._idle + size <= self.max_idle_bytes:
+                self._free.setdefault(size, []).append(buffer)
+                self._idle += size
+
+    def idle_bytes(self) -> int:
+        with self._lock:
+            return self._idle
+
+
+def _leased_array(pool: PinnedPool, buffer: torch.Tensor, count: int) -> np.ndarray:
+    """``count`` int32 of a pooled page-locked buffer as a numpy array, no copy: the buffer returns to the pool
+    when the last array viewing it (slices included) is gone."""
+    array = np.frombuffer(buffer.numpy(), dtype=np.int32, count=count)
+    # The array's base chain ends at ``buffer``'s numpy view; a finaliser on a holder object that only the
+    # array references tells when numpy has dropped it.
+    holder = _Lease(array)
+    weakref.finalize(holder, pool.release, buffer)
+    return np.asarray(holder)
+
+
+class _Lease:
+    """Exposes an array through ``__array_interface__`` so that arrays made from it keep it (their base)."""
+
+    __slots__ = ("__array_interface__", "__weakref__", "_array")
+
+    def __init__(self, array: np.ndarray) -> None:
+        self._array = array
+        self.__array_interface__ = array.__array_interface__
+
+
+class _Stage:
+    """One thread's CUDA stream, completion event and reusable device buffers (grown, never per call)."""
+
+    # Device output kept per thread; a larger answer gets its own allocation for the call.
+    KEEP_ELEMENTS = 16 << 20
+
+    def __init__(self, device: torch.device, blocking: bool) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+        # A blocking event sleeps in the driver instead of spinning: right when threads outnumber cores.
+        self.done = torch.cuda.Event(blocking=blocking)
+        self.table_host = torch.empty(0, dtype=torch.int32, pin_memory=True)
+        self.table_host_np = self.table_host.numpy()
+        self.table_device = torch.empty(0, dtype=torch.int32, device=device)
+        self.out_device = torch.empty(0, dtype=torch.int32, device=device)
+
+    def table(self, table: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """The table copied into this thread's page-locked staging buffer; (host view, device view)."""
+        n = table.size
+        if self.table_host.numel() < n:
+            grown = max(n, 2 * self.table_host.numel(), 4096)
+            self.table_host = torch.empty(grown, dtype=torch.int32, pin_memory=True)
+            self.table_host_np = self.table_host.numpy()
+            self.table_device = torch.empty(grown, dtype=torch.int32, device=self.device)
+        np.copyto(self.table_host_np[:n], table.reshape(-1))
+        return self.table_host[:n], self.table_device[:n]
+
+    def output(self, size: int) -> torch.Tensor:
+        if size > self.KEEP_ELEMENTS:
+            return torch.empty(size, dtype=torch.int32, device=self.device)
+        if self.out_device.numel() < size:
+            self.out_device = torch.empty(min(self.KEEP_ELEMENTS, max(size, 2 * self.out_device.numel())),
+                                          dtype=torch.int32, device=self.device)  # fmt: skip
+        return self.out_device[:size]
+
+
+def _default_blocking_wait() -> bool:
+    """Sleep while waiting for the GPU where a spinning waiter would take a core a serving thread needs."""
+    import os
+
+    return len(os.sched_getaffinity(0)) < 8
+
+
 class TritonChunkBuilder:
-    """Builds chunk metadata with the Triton kernel: one copy in, one launch, one copy out per call."""
+    """Builds chunk metadata with the Triton kernel: one copy in, one launch, one copy out per call.
+
+    On CUDA each calling thread has its own stream, event and device buffers, the program table goes through a
+    page-locked staging buffer and the outputs come back into a pooled page-locked buffer that the returned
+    arrays view without another copy (it returns to the pool when they are gone). The thread waits for its
+    event with the GIL released, so concurrent calls overlap their copies and launches instead of queueing
+    on the default stream and on pageable copies. ``poison`` fills the device output before the launch (the
+    warmup's proof: an element the kernel does not write shows).
+    """
 
     def __init__(
         self,
         device: str | torch.device = "cuda",
         kernel=None,
         admit: Callable[[CompileKey], None] | None = None,
+        *,
+        pool: PinnedPool | None = None,
+        blocking_wait: bool | None = None,
+        poison: int | None = None,
     ) -> None:
         self.device = torch.device(device)
         self.kernel = kernel
         self.admit = admit
+        self.poison = poison
+        self._cuda = self.device.type == "cuda"
+        self.pool = pool if pool is not None else (PinnedPool() if self._cuda else None)
+        self.blocking_wait = _default_blocking_wait() if blocking_wait is None else blocking_wait
+        self._local = threading.local()
 
     def __call__(self, inputs: ChunkInputs) -> ChunkMetadata | None:
         host = chunk_host_part(inputs)
@@ -243,8 +371,9 @@ class TritonChunkBuilder:
             raise ValueError(f"one launch builds chunks of one compress ratio, got {sorted(ratios)}")
         table, kv_bases, row_bases = program_table(hosts, with_token_to_seq)
         tokens, rows = kv_bases[-1], row_bases[-1]
+        launch = self._launch_cuda if self._cuda else self._launch_plain
         try:
-            host_out = self._launch(table, tokens, rows, dcp, ratios.pop())
+            host_out = launch(table, tokens, rows, dcp, ratios.pop())
         except torch.OutOfMemoryError as exc:
             # Give the cached blocks back so the next request starts from a clean pool, and let the caller
             # answer RESOURCE_EXHAUSTED: the process stays healthy.
@@ -258,13 +387,51 @@ class TritonChunkBuilder:
             )
         ]
 
-    def _launch(self, table: np.ndarray, tokens: int, rows: int, dcp: DcpConfig, ratio: int) -> np.ndarray:
-        """Table in, one launch, every output back to the host as one int32 array (segments 16-byte aligned)."""
+    def _launch_plain(self, table: np.ndarray, tokens: int, rows: int, dcp: DcpConfig, ratio: int) -> np.ndarray:
+        """No CUDA (the interpreter on CPU): plain tensors, the current stream."""
         device_table = torch.from_numpy(table).to(self.device)
         size, segments = _output_segments(tokens, rows)
         out = _alloc_output(size, self.device)
+        if self.poison is not None:
+            out.fill_(self.poison)
         token_to_seq, ks, ke = (out[where] for where in segments)
         launch_prefill_metadata_kernel(
             device_table, token_to_seq, ks, ke, dcp=dcp, compress_ratio=ratio, kernel=self.kernel, admit=self.admit
         )
         return out.cpu().numpy()
+
+    def _stage(self) -> _Stage:
+        stage = getattr(self._local, "stage", None)
+        if stage is None:
+            stage = self._local.stage = _Stage(self.device, self.blocking_wait)
+        return stage
+
+    def _launch_cuda(self, table: np.ndarray, tokens: int, rows: int, dcp: DcpConfig, ratio: int) -> np.ndarray:
+        """Table in through page-locked staging, one launch on this thread's stream, every output back into a
+        pooled page-locked buffer, one wait with the GIL released; the result views that buffer."""
+        size, segments = _output_segments(tokens, rows)
+        if size == 0 and table.shape[0] == 0:
+            return np.zeros(0, dtype=np.int32)
+        stage = self._stage()
+        table_host, table_device = stage.table(table)
+        out = stage.output(size)
+        buffer = self.pool.acquire(4 * size)
+        try:
+            with torch.cuda.stream(stage.stream):
+                table_device.copy_(table_host, non_blocking=True)
+                if self.poison is not None:
+                    out.fill_(self.poison)
+                token_to_seq, ks, ke = (out[where] for where in segments)
+                launch_prefill_metadata_kernel(
+                    table_device.view(-1, len(TABLE_COLUMNS)), token_to_seq, ks, ke, dcp=dcp, compress_ratio=ratio,
+                    kernel=self.kernel, admit=self.admit,
+                )  # fmt: skip
+                buffer[: 4 * size].view(torch.int32).copy_(out, non_blocking=True)
+                stage.done.record(stage.stream)
+            stage.done.synchronize()  # torch releases the GIL while the driver waits
+        except BaseException:
+            # Nothing may still write into the buffer when another call gets it.
+            stage.stream.synchronize()
+            self.pool.release(buffer)
+            raise
+        return _leased_array(self.pool, buffer, size)

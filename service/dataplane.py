@@ -46,6 +46,7 @@ from kernels.specialization import CompileKey, normalize_compress_ratio
 from protos.indexer.v1 import indexer_pb2 as pb
 from service import _fastpath, codec
 from service.admission import Admission, Caller, Refused, container_memory_limit, default_response_budget
+from service.auto_backend import AutoSelector
 from service.config import ConfigError, ServiceConfig
 from service.metrics import Metrics
 from service.warmup import KeyState, Warmup, WarmupState
@@ -132,16 +133,29 @@ class Backend:
     name: str
     arrays_many: ArraysFn
     build_chunk_fast: FastPathFn | None = None
+    # ``auto`` on CUDA: picks numpy or Triton per request from a crossover measured at warmup
+    # (service/auto_backend.py); None for a single backend.
+    selector: AutoSelector | None = None
+
+    def for_request(self, hosts: Sequence[ChunkHostPart], with_token_to_seq: bool) -> Backend:
+        """The backend that computes this request's arrays (its name is the metrics' ``backend`` label)."""
+        return self if self.selector is None else self.selector.choose(hosts, with_token_to_seq)
+
+    @property
+    def calibrate(self) -> Callable[[Sequence[CompileKey]], int] | None:
+        """What the warmup runs once the keys are ready (auto's crossover measurement), or None."""
+        return None if self.selector is None else self.selector.calibrate
 
 
 def resolve_backend(choice: str) -> str:
-    """``auto`` becomes ``triton`` on a CUDA machine and ``numpy`` elsewhere; ``triton`` needs CUDA."""
+    """``auto`` stays ``auto`` on a CUDA machine (numpy or Triton per request) and becomes ``numpy`` elsewhere;
+    ``triton`` needs CUDA."""
     if choice == "numpy":
         return "numpy"
     import torch  # only when the Triton backend is possible: importing torch costs seconds
 
     if torch.cuda.is_available():
-        return "triton"
+        return choice
     if choice == "triton":
         raise ConfigError("backend", "triton needs a CUDA GPU, and torch sees none")
     return "numpy"
@@ -164,13 +178,28 @@ def launch_admission(warmup: Warmup) -> Callable[[CompileKey], None]:
 def make_backend(name: str, admit: Callable[[CompileKey], None] | None, native_fast_path: bool = False) -> Backend:
     """The numpy implementation (with service/fastpath.c for BuildChunk's common case when
     ``native_fast_path``), or the Triton kernel on the current CUDA device (``admit`` sees each launch)."""
-    if name == "triton":
-        from kernels.triton_kernel import TritonChunkBuilder
+    numpy_backend = Backend("numpy", chunk_arrays_numpy_many, _fastpath.build_chunk if native_fast_path else None)
+    if name == "numpy":
+        return numpy_backend
+    from kernels.triton_kernel import TritonChunkBuilder
 
-        # One launch for all the chunks of a request (a whole prefill plan): one copy in, one copy out. No fast
-        # path: this backend's point is computing on the GPU.
-        return Backend("triton", TritonChunkBuilder("cuda", admit=admit).arrays_many)
-    return Backend("numpy", chunk_arrays_numpy_many, _fastpath.build_chunk if native_fast_path else None)
+    # One launch for all the chunks of a request (a whole prefill plan): one copy in, one copy out. No fast
+    # path: this backend's point is computing on the GPU.
+    triton_backend = Backend("triton", TritonChunkBuilder("cuda", admit=admit).arrays_many)
+    if name == "triton":
+        return triton_backend
+    from service.auto_backend import AutoSelector
+
+    selector = AutoSelector(numpy_backend, triton_backend, numpy_backend.arrays_many, triton_backend.arrays_many)
+    fast = None
+    if native_fast_path:
+
+        def fast(data: bytes, limits: tuple[int, ...], admitted: tuple[int, ...] | None):
+            # Answers at or above the crossover step aside to the general path, which gives them to Triton.
+            bounded = (*limits[:4], selector.fast_path_bytes(limits[4]), *limits[5:])
+            return _fastpath.build_chunk(data, bounded, admitted)
+
+    return Backend("auto", numpy_backend.arrays_many, fast, selector)
 
 
 def fast_path_limits(config: ServiceConfig, max_response_bytes: int) -> tuple[int, ...]:
@@ -422,9 +451,10 @@ class DataPlane:
         self._admit_work(response_bytes, len(chunks))
         stop_if_abandoned()
         present = [host for host in hosts if host is not None]
+        backend = self.backend.for_request(present, not omit_token_to_seq)
         start = time.perf_counter()
-        arrays = iter(self.backend.arrays_many(present, chunks[0].dcp, not omit_token_to_seq) if present else [])
-        self.metrics.child(self.metrics.backend_duration_seconds, method, self.backend.name).observe(
+        arrays = iter(backend.arrays_many(present, chunks[0].dcp, not omit_token_to_seq) if present else [])
+        self.metrics.child(self.metrics.backend_duration_seconds, method, backend.name).observe(
             time.perf_counter() - start
         )
         stop_if_abandoned()
@@ -554,4 +584,5 @@ class DataPlane:
             warmup_seconds=warmup.seconds,
             compiles_after_ready=compiles_after_ready,
             ready=self.ready,
+            auto_crossover_elements=self.backend.selector.crossover if self.backend.selector else 0,
         ).SerializeToString()

@@ -80,13 +80,14 @@ class IndexerServer:
         self.metrics = Metrics()
         self.warmup = Warmup(
             warmup_keys(config.model),
-            target=None if self.backend == "triton" else config.warmup_target,
+            target=None if self.backend != "numpy" else config.warmup_target,
             enabled=config.warmup_enabled,
             workers=config.warmup_workers,
             metrics=self.metrics,
         )
         admit = launch_admission(self.warmup) if config.strict else None
         backend = make_backend(self.backend, admit, config.native_fast_path)
+        self.warmup.calibrate = backend.calibrate  # auto on CUDA: its crossover, measured before ready
         log.info("backend=%s native_fast_path=%s warmup_target=%s triton_cache_dir=%s", self.backend,
                  backend.build_chunk_fast is not None, self.warmup.target_name,
                  cache_dir or "(Triton's default)")  # fmt: skip
@@ -115,7 +116,7 @@ class IndexerServer:
         )
         if self.config.idle_trim_seconds > 0:
             self._trim_thread.start()
-        if self.backend == "triton":
+        if self.backend != "numpy":
             # Only a GPU backend launches kernels after ready; numpy never compiles.
             from kernels.compile_engine import watch_compiles
 

@@ -1,8 +1,11 @@
-"""The start-up warmup: compile every key of the model's warmup set, track each key, fail closed.
+"""The start-up warmup: compile every key of the model's warmup set, prove it, track each key, fail closed.
 
-On the Triton backend the keys compile in-process on the serving GPU (what later launches hit); on the numpy
-backend (no GPU) they compile ahead of time for the configured target, which proves the toolchain works and
-fills the Triton cache. ``precompile`` uses the same :func:`compile_and_log` without a server.
+On the Triton and auto backends the keys compile in-process on the serving GPU (what later launches hit); on the
+numpy backend (no GPU) they compile ahead of time for the configured target, which proves the toolchain works and
+fills the Triton cache. Each compiled key is then launched once on a tiny input and checked against numpy (on the
+GPU in process, through Triton's interpreter ahead of time: ``kernels.compile_engine.prove_key``); a wrong answer
+fails the key, naming the first wrong element, and the server stays not ready. ``precompile`` uses the same
+:func:`compile_and_log` without a server. With every key ready, ``calibrate`` (auto's crossover) runs last.
 """
 
 from __future__ import annotations
@@ -111,6 +114,9 @@ class Warmup:
         self._progress = {key: KeyProgress(key, initial) for key in self.keys}
         self._state = WarmupState.RUNNING if enabled else WarmupState.SKIPPED
         self.seconds = 0.0
+        # Runs after every key compiled and proved, before READY (auto's crossover measurement); set by the
+        # server. Its failure is logged and leaves the server ready: what it tunes has a safe default.
+        self.calibrate: Callable[[Sequence[CompileKey]], object] | None = None
         metrics.warmup_keys.labels(state="planned").set(len(self.keys))
 
     @property
@@ -153,10 +159,16 @@ class Warmup:
                         self._progress[key] = KeyProgress(key, KeyState.FAILED, error=f"warmup aborted: {exc!r}")
                         self.metrics.warmup_failures_total.inc()
                 self._publish_counts()
+        with self._lock:
+            failed = sum(p.state is KeyState.FAILED for p in self._progress.values())
+        if not failed and self.calibrate is not None:
+            try:
+                self.calibrate(self.keys)
+            except Exception as exc:
+                log.exception("warmup calibration failed (its default stays) error=%r", exc)
         self.seconds = time.perf_counter() - start
         self.metrics.warmup_duration_seconds.set(self.seconds)
         with self._lock:
-            failed = sum(p.state is KeyState.FAILED for p in self._progress.values())
             self._state = WarmupState.FAILED if failed else WarmupState.READY
         if failed:
             log.error("warmup failed failed=%d/%d seconds=%.3f: not ready", failed, len(self.keys), self.seconds)

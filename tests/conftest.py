@@ -35,10 +35,11 @@ def cuda_available() -> bool:
 
 
 def default_backend_and_target() -> tuple[str, str]:
-    """What the default config serves with on this machine (``backend = auto``): the live server's. The
-    embedded default's ``warmup_target`` (cuda:90) applies to numpy only; Triton compiles in-process."""
+    """What the default config serves with on this machine (``backend = auto``: ``auto`` on CUDA, else numpy):
+    the live server's. The embedded default's ``warmup_target`` (cuda:90) applies to numpy only; Triton and
+    auto compile in-process."""
     backend = resolve_backend("auto")
-    return backend, IN_PROCESS if backend == "triton" else "cuda:90"
+    return backend, IN_PROCESS if backend != "numpy" else "cuda:90"
 
 
 _serial = itertools.count()

@@ -14,7 +14,7 @@ from kernels.inputs import ChunkInputs, DcpConfig
 from kernels.naive import build_chunk_metadata_numpy
 from kernels.specialization import ModelConfig, warmup_compress_ratios, warmup_keys
 from kernels.testing import BatchShape, random_chunk_inputs
-from kernels.triton_kernel import TritonChunkBuilder
+from kernels.triton_kernel import PinnedPool, TritonChunkBuilder
 from tests.golden import metadata_as_dict
 
 pytestmark = [
@@ -80,3 +80,53 @@ def test_gpu_out_of_memory_is_a_memory_error_and_the_next_build_succeeds():
         torch.cuda.empty_cache()
     result = builder(inputs)
     assert result.total_seq_lens == 50_000_000 and int(result.token_to_seq.max()) == 0
+
+
+@pytest.mark.parametrize("blocking_wait", [False, True], ids=["spin", "block"])
+def test_eight_threads_share_one_builder_and_every_answer_equals_numpy(blocking_wait):
+    """Per-thread streams, staging and pooled outputs: 8 threads, 150 random batches each, sizes mixed so the
+    buffers grow and the pool's classes change; results kept alive across calls must not be overwritten."""
+    import threading
+
+    builder = TritonChunkBuilder("cuda", blocking_wait=blocking_wait)
+    failures: list[str] = []
+
+    def worker(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        kept = []
+        for i in range(150):
+            inputs = random_case(rng, i, (1, 4, 128))
+            got = builder(inputs)
+            kept.append((inputs, got))
+            if len(kept) > 3:  # an answer's arrays outlive later calls on the same thread
+                old_inputs, old = kept.pop(0)
+                expected = build_chunk_metadata_numpy(old_inputs)
+                if (expected is None) != (old is None) or (
+                    expected is not None and metadata_as_dict(old) != metadata_as_dict(expected)
+                ):
+                    failures.append(f"thread {seed} batch {i}")
+
+    threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert failures == []
+
+
+def test_pinned_outputs_are_pooled_not_allocated_per_call():
+    pool = PinnedPool()
+    builder = TritonChunkBuilder("cuda", pool=pool)
+    inputs = ChunkInputs(np.array([0, 100, 300]), np.array([50_000, 20_000]), 4, 0, 2)
+    for _ in range(5):
+        builder(inputs)
+    allocations = pool.allocations
+    for _ in range(200):
+        result = builder(inputs)
+        del result
+    assert pool.allocations == allocations <= 2
+    assert pool.idle_bytes() > 0
+    held = builder(inputs)  # while an answer is alive, its buffer is not handed out again
+    other = builder(inputs)
+    assert held.cu_seqlen_ke.base is not other.cu_seqlen_ke.base
+    assert metadata_as_dict(held) == metadata_as_dict(other) == metadata_as_dict(build_chunk_metadata_numpy(inputs))

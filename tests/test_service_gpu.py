@@ -12,7 +12,7 @@ import torch
 from kernels.inputs import ChunkInputs, DcpConfig
 from kernels.naive import build_chunk_metadata_numpy
 from kernels.planner import BatchInputs, build_prefill_batch
-from kernels.testing import BatchShape, random_batch, random_chunk_inputs
+from kernels.testing import BatchShape, batch_with_tokens, random_batch, random_chunk_inputs
 from protos.indexer.v1 import indexer_pb2 as pb
 from service.client import IndexerClient
 from tests.conftest import StartServer, scrape
@@ -32,10 +32,11 @@ def same(got, expected) -> bool:
 
 
 def test_triton_server_answers_like_numpy_and_compiles_nothing_after_ready(start_server: StartServer) -> None:
-    server = start_server()  # the default config: on a GPU the Triton backend with in-process warmup
+    server = start_server("--backend", "triton")  # every request on the GPU, in-process warmup
     with IndexerClient(server.address) as client:
         status = client.warmup_status()
         assert (status.backend, status.target, status.state) == ("triton", "in-process", pb.WARMUP_STATE_READY)
+        assert status.auto_crossover_elements == 0
         assert [k.state for k in status.keys] == [pb.KEY_STATE_COMPILED] * 3
 
         for case in GOLDEN["chunk_metadata"]:
@@ -75,3 +76,30 @@ def test_strict_triton_server_refuses_an_unwarmed_variant(start_server: StartSer
         warmed = ChunkInputs(UNWARMED.query_start_loc, UNWARMED.seq_lens, 4, 1, 3)
         assert same(client.build_chunk(warmed), build_chunk_metadata_numpy(warmed))
         assert client.warmup_status().compiles_after_ready == 0
+
+
+def test_auto_server_measures_a_crossover_and_serves_each_size_on_its_backend(start_server: StartServer) -> None:
+    """The default config on a GPU is auto: the warmup measures the crossover (GetWarmupStatus), requests below it
+    are served by numpy (BuildChunk's fast path: label native), requests at or above it by Triton, all equal to
+    numpy, and nothing compiles after ready."""
+    server = start_server("--max-num-batched-tokens", "131072")
+    with IndexerClient(server.address) as client:
+        status = client.warmup_status()
+        assert (status.backend, status.target, status.state) == ("auto", "in-process", pb.WARMUP_STATE_READY)
+        crossover = status.auto_crossover_elements
+        assert crossover > 0 or crossover == -1, crossover
+        small = ChunkInputs(np.array([0, 3]), np.array([40]), 4, 0, 1)
+        rng = np.random.default_rng(7)
+        qsl, seq = batch_with_tokens(rng, 256, 65_961, 33_148)  # bench_kernel's large batch: 2.2M elements
+        large = ChunkInputs(qsl, seq, 4, 0, 256)
+        for inputs in (small, large, small, large):
+            assert same(client.build_chunk(inputs), build_chunk_metadata_numpy(inputs))
+        assert client.warmup_status().compiles_after_ready == 0
+    metrics = scrape(server)
+    served = {
+        backend: metrics.value("indexer_backend_duration_seconds_count", method="BuildChunk", backend=backend)
+        for backend in ("native", "numpy", "triton")
+    }
+    assert served["native"] == 2, served
+    assert served["triton" if 0 < crossover <= 2_200_000 else "numpy"] == 2, (crossover, served)
+    assert "auto backend: " in server.log()

@@ -1,0 +1,97 @@
+"""``backend = auto`` without a GPU: the crossover rule, the per-request choice, the fast path's bound, the
+metrics label and GetWarmupStatus (a fake "triton" side stands in for the GPU). On a CPU machine auto is numpy."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+
+from kernels.inputs import ChunkInputs, chunk_host_part
+from kernels.naive import chunk_arrays_numpy_many
+from kernels.specialization import CompileKey
+from protos.indexer.v1 import indexer_pb2 as pb
+from service.auto_backend import (
+    NOT_MEASURED,
+    NUMPY_ALWAYS,
+    AutoSelector,
+    CalibrationPoint,
+    crossover_of,
+    output_elements,
+)
+from service.codec import chunk_inputs_to_proto
+from service.config import load_config
+from service.dataplane import Backend, DataPlane, resolve_backend
+from service.metrics import Metrics
+from service.warmup import Warmup
+from tests.conftest import cuda_available
+
+
+def point(elements: int, numpy_us: float, triton_us: float) -> CalibrationPoint:
+    return CalibrationPoint(0, elements, numpy_us, triton_us)
+
+
+def test_crossover_is_the_smallest_size_from_which_triton_always_won() -> None:
+    assert crossover_of([point(10, 1, 5), point(100, 5, 6), point(1000, 50, 20), point(10_000, 500, 90)]) == 1000
+    # A win below a loss does not count: only the run of wins up to the largest size.
+    assert crossover_of([point(10, 5, 1), point(100, 5, 6), point(1000, 50, 20)]) == 1000
+    assert crossover_of([point(10, 1, 5), point(100, 5, 6)]) == NUMPY_ALWAYS
+    assert crossover_of([point(10, 9, 5), point(100, 50, 6)]) == 10
+
+
+def test_output_elements_count_rows_twice_and_tokens_when_wanted() -> None:
+    host = chunk_host_part(ChunkInputs(np.array([0, 2, 5]), np.array([40, 30]), 4, 0, 2))
+    assert output_elements([host], True) == 2 * 5 + 10 + 7
+    assert output_elements([host, host], False) == 2 * 2 * 5
+
+
+def _selector(crossover: int) -> AutoSelector:
+    numpy_backend = Backend("numpy", chunk_arrays_numpy_many)
+    triton_backend = Backend("triton", chunk_arrays_numpy_many)  # stands in for the GPU: same answers
+    selector = AutoSelector(numpy_backend, triton_backend, numpy_backend.arrays_many, triton_backend.arrays_many)
+    selector.crossover = crossover
+    return selector
+
+
+def test_choice_follows_the_crossover_and_bounds_the_fast_path() -> None:
+    small = chunk_host_part(ChunkInputs(np.array([0, 2]), np.array([40]), 4, 0, 1))  # 14 elements
+    big = chunk_host_part(ChunkInputs(np.array([0, 200]), np.array([40_000]), 4, 0, 1))  # 10,400
+    selector = _selector(1000)
+    assert selector.choose([small], True).name == "numpy" and selector.choose([big], True).name == "triton"
+    assert selector.fast_path_bytes(2**20) == 4000 and selector.fast_path_bytes(100) == 100
+    for unmeasured in (NOT_MEASURED, NUMPY_ALWAYS):
+        selector.crossover = unmeasured
+        assert selector.choose([big], True).name == "numpy" and selector.fast_path_bytes(2**20) == 2**20
+
+
+def test_calibration_measures_the_ladder_and_sets_a_crossover() -> None:
+    selector = _selector(NOT_MEASURED)
+    selector.calibrate([CompileKey(1), CompileKey(4)], ladder=(2, 4, 8, 16))
+    assert len(selector.points) == 4 and all(p.numpy_us > 0 and p.triton_us > 0 for p in selector.points)
+    assert [p.elements for p in selector.points] == sorted(p.elements for p in selector.points)
+    assert selector.crossover == crossover_of(selector.points) != NOT_MEASURED
+
+
+def test_the_served_backend_is_the_metrics_label_and_the_crossover_is_in_the_status() -> None:
+    config = replace(load_config(env={}), backend="auto", native_fast_path=False)
+    metrics = Metrics()
+    warmup = Warmup([], target=None, enabled=False, workers=1, metrics=metrics)
+    selector = _selector(1000)
+    numpy_backend = selector.numpy
+    plane = DataPlane(config, metrics, warmup, Backend("auto", numpy_backend.arrays_many, None, selector))
+    for queries, seq_len in ((2, 40), (200, 40_000)):
+        request = chunk_inputs_to_proto(ChunkInputs(np.array([0, queries]), np.array([seq_len]), 4, 0, 1))
+        plane.call("BuildChunk", request.SerializeToString())
+    labels = {
+        s.labels["backend"]: s.value
+        for m in metrics.registry.collect() if m.name == "indexer_backend_duration_seconds"
+        for s in m.samples if s.name.endswith("_count")
+    }  # fmt: skip
+    assert labels == {"numpy": 1, "triton": 1}
+    status = pb.GetWarmupStatusResponse.FromString(plane.call("GetWarmupStatus", b""))
+    assert status.backend == "auto" and status.auto_crossover_elements == 1000
+
+
+def test_on_a_cpu_machine_auto_is_numpy() -> None:
+    assert resolve_backend("auto") == ("auto" if cuda_available() else "numpy")
+    assert resolve_backend("numpy") == "numpy"
