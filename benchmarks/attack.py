@@ -135,6 +135,9 @@ def rapid_reset(bench: Bench) -> dict:
         tried="4 x 5,000 HEADERS+DATA+RST_STREAM", streams_reset=sum(r.streams_reset for r in reports),
         attack_seconds=round(max(r.seconds for r in reports), 1), goaways=goaways,
         connections_used=sum(r.connections_used for r in reports),
+        victim_ok_ratio_during_attack=round(siege.victim.ok_ratio(
+            min(r.started_wall for r in reports) - siege.victim.begin_wall,
+            max(r.ended_wall for r in reports) - siege.victim.begin_wall), 4),
     )  # fmt: skip
     return figures
 

@@ -280,7 +280,12 @@ class RapidResetReport:
     streams_reset: int = 0
     connections_used: int = 0
     goaways: Counter = field(default_factory=Counter)  # the server's GOAWAY error codes, by name
-    seconds: float = 0.0
+    started_wall: float = 0.0  # time.time() at the first stream and after the last
+    ended_wall: float = 0.0
+
+    @property
+    def seconds(self) -> float:
+        return self.ended_wall - self.started_wall
 
 
 def rapid_reset(
@@ -299,7 +304,7 @@ def rapid_reset(
     that slip out before a reset are left unacknowledged unless ``acknowledge_data`` (an attacker has no
     reason to grant credit; measured on the undefended server, the victims suffer more when it does not).
     Stops at ``streams`` or ``max_seconds``."""
-    report = RapidResetReport()
+    report = RapidResetReport(started_wall=time.time())
     begin = time.monotonic()
     conn: RawGrpcConnection | None = None
     try:
@@ -330,7 +335,7 @@ def rapid_reset(
             if conn.goaway is not None:
                 report.goaways[h2.errors.ErrorCodes(conn.goaway.error_code).name] += 1
             conn.close()
-    report.seconds = time.monotonic() - begin
+    report.ended_wall = time.time()
     return report
 
 

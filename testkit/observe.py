@@ -25,7 +25,8 @@ class _Paced:
 
     def __init__(self, name: str, threads: int, interval: float, max_seconds: float) -> None:
         self.name, self.threads, self.interval, self.max_seconds = name, threads, interval, max_seconds
-        self.begin = 0.0
+        self.begin = 0.0  # time.perf_counter() at start: records' times count from it
+        self.begin_wall = 0.0  # time.time() at start, to line records up with other processes' clocks
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
 
@@ -39,7 +40,7 @@ class _Paced:
             self._stop.wait(self.interval)
 
     def start(self) -> _Paced:
-        self.begin = time.perf_counter()
+        self.begin, self.begin_wall = time.perf_counter(), time.time()
         self._threads = [
             threading.Thread(target=self._run, args=(n,), name=f"{self.name}-{n}", daemon=True)
             for n in range(self.threads)
@@ -203,10 +204,10 @@ class Callers(_Paced):
         run.records = records
         return run
 
-    def ok_ratio(self) -> float:
-        codes = self.run().codes()
-        total = sum(codes.values())
-        return codes.get("OK", 0) / total if total else float("nan")
+    def ok_ratio(self, start: float = 0.0, stop: float = float("inf")) -> float:
+        """OK calls among those started in ``[start, stop)`` (seconds since :meth:`start`)."""
+        codes = [r.code for r in self.run().records if start <= r.start < stop]
+        return codes.count(grpc.StatusCode.OK) / len(codes) if codes else float("nan")
 
 
 # --- health Watch -------------------------------------------------------------------------------------------
