@@ -11,6 +11,9 @@ setup(
         Extension(
             "service._fastpath",
             sources=["service/fastpath.c"],
+            # Generated from the proto by `python -m protos.generate`; listed so that it ships in the sdist and a
+            # regenerated header rebuilds the extension.
+            depends=["protos/indexer/v1/indexer_wire.h"],
             extra_compile_args=["-O3", "-std=c11", "-Wall", "-Wextra", "-Werror=implicit-function-declaration"],
         )
     ]

@@ -8,9 +8,15 @@
  * It never answers differently from the Python path: it answers only what it can prove valid and otherwise
  * returns None, and service/dataplane.py then serves the request the general way, which owns every error
  * message, DCP, PlanBatch, and anything unusual on the wire (unknown or repeated fields). The formulas are
- * kernels/inputs.py (host part) and kernels/naive.py (arrays) for DCP off; the layout is the one
- * service/codec.py derives from the message descriptors. tests/test_service_fastpath.py holds the three
- * to each other byte for byte, on the golden cases and on hypothesis-generated requests, valid and not.
+ * kernels/inputs.py (host part) and kernels/naive.py (arrays) for DCP off; the limits come from Python
+ * (dataplane.fast_path_limits); the field numbers, tags and types come from the proto through the generated
+ * header below; the layout is the one service/codec.py derives from the message descriptors.
+ * tests/test_service_fastpath.py holds the three to each other byte for byte, on the golden cases, on every
+ * limit at and one past its boundary, and on hypothesis-generated requests, valid and not;
+ * tests/test_fastpath_sanitized.py runs those tests again against an ASan + UBSan build of this file.
+ *
+ * One call: parse (wire bytes to Request), check (Request to Chunk, or step aside), size and write (Chunk to
+ * the response's bytes, the same emit code run twice: counting, then writing, bounds-checked), then the arrays.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -19,21 +25,78 @@
 #include <string.h>
 #include <time.h>
 
+/* Every message's field numbers, tags and types, generated from protos/indexer/v1/indexer.proto by
+ * `python -m protos.generate` (the command that generates the Python code; tests/test_service_protos.py checks
+ * it is fresh). No field number is written by hand in this file. */
+#include "../protos/indexer/v1/indexer_wire.h"
+
 #if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
 #error "wire arrays are little-endian int32 and are copied here as host integers"
 #endif
 
-#define I32_MAX INT64_C(2147483647)
-#define I32_MIN (-INT64_C(2147483647) - 1)
+/* What this file assumes of the proto, checked as it compiles: a field retyped or reordered, or one added to a
+ * message this file writes, stops the build here instead of answering with other bytes than service/codec.py's.
+ * A field added to BuildChunkRequest needs nothing: on the wire its tag is unknown here, and the general path
+ * serves the request. */
+#define EXPECT_TYPE(field, type) _Static_assert(field##_TYPE == PB_TYPE_##type, #field " is not " #type)
+EXPECT_TYPE(BUILD_CHUNK_REQUEST_QUERY_START_LOC, BYTES);
+EXPECT_TYPE(BUILD_CHUNK_REQUEST_SEQ_LENS, BYTES);
+EXPECT_TYPE(BUILD_CHUNK_REQUEST_COMPRESS_RATIO, INT32);
+EXPECT_TYPE(BUILD_CHUNK_REQUEST_REQ_START, INT32);
+EXPECT_TYPE(BUILD_CHUNK_REQUEST_REQ_END, INT32);
+EXPECT_TYPE(BUILD_CHUNK_REQUEST_QUERY_SLICE, MESSAGE);
+EXPECT_TYPE(BUILD_CHUNK_REQUEST_SKIP_KV_GATHER, BOOL);
+EXPECT_TYPE(BUILD_CHUNK_REQUEST_DCP_RANK, INT32);
+EXPECT_TYPE(BUILD_CHUNK_REQUEST_DCP_WORLD_SIZE, INT32);
+EXPECT_TYPE(BUILD_CHUNK_REQUEST_DCP_INTERLEAVE, INT32);
+EXPECT_TYPE(BUILD_CHUNK_REQUEST_OMIT_TOKEN_TO_SEQ, BOOL);
+EXPECT_TYPE(QUERY_SLICE_START, INT32);
+EXPECT_TYPE(QUERY_SLICE_STOP, INT32);
+EXPECT_TYPE(BUILD_CHUNK_RESPONSE_METADATA, MESSAGE);
+EXPECT_TYPE(CHUNK_METADATA_CU_SEQ_LENS, BYTES);
+EXPECT_TYPE(CHUNK_METADATA_TOKEN_TO_SEQ, BYTES);
+EXPECT_TYPE(CHUNK_METADATA_CU_SEQLEN_KS, BYTES);
+EXPECT_TYPE(CHUNK_METADATA_CU_SEQLEN_KE, BYTES);
+EXPECT_TYPE(CHUNK_METADATA_TOTAL_SEQ_LENS, INT64);
+EXPECT_TYPE(CHUNK_METADATA_TOKEN_START, INT64);
+EXPECT_TYPE(CHUNK_METADATA_TOKEN_END, INT64);
+EXPECT_TYPE(CHUNK_METADATA_NUM_REQS, INT32);
+EXPECT_TYPE(CHUNK_METADATA_SKIP_KV_GATHER, BOOL);
+EXPECT_TYPE(CHUNK_METADATA_LOCAL_CU_SEQ_LENS, BYTES);
+EXPECT_TYPE(CHUNK_METADATA_LOCAL_TOTAL_SEQ_LENS, INT64);
+EXPECT_TYPE(CHUNK_METADATA_MAX_LOCAL_TOTAL_SEQ_LENS, INT64);
+EXPECT_TYPE(CHUNK_METADATA_REQ_START, INT32);
+EXPECT_TYPE(CHUNK_METADATA_REQ_END, INT32);
+EXPECT_TYPE(CHUNK_METADATA_QUERY_SLICE, MESSAGE);
+EXPECT_TYPE(CHUNK_METADATA_TOKEN_TO_SEQ_OMITTED, BOOL);
+_Static_assert(CHUNK_METADATA_FIELD_COUNT == 16, "ChunkMetadata has a field emit_metadata does not write");
+#define IN_ORDER(a, b, c, d) (CHUNK_METADATA_##a < CHUNK_METADATA_##b && CHUNK_METADATA_##b < CHUNK_METADATA_##c && \
+                              CHUNK_METADATA_##c < CHUNK_METADATA_##d)
+_Static_assert(IN_ORDER(CU_SEQ_LENS, TOKEN_TO_SEQ, CU_SEQLEN_KS, CU_SEQLEN_KE) &&
+                   IN_ORDER(CU_SEQLEN_KE, TOTAL_SEQ_LENS, TOKEN_START, TOKEN_END) &&
+                   IN_ORDER(TOKEN_END, NUM_REQS, SKIP_KV_GATHER, LOCAL_CU_SEQ_LENS) &&
+                   IN_ORDER(LOCAL_CU_SEQ_LENS, LOCAL_TOTAL_SEQ_LENS, MAX_LOCAL_TOTAL_SEQ_LENS, REQ_START) &&
+                   IN_ORDER(REQ_START, REQ_END, QUERY_SLICE, TOKEN_TO_SEQ_OMITTED) &&
+                   QUERY_SLICE_START < QUERY_SLICE_STOP,
+               "emit_metadata and emit_query_slice write the fields in number order, as protobuf does");
+_Static_assert(QUERY_SLICE_FIELD_COUNT == 2, "QuerySlice has a field emit_query_slice does not write");
+_Static_assert(BUILD_CHUNK_RESPONSE_FIELD_COUNT == 1, "BuildChunkResponse has a field this file does not write");
+_Static_assert(BUILD_CHUNK_REQUEST_MAX_FIELD < 32 && QUERY_SLICE_MAX_FIELD < 32, "a seen mask has 32 bits");
+
+/* An element of the wire arrays: little-endian int32 (the proto's wire conventions). */
+#define I32_BYTES ((Py_ssize_t)sizeof(int32_t))
 /* Above this many int32 written, the GIL is released while writing: other calls' Python goes on meanwhile.
- * Below it, releasing would cost more than the work (a contended GIL is re-acquired only at a switch). */
+ * Below it, releasing would cost more than the work (a contended GIL is re-acquired only at a switch). A speed
+ * setting, not a check: every answer is the same either way. */
 #define RELEASE_GIL_ELEMENTS 65536
 
+/* dataplane.fast_path_limits, in its order: every limit this file checks against comes from there. */
 typedef struct {
     long long max_num_seqs, max_num_batched_tokens, max_model_len, workspace_tokens, max_message_bytes,
         chunk_overhead_bytes;
 } Limits;
 
+/* A BuildChunkRequest as parsed: the arrays stay in the caller's buffer. */
 typedef struct {
     const uint8_t *qsl, *seq; /* little-endian int32 arrays, possibly unaligned */
     Py_ssize_t qsl_bytes, seq_bytes;
@@ -42,7 +105,29 @@ typedef struct {
     uint32_t seen; /* bit n: field n was on the wire */
 } Request;
 
-/* ---- wire reading: 0 on success, -1 for anything the general path should look at ---------------------- */
+/* A request the checks passed: what the response says, all of it proven in range. */
+typedef struct {
+    const Request *r;
+    Py_ssize_t reqs;               /* requests in the chunk: req_end - req_start */
+    int64_t ratio;                 /* the compress ratio, 0 normalised to 1 */
+    int64_t total;                 /* compressed tokens of the chunk, <= INT32_MAX */
+    int64_t base;                  /* absolute index of the chunk's first query token */
+    int64_t rows_start, rows_stop; /* the chunk-local query rows [start, stop) */
+    int skip_kv_gather;            /* the request's, or the slice starts after row 0 */
+} Chunk;
+
+static inline int64_t load_i32(const uint8_t *array, Py_ssize_t i) {
+    int32_t value;
+    memcpy(&value, array + I32_BYTES * i, sizeof value);
+    return value;
+}
+
+static inline void store_i32(uint8_t *array, Py_ssize_t i, int64_t value) {
+    int32_t narrow = (int32_t)value;
+    memcpy(array + I32_BYTES * i, &narrow, sizeof narrow);
+}
+
+/* ---- parse: wire bytes to a Request; -1 for anything the general path should look at ------------------- */
 
 static int read_varint(const uint8_t **p, const uint8_t *end, uint64_t *out) {
     uint64_t value = 0;
@@ -64,11 +149,12 @@ static int read_int32(const uint8_t **p, const uint8_t *end, int64_t *out) {
     uint64_t raw;
     if (read_varint(p, end, &raw)) return -1;
     int64_t value = (int64_t)raw;
-    if (value < I32_MIN || value > I32_MAX) return -1;
+    if (value < INT32_MIN || value > INT32_MAX) return -1;
     *out = value;
     return 0;
 }
 
+/* A bool field: protobuf reads any non-zero varint as true; only the canonical 0 and 1 are taken here. */
 static int read_bool(const uint8_t **p, const uint8_t *end, int *out) {
     uint64_t raw;
     if (read_varint(p, end, &raw) || raw > 1) return -1;
@@ -76,110 +162,309 @@ static int read_bool(const uint8_t **p, const uint8_t *end, int *out) {
     return 0;
 }
 
-static int read_length(const uint8_t **p, const uint8_t *end, Py_ssize_t *out) {
+/* A length-delimited field's bytes, in place: [*at, *at + *length). */
+static int read_bytes(const uint8_t **p, const uint8_t *end, const uint8_t **at, Py_ssize_t *length) {
     uint64_t raw;
     if (read_varint(p, end, &raw) || raw > (uint64_t)(end - *p)) return -1;
-    *out = (Py_ssize_t)raw;
+    *at = *p, *length = (Py_ssize_t)raw;
+    *p += raw;
     return 0;
 }
 
-/* QuerySlice {int32 start = 1; int32 stop = 2;} */
-static int parse_query_slice(const uint8_t *p, const uint8_t *end, Request *r) {
-    int seen = 0;
-    while (p < end) {
+/* Protobuf keeps the last of a repeated scalar and merges repeated messages: both are the general path's. */
+static int mark_seen(uint32_t *seen, uint64_t tag) {
+    uint64_t field = tag >> 3;
+    if (field >= 32 || (*seen & (UINT32_C(1) << field))) return -1;
+    *seen |= UINT32_C(1) << field;
+    return 0;
+}
+
+/* BuildChunkRequest.query_slice: a QuerySlice, each field at most once, nothing else. */
+static int read_query_slice(const uint8_t **p, const uint8_t *end, Request *r) {
+    const uint8_t *body, *stop;
+    Py_ssize_t length;
+    uint32_t seen = 0;
+    if (read_bytes(p, end, &body, &length)) return -1;
+    for (stop = body + length; body < stop;) {
         uint64_t tag;
-        if (read_varint(&p, end, &tag)) return -1;
-        int field = (int)(tag >> 3);
-        if ((tag & 7) != 0 || (field != 1 && field != 2) || (seen & (1 << field))) return -1;
-        seen |= 1 << field;
-        if (read_int32(&p, end, field == 1 ? &r->slice_start : &r->slice_stop)) return -1;
+        if (read_varint(&body, stop, &tag) || mark_seen(&seen, tag)) return -1;
+        int64_t *into = tag == QUERY_SLICE_START_TAG ? &r->slice_start
+                        : tag == QUERY_SLICE_STOP_TAG ? &r->slice_stop
+                                                      : NULL;
+        if (!into || read_int32(&body, stop, into)) return -1;
     }
+    r->has_slice = 1;
     return 0;
 }
 
-/* BuildChunkRequest; each known field at most once, with its declared wire type; no unknown field. */
+/* BuildChunkRequest: each known field at most once, with its declared wire type (the generated tag holds both);
+ * any other tag is the general path's. */
 static int parse_request(const uint8_t *p, const uint8_t *end, Request *r) {
     while (p < end) {
         uint64_t tag;
-        if (read_varint(&p, end, &tag)) return -1;
-        uint64_t field = tag >> 3;
-        int wire_type = (int)(tag & 7);
-        if (field < 1 || field > 11 || (r->seen & (1u << field))) return -1;
-        r->seen |= 1u << field;
-        int length_delimited = field == 1 || field == 2 || field == 6;
-        if (wire_type != (length_delimited ? 2 : 0)) return -1;
-        Py_ssize_t length;
-        int rc = 0;
-        switch (field) {
-        case 1:
-        case 2:
-            if (read_length(&p, end, &length)) return -1;
-            if (field == 1) r->qsl = p, r->qsl_bytes = length;
-            else r->seq = p, r->seq_bytes = length;
-            p += length;
-            break;
-        case 6:
-            if (read_length(&p, end, &length) || parse_query_slice(p, p + length, r)) return -1;
-            r->has_slice = 1;
-            p += length;
-            break;
-        case 3: rc = read_int32(&p, end, &r->ratio); break;
-        case 4: rc = read_int32(&p, end, &r->req_start); break;
-        case 5: rc = read_int32(&p, end, &r->req_end); break;
-        case 7: rc = read_bool(&p, end, &r->skip_kv_gather); break;
-        case 8: rc = read_int32(&p, end, &r->dcp_rank); break;
-        case 9: rc = read_int32(&p, end, &r->dcp_world_size); break;
-        case 10: rc = read_int32(&p, end, &r->dcp_interleave); break;
-        case 11: rc = read_bool(&p, end, &r->omit_token_to_seq); break;
+        int rc;
+        if (read_varint(&p, end, &tag) || mark_seen(&r->seen, tag)) return -1;
+        switch (tag) {
+        case BUILD_CHUNK_REQUEST_QUERY_START_LOC_TAG: rc = read_bytes(&p, end, &r->qsl, &r->qsl_bytes); break;
+        case BUILD_CHUNK_REQUEST_SEQ_LENS_TAG: rc = read_bytes(&p, end, &r->seq, &r->seq_bytes); break;
+        case BUILD_CHUNK_REQUEST_COMPRESS_RATIO_TAG: rc = read_int32(&p, end, &r->ratio); break;
+        case BUILD_CHUNK_REQUEST_REQ_START_TAG: rc = read_int32(&p, end, &r->req_start); break;
+        case BUILD_CHUNK_REQUEST_REQ_END_TAG: rc = read_int32(&p, end, &r->req_end); break;
+        case BUILD_CHUNK_REQUEST_QUERY_SLICE_TAG: rc = read_query_slice(&p, end, r); break;
+        case BUILD_CHUNK_REQUEST_SKIP_KV_GATHER_TAG: rc = read_bool(&p, end, &r->skip_kv_gather); break;
+        case BUILD_CHUNK_REQUEST_DCP_RANK_TAG: rc = read_int32(&p, end, &r->dcp_rank); break;
+        case BUILD_CHUNK_REQUEST_DCP_WORLD_SIZE_TAG: rc = read_int32(&p, end, &r->dcp_world_size); break;
+        case BUILD_CHUNK_REQUEST_DCP_INTERLEAVE_TAG: rc = read_int32(&p, end, &r->dcp_interleave); break;
+        case BUILD_CHUNK_REQUEST_OMIT_TOKEN_TO_SEQ_TAG: rc = read_bool(&p, end, &r->omit_token_to_seq); break;
+        default: return -1;
         }
         if (rc) return -1;
     }
     return 0;
 }
 
-static inline int64_t load_i32(const uint8_t *array, Py_ssize_t i) {
-    int32_t value;
-    memcpy(&value, array + 4 * i, 4);
-    return value;
+/* ---- check: 0 to serve here, 1 to step aside (the general path then says what is wrong), -1 on a Python error */
+
+/* The whole batch: kernels.inputs.validate_batch, then the server's limits (DataPlane._admit_request). int32
+ * elements cannot exceed int32, and a non-negative query length with seq_len >= it makes seq_len >= 0. */
+static int check_batch(const Request *r, const Limits *lim, Py_ssize_t *batch) {
+    if (r->qsl_bytes % I32_BYTES || r->seq_bytes % I32_BYTES || r->qsl_bytes == 0) return 1;
+    *batch = r->seq_bytes / I32_BYTES;
+    if (*batch != r->qsl_bytes / I32_BYTES - 1 || *batch > lim->max_num_seqs) return 1;
+    if (load_i32(r->qsl, 0) != 0) return 1;
+    for (Py_ssize_t i = 0; i < *batch; i++) {
+        int64_t q0 = load_i32(r->qsl, i), q1 = load_i32(r->qsl, i + 1), s = load_i32(r->seq, i);
+        if (q1 < q0 || q1 > lim->max_num_batched_tokens || s < q1 - q0 || s > lim->max_model_len) return 1;
+    }
+    return 0;
 }
 
-static inline void store_i32(uint8_t *array, Py_ssize_t i, int64_t value) {
-    int32_t narrow = (int32_t)value;
-    memcpy(array + 4 * i, &narrow, 4);
+/* Strict mode's policy: the normalised ratio must be one the warmup compiled (None: any). */
+static int check_admitted(PyObject *admitted, int64_t ratio) {
+    if (admitted == Py_None) return 0;
+    PyObject *key = PyLong_FromLongLong(ratio);
+    if (!key) return -1;
+    int found = PySequence_Contains(admitted, key);
+    Py_DECREF(key);
+    return found < 0 ? -1 : !found;
 }
 
-/* ---- wire writing --------------------------------------------------------------------------------------- */
-
-static int varint_size(uint64_t value) {
-    int n = 1;
-    while (value > 0x7F) value >>= 7, n++;
-    return n;
+/* The chunk: kernels.inputs._chunk_host_part with DCP off (DCP is the general path's), and the policy. */
+static int check_chunk(const Request *r, Py_ssize_t batch, PyObject *admitted, Chunk *c) {
+    if (r->ratio < 0 || r->dcp_rank != 0 || r->dcp_world_size != 1 || r->dcp_interleave != 1) return 1;
+    c->r = r;
+    c->ratio = r->ratio > 1 ? r->ratio : 1; /* kernels.specialization.normalize_compress_ratio: 0 means 1 */
+    int policy = check_admitted(admitted, c->ratio);
+    if (policy) return policy;
+    if (r->req_start < 0 || r->req_start > batch || r->req_end < r->req_start || r->req_end > batch) return 1;
+    c->reqs = (Py_ssize_t)(r->req_end - r->req_start);
+    c->total = 0;
+    for (Py_ssize_t i = 0; i < c->reqs; i++) c->total += load_i32(r->seq, r->req_start + i) / c->ratio;
+    if (c->total > INT32_MAX) return 1; /* the arrays hold int32 */
+    c->base = load_i32(r->qsl, r->req_start);
+    int64_t queries = load_i32(r->qsl, r->req_end) - c->base;
+    c->rows_start = r->has_slice ? r->slice_start : 0;
+    c->rows_stop = r->has_slice ? r->slice_stop : queries;
+    if (c->rows_start < 0 || c->rows_start > queries || c->rows_stop < c->rows_start || c->rows_stop > queries)
+        return 1;
+    c->skip_kv_gather = r->skip_kv_gather || (r->has_slice && c->rows_start > 0);
+    return 0;
 }
 
-static uint8_t *put_varint(uint8_t *out, uint64_t value) {
-    while (value > 0x7F) *out++ = (uint8_t)(value & 0x7F) | 0x80, value >>= 7;
-    *out++ = (uint8_t)value;
-    return out;
+/* The limits on the answer (DataPlane._check_sizes): the KV workspace, then the estimate of the response's
+ * bytes against max_message_bytes (here the fast path's reserve, which dataplane passes in its place). */
+static int check_response(const Chunk *c, const Limits *lim) {
+    int64_t estimate = lim->chunk_overhead_bytes;
+    if (c->total > 0) {
+        if (c->total > lim->workspace_tokens / c->ratio) return 1;
+        int64_t rows = c->rows_stop - c->rows_start;
+        estimate += 2 * I32_BYTES * rows + 2 * I32_BYTES * (int64_t)(c->reqs + 1) +
+                    (c->r->omit_token_to_seq ? 0 : I32_BYTES * c->total);
+    }
+    return estimate > lim->max_message_bytes;
 }
 
-/* Sizes of a proto3 field without presence: nothing at its default. Field numbers here are all below 16. */
-static Py_ssize_t scalar_size(uint64_t value) { return value ? 1 + varint_size(value) : 0; }
-static Py_ssize_t bytes_size(Py_ssize_t length) { return length ? 1 + varint_size((uint64_t)length) + length : 0; }
+/* ---- size and write: one emit code, run counting and then writing -------------------------------------- */
 
-static uint8_t *put_scalar(uint8_t *out, int field, uint64_t value) {
-    if (!value) return out;
-    *out++ = (uint8_t)(field << 3);
-    return put_varint(out, value);
+/* Where emitted bytes go. Counting (pos == NULL): only `count` grows, the size pass. Writing: into [pos, end),
+ * the write pass; a write that does not fit writes nothing and sets `overrun`, for good. The size of the bytes
+ * object comes from the counting run of the very code that then writes it, and should the two still disagree
+ * (a bug), the bounds make it an exception instead of a write past the object. */
+typedef struct {
+    uint8_t *pos, *end;
+    Py_ssize_t count; /* bytes emitted so far, fitting or not */
+    int overrun;
+} Writer;
+
+#define COUNTING ((Writer){NULL, NULL, 0, 0})
+
+/* Room for n bytes: where to write them, or NULL when counting or when they do not fit. */
+static uint8_t *reserve(Writer *w, Py_ssize_t n) {
+    w->count += n;
+    if (!w->pos) return NULL;
+    if (w->overrun || w->end - w->pos < n) {
+        w->overrun = 1;
+        return NULL;
+    }
+    uint8_t *at = w->pos;
+    w->pos += n;
+    return at;
 }
 
-/* The tag and length of a length-delimited field; its body comes next. Nothing when empty. */
-static uint8_t *put_bytes_header(uint8_t *out, int field, Py_ssize_t length) {
-    if (!length) return out;
-    *out++ = (uint8_t)(field << 3 | 2);
-    return put_varint(out, (uint64_t)length);
+static void put_varint(Writer *w, uint64_t value) {
+    uint8_t bytes[10];
+    Py_ssize_t n = 0;
+    for (; value > 0x7F; value >>= 7) bytes[n++] = (uint8_t)(value & 0x7F) | 0x80;
+    bytes[n++] = (uint8_t)value;
+    uint8_t *at = reserve(w, n);
+    if (at) memcpy(at, bytes, (size_t)n);
 }
 
-/* ---- the call ------------------------------------------------------------------------------------------- */
+/* proto3 fields without presence are left out at their default, as protobuf and service/codec.py do. */
+static void put_varint_field(Writer *w, uint64_t tag, uint64_t value) {
+    if (!value) return;
+    put_varint(w, tag);
+    put_varint(w, value);
+}
+
+/* A bytes field's tag and length; returns where its `length` bytes go (NULL when empty, counting or overrun). */
+static uint8_t *put_bytes_field(Writer *w, uint64_t tag, Py_ssize_t length) {
+    if (!length) return NULL;
+    put_varint(w, tag);
+    put_varint(w, (uint64_t)length);
+    return reserve(w, length);
+}
+
+/* Where each array's bytes are in the response, filled in by the writing run. */
+typedef struct {
+    const Chunk *c;
+    uint8_t *cu, *token_to_seq, *ks, *ke, *local_cu;
+} Layout;
+
+static void emit_query_slice(Writer *w, int64_t start, int64_t stop) {
+    put_varint_field(w, QUERY_SLICE_START_TAG, (uint64_t)start);
+    put_varint_field(w, QUERY_SLICE_STOP_TAG, (uint64_t)stop);
+}
+
+/* ChunkMetadata's fields in number order (protobuf's and service/codec.py's), for DCP off: the rank's own
+ * lengths and totals are the chunk's. The arrays' bytes are only reserved here; fill_arrays writes them. */
+static void emit_metadata(Writer *w, const Chunk *c, Layout *l) {
+    const Request *r = c->r;
+    Py_ssize_t cu_bytes = I32_BYTES * (c->reqs + 1);
+    Py_ssize_t rows_bytes = I32_BYTES * (Py_ssize_t)(c->rows_stop - c->rows_start);
+    l->cu = put_bytes_field(w, CHUNK_METADATA_CU_SEQ_LENS_TAG, cu_bytes);
+    l->token_to_seq = put_bytes_field(w, CHUNK_METADATA_TOKEN_TO_SEQ_TAG,
+                                      r->omit_token_to_seq ? 0 : I32_BYTES * (Py_ssize_t)c->total);
+    l->ks = put_bytes_field(w, CHUNK_METADATA_CU_SEQLEN_KS_TAG, rows_bytes);
+    l->ke = put_bytes_field(w, CHUNK_METADATA_CU_SEQLEN_KE_TAG, rows_bytes);
+    put_varint_field(w, CHUNK_METADATA_TOTAL_SEQ_LENS_TAG, (uint64_t)c->total);
+    put_varint_field(w, CHUNK_METADATA_TOKEN_START_TAG, (uint64_t)(c->base + c->rows_start));
+    put_varint_field(w, CHUNK_METADATA_TOKEN_END_TAG, (uint64_t)(c->base + c->rows_stop));
+    put_varint_field(w, CHUNK_METADATA_NUM_REQS_TAG, (uint64_t)c->reqs);
+    put_varint_field(w, CHUNK_METADATA_SKIP_KV_GATHER_TAG, (uint64_t)c->skip_kv_gather);
+    l->local_cu = put_bytes_field(w, CHUNK_METADATA_LOCAL_CU_SEQ_LENS_TAG, cu_bytes);
+    put_varint_field(w, CHUNK_METADATA_LOCAL_TOTAL_SEQ_LENS_TAG, (uint64_t)c->total);
+    put_varint_field(w, CHUNK_METADATA_MAX_LOCAL_TOTAL_SEQ_LENS_TAG, (uint64_t)c->total);
+    put_varint_field(w, CHUNK_METADATA_REQ_START_TAG, (uint64_t)r->req_start);
+    put_varint_field(w, CHUNK_METADATA_REQ_END_TAG, (uint64_t)r->req_end);
+    Writer slice = COUNTING;
+    emit_query_slice(&slice, c->rows_start, c->rows_stop);
+    put_varint(w, CHUNK_METADATA_QUERY_SLICE_TAG); /* a message field: present even when empty */
+    put_varint(w, (uint64_t)slice.count);
+    emit_query_slice(w, c->rows_start, c->rows_stop);
+    put_varint_field(w, CHUNK_METADATA_TOKEN_TO_SEQ_OMITTED_TAG, (uint64_t)r->omit_token_to_seq);
+}
+
+/* BuildChunkResponse up to its only field's body: the metadata's tag and length. */
+static void emit_response_head(Writer *w, Py_ssize_t metadata_bytes) {
+    put_varint(w, BUILD_CHUNK_RESPONSE_METADATA_TAG);
+    put_varint(w, (uint64_t)metadata_bytes);
+}
+
+/* The response bytes with everything but the arrays written, sized by a counting run and then written
+ * bounds-checked; the write must end exactly at the end. NULL with RuntimeError when it does not. `size_skew`
+ * is 0 except through the test builds' seam, which makes the size pass wrong on purpose. */
+static PyObject *write_response(const Chunk *c, Layout *l, Py_ssize_t size_skew) {
+    Writer metadata = COUNTING, head = COUNTING;
+    emit_metadata(&metadata, c, l);
+    emit_response_head(&head, metadata.count);
+    Py_ssize_t size = head.count + metadata.count + size_skew;
+    PyObject *response = PyBytes_FromStringAndSize(NULL, size > 0 ? size : 0);
+    if (!response) return NULL;
+    Writer w = {(uint8_t *)PyBytes_AS_STRING(response), NULL, 0, 0};
+    w.end = w.pos + PyBytes_GET_SIZE(response);
+    emit_response_head(&w, metadata.count);
+    emit_metadata(&w, c, l);
+    if (!w.overrun && w.pos == w.end) return response;
+    Py_DECREF(response);
+    return PyErr_Format(PyExc_RuntimeError,
+                        "service._fastpath: the size pass counted %zd response bytes and the write pass %zd; nothing "
+                        "was written past the bytes object (a bug in service/fastpath.c)",
+                        size, w.count);
+}
+
+/* ---- the arrays ----------------------------------------------------------------------------------------- */
+
+/* cu_seq_lens, local_cu_seq_lens and token_to_seq. Each run of token_to_seq is checked against the room the
+ * size pass gave it, and the sum against the total: with a buffer another thread changes while the GIL is
+ * released, the arrays may be wrong but never written out of place. -1 on a mismatch. */
+static int fill_lengths(const Layout *l) {
+    const Chunk *c = l->c;
+    int64_t cumulative = 0;
+    store_i32(l->cu, 0, 0);
+    for (Py_ssize_t i = 0; i < c->reqs; i++) {
+        int64_t compressed = load_i32(c->r->seq, c->r->req_start + i) / c->ratio;
+        if (compressed < 0 || compressed > c->total - cumulative) return -1;
+        if (l->token_to_seq) {
+            uint8_t *run = l->token_to_seq + I32_BYTES * cumulative;
+            int32_t request = (int32_t)i;
+            for (int64_t t = 0; t < compressed; t++) memcpy(run + I32_BYTES * t, &request, sizeof request);
+        }
+        cumulative += compressed;
+        store_i32(l->cu, i + 1, cumulative);
+    }
+    memcpy(l->local_cu, l->cu, (size_t)(I32_BYTES * (c->reqs + 1))); /* the rank's own lengths are all of them */
+    return cumulative == c->total ? 0 : -1;
+}
+
+/* cu_seqlen_ks and cu_seqlen_ke: each query row's window, spec section 1 with DCP off. Bounded like
+ * fill_lengths: each request's rows against the room left, and all of them against the slice. */
+static int fill_windows(const Layout *l) {
+    const Chunk *c = l->c;
+    const Request *r = c->r;
+    int64_t capacity = c->rows_stop - c->rows_start, row = 0;
+    int shift = -1; /* log2(ratio) when ratio is a power of two: a shift instead of a division */
+    if ((c->ratio & (c->ratio - 1)) == 0)
+        for (shift = 0; (INT64_C(1) << shift) < c->ratio;) shift++;
+    for (Py_ssize_t i = 0; i < c->reqs && row < capacity; i++) {
+        int64_t lo = load_i32(r->qsl, r->req_start + i) - c->base;
+        int64_t hi = load_i32(r->qsl, r->req_start + i + 1) - c->base;
+        int64_t from = lo > c->rows_start ? lo : c->rows_start, to = hi < c->rows_stop ? hi : c->rows_stop;
+        if (from >= to) continue;
+        if (to - from > capacity - row) return -1;
+        int32_t start = (int32_t)load_i32(l->cu, i), rows = (int32_t)(to - from);
+        /* Row q of request i sees causal position seq_len - (hi - lo) + 1 + (q - lo): one more per row. All of
+         * it fits int32 (positions <= seq_len), and int32 loops without division vectorize. */
+        int32_t position = (int32_t)(load_i32(r->seq, r->req_start + i) - (hi - lo) + 1 + (from - lo));
+        uint8_t *ks = l->ks + I32_BYTES * row, *ke = l->ke + I32_BYTES * row;
+        for (int32_t k = 0; k < rows; k++) memcpy(ks + I32_BYTES * k, &start, sizeof start);
+        if (shift >= 0) {
+            for (int32_t k = 0; k < rows; k++) {
+                int32_t end = start + ((position + k) >> shift);
+                memcpy(ke + I32_BYTES * k, &end, sizeof end);
+            }
+        } else { /* quotient and remainder carried from row to row instead of a division per row */
+            int32_t visible = position / (int32_t)c->ratio, remainder = position % (int32_t)c->ratio;
+            for (int32_t k = 0; k < rows; k++) {
+                int32_t end = start + visible;
+                memcpy(ke + I32_BYTES * k, &end, sizeof end);
+                if (++remainder == c->ratio) remainder = 0, visible++;
+            }
+        }
+        row += rows;
+    }
+    return row == capacity ? 0 : -1;
+}
 
 static double monotonic_seconds(void) {
     struct timespec now;
@@ -187,58 +472,61 @@ static double monotonic_seconds(void) {
     return (double)now.tv_sec + 1e-9 * (double)now.tv_nsec;
 }
 
-typedef struct {
-    const Request *r;
-    int64_t ratio, base, rows_start, rows_stop;
-    int shift; /* log2(ratio) when ratio is a power of two, else -1 */
-    Py_ssize_t reqs;
-    uint8_t *cu, *token_to_seq, *ks, *ke, *local_cu; /* where each array's bytes go in the response */
-} Layout;
-
-/* cu_seq_lens, token_to_seq, and each query row's window: spec section 1 with DCP off. */
-static void write_arrays(const Layout *l) {
-    const Request *r = l->r;
-    int64_t cumulative = 0;
-    store_i32(l->cu, 0, 0);
-    for (Py_ssize_t i = 0; i < l->reqs; i++) {
-        int64_t compressed = load_i32(r->seq, r->req_start + i) / l->ratio;
-        if (l->token_to_seq) {
-            uint8_t *run = l->token_to_seq + 4 * cumulative;
-            int32_t request = (int32_t)i;
-            for (int64_t t = 0; t < compressed; t++) memcpy(run + 4 * t, &request, 4);
-        }
-        cumulative += compressed;
-        store_i32(l->cu, i + 1, cumulative);
+/* Both array passes, without the GIL when they are large; the seconds they took. -1 on a mismatch. */
+static int fill_arrays(const Layout *l, double *seconds) {
+    const Chunk *c = l->c;
+    int rc;
+    double started = monotonic_seconds();
+    if (c->total + 2 * (c->rows_stop - c->rows_start) > RELEASE_GIL_ELEMENTS) {
+        Py_BEGIN_ALLOW_THREADS
+        rc = fill_lengths(l) || fill_windows(l);
+        Py_END_ALLOW_THREADS
+    } else {
+        rc = fill_lengths(l) || fill_windows(l);
     }
-    memcpy(l->local_cu, l->cu, 4 * (size_t)(l->reqs + 1)); /* the rank's own lengths are all of them */
+    *seconds = monotonic_seconds() - started;
+    return rc ? -1 : 0;
+}
 
-    Py_ssize_t row = 0;
-    for (Py_ssize_t i = 0; i < l->reqs && row < l->rows_stop - l->rows_start; i++) {
-        int64_t lo = load_i32(r->qsl, r->req_start + i) - l->base, hi = load_i32(r->qsl, r->req_start + i + 1) - l->base;
-        int64_t from = lo > l->rows_start ? lo : l->rows_start, to = hi < l->rows_stop ? hi : l->rows_stop;
-        if (from >= to) continue;
-        int32_t start = (int32_t)load_i32(l->cu, i);
-        /* Row q of request i sees causal position seq_len - (hi - lo) + 1 + (q - lo): one more per row. All of
-         * it fits int32 (positions <= seq_len), and int32 loops without division vectorize. */
-        int32_t position = (int32_t)(load_i32(r->seq, r->req_start + i) - (hi - lo) + 1 + (from - lo));
-        int32_t rows = (int32_t)(to - from);
-        uint8_t *ks = l->ks + 4 * row, *ke = l->ke + 4 * row;
-        for (int32_t k = 0; k < rows; k++) memcpy(ks + 4 * k, &start, 4);
-        if (l->shift >= 0) {
-            for (int32_t k = 0; k < rows; k++) {
-                int32_t end = start + ((position + k) >> l->shift);
-                memcpy(ke + 4 * k, &end, 4);
-            }
-        } else { /* quotient and remainder carried from row to row instead of a division per row */
-            int32_t visible = position / (int32_t)l->ratio, remainder = position % (int32_t)l->ratio;
-            for (int32_t k = 0; k < rows; k++) {
-                int32_t end = start + visible;
-                memcpy(ke + 4 * k, &end, 4);
-                if (++remainder == l->ratio) remainder = 0, visible++;
-            }
-        }
-        row += rows;
+/* ---- the call ------------------------------------------------------------------------------------------- */
+
+/* Parse, check, size and write: the answer tuple, None to step aside, or NULL with an exception. */
+static PyObject *serve(const Py_buffer *request, const Limits *lim, PyObject *admitted, Py_ssize_t size_skew) {
+    Request r = {.dcp_world_size = 1, .dcp_interleave = 1}; /* optional fields: absent means 1 */
+    Chunk c;
+    Py_ssize_t batch;
+    const uint8_t *wire = request->buf;
+    if (parse_request(wire, wire + request->len, &r) || check_batch(&r, lim, &batch)) Py_RETURN_NONE;
+    int rc = check_chunk(&r, batch, admitted, &c);
+    if (rc < 0) return NULL;
+    if (rc > 0 || check_response(&c, lim)) Py_RETURN_NONE;
+    if (c.total == 0) { /* nothing to build: a BuildChunkResponse without metadata */
+        PyObject *empty = PyBytes_FromStringAndSize(NULL, 0);
+        return empty ? Py_BuildValue("(Nnnd)", empty, c.reqs, (Py_ssize_t)0, 0.0) : NULL;
     }
+    Layout layout = {.c = &c};
+    PyObject *response = write_response(&c, &layout, size_skew);
+    if (!response) return NULL;
+    double seconds;
+    if (fill_arrays(&layout, &seconds)) {
+        Py_DECREF(response);
+        return PyErr_Format(PyExc_RuntimeError, "service._fastpath: the arrays disagree with their size pass (the "
+                                                "request's buffer changed during the call?)");
+    }
+    return Py_BuildValue("(Nnnd)", response, c.reqs, (Py_ssize_t)(c.rows_stop - c.rows_start), seconds);
+}
+
+static PyObject *build_chunk_skewed(PyObject *args, Py_ssize_t size_skew) {
+    Py_buffer buffer;
+    Limits lim;
+    PyObject *admitted;
+    if (!PyArg_ParseTuple(args, "y*(LLLLLL)O:build_chunk", &buffer, &lim.max_num_seqs, &lim.max_num_batched_tokens,
+                          &lim.max_model_len, &lim.workspace_tokens, &lim.max_message_bytes,
+                          &lim.chunk_overhead_bytes, &admitted))
+        return NULL;
+    PyObject *result = serve(&buffer, &lim, admitted, size_skew);
+    PyBuffer_Release(&buffer);
+    return result;
 }
 
 PyDoc_STRVAR(build_chunk_doc,
@@ -248,131 +536,34 @@ PyDoc_STRVAR(build_chunk_doc,
 "case this function proves valid (any error, DCP, a limit reached, an unusual encoding): the caller then\n"
 "takes the general path. ``limits``: (max_num_seqs, max_num_batched_tokens, max_model_len,\n"
 "workspace_tokens, max_message_bytes, chunk_overhead_bytes); ``admitted_ratios``: the normalised compress\n"
-"ratios strict mode admits, or None for any.");
+"ratios strict mode admits, or None for any. RuntimeError if its size and write passes disagree (a bug).");
 
 static PyObject *build_chunk(PyObject *self, PyObject *args) {
     (void)self;
-    Py_buffer buffer;
-    Limits lim;
-    PyObject *admitted;
-    if (!PyArg_ParseTuple(args, "y*(LLLLLL)O:build_chunk", &buffer, &lim.max_num_seqs, &lim.max_num_batched_tokens,
-                          &lim.max_model_len, &lim.workspace_tokens, &lim.max_message_bytes,
-                          &lim.chunk_overhead_bytes, &admitted))
-        return NULL;
-    PyObject *result = NULL;
-    Request r = {.dcp_world_size = 1, .dcp_interleave = 1};
-    const uint8_t *wire = buffer.buf;
-
-#define GENERAL_PATH goto general_path
-    if (parse_request(wire, wire + buffer.len, &r)) GENERAL_PATH;
-
-    /* the batch (kernels.inputs.validate_batch) and the server's limits (DataPlane._admit_request) */
-    if (r.qsl_bytes % 4 || r.seq_bytes % 4 || r.qsl_bytes == 0) GENERAL_PATH;
-    Py_ssize_t batch = r.seq_bytes / 4;
-    if (batch != r.qsl_bytes / 4 - 1 || batch > lim.max_num_seqs) GENERAL_PATH;
-    if (load_i32(r.qsl, 0) != 0) GENERAL_PATH;
-    for (Py_ssize_t i = 0; i < batch; i++) {
-        int64_t q0 = load_i32(r.qsl, i), q1 = load_i32(r.qsl, i + 1), s = load_i32(r.seq, i);
-        if (q1 < q0 || q1 > lim.max_num_batched_tokens || s < q1 - q0 || s > lim.max_model_len) GENERAL_PATH;
-    }
-
-    /* the chunk (kernels.inputs._chunk_host_part) and policy: no DCP here, strict mode's admitted ratios */
-    if (r.ratio < 0 || r.dcp_rank != 0 || r.dcp_world_size != 1 || r.dcp_interleave != 1) GENERAL_PATH;
-    int64_t ratio = r.ratio > 1 ? r.ratio : 1;
-    if (admitted != Py_None) {
-        PyObject *key = PyLong_FromLongLong(ratio);
-        if (!key) goto done;
-        int found = PySequence_Contains(admitted, key);
-        Py_DECREF(key);
-        if (found < 0) goto done;
-        if (!found) GENERAL_PATH;
-    }
-    if (r.req_start < 0 || r.req_start > batch || r.req_end < r.req_start || r.req_end > batch) GENERAL_PATH;
-    Py_ssize_t reqs = (Py_ssize_t)(r.req_end - r.req_start);
-    int64_t total = 0;
-    for (Py_ssize_t i = 0; i < reqs; i++) total += load_i32(r.seq, r.req_start + i) / ratio;
-    if (total > I32_MAX) GENERAL_PATH;
-    int64_t base = load_i32(r.qsl, r.req_start), queries = load_i32(r.qsl, r.req_end) - base;
-    int64_t a = r.has_slice ? r.slice_start : 0, b = r.has_slice ? r.slice_stop : queries;
-    if (a < 0 || a > queries || b < a || b > queries) GENERAL_PATH;
-
-    /* the response limits (DataPlane._check_sizes) */
-    int64_t estimate = lim.chunk_overhead_bytes;
-    if (total > 0) {
-        if (total > lim.workspace_tokens / ratio) GENERAL_PATH;
-        estimate += 8 * (b - a) + 8 * (int64_t)(reqs + 1) + (r.omit_token_to_seq ? 0 : 4 * total);
-    }
-    if (estimate > lim.max_message_bytes) GENERAL_PATH;
-
-    if (total == 0) { /* nothing to build: a BuildChunkResponse without metadata */
-        PyObject *empty = PyBytes_FromStringAndSize(NULL, 0);
-        if (empty) result = Py_BuildValue("(Nnnd)", empty, reqs, (Py_ssize_t)0, 0.0);
-        goto done;
-    }
-
-    /* ChunkMetadata's fields in number order, proto3 defaults left out (service/codec.py's encoding) */
-    Py_ssize_t cu_bytes = 4 * (reqs + 1), rows_bytes = 4 * (Py_ssize_t)(b - a);
-    Py_ssize_t t2s_bytes = r.omit_token_to_seq ? 0 : 4 * (Py_ssize_t)total;
-    int skip_kv_gather = r.skip_kv_gather || (r.has_slice && a > 0);
-    Py_ssize_t slice_size = scalar_size((uint64_t)a) + scalar_size((uint64_t)b);
-    Py_ssize_t meta_size = bytes_size(cu_bytes) + bytes_size(t2s_bytes) + 2 * bytes_size(rows_bytes) +
-                           scalar_size((uint64_t)total) + scalar_size((uint64_t)(base + a)) +
-                           scalar_size((uint64_t)(base + b)) + scalar_size((uint64_t)reqs) +
-                           scalar_size((uint64_t)skip_kv_gather) + bytes_size(cu_bytes) +
-                           2 * scalar_size((uint64_t)total) + scalar_size((uint64_t)r.req_start) +
-                           scalar_size((uint64_t)r.req_end) + 1 + varint_size((uint64_t)slice_size) + slice_size +
-                           (r.omit_token_to_seq ? 3 : 0);
-    PyObject *response = PyBytes_FromStringAndSize(NULL, 1 + varint_size((uint64_t)meta_size) + meta_size);
-    if (!response) goto done;
-    uint8_t *out = (uint8_t *)PyBytes_AS_STRING(response);
-    Layout layout = {.r = &r, .ratio = ratio, .base = base, .rows_start = a, .rows_stop = b,
-                     .reqs = reqs, .shift = -1};
-    if ((ratio & (ratio - 1)) == 0) {
-        for (layout.shift = 0; (INT64_C(1) << layout.shift) < ratio;) layout.shift++;
-    }
-
-    out = put_bytes_header(out, 1, meta_size); /* BuildChunkResponse.metadata */
-    out = put_bytes_header(out, 1, cu_bytes), layout.cu = out, out += cu_bytes;
-    out = put_bytes_header(out, 2, t2s_bytes), layout.token_to_seq = t2s_bytes ? out : NULL, out += t2s_bytes;
-    out = put_bytes_header(out, 3, rows_bytes), layout.ks = out, out += rows_bytes;
-    out = put_bytes_header(out, 4, rows_bytes), layout.ke = out, out += rows_bytes;
-    out = put_scalar(out, 5, (uint64_t)total);
-    out = put_scalar(out, 6, (uint64_t)(base + a));
-    out = put_scalar(out, 7, (uint64_t)(base + b));
-    out = put_scalar(out, 8, (uint64_t)reqs);
-    out = put_scalar(out, 9, (uint64_t)skip_kv_gather);
-    out = put_bytes_header(out, 10, cu_bytes), layout.local_cu = out, out += cu_bytes;
-    out = put_scalar(out, 11, (uint64_t)total);
-    out = put_scalar(out, 12, (uint64_t)total);
-    out = put_scalar(out, 13, (uint64_t)r.req_start);
-    out = put_scalar(out, 14, (uint64_t)r.req_end);
-    *out++ = 15 << 3 | 2; /* query_slice: a message field, present even when empty */
-    out = put_varint(out, (uint64_t)slice_size);
-    out = put_scalar(out, 1, (uint64_t)a);
-    out = put_scalar(out, 2, (uint64_t)b);
-    if (r.omit_token_to_seq) *out++ = 0x80, *out++ = 0x01, *out++ = 1; /* field 16, token_to_seq_omitted */
-
-    double started = monotonic_seconds();
-    if (total + 2 * (b - a) > RELEASE_GIL_ELEMENTS) {
-        Py_BEGIN_ALLOW_THREADS
-        write_arrays(&layout);
-        Py_END_ALLOW_THREADS
-    } else {
-        write_arrays(&layout);
-    }
-    result = Py_BuildValue("(Nnnd)", response, reqs, (Py_ssize_t)(b - a), monotonic_seconds() - started);
-    goto done;
-
-general_path:
-    result = Py_NewRef(Py_None);
-done:
-    PyBuffer_Release(&buffer);
-    return result;
-#undef GENERAL_PATH
+    return build_chunk_skewed(args, 0);
 }
+
+#ifdef FASTPATH_TEST_SEAMS
+/* Test builds only (tests/test_fastpath_sanitized.py compiles with -DFASTPATH_TEST_SEAMS): build_chunk with its
+ * size pass off by `skew` bytes, to show that a disagreement is an exception and never a heap overrun. */
+static PyObject *build_chunk_with_size_skew(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *request, *limits, *admitted;
+    Py_ssize_t skew;
+    if (!PyArg_ParseTuple(args, "OOOn:_build_chunk_with_size_skew", &request, &limits, &admitted, &skew)) return NULL;
+    PyObject *rest = PyTuple_Pack(3, request, limits, admitted);
+    if (!rest) return NULL;
+    PyObject *result = build_chunk_skewed(rest, skew);
+    Py_DECREF(rest);
+    return result;
+}
+#endif
 
 static PyMethodDef methods[] = {
     {"build_chunk", build_chunk, METH_VARARGS, build_chunk_doc},
+#ifdef FASTPATH_TEST_SEAMS
+    {"_build_chunk_with_size_skew", build_chunk_with_size_skew, METH_VARARGS, NULL},
+#endif
     {NULL, NULL, 0, NULL},
 };
 

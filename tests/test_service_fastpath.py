@@ -1,14 +1,19 @@
 """service/fastpath.c against the Python request path it stands in for: where it answers, its bytes are the
 general path's bytes (and its size figures the same); where the general path refuses, it steps aside (None);
 and on the plain requests schedulers send, it does answer. Golden cases, hypothesis-generated requests valid
-and not, raw byte mutations, wire encodings protobuf accepts but the fast path leaves alone, every limit."""
+and not, raw byte mutations, wire encodings protobuf accepts but the fast path leaves alone, every limit and
+check at its boundary and one past it, the generated wire contract, and (in the test build that
+tests/test_fastpath_sanitized.py makes) a size pass that disagrees with the write pass."""
 
 from __future__ import annotations
 
 import dataclasses
 import gc
+import os
+import re
 import sys
 import tracemalloc
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from benchmarks.fuzzing import FUZZ_LIMITS, chunk_request, rng_draw
-from kernels.inputs import ChunkInputs
+from kernels.inputs import ChunkInputs, DcpConfig, chunk_host_parts
 from kernels.specialization import CompileKey, warmup_keys
 from kernels.testing import BatchShape, random_chunk_inputs
 from protos.indexer.v1 import indexer_pb2 as pb
@@ -27,7 +32,11 @@ from service.metrics import Metrics
 from service.warmup import Warmup, WarmupState
 from tests.golden import GOLDEN, case_id, chunk_inputs, metadata_as_dict
 
-FUZZ = settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+REPO = Path(__file__).resolve().parent.parent
+
+# tests/test_fastpath_sanitized.py runs fewer: under ASan every Python allocation is a guarded malloc.
+FUZZ_EXAMPLES = int(os.environ.get("FASTPATH_FUZZ_EXAMPLES", "600"))
+FUZZ = settings(max_examples=FUZZ_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 BASE = load_config({"warmup_target": "none"}, env={})
 LIMITED = dataclasses.replace(
     BASE,
@@ -249,8 +258,15 @@ def _field(number: int, wire_type: int, payload: bytes) -> bytes:
         (_field(3, 2, b"\x00"), False),  # compress_ratio with the wrong wire type
         (_field(4, 0, b"\x80\x00"), True),  # req_start 0 as a two-byte varint: still 0
     ],
-    ids=["unknown-field", "repeated-scalar", "bool-two", "negative-int32", "truncated-int32", "wrong-wire-type",
-         "long-varint"],
+    ids=[
+        "unknown-field",
+        "repeated-scalar",
+        "bool-two",
+        "negative-int32",
+        "truncated-int32",
+        "wrong-wire-type",
+        "long-varint",
+    ],
 )
 def test_unusual_encodings_go_the_general_way(extra: bytes, answered: bool, paths: Paths) -> None:
     assert paths.check(_wire(PLAIN) + extra) is answered
@@ -310,3 +326,144 @@ def test_off_switch_sends_everything_the_general_way() -> None:
     backend = make_backend("numpy", None, config.native_fast_path)
     assert backend.build_chunk_fast is None
     assert make_backend("numpy", None, True).build_chunk_fast is _fastpath.build_chunk
+
+
+# --- the C checks held equal to the Python ones: each limit and check at its boundary and one past it ---------
+
+
+def _outcome(paths: Paths, inputs: ChunkInputs, omit: bool = False) -> str:
+    """Who answers ``inputs``: ``fast`` (service/fastpath.c, with the general path's bytes), ``general`` (the fast
+    path stepped aside and the general path served it), or the general path's refusal code."""
+    data = _wire(inputs, omit)
+    if paths.check(data):
+        return "fast"
+    try:
+        paths.general.call("BuildChunk", data)
+    except ServiceError as exc:
+        return exc.code.name
+    return "general"
+
+
+def _requests(seq_lens: list[int], ratio: int = 1, queries: int = 1) -> ChunkInputs:
+    """A chunk of every request of a batch, ``queries`` query tokens a request (``seq_lens`` >= it)."""
+    qsl = np.arange(len(seq_lens) + 1) * queries
+    return ChunkInputs(qsl, np.array(seq_lens), ratio, 0, len(seq_lens))
+
+
+def _response_estimate(inputs: ChunkInputs, omit: bool) -> int:
+    """The general path's own estimate of the answer's bytes (what max_message_bytes is compared with)."""
+    return Paths(BASE).general._check_sizes([inputs], chunk_host_parts([inputs]), omit)
+
+
+@dataclasses.dataclass(frozen=True)
+class Boundary:
+    """A limit or check at its boundary (``at`` under ``settings``: the fast path answers, with the general path's
+    bytes) and one past it (``past`` under ``past_settings``, by default the same: the answer is ``outcome``)."""
+
+    settings: dict
+    at: ChunkInputs
+    past: ChunkInputs
+    outcome: str
+    past_settings: dict | None = None
+    omit: bool = False
+
+
+def _replace(inputs: ChunkInputs, **change: object) -> ChunkInputs:
+    return dataclasses.replace(inputs, **change)
+
+
+ESTIMATE, ESTIMATE_OMIT = _response_estimate(PLAIN, False), _response_estimate(PLAIN, True)
+EXHAUSTED, INVALID = "RESOURCE_EXHAUSTED", "INVALID_ARGUMENT"
+BOUNDARIES = {
+    "max_num_seqs": Boundary({"max_num_seqs": 10}, _requests([9] * 10, 4), _requests([9] * 11, 4), EXHAUSTED),
+    "max_num_batched_tokens": Boundary(
+        {"max_num_batched_tokens": 7}, PLAIN, _replace(PLAIN, query_start_loc=np.array([0, 3, 8])), EXHAUSTED
+    ),
+    "max_model_len": Boundary({"max_model_len": 40}, PLAIN, _replace(PLAIN, seq_lens=np.array([9, 41])), EXHAUSTED),
+    # max_model_len 10: a KV workspace of 400 compressed tokens at ratio 1, and of 133 (rounded down) at ratio 3.
+    "workspace": Boundary({"max_model_len": 10}, _requests([10] * 40), _requests([10] * 40 + [1]), EXHAUSTED),
+    "workspace-ratio-3": Boundary(
+        {"max_model_len": 10}, _requests([10] * 44 + [3], 3), _requests([10] * 44 + [6], 3), EXHAUSTED
+    ),
+    # The response estimate against max_message_bytes, with and without token_to_seq.
+    "max_message_bytes": Boundary(
+        {"max_message_bytes": ESTIMATE}, PLAIN, PLAIN, EXHAUSTED, {"max_message_bytes": ESTIMATE - 1}
+    ),
+    "max_message_bytes-omit": Boundary(
+        {"max_message_bytes": ESTIMATE_OMIT}, PLAIN, PLAIN, EXHAUSTED, {"max_message_bytes": ESTIMATE_OMIT - 1}, True
+    ),
+    # The fast path serves what fits its reserve, min(max_message_bytes, heavy_request_bytes); a larger answer is
+    # the general path's, which reserves its estimate and takes the heavy lane.
+    "fast-path-reserve": Boundary(
+        {"heavy_request_bytes": ESTIMATE}, PLAIN, PLAIN, "general", {"heavy_request_bytes": ESTIMATE - 1}
+    ),
+    # The compressed total is int32 on the wire: 2^31 - 1 is served, 2^31 is malformed.
+    "int32-total": Boundary(
+        {"max_model_len": 2**30},
+        ChunkInputs(np.zeros(3, np.int64), np.array([2**30, 2**30 - 1]), 1, 0, 2),
+        ChunkInputs(np.zeros(3, np.int64), np.array([2**30, 2**30]), 1, 0, 2),
+        INVALID,
+        omit=True,
+    ),
+    "req_end": Boundary({}, PLAIN, _replace(PLAIN, req_end=3), INVALID),
+    "req_start": Boundary({}, _replace(PLAIN, req_start=2), _replace(PLAIN, req_start=3, req_end=3), INVALID),
+    "query_slice-stop": Boundary({}, _replace(PLAIN, query_slice=(0, 7)), _replace(PLAIN, query_slice=(0, 8)), INVALID),
+    "query_slice-start": Boundary(
+        {}, _replace(PLAIN, query_slice=(7, 7)), _replace(PLAIN, query_slice=(8, 7)), INVALID
+    ),
+    "compress_ratio": Boundary({}, _replace(PLAIN, compress_ratio=0), _replace(PLAIN, compress_ratio=-1), INVALID),
+    "seq_lens-query-length": Boundary(
+        {}, _replace(PLAIN, seq_lens=np.array([3, 4])), _replace(PLAIN, seq_lens=np.array([3, 3])), INVALID
+    ),
+    "dcp_world_size": Boundary(
+        {}, _replace(PLAIN, compress_ratio=1), _replace(PLAIN, compress_ratio=1, dcp=DcpConfig(0, 2, 1)), "general"
+    ),
+}
+
+
+@pytest.mark.parametrize("case", BOUNDARIES.values(), ids=BOUNDARIES.keys())
+def test_every_check_answers_as_the_general_path_at_and_past_its_boundary(case: Boundary) -> None:
+    """The C file's checks and limits held equal to the Python ones: at the boundary the fast path answers with
+    the general path's bytes; one past it, it steps aside and the general path refuses (or serves)."""
+    assert _outcome(Paths(dataclasses.replace(BASE, **case.settings)), case.at, case.omit) == "fast"
+    past = Paths(dataclasses.replace(BASE, **(case.past_settings or case.settings)))
+    assert _outcome(past, case.past, case.omit) == case.outcome
+
+
+# --- the wire contract comes from the proto; the size pass is checked against the write pass ------------------
+
+
+WRITTEN = (pb.BuildChunkResponse, pb.ChunkMetadata, pb.QuerySlice)
+
+
+def test_every_field_tag_comes_from_the_generated_header() -> None:
+    """service/fastpath.c names every field it reads or writes through protos/indexer/v1/indexer_wire.h (generated
+    by `python -m protos.generate`, freshness-tested), and no number stands for a tag."""
+    source = (REPO / "service" / "fastpath.c").read_text()
+    assert '#include "../protos/indexer/v1/indexer_wire.h"' in source
+    header = (REPO / "protos" / "indexer" / "v1" / "indexer_wire.h").read_text()
+    for message in (pb.BuildChunkRequest, *WRITTEN):
+        prefix = re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", message.DESCRIPTOR.name).upper()
+        for field in message.DESCRIPTOR.fields:
+            name = f"{prefix}_{field.name.upper()}"
+            assert f"#define {name} {field.number} " in header
+            assert f"{name}_TAG" in source, f"{name} is not read or written through its generated tag"
+    code = re.sub(r"/\*.*?\*/", "", source, flags=re.S)
+    assert not re.search(r"case\s+\d|<<\s*3\b|\b0x80,", code), "a hand-written tag"
+
+
+SEAM = getattr(_fastpath, "_build_chunk_with_size_skew", None)
+
+
+@pytest.mark.skipif(SEAM is None, reason="needs the test build: tests/test_fastpath_sanitized.py runs this file on it")
+@pytest.mark.parametrize("skew", [-1, 1, -40, 4096], ids=["one-short", "one-over", "into-the-arrays", "far-over"])
+@pytest.mark.parametrize("large", [False, True], ids=["small", "gil-released"])
+def test_a_size_pass_off_by_any_bytes_is_an_exception_not_an_overrun(skew: int, large: bool, paths: Paths) -> None:
+    """The test build's seam makes the size pass wrong by ``skew`` bytes: the write pass, bounds-checked, raises
+    instead of writing past the bytes object (under ASan, any write out of place would abort the run)."""
+    inputs = PLAIN if not large else random_chunk_inputs(np.random.default_rng(7), BatchShape(32, 250, 40_000), 1)
+    data, limits = _wire(inputs), paths.fast._fast_limits
+    with pytest.raises(RuntimeError, match=r"the size pass counted \d+ response bytes and the write pass"):
+        SEAM(data, limits, None, skew)
+    assert SEAM(data, limits, None, 0) is not None
+    assert SEAM(data, limits, None, 0)[0] == _fastpath.build_chunk(data, limits, None)[0]
