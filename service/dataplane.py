@@ -502,7 +502,11 @@ class DataPlane:
         ticket = self.admission.budget.try_reserve(caller.peer, self._fast_reserve)
         if ticket is None:
             return None
-        served = self.backend.build_chunk_fast(data, self._fast_limits, self._admitted_ratios())
+        try:
+            served = self.backend.build_chunk_fast(data, self._fast_limits, self._admitted_ratios())
+        except BaseException:
+            ticket.release()
+            raise
         if served is None:
             ticket.release()
             return None
