@@ -42,6 +42,9 @@ def clean_env(**overrides: str) -> dict[str, str]:
 
     env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX) and k != CONFIG_FILE_ENV}
     env["PYTHONUNBUFFERED"] = "1"
+    # One process, as before worker processes existed (workers = 0 would start one per CPU): the tests and
+    # benchmarks of the single process stay what they were; worker tests and bench_workers ask for more.
+    env[ENV_PREFIX + "WORKERS"] = "1"
     env.update(overrides)
     return env
 

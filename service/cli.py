@@ -45,9 +45,17 @@ def _serve(args: argparse.Namespace) -> int:
         signals.close()
         raise
     try:
-        from service.server import serve
+        from service.supervisor import resolve_workers
 
-        code = serve(config, args.port_file, signals)
+        workers, source = resolve_workers(config.workers)
+        if workers > 1:  # the supervisor and its workers (service/supervisor.py); 1: this process serves
+            from service.supervisor import supervise
+
+            code = supervise(config, workers, source, args.port_file, signals)
+        else:
+            from service.server import serve
+
+            code = serve(config, args.port_file, signals)
     except ConfigError as exc:  # found only once the server is built (none should be)
         print(f"indexer-service serve: {exc}", file=sys.stderr)
         code = EXIT_USAGE
@@ -127,7 +135,7 @@ def _check(args: argparse.Namespace) -> int:
     # waiting for a ready server: the answer is about this server now.
     with IndexerClient(
         args.address, timeout=args.timeout, max_attempts=1, health_check=False, wait_for_ready=False,
-        credentials=credentials,
+        credentials=credentials, connections=1,
     ) as client:  # fmt: skip
         try:
             overall, service = client.health(""), client.health(SERVICE_NAME)

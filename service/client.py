@@ -17,6 +17,14 @@ is ``host:port`` items: IP literals (``10.0.0.1:50051``, ``[fd00::1]:50051``, on
 address it resolves to, re-resolved as replicas come and go). Several host names in one list are refused with
 a ValueError: give one DNS name that resolves to every replica (a Kubernetes headless Service), or literals.
 
+Several connections: a replica runs several worker processes sharing one port (docs/service.md, "Workers"), and
+the kernel hands each *connection* to one of them, so one connection would reach one worker. The client opens
+``connections`` channels (8 by default), each its own connection to every address, and sends each call on the
+one with the fewest calls in flight (ties in turn): calls flow to the workers that answer, and a worker that no
+connection reached costs nothing but its share. The kernel picks a worker per connection at random: 8
+connections leave one of 2 workers without any with probability 2 / 2^8 (under 1 %); ask for more on replicas
+with many workers.
+
 Wait for ready: ``build_chunk`` and ``plan_batch`` wait, within the call's deadline, for a replica to be
 connected and SERVING (gRPC's ``wait_for_ready``), so a scheduler that starts beside replicas still warming
 up gets its answer once one is ready instead of UNAVAILABLE at once. ``IndexerClient(...,
@@ -27,7 +35,9 @@ server as it is now.
 from __future__ import annotations
 
 import ipaddress
+import itertools
 import json
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -43,6 +53,7 @@ from service.codec import SERVICE_NAME
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 2**20  # the server's default max_message_bytes
 DEFAULT_TIMEOUT_SECONDS = 10.0
+DEFAULT_CONNECTIONS = 8  # per address: see the module docstring
 
 
 _SCHEMES = ("dns:", "ipv4:", "ipv6:", "unix:", "unix-abstract:", "vsock:", "xds:")
@@ -127,8 +138,38 @@ def tls_credentials(
     )
 
 
+class ChannelPool:
+    """``size`` channels to one target, each its own connection to every address the target resolves to
+    (gRPC would otherwise share one connection per address between channels); :meth:`pick` gives the one with
+    the fewest calls in flight, the ties in turn. Use as ``with pool.use() as channel_index: ...``."""
+
+    def __init__(self, make_channel, size: int) -> None:
+        if size < 1:
+            raise ValueError(f"connections: must be >= 1, got {size}")
+        self.channels = [make_channel([("grpc.use_local_subchannel_pool", 1)]) for _ in range(size)]
+        self._in_flight = [0] * size
+        self._turn = itertools.count()
+        self._lock = threading.Lock()
+
+    def acquire(self) -> int:
+        size = len(self.channels)
+        with self._lock:
+            start = next(self._turn) % size
+            best = min(range(start, start + size), key=lambda i: self._in_flight[i % size]) % size
+            self._in_flight[best] += 1
+        return best
+
+    def release(self, index: int) -> None:
+        with self._lock:
+            self._in_flight[index] -= 1
+
+    def close(self) -> None:
+        for channel in self.channels:
+            channel.close()
+
+
 class IndexerClient:
-    """One channel to one or several servers.
+    """Channels to one or several servers (``connections`` of them: see the module docstring).
 
     ``health_check=False`` sends calls to replicas that are not SERVING too (what ``indexer-service check``
     needs to ask a warming server for its status). ``credentials`` (see :func:`tls_credentials`) makes the
@@ -146,6 +187,7 @@ class IndexerClient:
         health_check: bool = True,
         wait_for_ready: bool = True,
         credentials: grpc.ChannelCredentials | None = None,
+        connections: int = DEFAULT_CONNECTIONS,
     ) -> None:
         self.timeout = timeout
         self.wait_for_ready = wait_for_ready
@@ -156,12 +198,16 @@ class IndexerClient:
             ("grpc.max_send_message_length", max_message_bytes),
         ]
         target = channel_target(target)
-        self.channel = (
-            grpc.secure_channel(target, credentials, options=options)
-            if credentials is not None
-            else grpc.insecure_channel(target, options=options)
-        )
-        self.stub = pb_grpc.PrefillMetadataStub(self.channel)
+
+        def make_channel(extra: list[tuple[str, object]]) -> grpc.Channel:
+            if credentials is not None:
+                return grpc.secure_channel(target, credentials, options=options + extra)
+            return grpc.insecure_channel(target, options=options + extra)
+
+        self.pool = ChannelPool(make_channel, connections)
+        self.stubs = [pb_grpc.PrefillMetadataStub(c) for c in self.pool.channels]
+        self.channel = self.pool.channels[0]
+        self.stub = self.stubs[0]
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
 
     def __enter__(self) -> IndexerClient:
@@ -171,7 +217,16 @@ class IndexerClient:
         self.close()
 
     def close(self) -> None:
-        self.channel.close()
+        self.pool.close()
+
+    def _call(self, method: str, request: object, timeout: float | None) -> object:
+        index = self.pool.acquire()
+        try:
+            return getattr(self.stubs[index], method)(
+                request, timeout=timeout or self.timeout, wait_for_ready=self.wait_for_ready
+            )
+        finally:
+            self.pool.release(index)
 
     def build_chunk(
         self, inputs: ChunkInputs, *, omit_token_to_seq: bool = False, timeout: float | None = None
@@ -179,7 +234,7 @@ class IndexerClient:
         """One chunk's metadata; None when the chunk holds no compressed token. ``token_to_seq`` is None when
         omitted."""
         request = codec.chunk_inputs_to_proto(inputs, omit_token_to_seq)
-        response = self.stub.BuildChunk(request, timeout=timeout or self.timeout, wait_for_ready=self.wait_for_ready)
+        response = self._call("BuildChunk", request, timeout)
         return codec.metadata_from_proto(response.metadata) if response.HasField("metadata") else None
 
     def plan_batch(
@@ -187,8 +242,7 @@ class IndexerClient:
     ) -> PrefillPlan:
         """The batch's prefill chunk plan and the metadata of every non-empty chunk."""
         request = codec.batch_inputs_to_proto(batch, omit_token_to_seq)
-        response = self.stub.PlanBatch(request, timeout=timeout or self.timeout, wait_for_ready=self.wait_for_ready)
-        return codec.plan_from_proto(response)
+        return codec.plan_from_proto(self._call("PlanBatch", request, timeout))
 
     def warmup_status(self, *, timeout: float | None = None) -> pb.GetWarmupStatusResponse:
         """The warmup's progress; never waits for a ready server (use ``health_check=False`` to ask one that is

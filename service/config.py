@@ -43,6 +43,9 @@ class ServiceConfig:
     http_host: str = _setting("address the HTTP server (/metrics, /livez, /readyz) binds")
     http_port: int = _setting("HTTP port (0: any free port)")
     grpc_workers: int = _setting("threads of the gRPC server")
+    workers: int = _setting(
+        "serving processes sharing the ports (0: the CPUs the container may use, from its cgroup quota and affinity)"
+    )
     max_message_bytes: int = _setting("largest gRPC message or HTTP body, either way, in bytes")
     max_concurrent_rpcs: int = _setting("most RPCs handled at once; more get RESOURCE_EXHAUSTED")
     max_connection_age_seconds: float = _setting("seconds before a client is asked to reconnect (0: never)")
@@ -129,6 +132,8 @@ MAX_SECONDS = _INT32_MAX / 1000
 # A compress ratio is a Triton constexpr and a request's int32 field; 2^20 (the default max_model_len) is far
 # above any real model's (4, 128) and compiles in every backend.
 MAX_COMPRESS_RATIO = 2**20
+# Serving processes of one replica: each holds a gRPC server, an interpreter and its arrays.
+MAX_WORKERS = 256
 
 
 @dataclass(frozen=True)
@@ -195,6 +200,7 @@ RULES: dict[str, Rule] = {
     "http_host": Rule(nonempty=True),
     "http_port": _PORT,
     "grpc_workers": _COUNT32,
+    "workers": Rule(1, MAX_WORKERS, zero="the CPUs the container may use"),
     "max_message_bytes": Rule(4096, _INT32_MAX),  # gRPC takes message limits as a C int
     "max_concurrent_rpcs": _COUNT32,
     "max_connection_age_seconds": Rule(0.001, MAX_SECONDS, zero="never"),  # int32 milliseconds in gRPC

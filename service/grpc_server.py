@@ -196,17 +196,19 @@ def connection_age_options(seconds: float) -> list[tuple[str, int]]:
     return [("grpc.max_connection_age_ms", int(seconds * 1000)), ("grpc.max_connection_age_grace_ms", 10_000)]
 
 
-def server_options(config: ServiceConfig) -> list[tuple[str, int]]:
+def server_options(config: ServiceConfig, share_port: bool = False) -> list[tuple[str, int]]:
     """The gRPC server's channel options: message limits both ways (a request is never larger than a valid one
-    can be), streams per connection, pending calls, no shared port, connection age."""
+    can be), streams per connection, pending calls, no shared port (but between the workers of one replica,
+    ``share_port``: the supervisor has reserved the port for them, service/supervisor.py), connection age."""
     return [
         ("grpc.max_receive_message_length", max_request_bytes(config)),
         ("grpc.max_send_message_length", config.max_message_bytes),
         ("grpc.max_concurrent_streams", config.max_streams_per_connection),
         # Calls gRPC core has accepted but the server has not yet taken: a stream flood waits in C, bounded.
         ("grpc.server.max_pending_requests", config.max_concurrent_rpcs),
-        # Never share a port silently with another process (Linux allows it by default in gRPC).
-        ("grpc.so_reuseport", 0),
+        # Never share a port silently with another process (Linux allows it by default in gRPC); the workers of
+        # one replica share theirs on purpose, and the supervisor guards it against anyone else.
+        ("grpc.so_reuseport", int(share_port)),
         *connection_age_options(config.max_connection_age_seconds),
     ]
 
@@ -236,14 +238,16 @@ class GrpcServer:
         self.handler.watchdog.stop()
 
 
-def create_grpc_server(config: ServiceConfig, plane: DataPlane, health_servicer: HealthServicer) -> GrpcServer:
-    """The RPC server, bound (not started)."""
+def create_grpc_server(
+    config: ServiceConfig, plane: DataPlane, health_servicer: HealthServicer, share_port: bool = False
+) -> GrpcServer:
+    """The RPC server, bound (not started); ``share_port``: SO_REUSEPORT, for a worker of several."""
     pool = RpcThreadPool(config.grpc_workers)
     server = grpc.server(
         pool,
         # Over the limit gRPC answers RESOURCE_EXHAUSTED itself, before any thread or memory is spent.
         maximum_concurrent_rpcs=config.max_concurrent_rpcs,
-        options=server_options(config),
+        options=server_options(config, share_port),
     )
     handler = PrefillMetadataHandler(plane, pool, config.max_concurrent_rpcs, config.response_drain_seconds)
     server.add_generic_rpc_handlers((handler,))

@@ -1,8 +1,9 @@
 """The HTTP transport, plain ASGI on uvicorn: probes, metrics, and the RPCs as protobuf or JSON over HTTP.
 
 - ``GET /livez``: 200 while the process runs.
-- ``GET /readyz``: 200 once warmup has finished, 503 with the reason before that and while draining.
-- ``GET /metrics``: Prometheus exposition of the service's registry.
+- ``GET /readyz``: 200 once warmup has finished, 503 with the reason before that and while draining. With
+  several workers, 200 only when every worker of the replica is ready (the supervisor says, ``pod_not_ready``).
+- ``GET /metrics``: Prometheus exposition of the service's registry (with several workers: every worker's).
 - ``POST /indexer.v1.PrefillMetadata/<Method>``: the gRPC method's request message as the body, binary
   protobuf (``application/x-protobuf``, also the default without a content type) or the proto3 JSON mapping
   (``application/json``: bytes fields as base64, int64 as strings or numbers); the response comes back in the
@@ -34,7 +35,7 @@ from service.admission import Caller
 from service.codec import SERVICE_NAME
 from service.config import ServiceConfig
 from service.dataplane import REQUEST_TYPES, RESPONSE_TYPES, DataPlane, ServiceError, max_request_bytes
-from service.metrics import Metrics
+from service.metrics import Metrics, exposition_registry
 
 log = logging.getLogger(__name__)
 
@@ -60,10 +61,12 @@ ABORT_KEY = "indexer.abort"
 class HttpApp:
     """ASGI application over one data plane."""
 
-    def __init__(self, plane: DataPlane) -> None:
+    def __init__(self, plane: DataPlane, pod_not_ready: Callable[[], str] | None = None) -> None:
         self.plane = plane
+        # Worker mode: why the replica is not ready ("" when every worker is), read from the supervisor.
+        self.pod_not_ready = pod_not_ready
         config = plane.config
-        self.metrics_app = make_asgi_app(registry=plane.metrics.registry)
+        self.metrics_app = make_asgi_app(registry=exposition_registry(plane.metrics.registry))
         self.max_body = max_request_bytes(config)
         self.drain_seconds = config.response_drain_seconds
         self.max_in_flight = config.max_concurrent_rpcs
@@ -80,7 +83,7 @@ class HttpApp:
         elif path == "/livez" and verb in ("GET", "HEAD"):
             await _reply(send, 200, b"ok\n")
         elif path == "/readyz" and verb in ("GET", "HEAD"):
-            reason = self.plane.not_ready_reason()
+            reason = self.plane.not_ready_reason() or (self.pod_not_ready() if self.pod_not_ready else "")
             await _reply(send, 503 if reason else 200, f"{reason or 'ready'}\n".encode())
         elif path.startswith(f"/{SERVICE_NAME}/") and path.rsplit("/", 1)[1] in REQUEST_TYPES:
             if verb != "POST":

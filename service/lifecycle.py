@@ -54,6 +54,10 @@ class ShutdownSignals:
                     break
         return self.received
 
+    def fileno(self) -> int:
+        """The socket a signal makes readable, for a ``select`` that also waits on other things."""
+        return self._read.fileno()
+
     def pending(self) -> signal.Signals | None:
         """The shutdown signal received so far, if any, without waiting."""
         return self._take(0)

@@ -3,10 +3,17 @@
 Naming follows Prometheus conventions: base units (seconds, counts), ``_seconds`` and ``_total``
 suffixes, histograms rather than summaries. Every label set is bounded: ``method`` by the proto,
 ``code`` by gRPC's status codes, ``key`` by the model's warmup set, ``backend`` by three values (numpy, triton, native).
+
+With several worker processes (``workers``, service/supervisor.py) every process writes its metrics to the files
+of prometheus_client's multiprocess mode, in a private directory the supervisor names in
+``PROMETHEUS_MULTIPROC_DIR`` before any worker starts: counters and histograms add up over every worker that ever
+ran (a restarted worker's counts are kept), and each gauge says how its workers' values combine
+(``multiprocess_mode``, ignored in a single process). ``/metrics`` of any worker serves the whole replica.
 """
 
 from __future__ import annotations
 
+import os
 from typing import TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -43,23 +50,30 @@ class Metrics:
         r = self.registry
         self.warmup_keys = Gauge(
             "indexer_warmup_keys", "Compile keys of the warmup set, by state (planned = size of the set).",
-            ["state"], registry=r,
+            ["state"], registry=r, multiprocess_mode="livemax",
         )  # fmt: skip
         self.warmup_key_compile_seconds = Gauge(
             "indexer_warmup_key_compile_seconds", "Seconds the last warmup spent compiling each key.",
-            ["key"], registry=r,
+            ["key"], registry=r, multiprocess_mode="livemax",
         )  # fmt: skip
         self.compile_duration_seconds = Histogram(
             "indexer_compile_duration_seconds", "Seconds per kernel compile (warmup and after ready).",
             ["phase"], buckets=COMPILE_BUCKETS, registry=r,
         )  # fmt: skip
         self.warmup_duration_seconds = Gauge(
-            "indexer_warmup_duration_seconds", "Wall seconds of the start-up warmup, all keys.", registry=r
+            "indexer_warmup_duration_seconds",
+            "Wall seconds of the start-up warmup, all keys.",
+            registry=r,
+            multiprocess_mode="livemax",
         )
         self.warmup_failures_total = Counter(
             "indexer_warmup_failures_total", "Keys whose warmup compile failed.", registry=r
         )
-        self.ready = Gauge("indexer_ready", "1 when warmup has finished and the server takes requests.", registry=r)
+        # Workers: the least ready live process; the supervisor writes the replica's own (0 while a worker is down).
+        self.ready = Gauge(
+            "indexer_ready", "1 when warmup has finished and the server takes requests.", registry=r,
+            multiprocess_mode="livemin",
+        )  # fmt: skip
         self.compiles_after_ready_total = Counter(
             "indexer_compiles_after_ready_total",
             "Kernel compiles (including disk-cache loads) after the server turned ready; should stay 0.",
@@ -85,7 +99,11 @@ class Metrics:
             ["method", "code"], registry=r,
         )  # fmt: skip
         self.requests_in_flight = Gauge(
-            "indexer_requests_in_flight", "RPCs being served right now.", ["method"], registry=r
+            "indexer_requests_in_flight",
+            "RPCs being served right now.",
+            ["method"],
+            registry=r,
+            multiprocess_mode="livesum",
         )
         self.requests_shed_total = Counter(
             "indexer_requests_shed_total",
@@ -93,12 +111,20 @@ class Metrics:
             ["method", "reason"], registry=r,
         )  # fmt: skip
         self.response_bytes_held = Gauge(
-            "indexer_response_bytes_held", "Bytes of responses being built, queued or not yet read.", registry=r
+            "indexer_response_bytes_held",
+            "Bytes of responses being built, queued or not yet read.",
+            registry=r,
+            multiprocess_mode="livesum",
         )
         self.response_budget_bytes = Gauge(
-            "indexer_response_budget_bytes", "The most bytes of responses the server holds at once.", registry=r
+            "indexer_response_budget_bytes",
+            "The most bytes of responses the server holds at once.",
+            registry=r,
+            multiprocess_mode="livesum",  # each worker has its own budget: the replica's is their sum
         )
-        self.http_connections = Gauge("indexer_http_connections", "Open HTTP connections.", registry=r)
+        self.http_connections = Gauge(
+            "indexer_http_connections", "Open HTTP connections.", registry=r, multiprocess_mode="livesum"
+        )
         self.http_refused_total = Counter(
             "indexer_http_refused_total", "HTTP connections or requests refused by a limit, by reason.",
             ["reason"], registry=r,
@@ -119,3 +145,70 @@ class Metrics:
         if found is None:
             found = self._children[key] = metric.labels(*label_values)
         return found
+
+
+def multiprocess_dir() -> str | None:
+    """The multiprocess directory this process writes its metrics to (worker mode), or None."""
+    return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
+
+
+def exposition_registry(registry: CollectorRegistry) -> CollectorRegistry:
+    """What ``/metrics`` serves: ``registry`` in a single process; in worker mode, every process's files merged."""
+    path = multiprocess_dir()
+    if path is None:
+        return registry
+    merged = CollectorRegistry()
+    merged.register(_ReplicaCollector(registry, path))
+    return merged
+
+
+class _ReplicaCollector:
+    """Every worker's metrics from the multiprocess files, and, as in a single process, the families no process
+    has a sample of yet (shed calls, by reason) declared empty: the multiprocess files hold only samples."""
+
+    def __init__(self, own: CollectorRegistry, path: str) -> None:
+        from prometheus_client import multiprocess
+
+        self.files = multiprocess.MultiProcessCollector(None, path)
+        self.own = own
+
+    def collect(self):
+        from prometheus_client.metrics_core import Metric
+
+        seen = set()
+        for family in self.files.collect():
+            seen.add(family.name)
+            yield family
+        for family in self.own.collect():
+            if family.name not in seen and not family.samples:
+                yield Metric(family.name, family.documentation, family.type)
+
+
+class SupervisorMetrics:
+    """What the supervisor of several workers writes into the shared multiprocess directory: each worker slot's
+    state, its restarts, and the replica's readiness (merged with the workers' ``indexer_ready`` by minimum)."""
+
+    def __init__(self, workers: int) -> None:
+        r = CollectorRegistry()  # never served: the workers' /metrics read the files
+        self.worker_up = Gauge(
+            "indexer_worker_up", "1 while the worker process of this slot runs.", ["worker"], registry=r,
+            multiprocess_mode="max",
+        )  # fmt: skip
+        self.worker_ready = Gauge(
+            "indexer_worker_ready", "1 while the worker of this slot is ready (warmed up, not draining).",
+            ["worker"], registry=r, multiprocess_mode="max",
+        )  # fmt: skip
+        self.worker_restarts_total = Counter(
+            "indexer_worker_restarts_total", "Worker processes restarted after they died, by slot.", ["worker"],
+            registry=r,
+        )  # fmt: skip
+        self.ready = Gauge(
+            "indexer_ready", "1 when warmup has finished and the server takes requests.", registry=r,
+            multiprocess_mode="livemin",
+        )  # fmt: skip
+        self.ready.set(0)
+        for n in range(workers):
+            slot = str(n)
+            self.worker_up.labels(worker=slot).set(0)
+            self.worker_ready.labels(worker=slot).set(0)
+            self.worker_restarts_total.labels(worker=slot)

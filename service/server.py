@@ -4,10 +4,14 @@ Start-up: both listeners come up first (HTTP /readyz 503, gRPC health NOT_SERVIN
 the warmup compiles every key; only when all compiled does the server turn ready. SIGTERM: NOT_SERVING and
 /readyz 503 at once, keep serving for ``shutdown_delay_seconds``, then stop taking calls and give the
 in-flight ones ``shutdown_grace_seconds`` to finish; exit 0.
+
+One process is one worker; with ``workers`` above 1 the CLI runs service/supervisor.py instead, which starts
+that many of these (service/worker.py), each given a :class:`service.worker.WorkerLink`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -15,6 +19,7 @@ import socket
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import uvicorn
 
@@ -29,6 +34,9 @@ from service.lifecycle import ShutdownSignals
 from service.metrics import Metrics
 from service.warmup import Warmup, use_triton_cache_dir
 
+if TYPE_CHECKING:
+    from service.worker import WorkerLink
+
 log = logging.getLogger(__name__)
 
 _HTTP_START_TIMEOUT_SECONDS = 10.0
@@ -37,16 +45,21 @@ _HTTP_START_TIMEOUT_SECONDS = 10.0
 class _HttpServer:
     """uvicorn (httptools + uvloop) on its own thread and event loop, on a socket bound up front."""
 
-    def __init__(self, app: HttpApp, service_config: ServiceConfig, metrics: Metrics) -> None:
+    def __init__(
+        self, app: HttpApp, service_config: ServiceConfig, metrics: Metrics, bound: socket.socket | None = None
+    ) -> None:
         host, port, grace = service_config.http_host, service_config.http_port, service_config.shutdown_grace_seconds
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self.socket = socket.socket(family, socket.SOCK_STREAM)
-        self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            self.socket.bind((host, port))
-        except OSError as exc:
-            self.socket.close()
-            raise OSError(f"cannot bind HTTP to {host_port(host, port)}: {exc}") from None
+        if bound is not None:  # a worker: the supervisor's listening socket, which every worker accepts on
+            self.socket = bound
+        else:
+            family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            self.socket = socket.socket(family, socket.SOCK_STREAM)
+            self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                self.socket.bind((host, port))
+            except OSError as exc:
+                self.socket.close()
+                raise OSError(f"cannot bind HTTP to {host_port(host, port)}: {exc}") from None
         self.port = self.socket.getsockname()[1]
         config = uvicorn.Config(
             app, loop="uvloop", http=limited_protocol(service_config, metrics), lifespan="off", access_log=False,
@@ -71,10 +84,16 @@ class _HttpServer:
 
 
 class IndexerServer:
-    """Everything one serving process runs; :meth:`start` returns once both listeners are up."""
+    """Everything one serving process runs; :meth:`start` returns once both listeners are up.
 
-    def __init__(self, config: ServiceConfig) -> None:
+    ``worker``: this process is one worker of several (service/supervisor.py): the gRPC port is shared
+    (SO_REUSEPORT), HTTP accepts on the supervisor's socket, the supervisor serves the health port, readiness is
+    reported to it, and the warmup takes the replica's compile lock (the first worker compiles into the shared
+    Triton cache, the others load from it)."""
+
+    def __init__(self, config: ServiceConfig, worker: WorkerLink | None = None) -> None:
         self.config = config
+        self.worker = worker
         cache_dir = use_triton_cache_dir(config.triton_cache_dir)
         self.backend = resolve_backend(config.backend)
         self.metrics = Metrics()
@@ -94,10 +113,16 @@ class IndexerServer:
         self.plane = DataPlane(config, self.metrics, self.warmup, backend)
         self.health = HealthServicer(HEALTH_NAMES)
         self.plane.add_readiness_listener(self.health.set_serving)
-        self.grpc = create_grpc_server(config, self.plane, self.health)
+        if worker is not None:
+            self.plane.add_readiness_listener(worker.report_ready)
+        self.grpc = create_grpc_server(config, self.plane, self.health, share_port=worker is not None)
         self.grpc_port = self.grpc.port
-        self.health_server, self.health_port = create_health_server(config, self.health)
-        self.http = _HttpServer(HttpApp(self.plane), config, self.metrics)
+        if worker is None:
+            self.health_server, self.health_port = create_health_server(config, self.health)
+        else:  # the supervisor serves the health port, for the whole replica
+            self.health_server, self.health_port = None, config.health_port
+        app = HttpApp(self.plane, worker.pod_not_ready if worker is not None else None)
+        self.http = _HttpServer(app, config, self.metrics, worker.http_socket() if worker is not None else None)
         self.http_port = self.http.port
         self._unwatch = None
         self._warmup_thread = threading.Thread(target=self._run_warmup, name="warmup", daemon=True)
@@ -106,7 +131,8 @@ class IndexerServer:
 
     def start(self) -> None:
         self.grpc.server.start()
-        self.health_server.start()
+        if self.health_server is not None:
+            self.health_server.start()
         self.http.start()
         log.info(
             "listening grpc=%s health=%s http=%s",
@@ -124,7 +150,8 @@ class IndexerServer:
         self._warmup_thread.start()
 
     def _run_warmup(self) -> None:
-        self.warmup.run()
+        with self.worker.warmup_lock() if self.worker is not None else contextlib.nullcontext():
+            self.warmup.run()
         self.plane.refresh_readiness()
 
     def _trim_when_idle(self) -> None:
@@ -157,7 +184,8 @@ class IndexerServer:
         self.grpc.stop(config.shutdown_grace_seconds)
         cut.cancel()
         self.http.stop(timeout=config.shutdown_grace_seconds + 1.0)
-        self.health_server.stop(0).wait()
+        if self.health_server is not None:
+            self.health_server.stop(0).wait()
         self.health.close()
         self._stopping.set()
         if self._unwatch is not None:

@@ -412,6 +412,7 @@ def base_env(**overrides: str) -> dict[str, str]:
     TRITON_CACHE_DIR must not leak into a server under test), the venv first on PATH, then ``overrides``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("INDEXER_") and k != "TRITON_CACHE_DIR"}
     env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"
+    env["INDEXER_WORKERS"] = "1"  # one process unless the caller (the pod's env) says otherwise
     env.update(overrides)
     return env
 

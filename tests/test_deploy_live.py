@@ -143,7 +143,13 @@ def pod_environment(model_config_dir: Path, cache_volume: Path | None = None) ->
     objects = render(OVERLAY)
     deployment = one(objects, "Deployment")
     c = container(deployment)
-    env = {e["name"]: e["value"] for e in c["env"]}
+    env = {e["name"]: e["value"] for e in c["env"] if "value" in e}
+    for e in c["env"]:  # the downward API's requests.cpu, as the kubelet resolves it: rounded up to the divisor
+        if "resourceFieldRef" in e.get("valueFrom", {}):
+            field = e["valueFrom"]["resourceFieldRef"]
+            cpu = str(c["resources"]["requests"][field["resource"].split(".")[1]])
+            cores = int(cpu[:-1]) / 1000 if cpu.endswith("m") else float(cpu)
+            env[e["name"]] = str(math.ceil(cores / float(field["divisor"])))
     mount = next(m for m in c["volumeMounts"] if m["name"] == "model-config")
     volume = next(v for v in deployment["spec"]["template"]["spec"]["volumes"] if v["name"] == "model-config")
     configmap = one(objects, "ConfigMap", volume["configMap"]["name"])

@@ -178,7 +178,7 @@ def test_probes_and_termination_fit_together(overlay: str) -> None:
     deployment = one(render(overlay), "Deployment")
     spec = deployment["spec"]["template"]["spec"]
     c = container(deployment)
-    env = {e["name"]: e["value"] for e in c.get("env", [])}
+    env = {e["name"]: e["value"] for e in c.get("env", []) if "value" in e}
     # The probes ask the health-only port (plaintext, its own threads), which the pod's env sets to the
     # container port they name.
     health_port = container_port(c, "grpc-health")
@@ -206,6 +206,24 @@ def test_probes_and_termination_fit_together(overlay: str) -> None:
 
     strategy = deployment["spec"]["strategy"]["rollingUpdate"]
     assert strategy["maxUnavailable"] == 0, "a rollout must not drop a warmed-up replica before its successor is ready"
+
+
+@requires_kustomize
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_workers_follow_the_cpu_request_so_the_hpa_can_trigger(overlay: str) -> None:
+    """One worker per requested CPU (the request rounded up, by the downward API): a saturated pod then uses about
+    all of its request, above the HPA's target; one process per pod used under half of a 2-CPU request."""
+    objects = render(overlay)
+    c = container(one(objects, "Deployment"))
+    (workers,) = [e for e in c["env"] if e["name"] == "INDEXER_WORKERS"]
+    field = workers["valueFrom"]["resourceFieldRef"]
+    assert (field["containerName"], field["resource"], str(field["divisor"])) == (c["name"], "requests.cpu", "1")
+    assert "cpu" not in c["resources"].get("limits", {}), "a CPU limit would throttle the workers below the request"
+    hpa = one(objects, "HorizontalPodAutoscaler")
+    (metric,) = hpa["spec"]["metrics"]
+    assert metric["resource"]["name"] == "cpu" and metric["resource"]["target"]["type"] == "Utilization"
+    # deploy/README.md: a saturated worker uses at least ~0.8 of a core, so a saturated pod sits above this.
+    assert metric["resource"]["target"]["averageUtilization"] <= 70
 
 
 @requires_kustomize
@@ -239,7 +257,7 @@ def test_read_only_root_with_a_seeded_writable_triton_cache(overlay: str) -> Non
         assert each["securityContext"]["allowPrivilegeEscalation"] is False
     volumes = {v["name"]: v for v in pod["volumes"]}
     mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
-    env = {e["name"]: e["value"] for e in c["env"]}
+    env = {e["name"]: e["value"] for e in c["env"] if "value" in e}
     # Everything the server writes is a writable emptyDir: the Triton cache and the temp directory.
     cache_volume = mounts[env["TRITON_CACHE_DIR"]]
     for path in (env["TRITON_CACHE_DIR"], "/tmp"):

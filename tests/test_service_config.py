@@ -212,6 +212,7 @@ INVALID: dict[str, tuple[list[str], dict[str, str]]] = {
     "http_host": ([""], {}),
     "http_port": (["65536"], {}),
     "grpc_workers": (["0", TOO_BIG_INT32], {}),
+    "workers": (["-1", "257", "two", "1.5"], {}),
     "max_message_bytes": (["100", TOO_BIG_INT32], {}),
     "max_concurrent_rpcs": (["0", TOO_BIG_INT32], {}),
     "max_connection_age_seconds": (["inf", "nan", "1e12", "2147484", "-1", "0.0001", "soon"], {}),
