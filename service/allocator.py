@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 import os
 from collections.abc import Callable
@@ -45,15 +46,22 @@ def _mallopt() -> Callable[[int, int], int] | None:
     return mallopt
 
 
-def trim_heap() -> bool | None:
-    """Return free heap pages to the OS now (glibc's malloc_trim(0)); None where malloc is not glibc's."""
-    name = ctypes.util.find_library("c")
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    # Looked up once: find_library runs ldconfig in a subprocess, which a server mid-burst should not pay.
     try:
-        malloc_trim = ctypes.CDLL(name).malloc_trim
+        malloc_trim = ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim
     except (OSError, AttributeError, TypeError):
         return None
     malloc_trim.argtypes, malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
-    return bool(malloc_trim(0))
+    return malloc_trim
+
+
+def trim_heap() -> bool | None:
+    """Return free heap pages to the OS now (glibc's malloc_trim(0); ctypes releases the GIL meanwhile); None
+    where malloc is not glibc's."""
+    malloc_trim = _malloc_trim()
+    return None if malloc_trim is None else bool(malloc_trim(0))
 
 
 def configure_malloc(arena_max: int, retain_bytes: int) -> dict[str, str]:

@@ -242,10 +242,12 @@ class DataPlane:
         self.backend = backend
         self._admit = launch_admission(warmup) if config.strict else None
         budget = config.response_budget_bytes or default_response_budget(container_memory_limit())
-        # Waiters hold a gRPC thread each: at most half the pool waits, the rest serves light calls.
+        # Waiters hold a gRPC thread each: at most a quarter of the pool waits, so with the heavy lane's own
+        # slots at least half of it is always free for light calls (a full-size attack with half the pool
+        # allowed to wait left the light callers 65 % of their calls).
         self.admission = Admission(
             budget, config.heavy_request_bytes, config.heavy_lane_slots, config.admission_wait_seconds,
-            max_waiting=config.grpc_workers // 2, metrics=metrics,
+            max_waiting=config.grpc_workers // 4, metrics=metrics,
         )  # fmt: skip
         # The fast path serves light answers only: it reserves this much before it knows the size, and a
         # larger answer takes the general path, which reserves its estimate and the heavy lane.

@@ -204,8 +204,6 @@ def server_options(config: ServiceConfig, share_port: bool = False) -> list[tupl
         ("grpc.max_receive_message_length", max_request_bytes(config)),
         ("grpc.max_send_message_length", config.max_message_bytes),
         ("grpc.max_concurrent_streams", config.max_streams_per_connection),
-        # Calls gRPC core has accepted but the server has not yet taken: a stream flood waits in C, bounded.
-        ("grpc.server.max_pending_requests", config.max_concurrent_rpcs),
         # Never share a port silently with another process (Linux allows it by default in gRPC); the workers of
         # one replica share theirs on purpose, and the supervisor guards it against anyone else.
         ("grpc.so_reuseport", int(share_port)),
