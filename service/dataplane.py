@@ -48,7 +48,7 @@ from service import _fastpath, codec
 from service.admission import Admission, Caller, Refused, container_memory_limit, default_response_budget
 from service.auto_backend import AutoSelector
 from service.config import ConfigError, ServiceConfig
-from service.metrics import Metrics
+from service.metrics import SHED_REASONS, Metrics
 from service.warmup import KeyState, Warmup, WarmupState
 
 log = logging.getLogger(__name__)
@@ -256,6 +256,10 @@ class DataPlane:
         # Set when the shutdown grace ends: calls still running were cut by the shutdown, not by their callers.
         self.shutdown_cut = threading.Event()
         self.last_call_end = time.monotonic()
+        # Every shed series exists from the start at 0, so rate() and alerts see the first shed call.
+        for method in REQUEST_TYPES:
+            for reason in SHED_REASONS:
+                metrics.child(metrics.requests_shed_total, method, reason)
         self._fast_admitted: tuple[int, ...] | None = None
         self._handlers: dict[str, tuple[Callable, bool]] = {
             "BuildChunk": (self._build_chunk, True),
