@@ -46,6 +46,7 @@ def make_plane() -> DataPlane:
         "backend": "numpy", "warmup_target": "none", "max_num_seqs": limits.max_num_seqs,
         "max_num_batched_tokens": limits.max_num_batched_tokens, "max_model_len": limits.max_model_len,
         "max_message_bytes": limits.max_message_bytes, "max_logits_bytes": limits.max_logits_bytes,
+        "max_plan_chunks": limits.max_plan_chunks,
     }, env={})  # fmt: skip
     metrics = Metrics()
     warmup = Warmup(warmup_keys(config.model), target=None, enabled=False, workers=1, metrics=metrics)

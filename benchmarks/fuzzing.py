@@ -31,11 +31,13 @@ from kernels.inputs import (
     chunk_host_part,
     chunk_host_parts,
     validate_batch,
+    validate_dcp,
 )
 from kernels.naive import chunk_arrays_numpy
 from kernels.planner import (
     WORKSPACE_TOKENS_PER_MODEL_LEN,
     BatchInputs,
+    PlanTooLargeError,
     PrefillPlan,
     build_prefill_batch,
     chunk_inputs_of_plan,
@@ -85,12 +87,13 @@ class Limits:
     max_model_len: int = 200_000
     max_message_bytes: int = 2**20
     max_logits_bytes: int = 2**20
+    max_plan_chunks: int = 1024
 
     def flags(self) -> tuple[str, ...]:
         return (
             "--max-num-seqs", str(self.max_num_seqs), "--max-num-batched-tokens", str(self.max_num_batched_tokens),
             "--max-model-len", str(self.max_model_len), "--max-message-bytes", str(self.max_message_bytes),
-            "--max-logits-bytes", str(self.max_logits_bytes),
+            "--max-logits-bytes", str(self.max_logits_bytes), "--max-plan-chunks", str(self.max_plan_chunks),
         )  # fmt: skip
 
 
@@ -294,6 +297,10 @@ def judge(method: str, request: pb.BuildChunkRequest | pb.PlanBatchRequest, limi
     ratio = request.compress_ratio
     if ratio < 0:
         refuse(must, INVALID, "negative compress_ratio")
+    try:  # the DCP settings are checked for every request, before limits and policy, chunks or none
+        validate_dcp(dcp)
+    except InvalidInputError as exc:
+        refuse(must, INVALID, str(exc))
     if dcp.world_size > 1 and ratio > 1:
         refuse(must, PRECONDITION, "DCP with compress ratio > 1")
     if method == "PlanBatch" and request.HasField("max_model_len") and request.max_model_len > limits.max_model_len:
@@ -332,7 +339,11 @@ def judge(method: str, request: pb.BuildChunkRequest | pb.PlanBatchRequest, limi
                 request.max_logits_bytes if request.HasField("max_logits_bytes") else limits.max_logits_bytes,
                 dcp,
             )  # fmt: skip
-            chunks = chunk_inputs_of_plan(batch, plan_prefill_batch(batch))
+            try:
+                chunks = chunk_inputs_of_plan(batch, plan_prefill_batch(batch, limits.max_plan_chunks))
+            except PlanTooLargeError:
+                refuse(must, EXHAUSTED, "a plan over max_plan_chunks")
+                return verdict(chunks=limits.max_plan_chunks)
 
             def build() -> PrefillPlan:
                 return build_prefill_batch(batch, build_numpy)

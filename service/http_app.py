@@ -68,6 +68,8 @@ class HttpApp:
         config = plane.config
         self.metrics_app = make_asgi_app(registry=exposition_registry(plane.metrics.registry))
         self.max_body = max_request_bytes(config)
+        # How much of a refused body is read and thrown away so its sender gets the answer (no memory kept).
+        self.max_discard = config.max_message_bytes
         self.drain_seconds = config.response_drain_seconds
         self.max_in_flight = config.max_concurrent_rpcs
         self.in_flight = 0
@@ -101,8 +103,11 @@ class HttpApp:
             await _reply(send, 415, text.encode(), [(b"accept", accepted)])
             return
         caller = Caller(_peer(scope))
+        close: list[tuple[bytes, bytes]] = []
         try:
-            body = await _read_body(receive, self.max_body)
+            body, reusable = await _read_body(receive, self.max_body, self.max_discard)
+            if not reusable:
+                close.append((b"connection", b"close"))
             if body is None:
                 self.plane.metrics.http_refused_total.labels(reason="body_too_large").inc()
                 raise ServiceError(
@@ -123,7 +128,7 @@ class HttpApp:
         except ServiceError as exc:
             log.info("http method=%s code=%s details=%r", method, exc.code.name, exc.message)
             payload = json.dumps({"code": exc.code.name, "message": exc.message}).encode()
-            await _reply(send, _HTTP_STATUS.get(exc.code, 500), payload, content_type=JSON)
+            await _reply(send, _HTTP_STATUS.get(exc.code, 500), payload, close, content_type=JSON)
             return
         try:
             if content_type == JSON:
@@ -142,7 +147,7 @@ class HttpApp:
         try:
             await asyncio.wait_for(_start(send, 200, len(response), content_type), give_up - time.monotonic())
             view = memoryview(response)
-            for offset in range(0, len(view), SEND_PIECE_BYTES):
+            for offset in range(0, max(len(view), 1), SEND_PIECE_BYTES):  # an empty answer is one empty piece
                 piece = bytes(view[offset : offset + SEND_PIECE_BYTES])
                 more = offset + SEND_PIECE_BYTES < len(view)
                 message = {"type": "http.response.body", "body": piece, "more_body": more}
@@ -182,20 +187,27 @@ def _to_json(method: str, response: bytes) -> bytes:
     return json_format.MessageToJson(message, preserving_proto_field_name=False, indent=None).encode()
 
 
-async def _read_body(receive, limit: int) -> bytes | None:
-    """The whole request body, or None once it passes ``limit`` bytes."""
+async def _read_body(receive, limit: int, discard_limit: int) -> tuple[bytes | None, bool]:
+    """The whole request body, or None once it passes ``limit`` bytes; and whether the connection can carry
+    another request. A body past the limit is read on and thrown away, up to ``discard_limit`` bytes (a
+    client mid-way through sending it would otherwise see a broken pipe instead of the answer), and past that
+    the connection must close."""
     chunks, size = [], 0
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
-            return b"".join(chunks)
+            return (b"".join(chunks) if size <= limit else None), False
         chunk = message.get("body", b"")
         size += len(chunk)
-        if size > limit:
-            return None
-        chunks.append(chunk)
-        if not message.get("more_body", False):
-            return b"".join(chunks)
+        if size <= limit:
+            chunks.append(chunk)
+        elif chunks:
+            chunks.clear()  # over the limit: keep nothing
+        more = message.get("more_body", False)
+        if size > limit + discard_limit:
+            return None, not more
+        if not more:
+            return (b"".join(chunks) if size <= limit else None), True
 
 
 async def _start(send, status: int, length: int, content_type: bytes, extra=None) -> None:

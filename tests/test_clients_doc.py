@@ -91,6 +91,16 @@ def test_grpcurl_refuses_unpadded_base64_as_documented(server: ServiceProcess, t
     shutil.which("protoc") is None or shutil.which("curl") is None,
     reason=f"protoc or curl is not installed: {INSTALL_HINT}",
 )
+def test_curl_json_block(server: ServiceProcess, tmp_path: Path) -> None:
+    run = run_bash(with_ports(BLOCKS[("run", "curl-json")], server), tmp_path)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout == BLOCKS[("output", "curl-json")]
+
+
+@pytest.mark.skipif(
+    shutil.which("protoc") is None or shutil.which("curl") is None,
+    reason=f"protoc or curl is not installed: {INSTALL_HINT}",
+)
 def test_curl_block(server: ServiceProcess, tmp_path: Path) -> None:
     # The block runs from the repository root (it names protos/) and writes request.bin where it runs: run it
     # in a scratch folder that sees protos/.

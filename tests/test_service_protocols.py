@@ -111,3 +111,18 @@ def test_json_errors_and_other_content_types(live_server: ServerProcess) -> None
     assert "BuildChunkRequest in JSON" in json.loads(body)["message"]
     status, _, body = post(url, b"query_start_loc=0", "text/plain")
     assert status == 415 and b"application/x-protobuf" in body and b"application/json" in body
+
+
+def test_an_empty_answer_over_http_leaves_the_connection_reusable(live_server: ServerProcess) -> None:
+    """A request whose chunk holds no token answers an empty message: it must still end its response."""
+    import http.client
+
+    connection = http.client.HTTPConnection("127.0.0.1", live_server.http_port, timeout=10)
+    empty = pb.BuildChunkRequest(query_start_loc=codec.encode_int32([0])).SerializeToString()
+    try:
+        for _ in range(3):
+            connection.request("POST", f"/{SERVICE_NAME}/BuildChunk", body=empty)
+            reply = connection.getresponse()
+            assert (reply.status, reply.read()) == (200, b"")
+    finally:
+        connection.close()
