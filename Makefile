@@ -28,7 +28,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
 protos: $(STAMP)
-	$(PY) -m protos.generate
+	$(PY) -m indexer_service.protos.generate
 
 clean:
 	rm -rf $(VENV)

@@ -9,10 +9,10 @@ from setuptools import Extension, setup
 setup(
     ext_modules=[
         Extension(
-            "service._fastpath",
+            "indexer_service.service._fastpath",
             sources=["service/fastpath.c"],
-            # Generated from the proto by `python -m protos.generate`; listed so that it ships in the sdist and a
-            # regenerated header rebuilds the extension.
+            # Generated from the proto by `make protos`; listed so that it ships in the sdist and a regenerated
+            # header rebuilds the extension.
             depends=["protos/indexer/v1/indexer_wire.h"],
             extra_compile_args=["-O3", "-std=c11", "-Wall", "-Wextra", "-Werror=implicit-function-declaration"],
         )

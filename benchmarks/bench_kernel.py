@@ -22,14 +22,14 @@ from pathlib import Path
 
 import numpy as np
 
-from kernels.inputs import ChunkInputs, chunk_host_part, chunk_host_parts
-from kernels.naive import build_chunk_metadata_numpy
-from kernels.testing import batch_with_tokens
-from service import _fastpath
-from service.allocator import configure_malloc
-from service.codec import chunk_inputs_to_proto
-from service.config import load_config
-from service.dataplane import fast_path_limits
+from indexer_service.kernels.inputs import ChunkInputs, chunk_host_part, chunk_host_parts
+from indexer_service.kernels.naive import build_chunk_metadata_numpy
+from indexer_service.kernels.testing import batch_with_tokens
+from indexer_service.service import _fastpath
+from indexer_service.service.allocator import configure_malloc
+from indexer_service.service.codec import chunk_inputs_to_proto
+from indexer_service.service.config import load_config
+from indexer_service.service.dataplane import fast_path_limits
 
 # (requests, query tokens, uncompressed context per request): the measured-facts batches, ratio 4.
 BATCHES = {
@@ -79,7 +79,7 @@ def gpu_row(inputs: ChunkInputs) -> dict:
     import triton
     from triton.testing import do_bench_cudagraph
 
-    from kernels.triton_kernel import (
+    from indexer_service.kernels.triton_kernel import (
         KERNEL_JIT_OPTIONS,
         TritonChunkBuilder,
         _build_prefill_metadata_kernel_fn,
@@ -127,8 +127,8 @@ def plan_row(name: str) -> dict:
     import torch
 
     from benchmarks.vllm_baseline import VllmStyleBatchBuilder, vllm_shaped_kernel
-    from kernels.planner import BatchInputs, chunk_inputs_of_plan, plan_prefill_batch
-    from kernels.triton_kernel import TritonChunkBuilder
+    from indexer_service.kernels.planner import BatchInputs, chunk_inputs_of_plan, plan_prefill_batch
+    from indexer_service.kernels.triton_kernel import TritonChunkBuilder
 
     inputs = make_inputs(name)
     batch = BatchInputs(inputs.query_start_loc, inputs.seq_lens, RATIO, num_decodes=0, max_model_len=2**20)
@@ -162,8 +162,10 @@ def main() -> None:
     results = {}
     config = load_config(env={})
     configure_malloc(config.malloc_arena_max, config.malloc_retain_bytes)  # as the server does
-    print(f"{'batch':10} {'C tokens':>9} {'copyto us':>9} {'numpy us':>9} {'ratio':>6} {'native us':>9} {'ratio':>6}",
-          end="")
+    print(
+        f"{'batch':10} {'C tokens':>9} {'copyto us':>9} {'numpy us':>9} {'ratio':>6} {'native us':>9} {'ratio':>6}",
+        end="",
+    )
     print(f" | {'kernel us':>9} {'dcopy us':>8} {'ratio':>6} {'spec us':>8} {'ours/spec':>9} "
           f"{'trip us':>8} {'numpy us':>8} {'trip/np':>7}" if gpu else "")  # fmt: skip
     for name in BATCHES:

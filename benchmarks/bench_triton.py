@@ -29,9 +29,9 @@ import numpy as np
 import torch
 
 from benchmarks.bench_kernel import make_inputs
-from kernels.inputs import chunk_host_part
-from kernels.naive import chunk_arrays_numpy_many
-from kernels.triton_kernel import (
+from indexer_service.kernels.inputs import chunk_host_part
+from indexer_service.kernels.naive import chunk_arrays_numpy_many
+from indexer_service.kernels.triton_kernel import (
     TritonChunkBuilder,
     _output_segments,
     launch_prefill_metadata_kernel,

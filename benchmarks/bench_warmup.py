@@ -31,8 +31,8 @@ def vllm_style_warmup(target: str | None) -> dict:
     import torch
 
     from benchmarks.vllm_baseline import vllm_shaped_kernel, warmup_one_by_one
-    from kernels.compile_engine import compile_only_driver, parse_target, start_compiler
-    from kernels.specialization import ModelConfig
+    from indexer_service.kernels.compile_engine import compile_only_driver, parse_target, start_compiler
+    from indexer_service.kernels.specialization import ModelConfig
 
     start_compiler()  # Triton's own start-up is outside both sides' figures
     with compile_only_driver(parse_target(target) if target else None):
@@ -45,8 +45,8 @@ def vllm_style_warmup(target: str | None) -> dict:
 
 
 def service_warmup(target: str | None, workers: int) -> dict:
-    from kernels.compile_engine import compile_keys, start_compiler
-    from kernels.specialization import ModelConfig, warmup_keys
+    from indexer_service.kernels.compile_engine import compile_keys, start_compiler
+    from indexer_service.kernels.specialization import ModelConfig, warmup_keys
 
     keys = warmup_keys(ModelConfig(FLASH_RATIOS))
     start_compiler()

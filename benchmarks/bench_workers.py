@@ -36,8 +36,8 @@ import psutil
 from benchmarks.bench_kernel import make_inputs
 from benchmarks.bench_rpc import METHOD, SERVICE_FLAGS
 from benchmarks.harness import ServiceProcess, channel, closed_loop, percentile_us, write_json
-from service.client import ChannelPool
-from service.codec import chunk_inputs_to_proto
+from indexer_service.service.client import ChannelPool
+from indexer_service.service.codec import chunk_inputs_to_proto
 
 IN_FLIGHT = 32
 TARGET = 0.8

@@ -17,7 +17,7 @@ import sys
 
 import atheris
 
-with atheris.instrument_imports(include=["kernels", "service", "benchmarks.fuzzing"]):
+with atheris.instrument_imports(include=["indexer_service", "benchmarks.fuzzing"]):
     import grpc
     from google.protobuf.message import DecodeError
 
@@ -30,11 +30,11 @@ with atheris.instrument_imports(include=["kernels", "service", "benchmarks.fuzzi
         describe,
         judge,
     )
-    from kernels.specialization import warmup_keys
-    from service.config import load_config
-    from service.dataplane import DataPlane, ServiceError, make_backend
-    from service.metrics import Metrics
-    from service.warmup import Warmup
+    from indexer_service.kernels.specialization import warmup_keys
+    from indexer_service.service.config import load_config
+    from indexer_service.service.dataplane import DataPlane, ServiceError, make_backend
+    from indexer_service.service.metrics import Metrics
+    from indexer_service.service.warmup import Warmup
 
 METHODS = tuple(REQUEST_TYPES)
 

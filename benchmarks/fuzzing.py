@@ -22,7 +22,7 @@ from typing import Protocol, TypeVar
 import grpc
 import numpy as np
 
-from kernels.inputs import (
+from indexer_service.kernels.inputs import (
     ChunkInputs,
     ChunkMetadata,
     DcpConfig,
@@ -33,8 +33,8 @@ from kernels.inputs import (
     validate_batch,
     validate_dcp,
 )
-from kernels.naive import chunk_arrays_numpy
-from kernels.planner import (
+from indexer_service.kernels.naive import chunk_arrays_numpy
+from indexer_service.kernels.planner import (
     WORKSPACE_TOKENS_PER_MODEL_LEN,
     BatchInputs,
     PlanTooLargeError,
@@ -43,8 +43,8 @@ from kernels.planner import (
     chunk_inputs_of_plan,
     plan_prefill_batch,
 )
-from protos.indexer.v1 import indexer_pb2 as pb
-from service import dataplane
+from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
+from indexer_service.service import dataplane
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 OK = grpc.StatusCode.OK

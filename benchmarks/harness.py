@@ -38,7 +38,7 @@ _serial = itertools.count()
 
 def clean_env(**overrides: str) -> dict[str, str]:
     """This process's environment without INDEXER_* settings, so only the flags given count."""
-    from service.config import CONFIG_FILE_ENV, ENV_PREFIX
+    from indexer_service.service.config import CONFIG_FILE_ENV, ENV_PREFIX
 
     env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX) and k != CONFIG_FILE_ENV}
     env["PYTHONUNBUFFERED"] = "1"

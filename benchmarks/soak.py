@@ -67,7 +67,7 @@ def request_pool(seed: int, size: int, limits: Limits) -> list[Case]:
     """Generated requests with their verdicts, judged once, each planned into at most MAX_SOAK_CHUNKS chunks;
     the medium batch every tenth entry."""
     from benchmarks.bench_kernel import make_inputs
-    from service.codec import chunk_inputs_to_proto
+    from indexer_service.service.codec import chunk_inputs_to_proto
 
     rng = np.random.default_rng(seed)
     draw = rng_draw(rng)

@@ -19,11 +19,11 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.harness import ServiceProcess
-from kernels.inputs import DcpConfig
-from kernels.planner import BatchInputs
-from kernels.specialization import ModelConfig
-from kernels.testing import BatchShape, random_batch, random_chunk_inputs
-from service.client import IndexerClient
+from indexer_service.kernels.inputs import DcpConfig
+from indexer_service.kernels.planner import BatchInputs
+from indexer_service.kernels.specialization import ModelConfig
+from indexer_service.kernels.testing import BatchShape, random_batch, random_chunk_inputs
+from indexer_service.service.client import IndexerClient
 
 FLASH = ModelConfig((0, 0, *([4, 128] * 20), 4, 0))
 

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.specialization import (
+from indexer_service.kernels.specialization import (
     BLOCK_SIZE,
     ModelConfig,
     triton_int_specialization_class,

@@ -6,14 +6,14 @@ import os
 # a cache precompiled by `indexer-service precompile` is hit by the serving process.
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 
-from kernels.inputs import (
+from indexer_service.kernels.inputs import (
     ChunkInputs,
     ChunkMetadata,
     DcpConfig,
     InvalidInputError,
 )
-from kernels.naive import build_chunk_metadata_numpy
-from kernels.planner import (
+from indexer_service.kernels.naive import build_chunk_metadata_numpy
+from indexer_service.kernels.planner import (
     BatchInputs,
     ChunkSpec,
     PrefillPlan,
@@ -21,7 +21,7 @@ from kernels.planner import (
     plan_prefill_batch,
     plan_prefill_chunks,
 )
-from kernels.specialization import (
+from indexer_service.kernels.specialization import (
     CompileKey,
     ModelConfig,
     key_for_launch,

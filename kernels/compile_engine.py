@@ -36,11 +36,11 @@ from triton.backends.compiler import GPUTarget
 from triton.backends.driver import DriverBase
 from triton.runtime.driver import driver
 
-from kernels import triton_kernel
-from kernels.inputs import ChunkInputs, chunk_host_part
-from kernels.naive import chunk_arrays_numpy
-from kernels.specialization import BLOCK_SIZE, POINTER_ALIGNMENT, CompileKey
-from kernels.triton_kernel import KERNEL_JIT_OPTIONS
+from indexer_service.kernels import triton_kernel
+from indexer_service.kernels.inputs import ChunkInputs, chunk_host_part
+from indexer_service.kernels.naive import chunk_arrays_numpy
+from indexer_service.kernels.specialization import BLOCK_SIZE, POINTER_ALIGNMENT, CompileKey
+from indexer_service.kernels.triton_kernel import KERNEL_JIT_OPTIONS
 
 log = logging.getLogger(__name__)
 
@@ -190,7 +190,7 @@ def prove_key(key: CompileKey, *, on_gpu: bool) -> str | None:
     equal, else why not (the first wrong index). ``on_gpu``: the compiled kernel on the current CUDA device; else
     the kernel's source through Triton's interpreter (raises :class:`ProofUnavailableError` where that cannot
     run). Keys the service cannot launch (another block size or pointer class) are not launched: None."""
-    from kernels.triton_kernel import TritonChunkBuilder
+    from indexer_service.kernels.triton_kernel import TritonChunkBuilder
 
     if key != CompileKey(key.compress_ratio) or key.block_size != BLOCK_SIZE:
         return None

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kernels.specialization import normalize_compress_ratio
+from indexer_service.kernels.specialization import normalize_compress_ratio
 
 INT32_MAX = 2**31 - 1
 

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kernels.inputs import (
+from indexer_service.kernels.inputs import (
     ChunkArrays,
     ChunkHostPart,
     ChunkInputs,

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kernels.inputs import (
+from indexer_service.kernels.inputs import (
     ChunkInputs,
     ChunkMetadata,
     DcpConfig,
@@ -20,7 +20,7 @@ from kernels.inputs import (
     compressed_lens,
     validate_batch,
 )
-from kernels.specialization import normalize_compress_ratio
+from indexer_service.kernels.specialization import normalize_compress_ratio
 
 DEFAULT_MAX_LOGITS_BYTES = 512 * 2**20  # VLLM_SPARSE_INDEXER_MAX_LOGITS_MB default
 WORKSPACE_TOKENS_PER_MODEL_LEN = 40

@@ -19,8 +19,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kernels.inputs import ChunkInputs, ChunkMetadata, DcpConfig
-from kernels.planner import BatchInputs, ChunkSpec, PrefillPlan
+from indexer_service.kernels.inputs import ChunkInputs, ChunkMetadata, DcpConfig
+from indexer_service.kernels.planner import BatchInputs, ChunkSpec, PrefillPlan
 
 INT32_MAX = 2**31 - 1
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kernels.inputs import ChunkInputs, DcpConfig
+from indexer_service.kernels.inputs import ChunkInputs, DcpConfig
 
 NO_DCP = DcpConfig()
 

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.inputs import (
+from indexer_service.kernels.inputs import (
     INT32_MAX,
     ChunkArrays,
     ChunkHostPart,
@@ -33,7 +33,7 @@ from kernels.inputs import (
     assemble,
     chunk_host_part,
 )
-from kernels.specialization import BLOCK_SIZE, SCALAR_ARGS, CompileKey, key_for_launch
+from indexer_service.kernels.specialization import BLOCK_SIZE, SCALAR_ARGS, CompileKey, key_for_launch
 
 # The DCP scalars only pick a branch and bound a min/max: specializing them on ==1 / %16 would multiply the
 # compiled variants for no speed (kernel times with and without: benchmarks/bench_kernel.py).

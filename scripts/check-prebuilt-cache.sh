@@ -10,7 +10,7 @@ TARGET="${1:-cuda:90}"
 if command -v indexer-service >/dev/null 2>&1; then
     CLI=(indexer-service)
 else
-    CLI=(python3 -m service.cli)
+    CLI=(python3 -m indexer_service.service.cli)
 fi
 WORK="$(mktemp -d)"
 SERVER_PID=""
@@ -46,9 +46,9 @@ PY
     python3 - "$grpc_port" <<'PY'
 import sys
 import numpy as np
-from kernels.inputs import ChunkInputs
-from kernels.planner import BatchInputs
-from service.client import IndexerClient
+from indexer_service.kernels.inputs import ChunkInputs
+from indexer_service.kernels.planner import BatchInputs
+from indexer_service.service.client import IndexerClient
 
 with IndexerClient(f"127.0.0.1:{sys.argv[1]}") as client:
     qsl, seq_lens = np.array([0, 4, 10, 300]), np.array([8, 20, 1000])

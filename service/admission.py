@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from service.metrics import Metrics
+from indexer_service.service.metrics import Metrics
 
 log = logging.getLogger(__name__)
 

@@ -20,9 +20,9 @@ from typing import Generic, TypeVar
 
 import numpy as np
 
-from kernels.inputs import ChunkHostPart, ChunkInputs, DcpConfig, chunk_host_part
-from kernels.specialization import CompileKey
-from kernels.testing import batch_with_tokens
+from indexer_service.kernels.inputs import ChunkHostPart, ChunkInputs, DcpConfig, chunk_host_part
+from indexer_service.kernels.specialization import CompileKey
+from indexer_service.kernels.testing import batch_with_tokens
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from service.config import (
+from indexer_service.service.config import (
     ConfigError,
     ServiceConfig,
     add_config_arguments,
@@ -17,7 +17,7 @@ from service.config import (
     configure_logging,
 )
 
-log = logging.getLogger("service.cli")
+log = logging.getLogger(__name__)
 
 # check: 0 serving, 1 not serving, 2 usage or configuration error, 3 unreachable. serve, keys, precompile:
 # 0 done, 1 failed (a fatal start-up error, a failed compile), 2 usage or configuration error.
@@ -35,7 +35,7 @@ def _configure(args: argparse.Namespace, needs_warmup: str = "") -> ServiceConfi
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from service.lifecycle import ShutdownSignals, end_process
+    from indexer_service.service.lifecycle import ShutdownSignals, end_process
 
     # Signals first: from here on SIGTERM or SIGINT ends the process with 0, whatever it is doing.
     signals = ShutdownSignals()
@@ -45,15 +45,15 @@ def _serve(args: argparse.Namespace) -> int:
         signals.close()
         raise
     try:
-        from service.supervisor import resolve_workers
+        from indexer_service.service.supervisor import resolve_workers
 
         workers, source = resolve_workers(config.workers)
         if workers > 1:  # the supervisor and its workers (service/supervisor.py); 1: this process serves
-            from service.supervisor import supervise
+            from indexer_service.service.supervisor import supervise
 
             code = supervise(config, workers, source, args.port_file, signals)
         else:
-            from service.server import serve
+            from indexer_service.service.server import serve
 
             code = serve(config, args.port_file, signals)
     except ConfigError as exc:  # found only once the server is built (none should be)
@@ -72,7 +72,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _keys(args: argparse.Namespace) -> int:
-    from kernels.specialization import warmup_keys
+    from indexer_service.kernels.specialization import warmup_keys
 
     for key in warmup_keys(_configure(args).model):
         print(key.to_json())
@@ -80,8 +80,8 @@ def _keys(args: argparse.Namespace) -> int:
 
 
 def _precompile(args: argparse.Namespace) -> int:
-    from kernels.specialization import warmup_keys
-    from service.warmup import compile_and_log, use_triton_cache_dir
+    from indexer_service.kernels.specialization import warmup_keys
+    from indexer_service.service.warmup import compile_and_log, use_triton_cache_dir
 
     config = _configure(args, needs_warmup="precompile")
     cache_dir = use_triton_cache_dir(config.triton_cache_dir)
@@ -100,7 +100,7 @@ def _precompile(args: argparse.Namespace) -> int:
 def _check_credentials(args: argparse.Namespace) -> object:
     """None (plaintext), or TLS credentials: any --tls* flag turns TLS on; without --tls-ca the server's
     certificate must chain to the system's trusted roots."""
-    from service.client import tls_credentials
+    from indexer_service.service.client import tls_credentials
 
     if (args.tls_cert is None) != (args.tls_key is None):
         raise UsageError("--tls-cert and --tls-key go together (a client certificate and its key)")
@@ -127,9 +127,9 @@ def _check(args: argparse.Namespace) -> int:
 
     import grpc
 
-    from protos.indexer.v1 import indexer_pb2 as pb
-    from service.client import IndexerClient
-    from service.codec import SERVICE_NAME
+    from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
+    from indexer_service.service.client import IndexerClient
+    from indexer_service.service.codec import SERVICE_NAME
 
     # No client-side health check (a server that is not SERVING must still answer), one attempt and no
     # waiting for a ready server: the answer is about this server now.

@@ -44,12 +44,12 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kernels.inputs import ChunkInputs, ChunkMetadata
-from kernels.planner import BatchInputs, PrefillPlan
-from protos.indexer.v1 import indexer_pb2 as pb
-from protos.indexer.v1 import indexer_pb2_grpc as pb_grpc
-from service import codec
-from service.codec import SERVICE_NAME
+from indexer_service.kernels.inputs import ChunkInputs, ChunkMetadata
+from indexer_service.kernels.planner import BatchInputs, PrefillPlan
+from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
+from indexer_service.protos.indexer.v1 import indexer_pb2_grpc as pb_grpc
+from indexer_service.service import codec
+from indexer_service.service.codec import SERVICE_NAME
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 2**20  # the server's default max_message_bytes
 DEFAULT_TIMEOUT_SECONDS = 10.0

@@ -11,9 +11,9 @@ from collections.abc import Mapping
 import numpy as np
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 
-from kernels.inputs import ChunkInputs, ChunkMetadata, DcpConfig, InvalidInputError
-from kernels.planner import BatchInputs, ChunkSpec, PrefillPlan
-from protos.indexer.v1 import indexer_pb2 as pb
+from indexer_service.kernels.inputs import ChunkInputs, ChunkMetadata, DcpConfig, InvalidInputError
+from indexer_service.kernels.planner import BatchInputs, ChunkSpec, PrefillPlan
+from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
 
 WIRE_INT32 = np.dtype("<i4")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["PrefillMetadata"].full_name  # indexer.v1.PrefillMetadata

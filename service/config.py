@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, fields
 from importlib import resources
 from pathlib import Path
 
-from kernels.specialization import ModelConfig
+from indexer_service.kernels.specialization import ModelConfig
 
 ENV_PREFIX = "INDEXER_"
 CONFIG_FILE_ENV = ENV_PREFIX + "CONFIG"
@@ -354,7 +354,7 @@ def load_config(
         values[name] = _coerce(name, value, source)
         sources[name] = source
 
-    defaults = resources.files("service").joinpath("default_config.toml").read_text()
+    defaults = resources.files("indexer_service.service").joinpath("default_config.toml").read_text()
     for name, value in _read_toml(defaults, "default_config.toml").items():
         put(name, value, "default")
     missing = SETTINGS.keys() - values.keys()
@@ -408,7 +408,7 @@ def _validate(config: ServiceConfig, sources: Mapping[str, str], needs_warmup: s
             fail(name, f"{name}{why}" if why.startswith("[") else why)
     # Settings that depend on each other, or on the machine.
     if config.backend == "triton":
-        from service.dataplane import resolve_backend  # imports torch: only for an explicit triton
+        from indexer_service.service.dataplane import resolve_backend  # imports torch: only for an explicit triton
 
         try:
             resolve_backend("triton")
@@ -416,7 +416,7 @@ def _validate(config: ServiceConfig, sources: Mapping[str, str], needs_warmup: s
             fail("backend", exc.message)
     if config.warmup_enabled:
         # Imported here: the compile engine pulls in torch and Triton, which only a real warmup needs.
-        from kernels.compile_engine import parse_target
+        from indexer_service.kernels.compile_engine import parse_target
 
         try:
             parse_target(config.warmup_target)

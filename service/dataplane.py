@@ -19,7 +19,7 @@ import grpc
 import numpy as np
 from google.protobuf.message import DecodeError
 
-from kernels.inputs import (
+from indexer_service.kernels.inputs import (
     ChunkArrays,
     ChunkHostPart,
     ChunkInputs,
@@ -31,8 +31,8 @@ from kernels.inputs import (
     validate_batch,
     validate_dcp,
 )
-from kernels.naive import chunk_arrays_numpy_many
-from kernels.planner import (
+from indexer_service.kernels.naive import chunk_arrays_numpy_many
+from indexer_service.kernels.planner import (
     WORKSPACE_TOKENS_PER_MODEL_LEN,
     BatchInputs,
     PlanTooLargeError,
@@ -42,14 +42,20 @@ from kernels.planner import (
     plan_prefill_batch,
     prefill_workspace_size,
 )
-from kernels.specialization import CompileKey, normalize_compress_ratio
-from protos.indexer.v1 import indexer_pb2 as pb
-from service import _fastpath, codec
-from service.admission import Admission, Caller, Refused, container_memory_limit, default_response_budget
-from service.auto_backend import AutoSelector
-from service.config import ConfigError, ServiceConfig
-from service.metrics import SHED_REASONS, Metrics
-from service.warmup import KeyState, Warmup, WarmupState
+from indexer_service.kernels.specialization import CompileKey, normalize_compress_ratio
+from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
+from indexer_service.service import _fastpath, codec
+from indexer_service.service.admission import (
+    Admission,
+    Caller,
+    Refused,
+    container_memory_limit,
+    default_response_budget,
+)
+from indexer_service.service.auto_backend import AutoSelector
+from indexer_service.service.config import ConfigError, ServiceConfig
+from indexer_service.service.metrics import SHED_REASONS, Metrics
+from indexer_service.service.warmup import KeyState, Warmup, WarmupState
 
 log = logging.getLogger(__name__)
 
@@ -181,14 +187,14 @@ def make_backend(name: str, admit: Callable[[CompileKey], None] | None, native_f
     numpy_backend = Backend("numpy", chunk_arrays_numpy_many, _fastpath.build_chunk if native_fast_path else None)
     if name == "numpy":
         return numpy_backend
-    from kernels.triton_kernel import TritonChunkBuilder
+    from indexer_service.kernels.triton_kernel import TritonChunkBuilder
 
     # One launch for all the chunks of a request (a whole prefill plan): one copy in, one copy out. No fast
     # path: this backend's point is computing on the GPU.
     triton_backend = Backend("triton", TritonChunkBuilder("cuda", admit=admit).arrays_many)
     if name == "triton":
         return triton_backend
-    from service.auto_backend import AutoSelector
+    from indexer_service.service.auto_backend import AutoSelector
 
     selector = AutoSelector(numpy_backend, triton_backend, numpy_backend.arrays_many, triton_backend.arrays_many)
     fast = None

@@ -26,12 +26,12 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from service.admission import Caller, DrainWatchdog
-from service.codec import SERVICE_NAME
-from service.config import ServiceConfig
-from service.dataplane import REQUEST_TYPES, DataPlane, ServiceError, max_request_bytes
-from service.health import HealthServicer
-from service.reflection import reflection_handlers
+from indexer_service.service.admission import Caller, DrainWatchdog
+from indexer_service.service.codec import SERVICE_NAME
+from indexer_service.service.config import ServiceConfig
+from indexer_service.service.dataplane import REQUEST_TYPES, DataPlane, ServiceError, max_request_bytes
+from indexer_service.service.health import HealthServicer
+from indexer_service.service.reflection import reflection_handlers
 
 log = logging.getLogger(__name__)
 

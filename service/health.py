@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from service.admission import DrainWatchdog
+from indexer_service.service.admission import DrainWatchdog
 
 log = logging.getLogger(__name__)
 

@@ -31,11 +31,11 @@ from google.protobuf import json_format
 from prometheus_client import make_asgi_app
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from service.admission import Caller
-from service.codec import SERVICE_NAME
-from service.config import ServiceConfig
-from service.dataplane import REQUEST_TYPES, RESPONSE_TYPES, DataPlane, ServiceError, max_request_bytes
-from service.metrics import Metrics, exposition_registry
+from indexer_service.service.admission import Caller
+from indexer_service.service.codec import SERVICE_NAME
+from indexer_service.service.config import ServiceConfig
+from indexer_service.service.dataplane import REQUEST_TYPES, RESPONSE_TYPES, DataPlane, ServiceError, max_request_bytes
+from indexer_service.service.metrics import Metrics, exposition_registry
 
 log = logging.getLogger(__name__)
 

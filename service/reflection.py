@@ -3,8 +3,8 @@ package names), sending the service's descriptors with their comments.
 
 grpcio-reflection serves only v1alpha, and from the descriptors compiled into ``*_pb2.py``, which carry no
 comments: ``grpcurl describe`` could not show the one rule every caller must know (arrays are little-endian
-int32 bytes). Here the files come from ``indexer_descriptor.binpb`` (``python -m protos.generate`` writes it
-with the source comments), plus health and reflection's own.
+int32 bytes). Here the files come from ``indexer_descriptor.binpb`` (``make protos`` writes it with the source
+comments), plus health and reflection's own.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from grpc_reflection.v1alpha import reflection_pb2 as rpb
 V1ALPHA = rpb.DESCRIPTOR.services_by_name["ServerReflection"].full_name
 V1 = V1ALPHA.replace(".v1alpha.", ".v1.")
 REFLECTION_NAMES = (V1, V1ALPHA)
-_INDEXER_DESCRIPTORS = ("protos.indexer.v1", "indexer_descriptor.binpb")
+_INDEXER_DESCRIPTORS = ("indexer_service.protos.indexer.v1", "indexer_descriptor.binpb")
 
 
 def _proto_of(file_descriptor) -> descriptor_pb2.FileDescriptorProto:

@@ -23,19 +23,19 @@ from typing import TYPE_CHECKING
 
 import uvicorn
 
-from kernels.specialization import warmup_keys
-from service.allocator import configure_malloc, trim_heap
-from service.config import ServiceConfig
-from service.dataplane import DataPlane, launch_admission, make_backend, resolve_backend
-from service.grpc_server import HEALTH_NAMES, create_grpc_server, create_health_server, host_port
-from service.health import HealthServicer
-from service.http_app import HttpApp, limited_protocol
-from service.lifecycle import ShutdownSignals
-from service.metrics import Metrics
-from service.warmup import Warmup, use_triton_cache_dir
+from indexer_service.kernels.specialization import warmup_keys
+from indexer_service.service.allocator import configure_malloc, trim_heap
+from indexer_service.service.config import ServiceConfig
+from indexer_service.service.dataplane import DataPlane, launch_admission, make_backend, resolve_backend
+from indexer_service.service.grpc_server import HEALTH_NAMES, create_grpc_server, create_health_server, host_port
+from indexer_service.service.health import HealthServicer
+from indexer_service.service.http_app import HttpApp, limited_protocol
+from indexer_service.service.lifecycle import ShutdownSignals
+from indexer_service.service.metrics import Metrics
+from indexer_service.service.warmup import Warmup, use_triton_cache_dir
 
 if TYPE_CHECKING:
-    from service.worker import WorkerLink
+    from indexer_service.service.worker import WorkerLink
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +144,7 @@ class IndexerServer:
             self._trim_thread.start()
         if self.backend != "numpy":
             # Only a GPU backend launches kernels after ready; numpy never compiles.
-            from kernels.compile_engine import watch_compiles
+            from indexer_service.kernels.compile_engine import watch_compiles
 
             self._unwatch = watch_compiles(self.plane.on_kernel_compile)
         self._warmup_thread.start()

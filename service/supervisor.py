@@ -44,11 +44,11 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from service.config import ServiceConfig
-from service.lifecycle import ShutdownSignals
-from service.worker import CONFIG_FILE, POD_STATUS_FILE
+from indexer_service.service.config import ServiceConfig
+from indexer_service.service.lifecycle import ShutdownSignals
+from indexer_service.service.worker import CONFIG_FILE, POD_STATUS_FILE
 
-log = logging.getLogger("service.supervisor")
+log = logging.getLogger(__name__)
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 BACKOFF_FIRST_SECONDS, BACKOFF_MAX_SECONDS, STABLE_SECONDS = 0.5, 10.0, 30.0
@@ -124,7 +124,7 @@ def _address(host: str, port: int) -> tuple:
 def reserve_grpc_port(host: str, port: int) -> tuple[socket.socket, int]:
     """Own ``host:port`` for this replica's workers: refused if anyone holds it (bound without SO_REUSEPORT
     first), then held by an SO_REUSEPORT socket that never listens, which the workers' listeners join."""
-    from service.grpc_server import host_port
+    from indexer_service.service.grpc_server import host_port
 
     family, address = _address(host, port)
     with socket.socket(family, socket.SOCK_STREAM) as probe:
@@ -145,7 +145,7 @@ def reserve_grpc_port(host: str, port: int) -> tuple[socket.socket, int]:
 
 
 def listen_http(host: str, port: int) -> socket.socket:
-    from service.grpc_server import host_port
+    from indexer_service.service.grpc_server import host_port
 
     family, address = _address(host, port)
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -214,9 +214,9 @@ class Supervisor:
     # -- start ----------------------------------------------------------------------------------------------
 
     def start(self) -> None:
-        from service.grpc_server import HEALTH_NAMES, create_health_server, host_port
-        from service.health import HealthServicer
-        from service.metrics import SupervisorMetrics
+        from indexer_service.service.grpc_server import HEALTH_NAMES, create_health_server, host_port
+        from indexer_service.service.health import HealthServicer
+        from indexer_service.service.metrics import SupervisorMetrics
 
         config = self.config
         self.metrics = SupervisorMetrics(self.workers)
@@ -238,8 +238,8 @@ class Supervisor:
     def _spawn(self, slot: Slot) -> None:
         read, write = os.pipe()
         http_fd = self._http.fileno()
-        command = [sys.executable, "-m", "service.worker", str(self.runtime), slot.label, str(write), str(http_fd),
-                   str(os.getpid())]  # fmt: skip
+        command = [sys.executable, "-m", "indexer_service.service.worker", str(self.runtime), slot.label,
+                   str(write), str(http_fd), str(os.getpid())]  # fmt: skip
         try:
             slot.process = subprocess.Popen(command, pass_fds=(write, http_fd))
         finally:
@@ -418,7 +418,7 @@ def supervise(
     config: ServiceConfig, workers: int, source: str, port_file: Path | None, signals: ShutdownSignals
 ) -> int:
     """Run ``workers`` worker processes until SIGTERM or SIGINT, then drain them all; returns the exit code."""
-    from service.server import _check_port_file, tls_mode
+    from indexer_service.service.server import _check_port_file, tls_mode
 
     log.info("start pid=%d config: %s", os.getpid(), config.summary())
     log.info("tls mode=%s cert=%s client_ca=%s", tls_mode(config), config.tls_cert_file or "-",

@@ -19,11 +19,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kernels.specialization import CompileKey
-from service.metrics import Metrics
+from indexer_service.kernels.specialization import CompileKey
+from indexer_service.service.metrics import Metrics
 
 if TYPE_CHECKING:  # the compile engine imports torch and Triton: loaded only when something compiles
-    from kernels.compile_engine import CompileOutcome
+    from indexer_service.kernels.compile_engine import CompileOutcome
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ def compile_and_log(
     on_outcome: Callable[[CompileOutcome], None] | None = None,
 ) -> list[CompileOutcome]:
     """Compile ``keys`` (the model's whole warmup set), logging ``<phase> n/N key=... seconds=...`` per key."""
-    from kernels.compile_engine import compile_keys
+    from indexer_service.kernels.compile_engine import compile_keys
 
     def progress(done: int, total: int, outcome: CompileOutcome) -> None:
         if outcome.ok:

@@ -1,5 +1,5 @@
-"""One worker process of several: ``python -m service.worker RUNTIME_DIR SLOT STATUS_FD HTTP_FD PARENT_PID``, started
-by service/supervisor.py, never by hand.
+"""One worker process of several, started by service/supervisor.py, never by hand:
+``python -m indexer_service.service.worker RUNTIME_DIR SLOT STATUS_FD HTTP_FD PARENT_PID``.
 
 A worker is the single-process server (:class:`service.server.IndexerServer`) with a :class:`WorkerLink` to its
 supervisor: the gRPC port is shared with the other workers (SO_REUSEPORT, reserved by the supervisor), HTTP
@@ -30,7 +30,7 @@ POD_STATUS_FILE = "pod-status"  # "" when every worker is ready, else why not (w
 WARMUP_LOCK_FILE = "warmup.lock"
 _PR_SET_PDEATHSIG = 1
 
-log = logging.getLogger("service.worker")
+log = logging.getLogger(__name__)
 
 
 def die_with_parent(parent: int) -> None:
@@ -87,9 +87,9 @@ class WorkerLink:
 def run_worker(link: WorkerLink, signals: object) -> int:
     """Serve until SIGTERM (from the supervisor), then drain; the single process's :func:`service.server.serve`
     with a link instead of a port file."""
-    from service.allocator import configure_malloc
-    from service.config import ServiceConfig
-    from service.server import IndexerServer
+    from indexer_service.service.allocator import configure_malloc
+    from indexer_service.service.config import ServiceConfig
+    from indexer_service.service.server import IndexerServer
 
     values = json.loads((link.runtime_dir / CONFIG_FILE).read_text())
     values["compress_ratios"] = tuple(values["compress_ratios"])
@@ -113,7 +113,7 @@ def run_worker(link: WorkerLink, signals: object) -> int:
 def main(argv: list[str]) -> None:
     runtime_dir, slot, status_fd, http_fd, parent = argv
     die_with_parent(int(parent))
-    from service.lifecycle import ShutdownSignals, end_process
+    from indexer_service.service.lifecycle import ShutdownSignals, end_process
 
     signals = ShutdownSignals()
     link = WorkerLink(Path(runtime_dir), int(slot), int(status_fd), int(http_fd))

@@ -6,7 +6,7 @@ import struct
 
 import numpy as np
 
-from protos.indexer.v1 import indexer_pb2 as pb
+from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
 
 SERVICE_PATH = "/indexer.v1.PrefillMetadata"
 BUILD_CHUNK_PATH = f"{SERVICE_PATH}/BuildChunk"

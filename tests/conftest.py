@@ -17,8 +17,8 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.harness import clean_env, http_get
-from service.dataplane import resolve_backend
-from service.warmup import IN_PROCESS
+from indexer_service.service.dataplane import resolve_backend
+from indexer_service.service.warmup import IN_PROCESS
 
 INDEXER_SERVICE = str(Path(sys.executable).with_name("indexer-service"))
 LOOPBACK = "127.0.0.1"
@@ -180,8 +180,8 @@ def triton_cpu():
     import triton
     from triton.runtime.errors import InterpreterError
 
-    from kernels.inputs import ChunkInputs
-    from kernels.triton_kernel import TritonChunkBuilder, interpreted_kernel
+    from indexer_service.kernels.inputs import ChunkInputs
+    from indexer_service.kernels.triton_kernel import TritonChunkBuilder, interpreted_kernel
 
     builder = TritonChunkBuilder("cpu", kernel=interpreted_kernel())
     try:

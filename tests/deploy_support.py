@@ -474,8 +474,8 @@ class Server(LoggedProcess):
 
 def send_traffic(client, rounds: int) -> None:
     """``rounds`` x (BuildChunk, PlanBatch, one INVALID_ARGUMENT) through an IndexerClient."""
-    from kernels.inputs import ChunkInputs
-    from kernels.planner import BatchInputs
+    from indexer_service.kernels.inputs import ChunkInputs
+    from indexer_service.kernels.planner import BatchInputs
 
     for _ in range(rounds):
         meta = client.build_chunk(ChunkInputs(QSL, SEQ_LENS, RATIO, 0, 2))

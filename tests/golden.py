@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kernels.inputs import ChunkInputs, ChunkMetadata, DcpConfig
+from indexer_service.kernels.inputs import ChunkInputs, ChunkMetadata, DcpConfig
 
 REPO = Path(__file__).resolve().parent.parent
 GOLDEN_PATH = REPO / "tests" / "data" / "golden-cases.json"

@@ -7,11 +7,11 @@ from dataclasses import replace
 
 import numpy as np
 
-from kernels.inputs import ChunkInputs, chunk_host_part
-from kernels.naive import chunk_arrays_numpy_many
-from kernels.specialization import CompileKey
-from protos.indexer.v1 import indexer_pb2 as pb
-from service.auto_backend import (
+from indexer_service.kernels.inputs import ChunkInputs, chunk_host_part
+from indexer_service.kernels.naive import chunk_arrays_numpy_many
+from indexer_service.kernels.specialization import CompileKey
+from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
+from indexer_service.service.auto_backend import (
     NOT_MEASURED,
     NUMPY_ALWAYS,
     AutoSelector,
@@ -19,11 +19,11 @@ from service.auto_backend import (
     crossover_of,
     output_elements,
 )
-from service.codec import chunk_inputs_to_proto
-from service.config import load_config
-from service.dataplane import Backend, DataPlane, resolve_backend
-from service.metrics import Metrics
-from service.warmup import Warmup
+from indexer_service.service.codec import chunk_inputs_to_proto
+from indexer_service.service.config import load_config
+from indexer_service.service.dataplane import Backend, DataPlane, resolve_backend
+from indexer_service.service.metrics import Metrics
+from indexer_service.service.warmup import Warmup
 from tests.conftest import cuda_available
 
 

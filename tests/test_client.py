@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 
 from benchmarks.harness import FAST_START
-from kernels.inputs import ChunkInputs
-from kernels.naive import build_chunk_metadata_numpy
-from protos.indexer.v1 import indexer_pb2 as pb
-from protos.indexer.v1 import indexer_pb2_grpc as pb_grpc
-from service.client import IndexerClient, channel_target, service_config
-from service.codec import SERVICE_NAME, encode_int32
+from indexer_service.kernels.inputs import ChunkInputs
+from indexer_service.kernels.naive import build_chunk_metadata_numpy
+from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
+from indexer_service.protos.indexer.v1 import indexer_pb2_grpc as pb_grpc
+from indexer_service.service.client import IndexerClient, channel_target, service_config
+from indexer_service.service.codec import SERVICE_NAME, encode_int32
 from tests.conftest import FAILING_WARMUP, ServerProcess, StartServer, scrape
 
 pytestmark = pytest.mark.slow

@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 
-from kernels.compile_engine import KeyRefusedError, compile_keys, parse_target, watch_compiles
-from kernels.specialization import CompileKey, ModelConfig, warmup_keys
+from indexer_service.kernels.compile_engine import KeyRefusedError, compile_keys, parse_target, watch_compiles
+from indexer_service.kernels.specialization import CompileKey, ModelConfig, warmup_keys
 
 DEFAULT_MODEL = ModelConfig((0, 0, *([4, 128] * 20), 4, 0))
 

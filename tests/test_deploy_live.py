@@ -22,8 +22,8 @@ import grpc
 import pytest
 import trustme
 
-from service.client import IndexerClient
-from service.config import load_config
+from indexer_service.service.client import IndexerClient
+from indexer_service.service.config import load_config
 from tests.deploy_support import (
     INSTALL_HINT,
     Prometheus,

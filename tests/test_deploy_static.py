@@ -569,11 +569,14 @@ def test_docker_context_holds_what_pip_install_needs(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stdout + out.stderr
     (wheel,) = tmp_path.glob("*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    assert "service/default_config.toml" in names
+    assert "indexer_service/service/default_config.toml" in names
     assert {"requirements/image-cpu.txt", "requirements/image-gpu.txt"} <= set(files), "the locks must reach the build"
-    assert any(n.startswith("protos/indexer/v1/") and n.endswith(".proto") for n in names)
-    assert any(n.startswith("kernels/") for n in names)
-    assert any(n.startswith("service/_fastpath.") and n.endswith(".so") for n in names), "compiled in the wheel"
+    assert any(n.startswith("indexer_service/protos/indexer/v1/") and n.endswith(".proto") for n in names)
+    assert any(n.startswith("indexer_service/kernels/") for n in names)
+    compiled = [n for n in names if n.startswith("indexer_service/service/_fastpath.") and n.endswith(".so")]
+    assert compiled, "compiled in the wheel"
+    # One import namespace: nothing at the top level but indexer_service and the distribution's metadata.
+    assert {n.split("/", 1)[0] for n in names if not n.split("/", 1)[0].endswith(".dist-info")} == {"indexer_service"}
 
 
 def test_every_path_the_deploy_readme_names_exists() -> None:

@@ -20,15 +20,16 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 SANITIZE = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer"]
-# Loads the sanitized build as service._fastpath before anything imports the installed one, then runs pytest.
+# Loads the sanitized build as indexer_service.service._fastpath before anything imports the installed one, then
+# runs pytest.
 BOOTSTRAP = """
 import importlib.util, sys
-spec = importlib.util.spec_from_file_location("service._fastpath", sys.argv[1])
+spec = importlib.util.spec_from_file_location("indexer_service.service._fastpath", sys.argv[1])
 module = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(module)
 assert hasattr(module, "_build_chunk_with_size_skew"), "not the test build"
-import service
-sys.modules["service._fastpath"] = service._fastpath = module
+import indexer_service.service as service
+sys.modules["indexer_service.service._fastpath"] = service._fastpath = module
 import pytest
 sys.exit(pytest.main(sys.argv[2:]))
 """

@@ -28,7 +28,7 @@ from benchmarks.fuzzing import (
     stubs_for,
 )
 from benchmarks.harness import FAST_START, ServiceProcess, channel
-from protos.indexer.v1 import indexer_pb2 as pb
+from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
 from tests.hardening_support import assert_healthy_after
 
 METHODS = tuple(REQUEST_TYPES)

@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.compile_engine import compile_keys, watch_compiles
-from kernels.inputs import ChunkInputs, DcpConfig
-from kernels.naive import build_chunk_metadata_numpy
-from kernels.specialization import ModelConfig, warmup_compress_ratios, warmup_keys
-from kernels.testing import BatchShape, random_chunk_inputs
-from kernels.triton_kernel import PinnedPool, TritonChunkBuilder
+from indexer_service.kernels.compile_engine import compile_keys, watch_compiles
+from indexer_service.kernels.inputs import ChunkInputs, DcpConfig
+from indexer_service.kernels.naive import build_chunk_metadata_numpy
+from indexer_service.kernels.specialization import ModelConfig, warmup_compress_ratios, warmup_keys
+from indexer_service.kernels.testing import BatchShape, random_chunk_inputs
+from indexer_service.kernels.triton_kernel import PinnedPool, TritonChunkBuilder
 from tests.golden import metadata_as_dict
 
 pytestmark = [

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kernels.inputs import ChunkInputs
-from kernels.naive import build_chunk_metadata_numpy
-from kernels.planner import (
+from indexer_service.kernels.inputs import ChunkInputs
+from indexer_service.kernels.naive import build_chunk_metadata_numpy
+from indexer_service.kernels.planner import (
     BatchInputs,
     ChunkSpec,
     build_prefill_batch,
@@ -15,7 +15,7 @@ from kernels.planner import (
     plan_prefill_chunks,
     prefill_workspace_size,
 )
-from kernels.testing import BatchShape, random_batch
+from indexer_service.kernels.testing import BatchShape, random_batch
 from tests.golden import GOLDEN, case_id
 
 

@@ -124,5 +124,5 @@ def test_the_proto_ships_in_the_wheel() -> None:
     project = tomllib.loads((REPO / "pyproject.toml").read_text())
     package_data = project["tool"]["setuptools"]["package-data"]
     assert any("*.proto" in patterns for patterns in package_data.values()), package_data
-    assert (resources.files("protos.indexer.v1") / "indexer.proto").is_file()
+    assert (resources.files("indexer_service.protos.indexer.v1") / "indexer.proto").is_file()
     assert "protos/indexer/v1/indexer.proto" in (REPO / "docs" / "clients.md").read_text()

@@ -15,10 +15,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kernels.inputs import ChunkInputs, ChunkMetadata, DcpConfig
-from kernels.naive import build_chunk_metadata_numpy
-from kernels.planner import BatchInputs, ChunkBuilder, PrefillPlan, build_prefill_batch
-from kernels.reference import (
+from indexer_service.kernels.inputs import ChunkInputs, ChunkMetadata, DcpConfig
+from indexer_service.kernels.naive import build_chunk_metadata_numpy
+from indexer_service.kernels.planner import BatchInputs, ChunkBuilder, PrefillPlan, build_prefill_batch
+from indexer_service.kernels.reference import (
     reference_chunk_metadata,
     reference_local,
     reference_local_by_dealing,
@@ -27,7 +27,7 @@ from kernels.reference import (
     reference_warmup_compress_ratios,
     reference_workspace,
 )
-from kernels.testing import BatchShape, random_batch, random_chunk_inputs
+from indexer_service.kernels.testing import BatchShape, random_batch, random_chunk_inputs
 from tests.golden import ARRAY_FIELDS, GOLDEN, SCALAR_FIELDS, case_id, chunk_inputs, metadata_as_dict
 
 REPO = Path(__file__).resolve().parent.parent
@@ -351,16 +351,16 @@ def test_plans_reach_the_corners_they_are_named_for() -> None:
 @pytest.fixture(scope="module")
 def fast_path() -> FastPath:
     """service/fastpath.c's build_chunk with the default configuration's limits, any ratio admitted."""
-    from service import _fastpath, codec
-    from service.config import load_config
-    from service.dataplane import fast_path_limits
+    from indexer_service.service import _fastpath, codec
+    from indexer_service.service.config import load_config
+    from indexer_service.service.dataplane import fast_path_limits
 
     config = load_config({"warmup_target": "none"}, env={})
     limits = fast_path_limits(config, min(config.max_message_bytes, config.heavy_request_bytes))
 
     def build(inputs: ChunkInputs) -> tuple[bool, ChunkMetadata | None]:
         """(answered, result): answered is False where the fast path steps aside to the general path."""
-        from protos.indexer.v1 import indexer_pb2 as pb
+        from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
 
         native = _fastpath.build_chunk(codec.chunk_inputs_to_proto(inputs).SerializeToString(), limits, None)
         if native is None:
@@ -431,11 +431,12 @@ def test_triton_interpreter_plan_equals_reference(name: str, triton_cpu: ChunkBu
 # --- served by nothing, independent of what it checks ------------------------------------------------------------
 
 _IMPORTS_REFERENCE = re.compile(
-    r"^\s*(from\s+kernels\.reference\s+import|import\s+kernels\.reference\b|from\s+kernels\s+import\s+[^#\n]*\breference\b"
+    r"^\s*(from\s+(indexer_service\.)?kernels\.reference\s+import|import\s+(indexer_service\.)?kernels\.reference\b"
+    r"|from\s+(indexer_service\.)?kernels\s+import\s+[^#\n]*\breference\b"
     r"|from\s+\.\s*import\s+[^#\n]*\breference\b|from\s+\.reference\s+import)",
     re.MULTILINE,
 )
-_NAMES_REFERENCE = re.compile(r"""["']kernels\.reference["']""")  # importlib.import_module("kernels.reference")
+_NAMES_REFERENCE = re.compile(r"""["'](indexer_service\.)?kernels\.reference["']""")  # import_module("...reference")
 
 
 def test_no_product_module_imports_the_reference() -> None:
@@ -453,17 +454,17 @@ def test_no_product_module_imports_the_reference() -> None:
 def test_reference_imports_only_the_dataclasses() -> None:
     """The reference calls none of the code it checks: from the kernels package it takes the dataclasses only."""
     allowed = {
-        "kernels.inputs": {"ChunkInputs", "ChunkMetadata", "DcpConfig"},
-        "kernels.planner": {"BatchInputs", "ChunkSpec", "PrefillPlan"},
+        "indexer_service.kernels.inputs": {"ChunkInputs", "ChunkMetadata", "DcpConfig"},
+        "indexer_service.kernels.planner": {"BatchInputs", "ChunkSpec", "PrefillPlan"},
     }
     tree = ast.parse((REPO / "kernels" / "reference.py").read_text())
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            assert all(not alias.name.startswith("kernels") for alias in node.names), ast.dump(node)
+            assert all(not alias.name.startswith("indexer_service") for alias in node.names), ast.dump(node)
         elif isinstance(node, ast.ImportFrom):
             module = node.module or ""
             assert node.level == 0, ast.dump(node)
-            if module.startswith("kernels"):
+            if module.startswith("indexer_service"):
                 assert module in allowed, module
                 assert {alias.name for alias in node.names} <= allowed[module], ast.dump(node)
             else:

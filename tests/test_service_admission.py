@@ -11,10 +11,10 @@ import grpc
 import numpy as np
 import pytest
 
-from kernels.planner import PlanTooLargeError, plan_prefill_chunks
-from protos.indexer.v1 import indexer_pb2 as pb
-from service import codec
-from service.admission import (
+from indexer_service.kernels.planner import PlanTooLargeError, plan_prefill_chunks
+from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
+from indexer_service.service import codec
+from indexer_service.service.admission import (
     DEFAULT_BUDGET_BYTES,
     Admission,
     Caller,
@@ -23,10 +23,10 @@ from service.admission import (
     ShedLog,
     default_response_budget,
 )
-from service.config import load_config
-from service.dataplane import DataPlane, ServiceError, make_backend
-from service.metrics import Metrics
-from service.warmup import Warmup
+from indexer_service.service.config import load_config
+from indexer_service.service.dataplane import DataPlane, ServiceError, make_backend
+from indexer_service.service.metrics import Metrics
+from indexer_service.service.warmup import Warmup
 
 
 def admission(budget: int = 100, slots: int = 1, wait: float = 0.2, max_waiting: int = 4) -> Admission:
@@ -117,7 +117,7 @@ def test_heavy_lane_runs_slots_at_a_time_and_bounds_its_waiters() -> None:
 def test_shed_log_counts_every_call_and_logs_once_per_interval(caplog) -> None:
     metrics = Metrics()
     shed = ShedLog(metrics, interval=60.0)
-    with caplog.at_level(logging.WARNING, logger="service.admission"):
+    with caplog.at_level(logging.WARNING, logger="indexer_service.service.admission"):
         for _ in range(5):
             shed.record("BuildChunk", "memory", "full")
     lines = [r.getMessage() for r in caplog.records if "shed reason=memory" in r.getMessage()]

@@ -12,13 +12,13 @@ import sys
 
 import pytest
 
-from service.allocator import configure_malloc
+from indexer_service.service.allocator import configure_malloc
 
 # Fill four fresh 8 MiB buffers 20 times, on worker threads like the gRPC server's; count minor page faults.
 PROBE = """
 import json, resource, sys, threading
 import numpy as np
-from service.allocator import configure_malloc
+from indexer_service.service.allocator import configure_malloc
 
 outcome = configure_malloc(int(sys.argv[1]), int(sys.argv[2]))
 
@@ -77,7 +77,7 @@ def test_an_operators_malloc_environment_wins() -> None:
 
 
 def test_settings_are_c_ints_and_zeros_leave_glibc_alone(monkeypatch: pytest.MonkeyPatch) -> None:
-    from service.config import ConfigError, load_config
+    from indexer_service.service.config import ConfigError, load_config
 
     with pytest.raises(ConfigError, match="malloc_retain_bytes"):
         load_config({"malloc_retain_bytes": str(2**31)}, env={})

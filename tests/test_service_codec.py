@@ -7,12 +7,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kernels.inputs import ChunkInputs, ChunkMetadata
-from kernels.naive import build_chunk_metadata_numpy
-from kernels.planner import BatchInputs, ChunkSpec, PrefillPlan, build_prefill_batch
-from kernels.testing import BatchShape, random_batch
-from protos.indexer.v1 import indexer_pb2 as pb
-from service.codec import (
+from indexer_service.kernels.inputs import ChunkInputs, ChunkMetadata
+from indexer_service.kernels.naive import build_chunk_metadata_numpy
+from indexer_service.kernels.planner import BatchInputs, ChunkSpec, PrefillPlan, build_prefill_batch
+from indexer_service.kernels.testing import BatchShape, random_batch
+from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
+from indexer_service.service.codec import (
     build_chunk_response_bytes,
     encode_int32,
     metadata_from_proto,
@@ -115,7 +115,7 @@ def test_plan_bytes_equal_protobufs_serialization(omit_token_to_seq: bool) -> No
 
 
 def test_a_field_type_the_encoder_does_not_speak_fails_at_construction() -> None:
-    from service.codec import _WireMessage
+    from indexer_service.service.codec import _WireMessage
 
     with pytest.raises(TypeError, match=r"indexer\.v1\.KeyStatus\.label"):
         _WireMessage(pb.KeyStatus.DESCRIPTOR)  # a string first (compile_seconds, a double, would fail too)

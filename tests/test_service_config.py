@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from kernels.specialization import ModelConfig, warmup_compress_ratios
-from service.config import RULES, SETTINGS, ConfigError, load_config, read_hf_model_config
-from service.warmup import use_triton_cache_dir
+from indexer_service.kernels.specialization import ModelConfig, warmup_compress_ratios
+from indexer_service.service.config import RULES, SETTINGS, ConfigError, load_config, read_hf_model_config
+from indexer_service.service.warmup import use_triton_cache_dir
 
 FLASH_RATIOS = (0, 0, *([4, 128] * 20), 4, 0)
 
@@ -167,7 +167,7 @@ def test_existing_triton_cache_dir_is_never_overwritten(monkeypatch: pytest.Monk
 
 
 def test_docs_list_every_setting_and_metric() -> None:
-    from service.metrics import Metrics
+    from indexer_service.service.metrics import Metrics
 
     docs = (Path(__file__).resolve().parent.parent / "docs" / "service.md").read_text()
     for name in SETTINGS:
@@ -289,7 +289,7 @@ def test_every_invalid_value_stops_the_start_naming_setting_and_source(
 ) -> None:
     """Through the command line in-process: exit 2, one stderr line, the setting and where its value came from,
     never a traceback."""
-    from service.cli import main as cli_main
+    from indexer_service.service.cli import main as cli_main
 
     value = value.format(**files)
     extra = {k: v.format(**files) for k, v in INVALID[name][1].items()}

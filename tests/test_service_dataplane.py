@@ -11,22 +11,22 @@ import grpc
 import numpy as np
 import pytest
 
-from kernels.compile_engine import compile_keys, watch_compiles
-from kernels.inputs import ChunkInputs
-from kernels.naive import build_chunk_metadata_numpy, chunk_arrays_numpy
-from kernels.planner import BatchInputs, build_prefill_batch
-from kernels.specialization import CompileKey, warmup_keys
-from kernels.testing import BatchShape, random_batch
-from kernels.triton_kernel import TritonChunkBuilder
-from protos.indexer.v1 import indexer_pb2 as pb
-from protos.indexer.v1 import indexer_pb2_grpc as pb_grpc
-from service import codec
-from service.config import ServiceConfig, load_config
-from service.dataplane import Backend, DataPlane, ServiceError, launch_admission, make_backend
-from service.grpc_server import HEALTH_NAMES, create_grpc_server
-from service.health import HealthServicer
-from service.metrics import Metrics
-from service.warmup import Warmup, WarmupState
+from indexer_service.kernels.compile_engine import compile_keys, watch_compiles
+from indexer_service.kernels.inputs import ChunkInputs
+from indexer_service.kernels.naive import build_chunk_metadata_numpy, chunk_arrays_numpy
+from indexer_service.kernels.planner import BatchInputs, build_prefill_batch
+from indexer_service.kernels.specialization import CompileKey, warmup_keys
+from indexer_service.kernels.testing import BatchShape, random_batch
+from indexer_service.kernels.triton_kernel import TritonChunkBuilder
+from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
+from indexer_service.protos.indexer.v1 import indexer_pb2_grpc as pb_grpc
+from indexer_service.service import codec
+from indexer_service.service.config import ServiceConfig, load_config
+from indexer_service.service.dataplane import Backend, DataPlane, ServiceError, launch_admission, make_backend
+from indexer_service.service.grpc_server import HEALTH_NAMES, create_grpc_server
+from indexer_service.service.health import HealthServicer
+from indexer_service.service.metrics import Metrics
+from indexer_service.service.warmup import Warmup, WarmupState
 from tests.golden import metadata_as_dict
 
 E1 = ChunkInputs(np.array([0, 1, 4, 9]), np.array([20, 10, 5]), 4, 1, 3)

@@ -21,15 +21,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from benchmarks.fuzzing import FUZZ_LIMITS, chunk_request, rng_draw
-from kernels.inputs import ChunkInputs, DcpConfig, chunk_host_parts
-from kernels.specialization import CompileKey, warmup_keys
-from kernels.testing import BatchShape, random_chunk_inputs
-from protos.indexer.v1 import indexer_pb2 as pb
-from service import _fastpath, codec
-from service.config import ServiceConfig, load_config
-from service.dataplane import FAST_PATH_BACKEND, DataPlane, ServiceError, launch_admission, make_backend
-from service.metrics import Metrics
-from service.warmup import Warmup, WarmupState
+from indexer_service.kernels.inputs import ChunkInputs, DcpConfig, chunk_host_parts
+from indexer_service.kernels.specialization import CompileKey, warmup_keys
+from indexer_service.kernels.testing import BatchShape, random_chunk_inputs
+from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
+from indexer_service.service import _fastpath, codec
+from indexer_service.service.config import ServiceConfig, load_config
+from indexer_service.service.dataplane import FAST_PATH_BACKEND, DataPlane, ServiceError, launch_admission, make_backend
+from indexer_service.service.metrics import Metrics
+from indexer_service.service.warmup import Warmup, WarmupState
 from tests.golden import GOLDEN, case_id, chunk_inputs, metadata_as_dict
 
 REPO = Path(__file__).resolve().parent.parent
@@ -438,7 +438,7 @@ WRITTEN = (pb.BuildChunkResponse, pb.ChunkMetadata, pb.QuerySlice)
 
 def test_every_field_tag_comes_from_the_generated_header() -> None:
     """service/fastpath.c names every field it reads or writes through protos/indexer/v1/indexer_wire.h (generated
-    by `python -m protos.generate`, freshness-tested), and no number stands for a tag."""
+    by `python -m indexer_service.protos.generate`, freshness-tested), and no number stands for a tag."""
     source = (REPO / "service" / "fastpath.c").read_text()
     assert '#include "../protos/indexer/v1/indexer_wire.h"' in source
     header = (REPO / "protos" / "indexer" / "v1" / "indexer_wire.h").read_text()

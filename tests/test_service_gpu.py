@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.inputs import ChunkInputs, DcpConfig
-from kernels.naive import build_chunk_metadata_numpy
-from kernels.planner import BatchInputs, build_prefill_batch
-from kernels.testing import BatchShape, batch_with_tokens, random_batch, random_chunk_inputs
-from protos.indexer.v1 import indexer_pb2 as pb
-from service.client import IndexerClient
+from indexer_service.kernels.inputs import ChunkInputs, DcpConfig
+from indexer_service.kernels.naive import build_chunk_metadata_numpy
+from indexer_service.kernels.planner import BatchInputs, build_prefill_batch
+from indexer_service.kernels.testing import BatchShape, batch_with_tokens, random_batch, random_chunk_inputs
+from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
+from indexer_service.service.client import IndexerClient
 from tests.conftest import StartServer, scrape
 from tests.golden import GOLDEN, chunk_inputs, metadata_as_dict
 

@@ -7,12 +7,12 @@ import grpc
 import numpy as np
 import pytest
 
-from kernels.inputs import ChunkInputs
-from kernels.planner import BatchInputs
-from kernels.specialization import ModelConfig, warmup_keys
-from service.client import IndexerClient
-from service.dataplane import FAST_PATH_BACKEND
-from service.metrics import Metrics
+from indexer_service.kernels.inputs import ChunkInputs
+from indexer_service.kernels.planner import BatchInputs
+from indexer_service.kernels.specialization import ModelConfig, warmup_keys
+from indexer_service.service.client import IndexerClient
+from indexer_service.service.dataplane import FAST_PATH_BACKEND
+from indexer_service.service.metrics import Metrics
 from tests.conftest import Scrape, ServerProcess, scrape
 
 METHODS = {"BuildChunk", "PlanBatch", "GetWarmupStatus"}

@@ -13,10 +13,10 @@ from google.protobuf import descriptor_pb2, json_format
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2 as rpb
 
-from protos.indexer.v1 import indexer_pb2 as pb
-from service import codec
-from service.codec import SERVICE_NAME
-from service.reflection import V1, V1ALPHA
+from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
+from indexer_service.service import codec
+from indexer_service.service.codec import SERVICE_NAME
+from indexer_service.service.reflection import V1, V1ALPHA
 from tests.conftest import ServerProcess
 from tests.golden import GOLDEN, chunk_inputs, metadata_as_dict
 

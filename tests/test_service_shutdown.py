@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from protos.indexer.v1 import indexer_pb2 as pb
-from protos.indexer.v1 import indexer_pb2_grpc as pb_grpc
-from service.codec import SERVICE_NAME, encode_int32
+from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
+from indexer_service.protos.indexer.v1 import indexer_pb2_grpc as pb_grpc
+from indexer_service.service.codec import SERVICE_NAME, encode_int32
 from tests.conftest import StartServer, http_get, scrape
 
 pytestmark = pytest.mark.slow

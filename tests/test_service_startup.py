@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kernels.specialization import ModelConfig, warmup_keys
-from protos.indexer.v1 import indexer_pb2 as pb
-from protos.indexer.v1 import indexer_pb2_grpc as pb_grpc
-from service.codec import SERVICE_NAME, encode_int32
+from indexer_service.kernels.specialization import ModelConfig, warmup_keys
+from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
+from indexer_service.protos.indexer.v1 import indexer_pb2_grpc as pb_grpc
+from indexer_service.service.codec import SERVICE_NAME, encode_int32
 from tests.conftest import FAILING_WARMUP, StartServer, clean_env, http_get, scrape
 
 pytestmark = pytest.mark.slow
@@ -152,8 +152,8 @@ def test_an_unwritable_port_file_stops_the_start_at_once(tmp_path: Path) -> None
 def test_the_start_up_log_states_the_tls_mode(start_server: StartServer, tmp_path: Path) -> None:
     import trustme
 
-    from service.config import load_config
-    from service.server import tls_mode
+    from indexer_service.service.config import load_config
+    from indexer_service.service.server import tls_mode
 
     ca = trustme.CA()
     cert = ca.issue_cert("127.0.0.1")

@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 import trustme
 
-from kernels.inputs import ChunkInputs
-from kernels.naive import build_chunk_metadata_numpy
-from service.cli import main as cli_main
-from service.client import IndexerClient, tls_credentials
-from service.config import ConfigError, load_config
+from indexer_service.kernels.inputs import ChunkInputs
+from indexer_service.kernels.naive import build_chunk_metadata_numpy
+from indexer_service.service.cli import main as cli_main
+from indexer_service.service.client import IndexerClient, tls_credentials
+from indexer_service.service.config import ConfigError, load_config
 from tests.conftest import http_get
 
 INPUTS = ChunkInputs(np.array([0, 1, 4, 9]), np.array([20, 10, 5]), 4, 1, 3)

@@ -20,10 +20,10 @@ import psutil
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kernels.inputs import ChunkInputs
-from service import supervisor
-from service.client import ChannelPool, IndexerClient
-from service.codec import SERVICE_NAME
+from indexer_service.kernels.inputs import ChunkInputs
+from indexer_service.service import supervisor
+from indexer_service.service.client import ChannelPool, IndexerClient
+from indexer_service.service.codec import SERVICE_NAME
 from tests.conftest import INDEXER_SERVICE, LOOPBACK, ServerProcess, StartServer, clean_env, http_get, scrape
 
 pytestmark = pytest.mark.slow

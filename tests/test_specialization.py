@@ -11,9 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from benchmarks.vllm_baseline import vllm_warmup_points
-from kernels.compile_engine import compile_only_driver, parse_target, warmup_arguments, watch_compiles
-from kernels.inputs import DcpConfig
-from kernels.specialization import (
+from indexer_service.kernels.compile_engine import compile_only_driver, parse_target, warmup_arguments, watch_compiles
+from indexer_service.kernels.inputs import DcpConfig
+from indexer_service.kernels.specialization import (
     POINTER_ARGS,
     SCALAR_ARGS,
     CompileKey,
@@ -24,8 +24,12 @@ from kernels.specialization import (
     warmup_compress_ratios,
     warmup_keys,
 )
-from kernels.testing import BatchShape, random_chunk_inputs
-from kernels.triton_kernel import KERNEL_JIT_OPTIONS, TritonChunkBuilder, _build_prefill_metadata_kernel_fn
+from indexer_service.kernels.testing import BatchShape, random_chunk_inputs
+from indexer_service.kernels.triton_kernel import (
+    KERNEL_JIT_OPTIONS,
+    TritonChunkBuilder,
+    _build_prefill_metadata_kernel_fn,
+)
 from tests.golden import GOLDEN
 
 FLASH_RATIOS = (0, 0, *([4, 128] * 20), 4, 0)

@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kernels.inputs import ChunkInputs, DcpConfig, InvalidInputError
-from kernels.naive import build_chunk_metadata_numpy
-from kernels.planner import BatchInputs, plan_prefill_batch, plan_prefill_chunks
-from kernels.triton_kernel import TritonChunkBuilder, interpreted_kernel
+from indexer_service.kernels.inputs import ChunkInputs, DcpConfig, InvalidInputError
+from indexer_service.kernels.naive import build_chunk_metadata_numpy
+from indexer_service.kernels.planner import BatchInputs, plan_prefill_batch, plan_prefill_chunks
+from indexer_service.kernels.triton_kernel import TritonChunkBuilder, interpreted_kernel
 
 QSL = np.array([0, 2, 5, 9])
 SEQ = np.array([4, 10, 6])

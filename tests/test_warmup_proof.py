@@ -20,8 +20,8 @@ import triton
 import triton.language as tl
 
 from benchmarks.harness import ServiceProcess, clean_env, http_get
-from kernels import triton_kernel
-from kernels.compile_engine import (
+from indexer_service.kernels import triton_kernel
+from indexer_service.kernels.compile_engine import (
     PROOF_SENTINEL,
     ProofUnavailableError,
     compile_keys,
@@ -29,11 +29,11 @@ from kernels.compile_engine import (
     proof_inputs,
     prove_key,
 )
-from kernels.inputs import chunk_host_part
-from kernels.naive import chunk_arrays_numpy
-from kernels.specialization import CompileKey, ModelConfig, warmup_keys
-from protos.indexer.v1 import indexer_pb2 as pb
-from service.client import IndexerClient
+from indexer_service.kernels.inputs import chunk_host_part
+from indexer_service.kernels.naive import chunk_arrays_numpy
+from indexer_service.kernels.specialization import CompileKey, ModelConfig, warmup_keys
+from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
+from indexer_service.service.client import IndexerClient
 from tests.conftest import cuda_available
 
 _TABLE_WIDTH = tl.constexpr(len(triton_kernel.TABLE_COLUMNS))
@@ -93,7 +93,7 @@ def inject_wrong_kernel(target) -> None:
 def serve_with_wrong_kernel() -> None:
     """``python -c 'from tests.test_warmup_proof import serve_with_wrong_kernel as s; s()' serve ...``: the real
     CLI, with the wrong kernel injected first."""
-    from service.cli import main
+    from indexer_service.service.cli import main
 
     inject_wrong_kernel(triton_kernel)
     sys.exit(main(sys.argv[1:]))

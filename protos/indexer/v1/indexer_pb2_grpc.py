@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from protos.indexer.v1 import indexer_pb2 as indexer_dot_v1_dot_indexer__pb2
+from indexer_service.protos.indexer.v1 import indexer_pb2 as indexer_dot_v1_dot_indexer__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
