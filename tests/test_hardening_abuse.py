@@ -212,15 +212,25 @@ def test_shedding_is_counted_and_logged(serve) -> None:
     codes = [f.exception().code() if f.exception() else grpc.StatusCode.OK for f in heavy + hurried]
     for ch in channels:
         ch.close()
-    after = scrape(server.http_url)
     seen = {code.name: codes.count(code) for code in set(codes)}
-    shed = counter_delta(before, after, SHED, "reason")
-    errors = counter_delta(before, after, ERRORS, "code")
+    refused_or_late = seen.get("RESOURCE_EXHAUSTED", 0) + seen.get("DEADLINE_EXCEEDED", 0)
+    # Every such call is counted somewhere: shed (for concurrency, even when the refusal reached its caller after
+    # the deadline, so the caller saw DEADLINE_EXCEEDED; as queue_deadline when it expired waiting for a thread)
+    # or as a DEADLINE_EXCEEDED error. One that expired in the pool's queue is counted when a thread reaches it,
+    # which can be just after the last call returned: give the queue a few seconds to drain.
+    give_up = time.monotonic() + 10.0
+    while True:
+        after = scrape(server.http_url)
+        shed = counter_delta(before, after, SHED, "reason")
+        errors = counter_delta(before, after, ERRORS, "code")
+        counted = sum(shed.values()) + errors.get("DEADLINE_EXCEEDED", 0)
+        if counted >= refused_or_late or time.monotonic() > give_up:
+            break
+        time.sleep(0.2)
     summary = f"callers saw {seen}; the server counted shed {shed}, errors {errors}"
     assert seen.get("RESOURCE_EXHAUSTED", 0) >= 1, f"nothing was shed: {summary}"
     assert sum(shed.values()) >= seen.get("RESOURCE_EXHAUSTED", 0), summary
-    late = shed.get("queue_deadline", 0) + errors.get("DEADLINE_EXCEEDED", 0)
-    assert late >= seen.get("DEADLINE_EXCEEDED", 0), summary
+    assert counted >= refused_or_late, summary
     assert "shed reason=" in server.log(), server.log()[-3000:]
 
 

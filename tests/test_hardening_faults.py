@@ -16,16 +16,17 @@ import pytest
 
 from benchmarks.fuzzing import Limits, call_and_check, judge, stubs_for
 from benchmarks.harness import FAST_START, ServiceProcess, channel, metric_total, scrape
-from tests.hardening_support import ERRORS, SLOW, SLOW_FLAGS, SMALL, assert_healthy_after, wait_idle
+from tests.hardening_support import ERRORS, SLOW, SLOW_CHUNKS, SMALL, assert_healthy_after, wait_idle
 
+# The server takes SLOW, a plan of SLOW_CHUNKS chunks, and the oracle knows it.
 LIMITS = Limits(max_num_seqs=1024, max_num_batched_tokens=8192, max_model_len=2**20, max_message_bytes=64 * 2**20,
-                max_logits_bytes=512 * 2**20)  # fmt: skip
+                max_logits_bytes=512 * 2**20, max_plan_chunks=SLOW_CHUNKS)  # fmt: skip
 CALLS = 6  # of each kind: more than the server's 8 worker threads together, so some wait in its queue
 
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServiceProcess]:
-    with ServiceProcess(*FAST_START, *LIMITS.flags(), *SLOW_FLAGS) as process:
+    with ServiceProcess(*FAST_START, *LIMITS.flags()) as process:
         yield process
 
 

@@ -24,4 +24,4 @@ def test_generated_stubs_import_through_the_protos_package() -> None:
     assert {m.name for m in service.methods} == {"BuildChunk", "PlanBatch", "GetWarmupStatus"}
     assert hasattr(indexer_pb2_grpc, "PrefillMetadataStub")
     stub_source = Path(indexer_pb2_grpc.__file__).read_text()
-    assert "from protos.indexer.v1 import indexer_pb2" in stub_source
+    assert "from indexer_service.protos.indexer.v1 import indexer_pb2" in stub_source
