@@ -9,11 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from indexer_service.kernels.inputs import ChunkInputs, DcpConfig
+from indexer_service.kernels.inputs import ChunkInputs, DcpConfig, chunk_host_part
 from indexer_service.kernels.naive import build_chunk_metadata_numpy
 from indexer_service.kernels.planner import BatchInputs, build_prefill_batch
 from indexer_service.kernels.testing import BatchShape, batch_with_tokens, random_batch, random_chunk_inputs
 from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
+from indexer_service.service.auto_backend import output_elements
 from indexer_service.service.client import IndexerClient
 from tests.conftest import StartServer, scrape
 from tests.golden import GOLDEN, chunk_inputs, metadata_as_dict
@@ -101,5 +102,6 @@ def test_auto_server_measures_a_crossover_and_serves_each_size_on_its_backend(st
         for backend in ("native", "numpy", "triton")
     }
     assert served["native"] == 2, served
-    assert served["triton" if 0 < crossover <= 2_200_000 else "numpy"] == 2, (crossover, served)
+    large_elements = output_elements([chunk_host_part(large)], with_token_to_seq=True)
+    assert served["triton" if 0 < crossover <= large_elements else "numpy"] == 2, (crossover, large_elements, served)
     assert "auto backend: " in server.log()
