@@ -9,7 +9,7 @@ from another source tree, for "before" figures: ``git archive <commit> | tar -x 
 built service/_fastpath*.so too), then ``--server-pythonpath /tmp/before``.
 
 Loopback only; every loop is bounded in count and time; every server and attacker process is killed at the end.
-The bounded versions of the same attacks are tests/test_hardening_abuse.py.
+The bounded versions of the same attacks are tests/system/test_hardening_abuse.py.
 """
 
 from __future__ import annotations

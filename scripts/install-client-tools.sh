@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs what the proto checks and the other-language client tests need beyond the venv, only where it is
 # missing (idempotent: a reused machine pays nothing):
-#   - buf (npm @bufbuild/buf, pinned in tools/buf/package-lock.json) for tests/test_proto_buf.py;
+#   - buf (npm @bufbuild/buf, pinned in tools/buf/package-lock.json) for tests/system/test_proto_buf.py;
 #   - the Node client's @grpc/grpc-js and @grpc/proto-loader (clients/node/package-lock.json);
 #   - Debian's Go toolchain and generators for the Go client: golang-go, protobuf-compiler, protoc-gen-go
 #     (protobuf APIv2; golang-goprotobuf-dev is the older v1.3 generator), protoc-gen-go-grpc, and the Go

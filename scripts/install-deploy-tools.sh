@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs what tests/test_deploy*.py need beyond the venv, only where it is missing (idempotent, so a reused
+# Installs what tests/deploy/test_*.py need beyond the venv, only where it is missing (idempotent, so a reused
 # machine costs nothing):
 #   - Debian's prometheus package, which carries both `prometheus` and `promtool`;
 #   - a kustomize: `kubectl kustomize` (kubectl ships kustomize) or a standalone `kustomize`. The machine image

@@ -5,7 +5,7 @@
     python scripts/lock-image-deps.py --check    # offline: fails when an input changed since the last lock
 
 Inputs: pyproject.toml's [project] dependencies, requirements/image.in (the Triton pin) and the Dockerfile's
-TORCH_VERSION. Their hash is written into each lock's header, so --check (and tests/test_deploy_static.py) can
+TORCH_VERSION. Their hash is written into each lock's header, so --check (and tests/deploy/test_static.py) can
 tell a stale lock without the network.
 
 - image-cpu.txt: everything of the CPU variant, torch's CPU build included (`torch==X+cpu`, from the PyTorch

@@ -1,4 +1,4 @@
-"""Attack clients for issue 10 ("survive abuse and overload"): what tests/test_hardening_abuse.py runs in small
+"""Attack clients for issue 10 ("survive abuse and overload"): what tests/system/test_hardening_abuse.py runs in small
 and ``python -m benchmarks.attack`` runs at full size. Not shipped in the wheel.
 
 Every client here talks to loopback only, and every loop stops at a count or a deadline, whichever comes first.

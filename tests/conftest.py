@@ -189,7 +189,7 @@ def triton_cpu():
     except InterpreterError as exc:
         # Triton 3.6's interpreter calls int() on a one-element array for a loop bound loaded from memory,
         # which numpy 2.5 refuses (seen on the H200 image); Triton 3.9's does not. The compiled kernel is
-        # unaffected (tests/test_gpu.py).
+        # unaffected (tests/kernels/test_gpu.py).
         if "only 0-dimensional arrays" not in str(exc):
             raise
         pytest.skip(f"this Triton {triton.__version__} interpreter cannot run with numpy {np.__version__}: {exc}")

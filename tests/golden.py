@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 
 from indexer_service.kernels.inputs import ChunkInputs, ChunkMetadata, DcpConfig
+from testkit.paths import REPO
 
-REPO = Path(__file__).resolve().parent.parent
 GOLDEN_PATH = REPO / "tests" / "data" / "golden-cases.json"
 GOLDEN = json.loads(GOLDEN_PATH.read_text())
 

@@ -1,6 +1,6 @@
 // CI client: checks a running indexer-service from Node against the golden cases, a bad request and health.
 // Usage: node check.js HOST:PORT PATH/TO/indexer.proto PATH/TO/golden-cases.json
-// Prints one JSON summary line; exits 1 when anything disagrees. Run by tests/test_clients_node.py.
+// Prints one JSON summary line; exits 1 when anything disagrees. Run by tests/system/test_clients_node.py.
 "use strict";
 const fs = require("node:fs");
 const grpc = require("@grpc/grpc-js");

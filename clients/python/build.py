@@ -5,7 +5,7 @@ the request and result types and the generated protobuf code, and needs numpy, g
 and protobuf only (no torch, no Triton). It is made from the repository's own files, never a copy kept by hand:
 the modules below are staged under the import name ``indexer_service_client`` (their ``indexer_service.``
 imports rewritten to match, so it installs beside the server's ``indexer_service`` without sharing a file), then
-``pip wheel`` builds it. tests/test_client_light.py installs the wheel alone in a fresh virtual environment and
+``pip wheel`` builds it. tests/system/test_client_light.py installs the wheel alone in a fresh virtual environment and
 calls a real server with it.
 """
 
@@ -23,7 +23,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 PACKAGE = "indexer_service_client"
-# The client's import closure, repository path -> path inside the package (tests/test_client_light.py proves it
+# The client's import closure, repository path -> path inside the package (tests/system/test_client_light.py proves it
 # closed: the wheel imports in an environment that has nothing else of this project).
 MODULES = {
     "service/client.py": "client.py",

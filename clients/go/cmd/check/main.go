@@ -1,6 +1,6 @@
 // CI client: checks a running indexer-service from Go against the golden cases, a bad request and health.
 // Usage: check HOST:PORT PATH/TO/golden-cases.json
-// Prints one JSON summary line; exits 1 when anything disagrees. Run by tests/test_clients_go.py.
+// Prints one JSON summary line; exits 1 when anything disagrees. Run by tests/system/test_clients_go.py.
 package main
 
 import (

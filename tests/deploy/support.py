@@ -30,7 +30,9 @@ import numpy as np
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-ROOT = Path(__file__).resolve().parent.parent
+from testkit.paths import REPO
+
+ROOT = REPO
 DEPLOY = ROOT / "deploy"
 DOCKERFILE = ROOT / "Dockerfile"
 RULES_FILE = DEPLOY / "prometheus" / "indexer.rules.yml"

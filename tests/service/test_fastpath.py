@@ -3,7 +3,7 @@ general path's bytes (and its size figures the same); where the general path ref
 and on the plain requests schedulers send, it does answer. Golden cases, hypothesis-generated requests valid
 and not, raw byte mutations, wire encodings protobuf accepts but the fast path leaves alone, every limit and
 check at its boundary and one past it, the generated wire contract, and (in the test build that
-tests/test_fastpath_sanitized.py makes) a size pass that disagrees with the write pass."""
+tests/service/test_fastpath_sanitized.py makes) a size pass that disagrees with the write pass."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ import os
 import re
 import sys
 import tracemalloc
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -30,11 +29,10 @@ from indexer_service.service.config import ServiceConfig, load_config
 from indexer_service.service.dataplane import FAST_PATH_BACKEND, DataPlane, ServiceError, launch_admission, make_backend
 from indexer_service.service.metrics import Metrics
 from indexer_service.service.warmup import Warmup, WarmupState
+from testkit.paths import REPO
 from tests.golden import GOLDEN, case_id, chunk_inputs, metadata_as_dict
 
-REPO = Path(__file__).resolve().parent.parent
-
-# tests/test_fastpath_sanitized.py runs fewer: under ASan every Python allocation is a guarded malloc.
+# tests/service/test_fastpath_sanitized.py runs fewer: under ASan every Python allocation is a guarded malloc.
 FUZZ_EXAMPLES = int(os.environ.get("FASTPATH_FUZZ_EXAMPLES", "600"))
 FUZZ = settings(max_examples=FUZZ_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 BASE = load_config({"warmup_target": "none"}, env={})
@@ -455,7 +453,9 @@ def test_every_field_tag_comes_from_the_generated_header() -> None:
 SEAM = getattr(_fastpath, "_build_chunk_with_size_skew", None)
 
 
-@pytest.mark.skipif(SEAM is None, reason="needs the test build: tests/test_fastpath_sanitized.py runs this file on it")
+@pytest.mark.skipif(
+    SEAM is None, reason="needs the test build: tests/service/test_fastpath_sanitized.py runs this file on it"
+)
 @pytest.mark.parametrize("skew", [-1, 1, -40, 4096], ids=["one-short", "one-over", "into-the-arrays", "far-over"])
 @pytest.mark.parametrize("large", [False, True], ids=["small", "gil-released"])
 def test_a_size_pass_off_by_any_bytes_is_an_exception_not_an_overrun(skew: int, large: bool, paths: Paths) -> None:

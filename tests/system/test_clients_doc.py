@@ -1,6 +1,6 @@
 """docs/clients.md is true: its Python, grpcurl and curl blocks run as written against a real server (the test
 server's ports put in for 50051 and 8080) and print what the document says; its Go and Node blocks are the
-programs tests/test_clients_go.py and tests/test_clients_node.py run; the pitfalls it names are real."""
+programs tests/system/test_clients_go.py and tests/system/test_clients_node.py run; the pitfalls it names are real."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.harness import FAST_START, ServiceProcess
-from tests.clients_support import INSTALL_HINT, REPO, VENV_BIN, doc_blocks
+from tests.system.clients_support import INSTALL_HINT, REPO, VENV_BIN, doc_blocks
 
 BLOCKS = doc_blocks()
 

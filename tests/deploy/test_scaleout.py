@@ -14,7 +14,7 @@ import pytest
 
 from indexer_service.kernels.inputs import ChunkInputs
 from indexer_service.service.client import IndexerClient
-from tests.deploy_support import QSL, RATIO, SEQ_LENS, Server, server_shutdown_seconds, wait_for
+from tests.deploy.support import QSL, RATIO, SEQ_LENS, Server, server_shutdown_seconds, wait_for
 
 # Warmup has its own tests; these replicas serve at once (INDEXER_WARMUP_TARGET=none) to keep the suite fast.
 NO_WARMUP = {"INDEXER_WARMUP_TARGET": "none"}

@@ -2,8 +2,8 @@
 listener apart from the RPC one, and a request field that must not buy unbounded work.
 
 Covered elsewhere, not repeated here: TLS and mutual TLS on the gRPC port with trustme certificates
-(tests/test_service_tls.py); per-request limits on tokens, sequences, max_model_len, the KV workspace and
-the response size, each RESOURCE_EXHAUSTED naming its field (tests/test_service_rpc.py).
+(tests/service/test_tls.py); per-request limits on tokens, sequences, max_model_len, the KV workspace and
+the response size, each RESOURCE_EXHAUSTED naming its field (tests/service/test_rpc.py).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from benchmarks.fuzzing import stubs_for
 from benchmarks.harness import FAST_START, ServiceProcess, channel, http_get
 from indexer_service.kernels.inputs import MAX_DCP_WORLD_SIZE
 from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
-from tests.hardening_support import SLOW, SLOW_CHUNKS, SLOW_FLAGS, SMALL, assert_healthy_after, wait_idle
+from tests.system.hardening_support import SLOW, SLOW_CHUNKS, SLOW_FLAGS, SMALL, assert_healthy_after, wait_idle
 
 
 def oversized(limit: int) -> pb.BuildChunkRequest:

@@ -1,5 +1,5 @@
 """service/fastpath.c built with AddressSanitizer and UndefinedBehaviorSanitizer, and with its test seams: the
-fast-path tests (tests/test_service_fastpath.py: golden cases, every boundary, hypothesis-generated and mutated
+fast-path tests (tests/service/test_fastpath.py: golden cases, every boundary, hypothesis-generated and mutated
 requests, the size pass made wrong on purpose) run again against that build in a subprocess, and any sanitizer
 report fails the test. The compile also holds the file to zero warnings under -Wall -Wextra.
 
@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+from testkit.paths import REPO
+
 SANITIZE = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer"]
 # Loads the sanitized build as indexer_service.service._fastpath before anything imports the installed one, then
 # runs pytest.
@@ -80,7 +81,7 @@ def test_fast_path_tests_pass_under_asan_and_ubsan(tmp_path: Path) -> None:
         PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
     )
     command = [sys.executable, "-c", BOOTSTRAP, str(module), "-q", "-p", "no:cacheprovider", "-rs",
-               str(REPO / "tests" / "test_service_fastpath.py")]  # fmt: skip
+               str(REPO / "tests" / "service" / "test_fastpath.py")]  # fmt: skip
     run = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     reports = "\n".join(p.read_text(errors="replace") for p in sorted(tmp_path.glob("sanitizer.*")))
     assert not reports, reports[:8000]

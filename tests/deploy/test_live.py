@@ -24,7 +24,8 @@ import trustme
 
 from indexer_service.service.client import IndexerClient
 from indexer_service.service.config import load_config
-from tests.deploy_support import (
+from testkit.paths import REPO
+from tests.deploy.support import (
     INSTALL_HINT,
     Prometheus,
     Server,
@@ -328,7 +329,7 @@ def test_image_healthcheck_with_tls_on(workdir: Path, image_cache: Path, tmp_pat
 # Metrics with labels that get a sample only once something happens: a healthy server under normal traffic
 # sheds nothing, so it exports the family (HELP and TYPE) but no sample. Only these may lack data below.
 EVENT_ONLY = {"indexer_requests_shed_total"}
-METRICS_SOURCE = Path(__file__).resolve().parent.parent / "service" / "metrics.py"
+METRICS_SOURCE = REPO / "service" / "metrics.py"
 
 
 def not_yet_defined(names: set[str]) -> set[str]:

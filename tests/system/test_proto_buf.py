@@ -14,7 +14,7 @@ import pytest
 from google.protobuf import descriptor_pb2
 from grpc_tools import protoc
 
-from tests.clients_support import BUF, INSTALL_HINT, PROTOS, REPO
+from tests.system.clients_support import BUF, INSTALL_HINT, PROTOS, REPO
 
 PROTO = PROTOS / "indexer" / "v1" / "indexer.proto"
 RELEASED = sorted((PROTOS / "released").glob("indexer-v1-*.binpb"))

@@ -1,5 +1,5 @@
-"""Helpers of the other-language client tests (tests/test_clients_*.py, tests/test_proto_buf.py): where the
-toolchains are, how the Go client is built, and the runnable blocks of docs/clients.md."""
+"""Helpers of the other-language client tests (tests/system/test_clients_*.py, tests/system/test_proto_buf.py):
+where the toolchains are, how the Go client is built, and the runnable blocks of docs/clients.md."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from testkit.paths import REPO
+
 PROTOS = REPO / "protos"
 GOLDEN_FILE = REPO / "tests" / "data" / "golden-cases.json"
 INSTALL_HINT = "run scripts/install-client-tools.sh (make test does)"

@@ -21,7 +21,7 @@ from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
-from tests.deploy_support import (
+from tests.deploy.support import (
     DASHBOARD,
     DEPLOY,
     INSTALL_HINT,
@@ -499,7 +499,7 @@ def test_image_entrypoint_ports_and_healthcheck() -> None:
     assert sorted(int(p) for p in by_keyword["EXPOSE"].split()) == [8080, 50051, 50052]
     healthcheck = by_keyword["HEALTHCHECK"]
     assert "--start-period=5m" in healthcheck, "docker must not count a cold warmup as unhealthy"
-    # The plaintext HTTP port's /readyz: works with TLS on the gRPC port (tests/test_deploy_live.py runs it).
+    # The plaintext HTTP port's /readyz: works with TLS on the gRPC port (tests/deploy/test_live.py runs it).
     argv = exec_form(healthcheck[healthcheck.index("CMD") + 3 :])
     assert "/readyz" in argv[-1] and "INDEXER_HTTP_PORT" in argv[-1]
     assert not any(i.keyword == "USER" and i.args.split(":")[0] in {"0", "root"} for i in final)

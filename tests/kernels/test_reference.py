@@ -10,7 +10,6 @@ import dataclasses
 import re
 import zlib
 from collections.abc import Callable
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -28,9 +27,9 @@ from indexer_service.kernels.reference import (
     reference_workspace,
 )
 from indexer_service.kernels.testing import BatchShape, random_batch, random_chunk_inputs
+from testkit.paths import REPO
 from tests.golden import ARRAY_FIELDS, GOLDEN, SCALAR_FIELDS, case_id, chunk_inputs, metadata_as_dict
 
-REPO = Path(__file__).resolve().parent.parent
 NO_DCP = DcpConfig()
 METADATA_FIELDS = tuple(f.name for f in dataclasses.fields(ChunkMetadata))
 RandomKey = tuple[str, int, str]  # (shape, ratio, DCP setting) of a random chunk

@@ -91,7 +91,7 @@ def inject_wrong_kernel(target) -> None:
 
 
 def serve_with_wrong_kernel() -> None:
-    """``python -c 'from tests.test_warmup_proof import serve_with_wrong_kernel as s; s()' serve ...``: the real
+    """``python -c 'from tests.service.test_warmup_proof import serve_with_wrong_kernel as s; s()' serve ...``: the real
     CLI, with the wrong kernel injected first."""
     from indexer_service.service.cli import main
 
@@ -172,7 +172,7 @@ def _assert_never_ready(server: ServiceProcess) -> pb.GetWarmupStatusResponse:
 
 
 def _wrong_kernel_server(tmp_path, *flags: str) -> ServiceProcess:
-    code = "from tests.test_warmup_proof import serve_with_wrong_kernel as s; s()"
+    code = "from tests.service.test_warmup_proof import serve_with_wrong_kernel as s; s()"
     command = [sys.executable, "-c", code, "serve", "--grpc-host", "127.0.0.1", "--http-host", "127.0.0.1",
                "--grpc-port", "0", "--http-port", "0", "--health-port", "0"]  # fmt: skip
     env = clean_env(TRITON_CACHE_DIR=str(tmp_path / "cache"))

@@ -29,7 +29,7 @@ from benchmarks.fuzzing import (
 )
 from benchmarks.harness import FAST_START, ServiceProcess, channel
 from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
-from tests.hardening_support import assert_healthy_after
+from tests.system.hardening_support import assert_healthy_after
 
 METHODS = tuple(REQUEST_TYPES)
 # The server runs across examples: hypothesis' per-example deadline would only measure loopback noise.

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+from testkit.paths import REPO
+
 # Spelled in two parts so this file does not match its own check.
 SIBLING = "../" + "shared"
 

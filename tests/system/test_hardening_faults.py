@@ -1,9 +1,9 @@
 """Faults against a real server process: clients that cancel or let their deadline pass mid-call.
 
 Covered elsewhere, not repeated here: SIGTERM mid-load drains and exits 0 with every accepted call answered
-(tests/test_service_shutdown.py); an unexpected backend failure is INTERNAL and the next call succeeds, and
-out-of-memory is RESOURCE_EXHAUSTED (tests/test_service_dataplane.py, in process); a request that fails deep in
-the kernel layer of a real server process leaves it serving (tests/test_fuzz_requests.py, the DCP overflow).
+(tests/service/test_shutdown.py); an unexpected backend failure is INTERNAL and the next call succeeds, and
+out-of-memory is RESOURCE_EXHAUSTED (tests/service/test_dataplane.py, in process); a request that fails deep in
+the kernel layer of a real server process leaves it serving (tests/system/test_fuzz_requests.py, the DCP overflow).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 
 from benchmarks.fuzzing import Limits, call_and_check, judge, stubs_for
 from benchmarks.harness import FAST_START, ServiceProcess, channel, metric_total, scrape
-from tests.hardening_support import ERRORS, SLOW, SLOW_CHUNKS, SMALL, assert_healthy_after, wait_idle
+from tests.system.hardening_support import ERRORS, SLOW, SLOW_CHUNKS, SMALL, assert_healthy_after, wait_idle
 
 # The server takes SLOW, a plan of SLOW_CHUNKS chunks, and the oracle knows it.
 LIMITS = Limits(max_num_seqs=1024, max_num_batched_tokens=8192, max_model_len=2**20, max_message_bytes=64 * 2**20,

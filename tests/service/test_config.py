@@ -12,6 +12,7 @@ import pytest
 from indexer_service.kernels.specialization import ModelConfig, warmup_compress_ratios
 from indexer_service.service.config import RULES, SETTINGS, ConfigError, load_config, read_hf_model_config
 from indexer_service.service.warmup import use_triton_cache_dir
+from testkit.paths import REPO
 
 FLASH_RATIOS = (0, 0, *([4, 128] * 20), 4, 0)
 
@@ -169,7 +170,7 @@ def test_existing_triton_cache_dir_is_never_overwritten(monkeypatch: pytest.Monk
 def test_docs_list_every_setting_and_metric() -> None:
     from indexer_service.service.metrics import Metrics
 
-    docs = (Path(__file__).resolve().parent.parent / "docs" / "service.md").read_text()
+    docs = (REPO / "docs" / "service.md").read_text()
     for name in SETTINGS:
         assert f"| `{name}` |" in docs, f"docs/service.md does not describe the setting {name}"
     for family in Metrics().registry.collect():

@@ -37,7 +37,7 @@ def health_statuses(channel: grpc.Channel) -> dict[str, int]:
 
 def test_not_serving_until_warmup_has_compiled_every_key(start_server: StartServer, tmp_path: Path) -> None:
     # A cold Triton cache makes the warmup take seconds: long enough to see every step. The ahead-of-time warmup
-    # of a CPU host, on any machine; the Triton backend's in-process warmup is tests/test_service_gpu.py's.
+    # of a CPU host, on any machine; the Triton backend's in-process warmup is tests/service/test_gpu.py's.
     cold_cache = clean_env(TRITON_CACHE_DIR=str(tmp_path / "cold-cache"))
     server = start_server("--backend", "numpy", ready=False, env=cold_cache)
     with grpc.insecure_channel(server.address) as channel:
