@@ -29,7 +29,7 @@ from indexer_service.service import _fastpath
 from indexer_service.service.allocator import configure_malloc
 from indexer_service.service.codec import chunk_inputs_to_proto
 from indexer_service.service.config import load_config
-from indexer_service.service.dataplane import fast_path_limits
+from indexer_service.service.limits import fast_path_limits
 
 # (requests, query tokens, uncompressed context per request): the measured-facts batches, ratio 4.
 BATCHES = {

@@ -31,8 +31,11 @@ with atheris.instrument_imports(include=["indexer_service", "benchmarks.fuzzing"
         judge,
     )
     from indexer_service.kernels.specialization import warmup_keys
+    from indexer_service.service.backends import make_backend
     from indexer_service.service.config import load_config
-    from indexer_service.service.dataplane import DataPlane, ServiceError, make_backend
+    from indexer_service.service.dataplane import DataPlane
+    from indexer_service.service.errors import ServiceError
+    from indexer_service.service.grpc_server import GRPC_STATUS
     from indexer_service.service.metrics import Metrics
     from indexer_service.service.warmup import Warmup
 
@@ -51,7 +54,7 @@ def make_plane() -> DataPlane:
     metrics = Metrics()
     warmup = Warmup(warmup_keys(config.model), target=None, enabled=False, workers=1, metrics=metrics)
     plane = DataPlane(config, metrics, warmup, make_backend("numpy", None))
-    plane.refresh_readiness()
+    plane.readiness.refresh()
     return plane
 
 
@@ -73,7 +76,7 @@ def one_input(data: bytes) -> None:
         response = RESPONSE_TYPES[method].FromString(PLANE.call(method, request))
         code, details = grpc.StatusCode.OK, ""
     except ServiceError as exc:
-        response, code, details = None, exc.code, exc.message
+        response, code, details = None, GRPC_STATUS[exc.code], exc.message
     problems = check_answer(verdict, request, code, details, response)
     if problems:
         raise AssertionError(f"{method} {describe(request)}: {'; '.join(problems)}")

@@ -44,7 +44,7 @@ from indexer_service.kernels.planner import (
     plan_prefill_batch,
 )
 from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
-from indexer_service.service import dataplane
+from indexer_service.service import rpcs
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 OK = grpc.StatusCode.OK
@@ -214,8 +214,8 @@ REQUESTS: dict[str, Callable[[Draw, Limits], pb.BuildChunkRequest | pb.PlanBatch
     "PlanBatch": plan_request,
 }
 # The fuzzed methods' message types, as the service maps them.
-REQUEST_TYPES = {method: dataplane.REQUEST_TYPES[method] for method in REQUESTS}
-RESPONSE_TYPES = {method: dataplane.RESPONSE_TYPES[method] for method in REQUESTS}
+REQUEST_TYPES = {method: rpcs.REQUEST_TYPES[method] for method in REQUESTS}
+RESPONSE_TYPES = {method: rpcs.RESPONSE_TYPES[method] for method in REQUESTS}
 FIELDS = {m: frozenset(t.DESCRIPTOR.fields_by_name) | EXTRA_FIELDS for m, t in REQUEST_TYPES.items()}
 
 # --- the oracle ---------------------------------------------------------------------------------------------

@@ -104,6 +104,15 @@ def as_int_array(values: object, field: str) -> np.ndarray:
     return array.astype(np.int64, copy=False)
 
 
+def normalized_ratio(compress_ratio: object) -> int:
+    """The request's compress ratio as the kernels use it (:func:`normalize_compress_ratio`: 0 means 1); an
+    invalid one is an error naming the field."""
+    try:
+        return normalize_compress_ratio(compress_ratio)
+    except ValueError as exc:
+        raise InvalidInputError("compress_ratio", str(exc)) from None
+
+
 def _first(mask: np.ndarray) -> int:
     return int(np.flatnonzero(mask)[0])
 
@@ -191,10 +200,7 @@ def chunk_host_parts(chunks: Sequence[ChunkInputs]) -> list[ChunkHostPart | None
 
 
 def _chunk_host_part(inputs: ChunkInputs, qsl: np.ndarray, seq: np.ndarray) -> ChunkHostPart | None:
-    try:
-        ratio = normalize_compress_ratio(inputs.compress_ratio)
-    except ValueError as exc:
-        raise InvalidInputError("compress_ratio", str(exc)) from None
+    ratio = normalized_ratio(inputs.compress_ratio)
     validate_dcp(inputs.dcp)
     num_requests = seq.size
     s, e = inputs.req_start, inputs.req_end

@@ -18,9 +18,9 @@ from indexer_service.kernels.inputs import (
     DcpConfig,
     InvalidInputError,
     compressed_lens,
+    normalized_ratio,
     validate_batch,
 )
-from indexer_service.kernels.specialization import normalize_compress_ratio
 
 DEFAULT_MAX_LOGITS_BYTES = 512 * 2**20  # VLLM_SPARSE_INDEXER_MAX_LOGITS_MB default
 WORKSPACE_TOKENS_PER_MODEL_LEN = 40
@@ -44,9 +44,10 @@ class ChunkSpec:
     query_stop: int
 
 
-def prefill_workspace_size(max_model_len: int, compress_ratio: int) -> int:
-    """Compressed KV tokens one chunk may gather (vLLM's ``get_max_prefill_buffer_size``)."""
-    return (max_model_len * WORKSPACE_TOKENS_PER_MODEL_LEN) // normalize_compress_ratio(compress_ratio)
+def prefill_workspace_size(max_model_len: int, ratio: int) -> int:
+    """Compressed KV tokens one chunk may gather (vLLM's ``get_max_prefill_buffer_size``); ``ratio`` is
+    normalised (:func:`~kernels.inputs.normalized_ratio`)."""
+    return (max_model_len * WORKSPACE_TOKENS_PER_MODEL_LEN) // ratio
 
 
 def plan_prefill_chunks(
@@ -119,10 +120,7 @@ def plan_prefill_batch(batch: BatchInputs, max_chunks: int | None = None) -> lis
     """Validate a batch and plan its prefill requests into chunks (at most ``max_chunks``, see
     :func:`plan_prefill_chunks`)."""
     qsl, seq = validate_batch(batch.query_start_loc, batch.seq_lens)
-    try:
-        ratio = normalize_compress_ratio(batch.compress_ratio)
-    except ValueError as exc:
-        raise InvalidInputError("compress_ratio", str(exc)) from None
+    ratio = normalized_ratio(batch.compress_ratio)
     if not 0 <= batch.num_decodes <= seq.size:
         raise InvalidInputError("num_decodes", f"must be in [0, {seq.size}], got {batch.num_decodes}")
     if batch.max_model_len < 1:

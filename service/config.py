@@ -408,7 +408,7 @@ def _validate(config: ServiceConfig, sources: Mapping[str, str], needs_warmup: s
             fail(name, f"{name}{why}" if why.startswith("[") else why)
     # Settings that depend on each other, or on the machine.
     if config.backend == "triton":
-        from indexer_service.service.dataplane import resolve_backend  # imports torch: only for an explicit triton
+        from indexer_service.service.backends import resolve_backend  # imports torch: only for an explicit triton
 
         try:
             resolve_backend("triton")

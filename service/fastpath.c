@@ -9,7 +9,7 @@
  * returns None, and service/dataplane.py then serves the request the general way, which owns every error
  * message, DCP, PlanBatch, and anything unusual on the wire (unknown or repeated fields). The formulas are
  * kernels/inputs.py (host part) and kernels/naive.py (arrays) for DCP off; the limits come from Python
- * (dataplane.fast_path_limits); the field numbers, tags and types come from the proto through the generated
+ * (limits.fast_path_limits); the field numbers, tags and types come from the proto through the generated
  * header below; the layout is the one service/codec.py derives from the message descriptors.
  * tests/test_service_fastpath.py holds the three to each other byte for byte, on the golden cases, on every
  * limit at and one past its boundary, and on hypothesis-generated requests, valid and not;
@@ -90,7 +90,7 @@ _Static_assert(BUILD_CHUNK_REQUEST_MAX_FIELD < 32 && QUERY_SLICE_MAX_FIELD < 32,
  * setting, not a check: every answer is the same either way. */
 #define RELEASE_GIL_ELEMENTS 65536
 
-/* dataplane.fast_path_limits, in its order: every limit this file checks against comes from there. */
+/* service/limits.py fast_path_limits, in its order: every limit this file checks against comes from there. */
 typedef struct {
     long long max_num_seqs, max_num_batched_tokens, max_model_len, workspace_tokens, max_message_bytes,
         chunk_overhead_bytes;
@@ -225,8 +225,8 @@ static int parse_request(const uint8_t *p, const uint8_t *end, Request *r) {
 
 /* ---- check: 0 to serve here, 1 to step aside (the general path then says what is wrong), -1 on a Python error */
 
-/* The whole batch: kernels.inputs.validate_batch, then the server's limits (DataPlane._admit_request). int32
- * elements cannot exceed int32, and a non-negative query length with seq_len >= it makes seq_len >= 0. */
+/* The whole batch: kernels.inputs.validate_batch, then the server's limits (service/limits.py,
+ * RequestLimits.check_request). int32 elements cannot exceed int32, and a non-negative query length with seq_len >= it makes seq_len >= 0. */
 static int check_batch(const Request *r, const Limits *lim, Py_ssize_t *batch) {
     if (r->qsl_bytes % I32_BYTES || r->seq_bytes % I32_BYTES || r->qsl_bytes == 0) return 1;
     *batch = r->seq_bytes / I32_BYTES;
@@ -271,8 +271,8 @@ static int check_chunk(const Request *r, Py_ssize_t batch, PyObject *admitted, C
     return 0;
 }
 
-/* The limits on the answer (DataPlane._check_sizes): the KV workspace, then the estimate of the response's
- * bytes against max_message_bytes (here the fast path's reserve, which dataplane passes in its place). */
+/* The limits on the answer (RequestLimits.check_sizes): the KV workspace, then the estimate of the response's
+ * bytes against max_message_bytes (here the fast path's reserve, which the data plane passes in its place). */
 static int check_response(const Chunk *c, const Limits *lim) {
     int64_t estimate = lim->chunk_overhead_bytes;
     if (c->total > 0) {

@@ -29,9 +29,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from indexer_service.service.admission import Caller, DrainWatchdog
 from indexer_service.service.codec import SERVICE_NAME
 from indexer_service.service.config import ServiceConfig
-from indexer_service.service.dataplane import REQUEST_TYPES, DataPlane, ServiceError, max_request_bytes
+from indexer_service.service.dataplane import DataPlane
+from indexer_service.service.errors import Code, ServiceError
 from indexer_service.service.health import HealthServicer
+from indexer_service.service.limits import max_request_bytes
 from indexer_service.service.reflection import reflection_handlers
+from indexer_service.service.rpcs import RPCS
 
 log = logging.getLogger(__name__)
 
@@ -41,17 +44,20 @@ HEALTH_NAMES = ("", SERVICE_NAME)
 
 Behavior = Callable[[object, grpc.ServicerContext], object]
 
+# The data plane's outcomes as gRPC statuses: the one place this transport maps them (same names).
+GRPC_STATUS: dict[Code, grpc.StatusCode] = {code: grpc.StatusCode[code.name] for code in Code}
+
 
 def host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def abandoned_code(context: grpc.ServicerContext) -> grpc.StatusCode | None:
+def abandoned_code(context: grpc.ServicerContext) -> Code | None:
     """None while the caller waits; else DEADLINE_EXCEEDED or CANCELLED."""
     if context.is_active():
         return None
     remaining = context.time_remaining()
-    return grpc.StatusCode.DEADLINE_EXCEEDED if remaining is not None and remaining <= 0 else grpc.StatusCode.CANCELLED
+    return Code.DEADLINE_EXCEEDED if remaining is not None and remaining <= 0 else Code.CANCELLED
 
 
 class RpcThreadPool(ThreadPoolExecutor):
@@ -105,11 +111,9 @@ class PrefillMetadataHandler(grpc.GenericRpcHandler):
         self.pool = pool
         self.max_concurrent_rpcs = max_concurrent_rpcs
         self.watchdog = DrainWatchdog(drain_seconds)
-        self._handlers = {f"/{SERVICE_NAME}/{method}": (method, self._unary(method)) for method in REQUEST_TYPES}
-        pool.on_never_started = lambda method: plane.shed(
-            method, "queue_deadline", "the caller cancelled, reset the stream or passed its deadline before the "
-            "call started",
-        )  # fmt: skip
+        self._handlers = {f"/{SERVICE_NAME}/{method}": (method, self._unary(method)) for method in RPCS}
+        never_started = "the caller cancelled, reset the stream or passed its deadline before the call started"
+        pool.on_never_started = lambda method: plane.shed(method, "queue_deadline", never_started)
 
     def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
         found = self._handlers.get(handler_call_details.method)
@@ -141,22 +145,20 @@ class PrefillMetadataHandler(grpc.GenericRpcHandler):
             return response
 
         # no (de)serializers: bytes both ways
-        handler = grpc.unary_unary_rpc_method_handler(access_logged(method, error_mapped(method, behavior)))
+        handler = grpc.unary_unary_rpc_method_handler(access_logged(method, error_mapped(behavior)))
         pool.behaviors[handler.unary_unary] = method
         return handler
 
 
-def error_mapped(method: str, behavior: Behavior) -> Behavior:
-    """ServiceError -> its status; anything else -> INTERNAL with a logged traceback. Never crashes the server."""
+def error_mapped(behavior: Behavior) -> Behavior:
+    """The data plane's error as its gRPC status. The data plane raises nothing else: whatever went wrong inside
+    it is already an InternalError there (logged with its traceback)."""
 
     def mapped(request: bytes, context: grpc.ServicerContext) -> object:
         try:
             return behavior(request, context)
         except ServiceError as exc:
-            context.abort(exc.code, exc.message)
-        except Exception as exc:
-            log.exception("internal error method=%s", method)
-            context.abort(grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__}); see the server log")
+            context.abort(GRPC_STATUS[exc.code], exc.message)
 
     return mapped
 
@@ -175,11 +177,19 @@ def access_logged(method: str, behavior: Behavior) -> Behavior:
                 if isinstance(details, bytes):
                     details = details.decode(errors="replace")
                 level = logging.ERROR if code is grpc.StatusCode.INTERNAL else logging.INFO
-                log.log(level, "rpc method=%s code=%s ms=%.3f peer=%s details=%r", method, code.name,
-                        (time.perf_counter() - start) * 1e3, context.peer(), details)  # fmt: skip
+                milliseconds = (time.perf_counter() - start) * 1e3
+                log.log(
+                    level,
+                    "rpc method=%s code=%s ms=%.3f peer=%s details=%r",
+                    method,
+                    code.name,
+                    milliseconds,
+                    context.peer(),
+                    details,
+                )
             elif log.isEnabledFor(logging.DEBUG):
-                log.debug("rpc method=%s code=OK ms=%.3f peer=%s", method, (time.perf_counter() - start) * 1e3,
-                          context.peer())  # fmt: skip
+                milliseconds = (time.perf_counter() - start) * 1e3
+                log.debug("rpc method=%s code=OK ms=%.3f peer=%s", method, milliseconds, context.peer())
 
     return logged
 

@@ -26,7 +26,6 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-import grpc
 from google.protobuf import json_format
 from prometheus_client import make_asgi_app
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -34,23 +33,27 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from indexer_service.service.admission import Caller
 from indexer_service.service.codec import SERVICE_NAME
 from indexer_service.service.config import ServiceConfig
-from indexer_service.service.dataplane import REQUEST_TYPES, RESPONSE_TYPES, DataPlane, ServiceError, max_request_bytes
+from indexer_service.service.dataplane import DataPlane
+from indexer_service.service.errors import Code, InvalidArgument, LimitExceeded, ServiceError, Shed
+from indexer_service.service.limits import max_request_bytes
 from indexer_service.service.metrics import Metrics, exposition_registry
+from indexer_service.service.rpcs import REQUEST_TYPES, RESPONSE_TYPES
 
 log = logging.getLogger(__name__)
 
 PROTOBUF = b"application/x-protobuf"
 JSON = b"application/json"
 ACCEPTED_TYPES = (PROTOBUF, JSON)
-# google.rpc.Code to HTTP, as in google/api/http.proto's mapping.
-_HTTP_STATUS = {
-    grpc.StatusCode.INVALID_ARGUMENT: 400,
-    grpc.StatusCode.FAILED_PRECONDITION: 400,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
-    grpc.StatusCode.UNAVAILABLE: 503,
-    grpc.StatusCode.CANCELLED: 499,
-    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
-    grpc.StatusCode.INTERNAL: 500,
+# The data plane's outcomes as HTTP statuses, as in google/api/http.proto's mapping: the one place this transport
+# maps them. The error body's "code" is the outcome's name, the same the gRPC caller sees.
+HTTP_STATUS: dict[Code, int] = {
+    Code.CANCELLED: 499,
+    Code.INVALID_ARGUMENT: 400,
+    Code.DEADLINE_EXCEEDED: 504,
+    Code.RESOURCE_EXHAUSTED: 429,
+    Code.FAILED_PRECONDITION: 400,
+    Code.INTERNAL: 500,
+    Code.UNAVAILABLE: 503,
 }
 # Answers are written this much at a time: a reader that stops holds at most one piece in the socket buffer.
 SEND_PIECE_BYTES = 2**20
@@ -85,7 +88,7 @@ class HttpApp:
         elif path == "/livez" and verb in ("GET", "HEAD"):
             await _reply(send, 200, b"ok\n")
         elif path == "/readyz" and verb in ("GET", "HEAD"):
-            reason = self.plane.not_ready_reason() or (self.pod_not_ready() if self.pod_not_ready else "")
+            reason = self.plane.readiness.not_ready_reason() or (self.pod_not_ready() if self.pod_not_ready else "")
             await _reply(send, 503 if reason else 200, f"{reason or 'ready'}\n".encode())
         elif path.startswith(f"/{SERVICE_NAME}/") and path.rsplit("/", 1)[1] in REQUEST_TYPES:
             if verb != "POST":
@@ -110,15 +113,14 @@ class HttpApp:
                 close.append((b"connection", b"close"))
             if body is None:
                 self.plane.metrics.http_refused_total.labels(reason="body_too_large").inc()
-                raise ServiceError(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"body: above {self.max_body} bytes, more than a request at this server's limits can be",
+                raise LimitExceeded(
+                    f"body: above {self.max_body} bytes, more than a request at this server's limits can be"
                 )
             request = _from_json(method, body) if content_type == JSON else body
             if self.in_flight >= self.max_in_flight:
                 message = f"busy: {self.in_flight} HTTP calls in the server (max_concurrent_rpcs)"
-                self.plane.shed(method, "concurrency", message)
-                raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
+                self.plane.shed(method, "concurrency", message)  # the data plane never sees this call
+                raise Shed("concurrency", message)
             self.in_flight += 1
             try:
                 loop = asyncio.get_running_loop()
@@ -128,7 +130,7 @@ class HttpApp:
         except ServiceError as exc:
             log.info("http method=%s code=%s details=%r", method, exc.code.name, exc.message)
             payload = json.dumps({"code": exc.code.name, "message": exc.message}).encode()
-            await _reply(send, _HTTP_STATUS.get(exc.code, 500), payload, close, content_type=JSON)
+            await _reply(send, HTTP_STATUS[exc.code], payload, close, content_type=JSON)
             return
         try:
             if content_type == JSON:
@@ -176,9 +178,7 @@ def _from_json(method: str, body: bytes) -> bytes:
     try:
         message = json_format.Parse(body, REQUEST_TYPES[method](), ignore_unknown_fields=False)
     except (json_format.ParseError, UnicodeDecodeError) as exc:
-        raise ServiceError(
-            grpc.StatusCode.INVALID_ARGUMENT, f"body: not a {REQUEST_TYPES[method].__name__} in JSON: {exc}"
-        ) from None
+        raise InvalidArgument(f"body: not a {REQUEST_TYPES[method].__name__} in JSON: {exc}") from None
     return message.SerializeToString()
 
 
@@ -231,8 +231,8 @@ def limited_protocol(config: ServiceConfig, metrics: Metrics) -> type[HttpToolsP
     max_head = config.http_max_header_bytes
     idle_seconds = config.http_idle_timeout_seconds
     max_connections = config.http_max_connections
-    refused = {reason: metrics.http_refused_total.labels(reason=reason) for reason in (
-        "header_too_large", "idle_timeout", "too_many_connections")}  # fmt: skip
+    reasons = ("header_too_large", "idle_timeout", "too_many_connections")
+    refused = {reason: metrics.http_refused_total.labels(reason=reason) for reason in reasons}
 
     class LimitedHttpToolsProtocol(HttpToolsProtocol):
         """Counts a request's head bytes before httptools buffers them (it would take any size, and a 128 MiB

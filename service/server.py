@@ -25,12 +25,14 @@ import uvicorn
 
 from indexer_service.kernels.specialization import warmup_keys
 from indexer_service.service.allocator import configure_malloc, trim_heap
+from indexer_service.service.backends import make_backend, resolve_backend
 from indexer_service.service.config import ServiceConfig
-from indexer_service.service.dataplane import DataPlane, launch_admission, make_backend, resolve_backend
+from indexer_service.service.dataplane import DataPlane
 from indexer_service.service.grpc_server import HEALTH_NAMES, create_grpc_server, create_health_server, host_port
 from indexer_service.service.health import HealthServicer
 from indexer_service.service.http_app import HttpApp, limited_protocol
 from indexer_service.service.lifecycle import ShutdownSignals
+from indexer_service.service.limits import launch_admission
 from indexer_service.service.metrics import Metrics
 from indexer_service.service.warmup import Warmup, use_triton_cache_dir
 
@@ -112,9 +114,9 @@ class IndexerServer:
                  cache_dir or "(Triton's default)")  # fmt: skip
         self.plane = DataPlane(config, self.metrics, self.warmup, backend)
         self.health = HealthServicer(HEALTH_NAMES)
-        self.plane.add_readiness_listener(self.health.set_serving)
+        self.plane.readiness.add_listener(self.health.set_serving)
         if worker is not None:
-            self.plane.add_readiness_listener(worker.report_ready)
+            self.plane.readiness.add_listener(worker.report_ready)
         self.grpc = create_grpc_server(config, self.plane, self.health, share_port=worker is not None)
         self.grpc_port = self.grpc.port
         if worker is None:
@@ -146,13 +148,13 @@ class IndexerServer:
             # Only a GPU backend launches kernels after ready; numpy never compiles.
             from indexer_service.kernels.compile_engine import watch_compiles
 
-            self._unwatch = watch_compiles(self.plane.on_kernel_compile)
+            self._unwatch = watch_compiles(self.plane.readiness.on_kernel_compile)
         self._warmup_thread.start()
 
     def _run_warmup(self) -> None:
         with self.worker.warmup_lock() if self.worker is not None else contextlib.nullcontext():
             self.warmup.run()
-        self.plane.refresh_readiness()
+        self.plane.readiness.refresh()
 
     def _trim_when_idle(self) -> None:
         """Hand free heap back to the OS once no call has ended for ``idle_trim_seconds``: a burst's peak then
@@ -170,7 +172,7 @@ class IndexerServer:
         """Drain: NOT_SERVING (Watch streams told, then ended), optional delay, stop taking calls, let in-flight
         ones finish within the grace; calls still running when it ends are cut and counted as shed."""
         config = self.config
-        self.plane.begin_drain()
+        self.plane.readiness.begin_drain()
         watchers = self.health.drain()
         log.info("draining delay_seconds=%.1f grace_seconds=%.1f health_watchers_ended=%d",
                  config.shutdown_delay_seconds, config.shutdown_grace_seconds, watchers)  # fmt: skip

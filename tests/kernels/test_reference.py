@@ -352,7 +352,7 @@ def fast_path() -> FastPath:
     """service/fastpath.c's build_chunk with the default configuration's limits, any ratio admitted."""
     from indexer_service.service import _fastpath, codec
     from indexer_service.service.config import load_config
-    from indexer_service.service.dataplane import fast_path_limits
+    from indexer_service.service.limits import fast_path_limits
 
     config = load_config({"warmup_target": "none"}, env={})
     limits = fast_path_limits(config, min(config.max_message_bytes, config.heavy_request_bytes))

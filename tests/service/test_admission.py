@@ -23,8 +23,11 @@ from indexer_service.service.admission import (
     ShedLog,
     default_response_budget,
 )
+from indexer_service.service.backends import make_backend
 from indexer_service.service.config import load_config
-from indexer_service.service.dataplane import DataPlane, ServiceError, make_backend
+from indexer_service.service.dataplane import DataPlane
+from indexer_service.service.errors import ServiceError
+from indexer_service.service.grpc_server import GRPC_STATUS
 from indexer_service.service.metrics import Metrics
 from indexer_service.service.warmup import Warmup
 
@@ -157,7 +160,7 @@ def plane() -> DataPlane:
 def call_code(plane: DataPlane, method: str, request) -> tuple[grpc.StatusCode, str]:
     with pytest.raises(ServiceError) as failed:
         plane.call(method, request.SerializeToString())
-    return failed.value.code, failed.value.message
+    return GRPC_STATUS[failed.value.code], failed.value.message
 
 
 def test_cpu_amplifying_plan_is_refused_as_work_limit_and_counted(plane: DataPlane) -> None:

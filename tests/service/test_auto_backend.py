@@ -19,9 +19,10 @@ from indexer_service.service.auto_backend import (
     crossover_of,
     output_elements,
 )
+from indexer_service.service.backends import Backend, resolve_backend
 from indexer_service.service.codec import chunk_inputs_to_proto
 from indexer_service.service.config import load_config
-from indexer_service.service.dataplane import Backend, DataPlane, resolve_backend
+from indexer_service.service.dataplane import DataPlane
 from indexer_service.service.metrics import Metrics
 from indexer_service.service.warmup import Warmup
 from tests.conftest import cuda_available

@@ -21,10 +21,13 @@ from indexer_service.kernels.triton_kernel import TritonChunkBuilder
 from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
 from indexer_service.protos.indexer.v1 import indexer_pb2_grpc as pb_grpc
 from indexer_service.service import codec
+from indexer_service.service.backends import Backend, make_backend
 from indexer_service.service.config import ServiceConfig, load_config
-from indexer_service.service.dataplane import Backend, DataPlane, ServiceError, launch_admission, make_backend
+from indexer_service.service.dataplane import DataPlane
+from indexer_service.service.errors import Code, ServiceError
 from indexer_service.service.grpc_server import HEALTH_NAMES, create_grpc_server
 from indexer_service.service.health import HealthServicer
+from indexer_service.service.limits import launch_admission
 from indexer_service.service.metrics import Metrics
 from indexer_service.service.warmup import Warmup, WarmupState
 from tests.golden import metadata_as_dict
@@ -59,7 +62,7 @@ def flaky_server(request) -> Iterator[tuple[DataPlane, pb_grpc.PrefillMetadataSt
     failure = getattr(request, "param", RuntimeError("backend exploded"))
     config = load_config({"grpc_host": "127.0.0.1", "grpc_port": "0", "warmup_target": "none"}, env={})
     plane = make_plane(config, Backend("numpy", FlakyBackend(failure)))
-    plane.refresh_readiness()
+    plane.readiness.refresh()
     server = create_grpc_server(config, plane, HealthServicer(HEALTH_NAMES))
     server.server.start()
     try:
@@ -108,7 +111,7 @@ def strict_triton(triton_cpu: TritonChunkBuilder) -> tuple[DataPlane, TritonChun
     builder = TritonChunkBuilder("cpu", kernel=triton_cpu.kernel, admit=launch_admission(warmup))
     plane = DataPlane(config, metrics, warmup, Backend("triton", builder.arrays_many))
     assert warmup.run() is WarmupState.READY
-    plane.refresh_readiness()
+    plane.readiness.refresh()
     return plane, builder
 
 
@@ -128,7 +131,7 @@ def test_strict_mode_refuses_before_the_request_and_at_the_launch(strict_triton)
     unwarmed = ChunkInputs(E1.query_start_loc, E1.seq_lens * 100, 128, 1, 3)  # long enough to need a launch
     with pytest.raises(ServiceError) as refused:
         plane.call("BuildChunk", codec.chunk_inputs_to_proto(unwarmed))
-    assert refused.value.code is grpc.StatusCode.FAILED_PRECONDITION
+    assert refused.value.code is Code.FAILED_PRECONDITION
     assert "r128-b1024-aligned-i32" in refused.value.message
     # The builder's own admission sees the real launch's key (pointers and scalars included) and refuses too.
     with pytest.raises(ServiceError, match="not in the warmed set"):
@@ -140,7 +143,7 @@ def test_a_whole_plan_is_one_launch_on_the_triton_backend(triton_cpu: TritonChun
     launches: list[CompileKey] = []
     builder = TritonChunkBuilder("cpu", kernel=triton_cpu.kernel, admit=launches.append)
     plane = make_plane(config, Backend("triton", builder.arrays_many))
-    plane.refresh_readiness()
+    plane.readiness.refresh()
     qsl, seq = random_batch(np.random.default_rng(5), BatchShape(12, 40, 400))
     batch = BatchInputs(qsl, seq, 4, num_decodes=2, max_model_len=100, max_logits_bytes=4 * 300)
     plan = codec.plan_from_proto(
@@ -156,13 +159,13 @@ def test_compiles_after_ready_come_from_tritons_hook() -> None:
     config = load_config({"compress_ratios": "1"}, env={})
     plane = make_plane(config, make_backend("numpy", None), warmup_target="cuda:90")
     registry = plane.metrics.registry
-    uninstall = watch_compiles(plane.on_kernel_compile)
+    uninstall = watch_compiles(plane.readiness.on_kernel_compile)
     try:
         # Compiles before ready, the warmup's own included, do not count; every compile after ready does.
         early = CompileKey(compress_ratio=7)
         assert compile_keys([early], [early], target="cuda:90")[0].ok
         assert plane.warmup.run() is WarmupState.READY
-        plane.refresh_readiness()
+        plane.readiness.refresh()
         assert registry.get_sample_value("indexer_compiles_after_ready_total") == 0
         late = CompileKey(compress_ratio=9)
         assert compile_keys([late], [late], target="cuda:90")[0].ok
@@ -180,4 +183,4 @@ def test_dcp_with_compression_is_a_failed_precondition_on_the_triton_backend(str
     request.dcp_world_size = 2
     with pytest.raises(ServiceError) as refused:
         plane.call("BuildChunk", request)
-    assert refused.value.code is grpc.StatusCode.FAILED_PRECONDITION
+    assert refused.value.code is Code.FAILED_PRECONDITION

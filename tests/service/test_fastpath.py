@@ -25,8 +25,11 @@ from indexer_service.kernels.specialization import CompileKey, warmup_keys
 from indexer_service.kernels.testing import BatchShape, random_chunk_inputs
 from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
 from indexer_service.service import _fastpath, codec
+from indexer_service.service.backends import FAST_PATH_BACKEND, make_backend
 from indexer_service.service.config import ServiceConfig, load_config
-from indexer_service.service.dataplane import FAST_PATH_BACKEND, DataPlane, ServiceError, launch_admission, make_backend
+from indexer_service.service.dataplane import DataPlane
+from indexer_service.service.errors import ServiceError
+from indexer_service.service.limits import launch_admission
 from indexer_service.service.metrics import Metrics
 from indexer_service.service.warmup import Warmup, WarmupState
 from testkit.paths import REPO
@@ -75,7 +78,7 @@ class Paths:
             config, warmup = dataclasses.replace(config, strict=True), WarmedSet(strict_ratios)
             admit = launch_admission(warmup)
         plane = DataPlane(config, metrics, warmup, make_backend("numpy", admit, native_fast_path=fast))
-        plane.refresh_readiness()
+        plane.readiness.refresh()
         return plane
 
     def native(self, data: bytes) -> tuple[bytes, int, int, float] | None:
@@ -350,7 +353,7 @@ def _requests(seq_lens: list[int], ratio: int = 1, queries: int = 1) -> ChunkInp
 
 def _response_estimate(inputs: ChunkInputs, omit: bool) -> int:
     """The general path's own estimate of the answer's bytes (what max_message_bytes is compared with)."""
-    return Paths(BASE).general._check_sizes([inputs], chunk_host_parts([inputs]), omit)
+    return Paths(BASE).general.limits.check_sizes([inputs], chunk_host_parts([inputs]), omit)
 
 
 @dataclasses.dataclass(frozen=True)
