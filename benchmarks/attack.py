@@ -24,7 +24,8 @@ from pathlib import Path
 
 import grpc
 
-from benchmarks.harness import (
+from testkit.h2raw import StalledStreams, rapid_reset_parallel
+from testkit.harness import (
     FAST_START,
     LOOPBACK,
     ServiceProcess,
@@ -36,7 +37,6 @@ from benchmarks.harness import (
     scrape,
     write_json,
 )
-from testkit.h2raw import StalledStreams, rapid_reset_parallel
 from testkit.http1raw import IdleConnections, UnreadAnswers, huge_header
 from testkit.observe import Callers, HealthWatch
 from testkit.payloads import (

@@ -43,12 +43,12 @@ import numpy as np
 
 from benchmarks.bench_kernel import make_inputs
 from benchmarks.fuzzing import Limits, check_answer, judge
-from benchmarks.harness import ServiceProcess, channel, clean_env, closed_loop, percentile_us, write_json
 from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
 from indexer_service.service.allocator import configure_malloc
 from indexer_service.service.codec import SERVICE_NAME, chunk_inputs_to_proto
 from indexer_service.service.config import load_config
 from indexer_service.service.grpc_server import server_options
+from testkit.harness import ServiceProcess, channel, clean_env, closed_loop, percentile_us, write_json
 
 BATCHES = ("small-8", "medium-64", "large-256")
 # The 32-in-flight phase is one client connection with retries off: at the default 32 streams per connection a
@@ -175,7 +175,7 @@ def service_flags(backend: str) -> tuple[str, ...]:
 
 def auto_report(services: dict[str, ServiceProcess]) -> dict:
     """Auto's crossover (GetWarmupStatus) and the backend label of its calls (metrics)."""
-    from benchmarks.harness import http_get
+    from testkit.harness import http_get
 
     with channel(services["auto"].address) as chan:
         ask = chan.unary_unary(f"/{SERVICE_NAME}/GetWarmupStatus", request_serializer=None,

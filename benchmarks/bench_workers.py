@@ -35,9 +35,9 @@ import psutil
 
 from benchmarks.bench_kernel import make_inputs
 from benchmarks.bench_rpc import METHOD, SERVICE_FLAGS
-from benchmarks.harness import ServiceProcess, channel, closed_loop, percentile_us, write_json
 from indexer_service.service.client import ChannelPool
 from indexer_service.service.codec import chunk_inputs_to_proto
+from testkit.harness import ServiceProcess, channel, closed_loop, percentile_us, write_json
 
 IN_FLIGHT = 32
 TARGET = 0.8

@@ -37,7 +37,7 @@ from benchmarks.fuzzing import (
     rng_draw,
     stubs_for,
 )
-from benchmarks.harness import (
+from testkit.harness import (
     FAST_START,
     LoadRun,
     RssSampler,

@@ -11,4 +11,10 @@ Every client here talks to loopback only, and every loop stops at a count or a d
   answer is never read.
 - :mod:`testkit.observe`: what the victims see: probes (gRPC health, /livez, /readyz) with a 1 s timeout, a
   well-behaved gRPC caller with a 1 s deadline, looping heavy callers.
+
+Shared by the tests and the benchmarks (no test imports ``benchmarks``):
+
+- :mod:`testkit.paths`: ``REPO``, the repository root.
+- :mod:`testkit.harness`: the one server harness (``ServiceProcess``: ``indexer-service serve`` on loopback ports
+  from its port file), a bounded closed-loop load generator, RSS readings, Prometheus scrapes.
 """

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from benchmarks.harness import CallRecord, LoadRun, channel, http_get
+from testkit.harness import CallRecord, LoadRun, channel, http_get
 
 PROBE_TIMEOUT_SECONDS = 1.0  # kubelet's default probe timeout, and issue 10's target
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 
-from benchmarks.harness import LOOPBACK, RssSampler, ServiceProcess, host_port, mib, scrape
+from testkit.harness import LOOPBACK, RssSampler, ServiceProcess, host_port, mib, scrape
 from testkit.observe import Callers, Probes
 from testkit.payloads import BUILD_CHUNK_PATH, SMALL_BUILD_CHUNK
 

@@ -1,14 +1,10 @@
-"""Shared fixtures. Service processes: real ``indexer-service serve`` processes on 127.0.0.1, each killed in
-teardown whatever the test did."""
+"""Shared fixtures. Service processes: real ``indexer-service serve`` processes on 127.0.0.1 (testkit.harness's
+ServiceProcess, the benchmarks' too), each killed in teardown whatever the test did."""
 
 from __future__ import annotations
 
 import itertools
-import json
-import signal
-import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -16,9 +12,9 @@ import pytest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from benchmarks.harness import clean_env, http_get
-from indexer_service.service.dataplane import resolve_backend
+from indexer_service.service.backends import resolve_backend
 from indexer_service.service.warmup import IN_PROCESS
+from testkit.harness import ServiceProcess, clean_env, http_get
 
 INDEXER_SERVICE = str(Path(sys.executable).with_name("indexer-service"))
 LOOPBACK = "127.0.0.1"
@@ -65,71 +61,13 @@ class Scrape:
         return found[0] if found else None
 
 
-def scrape(server: ServerProcess) -> Scrape:
+def scrape(server: ServiceProcess) -> Scrape:
     status, text = http_get(f"{server.http_url}/metrics")
     assert status == 200, text
     return Scrape(text)
 
 
-class ServerProcess:
-    """One ``indexer-service serve`` on loopback ports chosen by the OS, found through ``--port-file``."""
-
-    def __init__(self, workdir: Path, args: tuple[str, ...], env: dict[str, str]) -> None:
-        n = next(_serial)
-        self.port_file = workdir / f"server-{n}.ports.json"
-        self.log_path = workdir / f"server-{n}.log"
-        command = [
-            INDEXER_SERVICE, "serve", "--grpc-host", LOOPBACK, "--http-host", LOOPBACK, "--grpc-port", "0",
-            "--http-port", "0", "--health-port", "0", "--port-file", str(self.port_file), *args,
-        ]  # fmt: skip
-        with open(self.log_path, "wb") as log:
-            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-        self.grpc_port = self.http_port = 0
-        self.ports: dict[str, int] = {}
-
-    @property
-    def address(self) -> str:
-        return f"{LOOPBACK}:{self.grpc_port}"
-
-    @property
-    def http_url(self) -> str:
-        return f"http://{LOOPBACK}:{self.http_port}"
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def wait_listening(self, timeout: float = 60.0) -> ServerProcess:
-        deadline = time.monotonic() + timeout
-        while not self.port_file.exists():
-            if self.process.poll() is not None:
-                pytest.fail(f"server exited with {self.process.returncode} before listening:\n{self.log()}")
-            if time.monotonic() > deadline:
-                pytest.fail(f"server not listening after {timeout} s:\n{self.log()}")
-            time.sleep(0.02)
-        self.ports = json.loads(self.port_file.read_text())
-        self.grpc_port, self.http_port = self.ports["grpc_port"], self.ports["http_port"]
-        return self
-
-    def wait_ready(self, timeout: float = 120.0) -> ServerProcess:
-        deadline = time.monotonic() + timeout
-        while http_get(f"{self.http_url}/readyz")[0] != 200:
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"server not ready (exit code {self.process.poll()}):\n{self.log()}")
-            time.sleep(0.05)
-        return self
-
-    def terminate(self, timeout: float = 30.0) -> int:
-        """SIGTERM and the exit code."""
-        self.process.send_signal(signal.SIGTERM)
-        return self.process.wait(timeout)
-
-    def kill(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-        self.process.wait(10)
-
-
-StartServer = Callable[..., ServerProcess]
+StartServer = Callable[..., ServiceProcess]
 
 
 @pytest.fixture(scope="session")
@@ -138,14 +76,16 @@ def triton_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("triton-cache")
 
 
-def _server_factory(workdir: Path, cache_dir: Path) -> tuple[StartServer, list[ServerProcess]]:
-    started: list[ServerProcess] = []
+def _server_factory(workdir: Path, cache_dir: Path) -> tuple[StartServer, list[ServiceProcess]]:
+    started: list[ServiceProcess] = []
 
-    def start(*args: str, ready: bool = True, env: dict[str, str] | None = None) -> ServerProcess:
-        server = ServerProcess(workdir, args, env or clean_env(TRITON_CACHE_DIR=str(cache_dir)))
-        started.append(server)
+    def start(*args: str, ready: bool = True, env: dict[str, str] | None = None) -> ServiceProcess:
+        server = ServiceProcess(*args, workdir=workdir, env=env or clean_env(TRITON_CACHE_DIR=str(cache_dir)))
+        started.append(server.start())
         server.wait_listening()
-        return server.wait_ready() if ready else server
+        if ready:
+            server.wait_ready(timeout=120.0, poll=0.05)
+        return server
 
     return start, started
 
@@ -162,7 +102,7 @@ def start_server(tmp_path: Path, triton_cache_dir: Path) -> Iterator[StartServer
 
 
 @pytest.fixture(scope="session")
-def live_server(tmp_path_factory: pytest.TempPathFactory, triton_cache_dir: Path) -> Iterator[ServerProcess]:
+def live_server(tmp_path_factory: pytest.TempPathFactory, triton_cache_dir: Path) -> Iterator[ServiceProcess]:
     """The default configuration as the README starts it (ahead-of-time warmup for cuda:90), ready."""
     start, started = _server_factory(tmp_path_factory.mktemp("live-server"), triton_cache_dir)
     try:

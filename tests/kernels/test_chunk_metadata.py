@@ -11,7 +11,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from indexer_service.kernels import triton_kernel
-from indexer_service.kernels.inputs import ChunkInputs, DcpConfig, chunk_host_part, dcp_local_lens
+from indexer_service.kernels.formulas import dcp_local_lens
+from indexer_service.kernels.inputs import ChunkInputs, DcpConfig, chunk_host_part
 from indexer_service.kernels.naive import build_chunk_metadata_numpy, chunk_arrays_numpy
 from indexer_service.kernels.planner import BatchInputs, chunk_inputs_of_plan, plan_prefill_batch
 from indexer_service.kernels.testing import BatchShape, random_batch, random_chunk_inputs

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 
 from indexer_service.kernels.specialization import CompileKey
+from testkit.harness import ServiceProcess
 from tests.conftest import (
     FAILING_WARMUP,
     INDEXER_SERVICE,
     LOOPBACK,
-    ServerProcess,
     StartServer,
     clean_env,
     cuda_available,
@@ -89,7 +89,7 @@ def test_precompile_exits_nonzero_when_a_key_fails(tmp_path: Path) -> None:
     assert "precompile failed keys=3 failed=3" in out.stderr and "sm_1" in out.stderr
 
 
-def test_check_a_serving_server(live_server: ServerProcess) -> None:
+def test_check_a_serving_server(live_server: ServiceProcess) -> None:
     out = run("check", live_server.address)
     assert out.returncode == 0, out.stdout + out.stderr
     lines = out.stdout.splitlines()
@@ -162,7 +162,7 @@ def test_check_takes_no_server_settings(pem: dict) -> None:
     assert out.returncode == 2 and "unrecognized arguments: --config" in out.stderr
 
 
-def test_check_with_a_client_certificate_but_no_ca_speaks_tls(live_server: ServerProcess, pem: dict) -> None:
+def test_check_with_a_client_certificate_but_no_ca_speaks_tls(live_server: ServiceProcess, pem: dict) -> None:
     """Before: --tls-cert and --tls-key without --tls-ca were dropped and check went plaintext (exit 0). Any
     --tls* flag turns TLS on (system roots without --tls-ca): against this plaintext server the handshake
     fails, which is unreachable (3)."""

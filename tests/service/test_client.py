@@ -14,14 +14,14 @@ import grpc
 import numpy as np
 import pytest
 
-from benchmarks.harness import FAST_START
 from indexer_service.kernels.inputs import ChunkInputs
 from indexer_service.kernels.naive import build_chunk_metadata_numpy
 from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
 from indexer_service.protos.indexer.v1 import indexer_pb2_grpc as pb_grpc
 from indexer_service.service.client import IndexerClient, channel_target, service_config
 from indexer_service.service.codec import SERVICE_NAME, encode_int32
-from tests.conftest import FAILING_WARMUP, ServerProcess, StartServer, scrape
+from testkit.harness import FAST_START, ServiceProcess
+from tests.conftest import FAILING_WARMUP, StartServer, scrape
 
 pytestmark = pytest.mark.slow
 
@@ -31,7 +31,7 @@ FAILING_WARMUP = (*FAILING_WARMUP, "--health-port", "0")
 E1 = ChunkInputs(np.array([0, 1, 4, 9], dtype=np.int64), np.array([20, 10, 5], dtype=np.int64), 4, 1, 3)
 
 
-def served(server: ServerProcess, code: str = "OK") -> float:
+def served(server: ServiceProcess, code: str = "OK") -> float:
     return scrape(server).value("indexer_request_duration_seconds_count", method="BuildChunk", code=code) or 0.0
 
 

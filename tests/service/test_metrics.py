@@ -10,10 +10,11 @@ import pytest
 from indexer_service.kernels.inputs import ChunkInputs
 from indexer_service.kernels.planner import BatchInputs
 from indexer_service.kernels.specialization import ModelConfig, warmup_keys
+from indexer_service.service.backends import FAST_PATH_BACKEND
 from indexer_service.service.client import IndexerClient
-from indexer_service.service.dataplane import FAST_PATH_BACKEND
 from indexer_service.service.metrics import Metrics
-from tests.conftest import Scrape, ServerProcess, scrape
+from testkit.harness import ServiceProcess
+from tests.conftest import Scrape, scrape
 
 METHODS = {"BuildChunk", "PlanBatch", "GetWarmupStatus"}
 KEY_LABELS = {k.label() for k in warmup_keys(ModelConfig((0, 0, *([4, 128] * 20), 4, 0)))}
@@ -25,7 +26,7 @@ def defined_metrics() -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def after_calls(live_server: ServerProcess) -> tuple[Scrape, Scrape]:
+def after_calls(live_server: ServiceProcess) -> tuple[Scrape, Scrape]:
     """Scrapes before and after: 3 good BuildChunk (8 query rows, 2 requests each), 1 good PlanBatch, 1 bad call."""
     before = scrape(live_server)
     qsl, seq = np.array([0, 1, 4, 9]), np.array([20, 10, 5])
@@ -52,7 +53,7 @@ def test_every_defined_metric_is_exported_with_its_type(after_calls: tuple[Scrap
 
 
 @pytest.fixture(scope="module")
-def served_backend(live_server: ServerProcess) -> str:
+def served_backend(live_server: ServiceProcess) -> str:
     with IndexerClient(live_server.address) as client:
         return client.warmup_status().backend
 

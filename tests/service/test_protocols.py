@@ -17,7 +17,7 @@ from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
 from indexer_service.service import codec
 from indexer_service.service.codec import SERVICE_NAME
 from indexer_service.service.reflection import V1, V1ALPHA
-from tests.conftest import ServerProcess
+from testkit.harness import ServiceProcess
 from tests.golden import GOLDEN, chunk_inputs, metadata_as_dict
 
 
@@ -33,7 +33,7 @@ def reflect(address: str, service: str, request: rpb.ServerReflectionRequest) ->
 
 
 @pytest.mark.parametrize("service", [V1, V1ALPHA], ids=["v1", "v1alpha"])
-def test_reflection_lists_services_and_sends_descriptors_with_comments(live_server: ServerProcess, service) -> None:
+def test_reflection_lists_services_and_sends_descriptors_with_comments(live_server: ServiceProcess, service) -> None:
     listed = reflect(live_server.address, service, rpb.ServerReflectionRequest(list_services=""))
     names = {s.name for s in listed.list_services_response.service}
     assert {SERVICE_NAME, "grpc.health.v1.Health", V1, V1ALPHA} <= names
@@ -45,7 +45,7 @@ def test_reflection_lists_services_and_sends_descriptors_with_comments(live_serv
     assert "little-endian int32" in comments
 
 
-def test_reflection_names_what_it_does_not_know(live_server: ServerProcess) -> None:
+def test_reflection_names_what_it_does_not_know(live_server: ServiceProcess) -> None:
     missing = reflect(live_server.address, V1, rpb.ServerReflectionRequest(file_containing_symbol="no.Such"))
     assert missing.error_response.error_code == grpc.StatusCode.NOT_FOUND.value[0]
     assert "no.Such" in missing.error_response.error_message
@@ -57,7 +57,7 @@ def health_stub(address: str) -> tuple[grpc.Channel, health_pb2_grpc.HealthStub]
 
 
 @pytest.mark.parametrize("port", ["grpc_port", "health_port"])
-def test_health_check_list_and_not_found_on_both_ports(live_server: ServerProcess, port: str) -> None:
+def test_health_check_list_and_not_found_on_both_ports(live_server: ServiceProcess, port: str) -> None:
     channel, health = health_stub(f"127.0.0.1:{live_server.ports[port]}")
     with channel:
         serving = health_pb2.HealthCheckResponse.SERVING
@@ -73,7 +73,7 @@ def test_health_check_list_and_not_found_on_both_ports(live_server: ServerProces
         watch.cancel()
 
 
-def test_the_health_port_serves_nothing_but_health(live_server: ServerProcess) -> None:
+def test_the_health_port_serves_nothing_but_health(live_server: ServiceProcess) -> None:
     with grpc.insecure_channel(f"127.0.0.1:{live_server.ports['health_port']}") as channel:
         call = channel.unary_unary(f"/{SERVICE_NAME}/GetWarmupStatus")
         with pytest.raises(grpc.RpcError) as refused:
@@ -90,7 +90,7 @@ def post(url: str, body: bytes, content_type: str) -> tuple[int, str, bytes]:
         return exc.code, exc.headers["content-type"], exc.read()
 
 
-def test_json_over_http_uses_the_proto3_json_mapping(live_server: ServerProcess) -> None:
+def test_json_over_http_uses_the_proto3_json_mapping(live_server: ServiceProcess) -> None:
     case = next(c for c in GOLDEN["chunk_metadata"] if c["name"].startswith("E1"))
     inputs = chunk_inputs(case)
     request = json_format.MessageToJson(codec.chunk_inputs_to_proto(inputs))
@@ -104,7 +104,7 @@ def test_json_over_http_uses_the_proto3_json_mapping(live_server: ServerProcess)
     assert json.loads(request)["queryStartLoc"]
 
 
-def test_json_errors_and_other_content_types(live_server: ServerProcess) -> None:
+def test_json_errors_and_other_content_types(live_server: ServiceProcess) -> None:
     url = f"{live_server.http_url}/{SERVICE_NAME}/BuildChunk"
     status, _, body = post(url, b'{"queryStartLoc": 5}', "application/json")
     assert status == 400 and json.loads(body)["code"] == "INVALID_ARGUMENT"
@@ -113,7 +113,7 @@ def test_json_errors_and_other_content_types(live_server: ServerProcess) -> None
     assert status == 415 and b"application/x-protobuf" in body and b"application/json" in body
 
 
-def test_an_empty_answer_over_http_leaves_the_connection_reusable(live_server: ServerProcess) -> None:
+def test_an_empty_answer_over_http_leaves_the_connection_reusable(live_server: ServiceProcess) -> None:
     """A request whose chunk holds no token answers an empty message: it must still end its response."""
     import http.client
 

@@ -25,7 +25,8 @@ from indexer_service.protos.indexer.v1 import indexer_pb2_grpc as pb_grpc
 from indexer_service.service.client import IndexerClient
 from indexer_service.service.codec import SERVICE_NAME, encode_int32
 from indexer_service.service.config import load_config
-from tests.conftest import ServerProcess, StartServer, default_backend_and_target, scrape
+from testkit.harness import ServiceProcess
+from tests.conftest import StartServer, default_backend_and_target, scrape
 from tests.golden import ARRAY_FIELDS, GOLDEN, SCALAR_FIELDS, case_id, chunk_inputs, metadata_as_dict
 
 MAX_MODEL_LEN = 1 << 20  # the embedded default
@@ -33,13 +34,13 @@ E1_QSL, E1_SEQ = np.array([0, 1, 4, 9]), np.array([20, 10, 5])
 
 
 @pytest.fixture(scope="module")
-def client(live_server: ServerProcess) -> Iterator[IndexerClient]:
+def client(live_server: ServiceProcess) -> Iterator[IndexerClient]:
     with IndexerClient(live_server.address) as c:
         yield c
 
 
 @pytest.fixture(scope="module")
-def stub(live_server: ServerProcess) -> Iterator[pb_grpc.PrefillMetadataStub]:
+def stub(live_server: ServiceProcess) -> Iterator[pb_grpc.PrefillMetadataStub]:
     with grpc.insecure_channel(live_server.address) as channel:
         yield pb_grpc.PrefillMetadataStub(channel)
 
@@ -251,7 +252,7 @@ def http_post(url: str, body: bytes) -> tuple[int, str, bytes]:
         return exc.code, exc.headers["content-type"], exc.read()
 
 
-def test_http_protobuf_endpoint_shares_the_data_plane(live_server: ServerProcess, stub) -> None:
+def test_http_protobuf_endpoint_shares_the_data_plane(live_server: ServiceProcess, stub) -> None:
     _, request = chunk()
     url = f"{live_server.http_url}/{SERVICE_NAME}/BuildChunk"
     status, content_type, body = http_post(url, request.SerializeToString())
@@ -267,7 +268,7 @@ def test_http_protobuf_endpoint_shares_the_data_plane(live_server: ServerProcess
     assert http_post(f"{live_server.http_url}/{SERVICE_NAME}/Nope", b"")[0] == 404
 
 
-def test_reflection_lists_the_service(live_server: ServerProcess) -> None:
+def test_reflection_lists_the_service(live_server: ServiceProcess) -> None:
     with grpc.insecure_channel(live_server.address) as channel:
         database = ProtoReflectionDescriptorDatabase(channel)
         assert {SERVICE_NAME, "grpc.health.v1.Health"} <= set(database.get_services())
@@ -277,7 +278,7 @@ def test_reflection_lists_the_service(live_server: ServerProcess) -> None:
         assert {m.name for m in service.methods} == {"BuildChunk", "PlanBatch", "GetWarmupStatus"}
 
 
-def test_health_check_overall_and_per_service(live_server: ServerProcess) -> None:
+def test_health_check_overall_and_per_service(live_server: ServiceProcess) -> None:
     with grpc.insecure_channel(live_server.address) as channel:
         health = health_pb2_grpc.HealthStub(channel)
         for name in ("", SERVICE_NAME):
@@ -289,7 +290,7 @@ def test_health_check_overall_and_per_service(live_server: ServerProcess) -> Non
         assert unknown.value.code() is grpc.StatusCode.NOT_FOUND
 
 
-def test_warmup_status_reports_every_key(client: IndexerClient, live_server: ServerProcess) -> None:
+def test_warmup_status_reports_every_key(client: IndexerClient, live_server: ServiceProcess) -> None:
     status = client.warmup_status()
     keys = warmup_keys(ModelConfig((0, 0, *([4, 128] * 20), 4, 0)))
     assert status.state == pb.WARMUP_STATE_READY and status.ready

@@ -19,7 +19,6 @@ import pytest
 import triton
 import triton.language as tl
 
-from benchmarks.harness import ServiceProcess, clean_env, http_get
 from indexer_service.kernels import triton_kernel
 from indexer_service.kernels.compile_engine import (
     PROOF_SENTINEL,
@@ -34,6 +33,7 @@ from indexer_service.kernels.naive import chunk_arrays_numpy
 from indexer_service.kernels.specialization import CompileKey, ModelConfig, warmup_keys
 from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
 from indexer_service.service.client import IndexerClient
+from testkit.harness import ServiceProcess, clean_env, http_get
 from tests.conftest import cuda_available
 
 _TABLE_WIDTH = tl.constexpr(len(triton_kernel.TABLE_COLUMNS))

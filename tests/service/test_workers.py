@@ -24,7 +24,8 @@ from indexer_service.kernels.inputs import ChunkInputs
 from indexer_service.service import supervisor
 from indexer_service.service.client import ChannelPool, IndexerClient
 from indexer_service.service.codec import SERVICE_NAME
-from tests.conftest import INDEXER_SERVICE, LOOPBACK, ServerProcess, StartServer, clean_env, http_get, scrape
+from testkit.harness import ServiceProcess
+from tests.conftest import INDEXER_SERVICE, LOOPBACK, StartServer, clean_env, http_get, scrape
 
 pytestmark = pytest.mark.slow
 
@@ -32,11 +33,11 @@ FAST = ("--workers", "2", "--backend", "numpy", "--warmup-target", "none")
 INPUTS = ChunkInputs(np.array([0, 4, 10]), np.array([8, 20]), 4, 0, 2)
 
 
-def workers_of(server: ServerProcess) -> list[psutil.Process]:
+def workers_of(server: ServiceProcess) -> list[psutil.Process]:
     return psutil.Process(server.process.pid).children()
 
 
-def health_port_status(server: ServerProcess) -> int:
+def health_port_status(server: ServiceProcess) -> int:
     with grpc.insecure_channel(f"{LOOPBACK}:{server.ports['health_port']}") as channel:
         request = health_pb2.HealthCheckRequest(service=SERVICE_NAME)
         return health_pb2_grpc.HealthStub(channel).Check(request, timeout=5).status

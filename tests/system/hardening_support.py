@@ -7,8 +7,8 @@ import time
 import numpy as np
 import pytest
 
-from benchmarks.harness import ServiceProcess, metric_total, scrape
 from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
+from testkit.harness import ServiceProcess, metric_total, scrape
 
 SMALL = pb.BuildChunkRequest(
     query_start_loc=np.array([0, 1, 4, 9], "<i4").tobytes(), seq_lens=np.array([20, 10, 5], "<i4").tobytes(),

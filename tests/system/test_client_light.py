@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.harness import FAST_START, ServiceProcess
+from testkit.harness import FAST_START, ServiceProcess
 from tests.golden import GOLDEN, REPO
 
 BUILD = REPO / "clients" / "python" / "build.py"

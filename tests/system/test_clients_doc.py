@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.harness import FAST_START, ServiceProcess
+from testkit.harness import FAST_START, ServiceProcess
 from tests.system.clients_support import INSTALL_HINT, REPO, VENV_BIN, doc_blocks
 
 BLOCKS = doc_blocks()

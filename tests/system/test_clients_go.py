@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.harness import FAST_START, ServiceProcess
+from testkit.harness import FAST_START, ServiceProcess
 from tests.system.clients_support import GOLDEN_FILE, build_go_client, go_missing
 
 pytestmark = pytest.mark.skipif(go_missing() is not None, reason=go_missing() or "")

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from benchmarks.harness import FAST_START, ServiceProcess
+from testkit.harness import FAST_START, ServiceProcess
 from tests.system.clients_support import GOLDEN_FILE, NODE_DIR, PROTOS, node_missing
 
 pytestmark = pytest.mark.skipif(node_missing() is not None, reason=node_missing() or "")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.harness import REPO, clean_env
+from testkit.harness import REPO, clean_env
 
 pytest.importorskip("atheris", reason="atheris (the dev extra) is not installed")
 

@@ -27,8 +27,8 @@ from benchmarks.fuzzing import (
     judge,
     stubs_for,
 )
-from benchmarks.harness import FAST_START, ServiceProcess, channel
 from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
+from testkit.harness import FAST_START, ServiceProcess, channel
 from tests.system.hardening_support import assert_healthy_after
 
 METHODS = tuple(REQUEST_TYPES)

@@ -15,7 +15,8 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from benchmarks.harness import (
+from testkit.h2raw import StalledStreams, rapid_reset_parallel
+from testkit.harness import (
     FAST_START,
     LOOPBACK,
     ServiceProcess,
@@ -26,7 +27,6 @@ from benchmarks.harness import (
     mib,
     scrape,
 )
-from testkit.h2raw import StalledStreams, rapid_reset_parallel
 from testkit.http1raw import IdleConnections, UnreadAnswers, huge_header
 from testkit.observe import Callers, HealthWatch
 from testkit.payloads import (

@@ -15,7 +15,7 @@ import grpc
 import pytest
 
 from benchmarks.fuzzing import Limits, call_and_check, judge, stubs_for
-from benchmarks.harness import FAST_START, ServiceProcess, channel, metric_total, scrape
+from testkit.harness import FAST_START, ServiceProcess, channel, metric_total, scrape
 from tests.system.hardening_support import ERRORS, SLOW, SLOW_CHUNKS, SMALL, assert_healthy_after, wait_idle
 
 # The server takes SLOW, a plan of SLOW_CHUNKS chunks, and the oracle knows it.

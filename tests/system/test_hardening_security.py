@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 
 from benchmarks.fuzzing import stubs_for
-from benchmarks.harness import FAST_START, ServiceProcess, channel, http_get
 from indexer_service.kernels.inputs import MAX_DCP_WORLD_SIZE
 from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
+from testkit.harness import FAST_START, ServiceProcess, channel, http_get
 from tests.system.hardening_support import SLOW, SLOW_CHUNKS, SLOW_FLAGS, SMALL, assert_healthy_after, wait_idle
 
 

@@ -1,5 +1,5 @@
-"""What the service benchmarks and the hardening tests share: a served process on loopback, a bounded
-closed-loop load generator, RSS readings and Prometheus scrapes.
+"""What the tests and the benchmarks share: a served process on loopback (the one server harness of both), a
+bounded closed-loop load generator, RSS readings and Prometheus scrapes.
 
 Every process started here is killed by its owner (``with ServiceProcess(...)``), every load loop stops at a
 call count or a deadline, whichever comes first, and traffic only ever goes to loopback addresses.
@@ -27,7 +27,8 @@ import numpy as np
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
-REPO = Path(__file__).resolve().parent.parent
+from testkit.paths import REPO
+
 INDEXER_SERVICE = str(Path(sys.executable).with_name("indexer-service"))
 LOOPBACK = "127.0.0.1"
 # Flags that make a server take requests within about a second: the numpy backend never imports torch and
@@ -67,7 +68,8 @@ class ServiceProcess:
 
     ``command`` defaults to ``indexer-service serve``; any command that writes ``{"grpc_port": ...}`` (and
     optionally ``"http_port"``) to the file named by its ``--port-file`` argument works (the echo baseline).
-    ``cpus`` pins the process and every thread it will start.
+    ``cpus`` pins the process and every thread it will start. The tests' ``start_server`` fixture and the
+    benchmarks both start their servers through this class; ``ports`` holds the port file as it was written.
     """
 
     def __init__(
@@ -95,6 +97,7 @@ class ServiceProcess:
         self.process: subprocess.Popen | None = None
         self.started_at = 0.0
         self.grpc_port = self.http_port = self.health_port = 0
+        self.ports: dict[str, int] = {}
 
     def start(self) -> ServiceProcess:
         cpus = self.cpus
@@ -133,7 +136,7 @@ class ServiceProcess:
             if time.monotonic() > deadline:
                 raise self._fail(f"server not listening after {timeout} s")
             time.sleep(0.01)
-        ports = json.loads(self.port_file.read_text())
+        self.ports = ports = json.loads(self.port_file.read_text())
         self.grpc_port, self.http_port = ports["grpc_port"], ports.get("http_port", 0)
         self.health_port = ports.get("health_port", 0)  # servers before issue 10 have no health listener
         return self
