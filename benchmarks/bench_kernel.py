@@ -24,27 +24,12 @@ import numpy as np
 
 from indexer_service.kernels.inputs import ChunkInputs, chunk_host_part, chunk_host_parts
 from indexer_service.kernels.naive import build_chunk_metadata_numpy
-from indexer_service.kernels.testing import batch_with_tokens
 from indexer_service.service import _fastpath
 from indexer_service.service.allocator import configure_malloc
 from indexer_service.service.codec import chunk_inputs_to_proto
 from indexer_service.service.config import load_config
 from indexer_service.service.limits import fast_path_limits
-
-# (requests, query tokens, uncompressed context per request): the measured-facts batches, ratio 4.
-BATCHES = {
-    "small-8": (8, 351, 505),
-    "medium-64": (64, 8_885, 4_185),
-    "large-256": (256, 65_961, 33_148),
-    "one-long": (1, 86_252, 43_564),
-}
-RATIO = 4
-
-
-def make_inputs(name: str) -> ChunkInputs:
-    requests, tokens, context = BATCHES[name]
-    qsl, seq = batch_with_tokens(np.random.default_rng(len(name)), requests, tokens, context)
-    return ChunkInputs(qsl, seq, RATIO, 0, requests)
+from testkit.batches import BATCHES, RATIO, make_inputs
 
 
 def wall_median(fn, repeats: int) -> float:

@@ -28,7 +28,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.bench_kernel import make_inputs
 from indexer_service.kernels.inputs import chunk_host_part
 from indexer_service.kernels.naive import chunk_arrays_numpy_many
 from indexer_service.kernels.triton_kernel import (
@@ -37,6 +36,7 @@ from indexer_service.kernels.triton_kernel import (
     launch_prefill_metadata_kernel,
     program_table,
 )
+from testkit.batches import make_inputs
 
 BATCHES = ("small-8", "medium-64", "large-256")
 CONCURRENCY_TARGET = 2.0

@@ -33,10 +33,10 @@ import grpc
 import numpy as np
 import psutil
 
-from benchmarks.bench_kernel import make_inputs
 from benchmarks.bench_rpc import METHOD, SERVICE_FLAGS
 from indexer_service.service.client import ChannelPool
 from indexer_service.service.codec import chunk_inputs_to_proto
+from testkit.batches import make_inputs
 from testkit.harness import ServiceProcess, channel, closed_loop, percentile_us, write_json
 
 IN_FLIGHT = 32

@@ -4,7 +4,7 @@
 
 Each input drives the data plane that every transport shares (``DataPlane.call``, numpy backend, the fuzz
 tests' limits): half of the inputs are parsed as a serialized request (raw bytes; the ones protobuf cannot
-parse are gRPC's business, not the service's), the other half feed benchmarks/fuzzing.py's generator through
+parse are gRPC's business, not the service's), the other half feed testkit/fuzzing.py's generator through
 atheris' integer source, so libFuzzer's coverage feedback steers both the bytes and the structure. Every answer
 is judged by the same oracle as the hypothesis tests and the soak: numpy's result, or a refusal whose code the
 request justifies and whose message names a field. A wrong answer or any exception other than the service's
@@ -17,19 +17,10 @@ import sys
 
 import atheris
 
-with atheris.instrument_imports(include=["indexer_service", "benchmarks.fuzzing"]):
+with atheris.instrument_imports(include=["indexer_service", "testkit.fuzzing"]):
     import grpc
     from google.protobuf.message import DecodeError
 
-    from benchmarks.fuzzing import (
-        FUZZ_LIMITS,
-        REQUEST_TYPES,
-        REQUESTS,
-        RESPONSE_TYPES,
-        check_answer,
-        describe,
-        judge,
-    )
     from indexer_service.kernels.specialization import warmup_keys
     from indexer_service.service.backends import make_backend
     from indexer_service.service.config import load_config
@@ -38,6 +29,15 @@ with atheris.instrument_imports(include=["indexer_service", "benchmarks.fuzzing"
     from indexer_service.service.grpc_server import GRPC_STATUS
     from indexer_service.service.metrics import Metrics
     from indexer_service.service.warmup import Warmup
+    from testkit.fuzzing import (
+        FUZZ_LIMITS,
+        REQUEST_TYPES,
+        REQUESTS,
+        RESPONSE_TYPES,
+        check_answer,
+        describe,
+        judge,
+    )
 
 METHODS = tuple(REQUEST_TYPES)
 

@@ -11,8 +11,6 @@ this project from the spec (sections 1 and 4), not copied.
 
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 import torch
 import triton
@@ -21,9 +19,8 @@ import triton.language as tl
 from indexer_service.kernels.specialization import (
     BLOCK_SIZE,
     ModelConfig,
-    triton_int_specialization_class,
-    warmup_compress_ratios,
 )
+from testkit.vllm import vllm_warmup_points
 
 
 def _vllm_shaped_kernel_fn(
@@ -74,19 +71,6 @@ def _vllm_shaped_kernel_fn(
 def vllm_shaped_kernel():
     """A fresh JITFunction with Triton's default specialization of every scalar, as vLLM launches it."""
     return triton.jit(_vllm_shaped_kernel_fn)
-
-
-def vllm_warmup_points(model: ModelConfig, max_num_batched_tokens: int) -> list[tuple[int, int, int, bool]]:
-    """One ``(slice_start, slice_stop, ratio, seq_lens aligned)`` per key of vLLM's warmup set (spec section 4):
-    the warmup inputs expanded, mapped to Triton's integer classes, deduplicated in first-seen order."""
-    tokens = max(1, min(max_num_batched_tokens, 8))
-    points: dict[tuple[int, int, int, bool], tuple[int, int, int, bool]] = {}
-    for start, stop, ratio, aligned in itertools.product(
-        (0, 1, 2), (1, 2 * tokens - 1, 2 * tokens), warmup_compress_ratios(model), (True, False)
-    ):
-        key = (triton_int_specialization_class(start), triton_int_specialization_class(stop), ratio, aligned)
-        points.setdefault(key, (start, stop, ratio, aligned))
-    return list(points.values())
 
 
 def warmup_one_by_one(kernel, model: ModelConfig, max_num_batched_tokens: int, device: str) -> int:

@@ -10,7 +10,6 @@ import triton
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from benchmarks.vllm_baseline import vllm_warmup_points
 from indexer_service.kernels.compile_engine import compile_only_driver, parse_target, warmup_arguments, watch_compiles
 from indexer_service.kernels.inputs import DcpConfig
 from indexer_service.kernels.specialization import (
@@ -30,6 +29,7 @@ from indexer_service.kernels.triton_kernel import (
     TritonChunkBuilder,
     _build_prefill_metadata_kernel_fn,
 )
+from testkit.vllm import vllm_warmup_points
 from tests.golden import GOLDEN
 
 FLASH_RATIOS = (0, 0, *([4, 128] * 20), 4, 0)

@@ -19,7 +19,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from benchmarks.fuzzing import FUZZ_LIMITS, chunk_request, rng_draw
 from indexer_service.kernels.inputs import ChunkInputs, DcpConfig, chunk_host_parts
 from indexer_service.kernels.specialization import CompileKey, warmup_keys
 from indexer_service.kernels.testing import BatchShape, random_chunk_inputs
@@ -32,6 +31,7 @@ from indexer_service.service.errors import ServiceError
 from indexer_service.service.limits import launch_admission
 from indexer_service.service.metrics import Metrics
 from indexer_service.service.warmup import Warmup, WarmupState
+from testkit.fuzzing import FUZZ_LIMITS, chunk_request, rng_draw
 from testkit.paths import REPO
 from tests.golden import GOLDEN, case_id, chunk_inputs, metadata_as_dict
 

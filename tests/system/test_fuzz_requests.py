@@ -1,5 +1,5 @@
 """Fuzzing a real server over gRPC and HTTP: structured requests with random valid and invalid fields, and raw
-request bytes. Every answer must be numpy's result or a clear refusal naming a field (benchmarks/fuzzing.py
+request bytes. Every answer must be numpy's result or a clear refusal naming a field (testkit/fuzzing.py
 judges each one); the server must never answer INTERNAL or UNKNOWN, never die, and keep serving."""
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from google.protobuf.message import DecodeError
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from benchmarks.fuzzing import (
+from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
+from testkit.fuzzing import (
     FUZZ_LIMITS,
     REQUEST_TYPES,
     REQUESTS,
@@ -27,7 +28,6 @@ from benchmarks.fuzzing import (
     judge,
     stubs_for,
 )
-from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
 from testkit.harness import FAST_START, ServiceProcess, channel
 from tests.system.hardening_support import assert_healthy_after
 

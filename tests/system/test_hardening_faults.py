@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from benchmarks.fuzzing import Limits, call_and_check, judge, stubs_for
+from testkit.fuzzing import Limits, call_and_check, judge, stubs_for
 from testkit.harness import FAST_START, ServiceProcess, channel, metric_total, scrape
 from tests.system.hardening_support import ERRORS, SLOW, SLOW_CHUNKS, SMALL, assert_healthy_after, wait_idle
 

@@ -3,8 +3,8 @@
 
 from __future__ import annotations
 
-from benchmarks.soak import SOAK_LIMITS, request_pool, run_soak
 from testkit.harness import FAST_START, ServiceProcess
+from testkit.soak import SOAK_LIMITS, request_pool, run_soak
 from tests.system.hardening_support import assert_healthy_after
 
 SECONDS, IN_FLIGHT, POOL = 12.0, 16, 200

@@ -16,9 +16,9 @@ import grpc
 import numpy as np
 import pytest
 
-from benchmarks.fuzzing import stubs_for
 from indexer_service.kernels.inputs import MAX_DCP_WORLD_SIZE
 from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
+from testkit.fuzzing import stubs_for
 from testkit.harness import FAST_START, ServiceProcess, channel, http_get
 from tests.system.hardening_support import SLOW, SLOW_CHUNKS, SLOW_FLAGS, SMALL, assert_healthy_after, wait_idle
 
