@@ -21,8 +21,8 @@ import numpy as np
 from indexer_service.kernels.inputs import DcpConfig
 from indexer_service.kernels.planner import BatchInputs
 from indexer_service.kernels.specialization import ModelConfig
-from indexer_service.kernels.testing import BatchShape, random_batch, random_chunk_inputs
 from indexer_service.service.client import IndexerClient
+from testkit.batches import BatchShape, random_batch, random_chunk_inputs
 from testkit.harness import ServiceProcess
 
 FLASH = ModelConfig((0, 0, *([4, 128] * 20), 4, 0))

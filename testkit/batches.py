@@ -1,11 +1,65 @@
-"""Batches shared by the tests and the benchmarks: the measured-facts batches of the benchmarks, by name."""
+"""Random valid batches and chunks, and the benchmarks' named batches: shared by the tests, the GPU checks and
+the benchmarks (test code, out of the product package)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
-from indexer_service.kernels.inputs import ChunkInputs
-from indexer_service.kernels.testing import batch_with_tokens
+from indexer_service.kernels.inputs import ChunkInputs, DcpConfig
+
+NO_DCP = DcpConfig()
+
+
+@dataclass(frozen=True)
+class BatchShape:
+    """How a random batch looks: request count, query and context lengths, share of zero-length queries."""
+
+    num_requests: int
+    max_query: int
+    max_context: int
+    zero_query_share: float = 0.1
+
+
+def random_batch(rng: np.random.Generator, shape: BatchShape) -> tuple[np.ndarray, np.ndarray]:
+    """``(query_start_loc, seq_lens)`` as int32: every request has ``seq_len >= query_len``."""
+    query_lens = rng.integers(1, shape.max_query + 1, shape.num_requests)
+    query_lens[rng.random(shape.num_requests) < shape.zero_query_share] = 0
+    context = rng.integers(0, shape.max_context + 1, shape.num_requests)
+    qsl = np.zeros(shape.num_requests + 1, dtype=np.int32)
+    np.cumsum(query_lens, out=qsl[1:])
+    return qsl, (query_lens + context).astype(np.int32)
+
+
+def batch_with_tokens(rng: np.random.Generator, num_requests: int, query_tokens: int, context_per_request: int):
+    """A batch of ``num_requests`` whose query lengths add up to about ``query_tokens`` (benchmarks)."""
+    weights = rng.random(num_requests) + 0.5
+    query_lens = np.maximum(1, np.round(weights / weights.sum() * query_tokens)).astype(np.int64)
+    qsl = np.zeros(num_requests + 1, dtype=np.int32)
+    np.cumsum(query_lens, out=qsl[1:])
+    context = rng.integers(context_per_request // 2, context_per_request * 3 // 2 + 1, num_requests)
+    return qsl, (query_lens + context).astype(np.int32)
+
+
+def random_chunk_inputs(
+    rng: np.random.Generator,
+    shape: BatchShape,
+    ratio: int,
+    dcp: DcpConfig = NO_DCP,
+    with_slice: bool = True,
+) -> ChunkInputs:
+    """A chunk over a random request range of a random batch, with a random query slice half the time."""
+    qsl, seq_lens = random_batch(rng, shape)
+    start = int(rng.integers(0, shape.num_requests))
+    end = int(rng.integers(start + 1, shape.num_requests + 1))
+    num_queries = int(qsl[end] - qsl[start])
+    query_slice = None
+    if with_slice and num_queries and rng.random() < 0.5:
+        a = int(rng.integers(0, num_queries))
+        query_slice = (a, int(rng.integers(a, num_queries + 1)))
+    return ChunkInputs(qsl, seq_lens, ratio, start, end, query_slice, dcp=dcp)
+
 
 # (requests, query tokens, uncompressed context per request): the measured-facts batches, ratio 4.
 BATCHES = {

@@ -15,8 +15,8 @@ from indexer_service.kernels.formulas import dcp_local_lens
 from indexer_service.kernels.inputs import ChunkInputs, DcpConfig, chunk_host_part
 from indexer_service.kernels.naive import build_chunk_metadata_numpy, chunk_arrays_numpy
 from indexer_service.kernels.planner import BatchInputs, chunk_inputs_of_plan, plan_prefill_batch
-from indexer_service.kernels.testing import BatchShape, random_batch, random_chunk_inputs
 from indexer_service.kernels.triton_kernel import TritonChunkBuilder
+from testkit.batches import BatchShape, random_batch, random_chunk_inputs
 from tests.golden import ARRAY_FIELDS, GOLDEN, SCALAR_FIELDS, case_id, chunk_inputs, metadata_as_dict
 
 SENTINEL = -0x5EED

@@ -15,7 +15,7 @@ from indexer_service.kernels.planner import (
     plan_prefill_chunks,
     prefill_workspace_size,
 )
-from indexer_service.kernels.testing import BatchShape, random_batch
+from testkit.batches import BatchShape, random_batch
 from tests.golden import GOLDEN, case_id
 
 

@@ -26,7 +26,7 @@ from indexer_service.kernels.reference import (
     reference_warmup_compress_ratios,
     reference_workspace,
 )
-from indexer_service.kernels.testing import BatchShape, random_batch, random_chunk_inputs
+from testkit.batches import BatchShape, random_batch, random_chunk_inputs
 from testkit.paths import REPO
 from tests.golden import ARRAY_FIELDS, GOLDEN, SCALAR_FIELDS, case_id, chunk_inputs, metadata_as_dict
 
@@ -227,7 +227,7 @@ def test_reference_dcp_ranks_partition_the_chunk(world: int, interleave: int) ->
     assert {m.max_local_total_seq_lens for m in metas} == {max(m.local_total_seq_lens for m in metas)}
 
 
-# Random batches (kernels/testing.py), kept small: the reference is slow.
+# Random batches (testkit/batches.py), kept small: the reference is slow.
 SHAPES = {
     "one-request": BatchShape(1, 9, 40),
     "few": BatchShape(4, 6, 20),

@@ -10,7 +10,6 @@ import pytest
 from indexer_service.kernels.inputs import ChunkInputs, ChunkMetadata
 from indexer_service.kernels.naive import build_chunk_metadata_numpy
 from indexer_service.kernels.planner import BatchInputs, ChunkSpec, PrefillPlan, build_prefill_batch
-from indexer_service.kernels.testing import BatchShape, random_batch
 from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
 from indexer_service.service.codec import (
     build_chunk_response_bytes,
@@ -19,6 +18,7 @@ from indexer_service.service.codec import (
     plan_from_proto,
     plan_response_bytes,
 )
+from testkit.batches import BatchShape, random_batch
 from tests.golden import metadata_as_dict
 
 

@@ -16,7 +16,6 @@ from indexer_service.kernels.inputs import ChunkInputs
 from indexer_service.kernels.naive import build_chunk_metadata_numpy, chunk_arrays_numpy
 from indexer_service.kernels.planner import BatchInputs, build_prefill_batch
 from indexer_service.kernels.specialization import CompileKey, warmup_keys
-from indexer_service.kernels.testing import BatchShape, random_batch
 from indexer_service.kernels.triton_kernel import TritonChunkBuilder
 from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
 from indexer_service.protos.indexer.v1 import indexer_pb2_grpc as pb_grpc
@@ -30,6 +29,7 @@ from indexer_service.service.health import HealthServicer
 from indexer_service.service.limits import launch_admission
 from indexer_service.service.metrics import Metrics
 from indexer_service.service.warmup import Warmup, WarmupState
+from testkit.batches import BatchShape, random_batch
 from tests.golden import metadata_as_dict
 
 E1 = ChunkInputs(np.array([0, 1, 4, 9]), np.array([20, 10, 5]), 4, 1, 3)

@@ -21,7 +21,6 @@ from hypothesis import strategies as st
 
 from indexer_service.kernels.inputs import ChunkInputs, DcpConfig, chunk_host_parts
 from indexer_service.kernels.specialization import CompileKey, warmup_keys
-from indexer_service.kernels.testing import BatchShape, random_chunk_inputs
 from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
 from indexer_service.service import _fastpath, codec
 from indexer_service.service.backends import FAST_PATH_BACKEND, make_backend
@@ -31,6 +30,7 @@ from indexer_service.service.errors import ServiceError
 from indexer_service.service.limits import launch_admission
 from indexer_service.service.metrics import Metrics
 from indexer_service.service.warmup import Warmup, WarmupState
+from testkit.batches import BatchShape, random_chunk_inputs
 from testkit.fuzzing import FUZZ_LIMITS, chunk_request, rng_draw
 from testkit.paths import REPO
 from tests.golden import GOLDEN, case_id, chunk_inputs, metadata_as_dict

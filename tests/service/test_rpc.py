@@ -19,12 +19,12 @@ from indexer_service.kernels.inputs import ChunkInputs, ChunkMetadata, DcpConfig
 from indexer_service.kernels.naive import build_chunk_metadata_numpy
 from indexer_service.kernels.planner import BatchInputs, ChunkSpec, build_prefill_batch
 from indexer_service.kernels.specialization import ModelConfig, warmup_keys
-from indexer_service.kernels.testing import BatchShape, random_batch, random_chunk_inputs
 from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
 from indexer_service.protos.indexer.v1 import indexer_pb2_grpc as pb_grpc
 from indexer_service.service.client import IndexerClient
 from indexer_service.service.codec import SERVICE_NAME, encode_int32
 from indexer_service.service.config import load_config
+from testkit.batches import BatchShape, random_batch, random_chunk_inputs
 from testkit.harness import ServiceProcess
 from tests.conftest import StartServer, default_backend_and_target, scrape
 from tests.golden import ARRAY_FIELDS, GOLDEN, SCALAR_FIELDS, case_id, chunk_inputs, metadata_as_dict
