@@ -9,10 +9,11 @@ allocated, so a bad request never produces a half-written result.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 
+from indexer_service.kernels.formulas import compressed, dcp_local_lens
 from indexer_service.kernels.specialization import normalize_compress_ratio
 
 INT32_MAX = 2**31 - 1
@@ -76,6 +77,12 @@ class ChunkMetadata:
     query_slice: tuple[int, int]
 
 
+# ChunkMetadata's fields by kind, read from the dataclass: whatever converts or compares metadata iterates these
+# instead of naming every field again (``query_slice``, a pair, is the one left to spell out).
+METADATA_ARRAY_FIELDS = tuple(f.name for f in fields(ChunkMetadata) if f.type == "np.ndarray")
+METADATA_SCALAR_FIELDS = tuple(f.name for f in fields(ChunkMetadata) if f.type in ("int", "bool"))
+
+
 @dataclass(frozen=True)
 class ChunkHostPart:
     """What the host computes before any kernel runs; shared by the numpy and the Triton backends."""
@@ -102,15 +109,6 @@ def as_int_array(values: object, field: str) -> np.ndarray:
     if array.size and not np.issubdtype(array.dtype, np.integer):
         raise InvalidInputError(field, f"must hold integers, got dtype {array.dtype}")
     return array.astype(np.int64, copy=False)
-
-
-def normalized_ratio(compress_ratio: object) -> int:
-    """The request's compress ratio as the kernels use it (:func:`normalize_compress_ratio`: 0 means 1); an
-    invalid one is an error naming the field."""
-    try:
-        return normalize_compress_ratio(compress_ratio)
-    except ValueError as exc:
-        raise InvalidInputError("compress_ratio", str(exc)) from None
 
 
 def _first(mask: np.ndarray) -> int:
@@ -165,18 +163,28 @@ def validate_dcp(dcp: DcpConfig) -> None:
         )
 
 
-def compressed_lens(seq_lens: np.ndarray, ratio: int) -> np.ndarray:
-    """``C = S // ratio`` (host floor division; inputs are validated non-negative)."""
-    return seq_lens // ratio if ratio > 1 else seq_lens
+@dataclass(frozen=True)
+class ValidBatch:
+    """A request's batch once validated: its offsets and lengths (int64) and its normalised compress ratio. The
+    later steps of the request share it, so each check and the ratio's normalisation run once per request."""
+
+    query_start_loc: np.ndarray
+    seq_lens: np.ndarray
+    ratio: int
 
 
-def dcp_local_lens(lengths: np.ndarray, dcp: DcpConfig, rank: int | None = None) -> np.ndarray:
-    """How many of ``lengths`` tokens land on ``rank`` when token g lives on rank ``(g // I) % W``."""
-    interleave, world = dcp.interleave, dcp.world_size
-    k = dcp.rank if rank is None else rank
-    base = ((lengths // interleave) // world) * interleave
-    remainder = lengths - base * world
-    return base + np.minimum(np.maximum(remainder - k * interleave, 0), interleave)
+def validate_request(
+    query_start_loc: np.ndarray, seq_lens: np.ndarray, compress_ratio: object, dcp: DcpConfig
+) -> ValidBatch:
+    """Check a request's batch, then its DCP settings, then its compress ratio (a malformed array is named
+    first), and normalise the ratio: the one place a request's ratio is normalised."""
+    qsl, seq = validate_batch(query_start_loc, seq_lens)
+    validate_dcp(dcp)
+    try:
+        ratio = normalize_compress_ratio(compress_ratio)
+    except ValueError as exc:
+        raise InvalidInputError("compress_ratio", str(exc)) from None
+    return ValidBatch(qsl, seq, ratio)
 
 
 ChunkArrays = tuple[np.ndarray, np.ndarray, np.ndarray]  # token_to_seq, cu_seqlen_ks, cu_seqlen_ke: a backend's part
@@ -187,21 +195,24 @@ def chunk_host_part(inputs: ChunkInputs) -> ChunkHostPart | None:
     return chunk_host_parts([inputs])[0]
 
 
-def chunk_host_parts(chunks: Sequence[ChunkInputs]) -> list[ChunkHostPart | None]:
-    """:func:`chunk_host_part` of several chunks; chunks sharing a batch's arrays validate them once."""
-    validated: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
+def chunk_host_parts(chunks: Sequence[ChunkInputs], valid: ValidBatch | None = None) -> list[ChunkHostPart | None]:
+    """:func:`chunk_host_part` of several chunks. Chunks sharing a batch validate it once; ``valid``: every chunk
+    is of this batch, which its request has validated already (the service's check), so it is not again."""
+    validated: dict[tuple[int, int, object, DcpConfig], ValidBatch] = {}
     parts = []
     for inputs in chunks:
-        batch = (id(inputs.query_start_loc), id(inputs.seq_lens))
-        if batch not in validated:
-            validated[batch] = validate_batch(inputs.query_start_loc, inputs.seq_lens)
-        parts.append(_chunk_host_part(inputs, *validated[batch]))
+        if valid is None:
+            batch = (id(inputs.query_start_loc), id(inputs.seq_lens), inputs.compress_ratio, inputs.dcp)
+            if batch not in validated:
+                validated[batch] = validate_request(
+                    inputs.query_start_loc, inputs.seq_lens, inputs.compress_ratio, inputs.dcp
+                )
+        parts.append(_chunk_host_part(inputs, valid or validated[batch]))
     return parts
 
 
-def _chunk_host_part(inputs: ChunkInputs, qsl: np.ndarray, seq: np.ndarray) -> ChunkHostPart | None:
-    ratio = normalized_ratio(inputs.compress_ratio)
-    validate_dcp(inputs.dcp)
+def _chunk_host_part(inputs: ChunkInputs, valid: ValidBatch) -> ChunkHostPart | None:
+    qsl, seq, ratio = valid.query_start_loc, valid.seq_lens, valid.ratio
     num_requests = seq.size
     s, e = inputs.req_start, inputs.req_end
     if not 0 <= s <= num_requests:
@@ -210,9 +221,9 @@ def _chunk_host_part(inputs: ChunkInputs, qsl: np.ndarray, seq: np.ndarray) -> C
         raise InvalidInputError("req_end", f"must be in [{s}, {num_requests}], got {e}")
 
     chunk_seq = seq[s:e]
-    compressed = compressed_lens(chunk_seq, ratio)
+    compressed_seq = compressed(chunk_seq, ratio)
     cu = np.zeros(e - s + 1, dtype=np.int64)
-    np.cumsum(compressed, out=cu[1:])
+    np.cumsum(compressed_seq, out=cu[1:])
     total = int(cu[-1])
     if total > INT32_MAX:
         raise InvalidInputError("seq_lens", f"total compressed length {total} exceeds int32")
@@ -227,13 +238,13 @@ def _chunk_host_part(inputs: ChunkInputs, qsl: np.ndarray, seq: np.ndarray) -> C
         return None
 
     if inputs.dcp.enabled:
-        local = dcp_local_lens(compressed, inputs.dcp)
+        local = dcp_local_lens(compressed_seq, inputs.dcp)
         local_cu = np.zeros_like(cu)
         np.cumsum(local, out=local_cu[1:])
         # Rank 0 holds the largest share of every length (a rank's share never grows with its index), so the
         # largest per-rank total is rank 0's: one pass, whatever the world size.
         local_total = int(local_cu[-1])
-        max_local_total = int(dcp_local_lens(compressed, inputs.dcp, rank=0).sum())
+        max_local_total = int(dcp_local_lens(compressed_seq, inputs.dcp, rank=0).sum())
     else:
         local_cu, local_total, max_local_total = cu, total, total
 

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from indexer_service.kernels.formulas import causal_position, compressed, dcp_local_lens
 from indexer_service.kernels.inputs import (
     ChunkArrays,
     ChunkHostPart,
@@ -17,17 +18,7 @@ from indexer_service.kernels.inputs import (
     DcpConfig,
     assemble,
     chunk_host_part,
-    dcp_local_lens,
 )
-
-
-def compressed_positions(positions: np.ndarray, ratio: int) -> np.ndarray:
-    """``positions // ratio`` for non-negative positions; a shift when the ratio is a power of two."""
-    if ratio == 1:
-        return positions
-    if ratio & (ratio - 1) == 0:
-        return positions >> (ratio.bit_length() - 1)
-    return positions // ratio
 
 
 def chunk_arrays_numpy(host: ChunkHostPart, dcp: DcpConfig, with_token_to_seq: bool = True) -> ChunkArrays:
@@ -50,11 +41,11 @@ def chunk_arrays_numpy(host: ChunkHostPart, dcp: DcpConfig, with_token_to_seq: b
     requests = slice(first, last)
     lo, hi = starts[first:last], starts[first + 1 : last + 1]
     rows_inside = np.minimum(hi, b) - np.maximum(lo, a)
-    # Row r of request i sees the causal position p0_i + 1 + (r - q'_i) = (S_i - q_i + 1 - q'_i) + r.
-    shift = (host.seq_lens[requests] - (hi - lo) + 1 - lo).astype(np.int32)
+    # Chunk row r of request i is its row r - q'_i: the position of chunk row 0, plus r.
+    shift = causal_position(host.seq_lens[requests], hi - lo, -lo).astype(np.int32)
     position = np.repeat(shift, rows_inside)
     position += np.arange(a, b, dtype=np.int32)
-    visible = compressed_positions(position, host.ratio)
+    visible = compressed(position, host.ratio)
     if dcp.enabled:
         visible = dcp_local_lens(visible, dcp)
     row_start = np.repeat(host.local_cu_seq_lens[requests].astype(np.int32), rows_inside)

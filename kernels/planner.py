@@ -12,14 +12,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from indexer_service.kernels.formulas import compressed
 from indexer_service.kernels.inputs import (
     ChunkInputs,
     ChunkMetadata,
     DcpConfig,
     InvalidInputError,
-    compressed_lens,
-    normalized_ratio,
-    validate_batch,
+    ValidBatch,
+    validate_request,
 )
 
 DEFAULT_MAX_LOGITS_BYTES = 512 * 2**20  # VLLM_SPARSE_INDEXER_MAX_LOGITS_MB default
@@ -46,7 +46,7 @@ class ChunkSpec:
 
 def prefill_workspace_size(max_model_len: int, ratio: int) -> int:
     """Compressed KV tokens one chunk may gather (vLLM's ``get_max_prefill_buffer_size``); ``ratio`` is
-    normalised (:func:`~kernels.inputs.normalized_ratio`)."""
+    normalised (:func:`~kernels.inputs.validate_request`)."""
     return (max_model_len * WORKSPACE_TOKENS_PER_MODEL_LEN) // ratio
 
 
@@ -116,11 +116,14 @@ class PrefillPlan:
 ChunkBuilder = Callable[[ChunkInputs], "ChunkMetadata | None"]
 
 
-def plan_prefill_batch(batch: BatchInputs, max_chunks: int | None = None) -> list[ChunkSpec]:
-    """Validate a batch and plan its prefill requests into chunks (at most ``max_chunks``, see
-    :func:`plan_prefill_chunks`)."""
-    qsl, seq = validate_batch(batch.query_start_loc, batch.seq_lens)
-    ratio = normalized_ratio(batch.compress_ratio)
+def plan_prefill_batch(
+    batch: BatchInputs, max_chunks: int | None = None, valid: ValidBatch | None = None
+) -> list[ChunkSpec]:
+    """Validate a batch (unless ``valid``: its request has been, see :func:`~kernels.inputs.validate_request`)
+    and plan its prefill requests into chunks (at most ``max_chunks``, see :func:`plan_prefill_chunks`)."""
+    if valid is None:
+        valid = validate_request(batch.query_start_loc, batch.seq_lens, batch.compress_ratio, batch.dcp)
+    qsl, seq, ratio = valid.query_start_loc, valid.seq_lens, valid.ratio
     if not 0 <= batch.num_decodes <= seq.size:
         raise InvalidInputError("num_decodes", f"must be in [0, {seq.size}], got {batch.num_decodes}")
     if batch.max_model_len < 1:
@@ -129,7 +132,7 @@ def plan_prefill_batch(batch: BatchInputs, max_chunks: int | None = None) -> lis
         raise InvalidInputError("max_logits_bytes", f"must be >= 4, got {batch.max_logits_bytes}")
     nd = batch.num_decodes
     return plan_prefill_chunks(
-        compressed_lens(seq[nd:], ratio),
+        compressed(seq[nd:], ratio),
         np.diff(qsl[nd:]),
         prefill_workspace_size(batch.max_model_len, ratio),
         batch.max_logits_bytes // 4,

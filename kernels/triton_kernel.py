@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from indexer_service.kernels.formulas import causal_position
 from indexer_service.kernels.inputs import (
     INT32_MAX,
     ChunkArrays,
@@ -177,8 +178,7 @@ def program_table(
             kv_base + cu[1:],
             row_base + row_lo - a,
             row_base + row_hi - a,
-            # Row r of request i sees position p0_i + 1 + (r - q'_i), with p0_i = S_i - q_i.
-            host.seq_lens - query_lens + 1 + (row_lo - starts[:-1]),
+            causal_position(host.seq_lens, query_lens, row_lo - starts[:-1]),
             host.local_cu_seq_lens[:-1],
         )
         parts.append(np.stack(column_values, axis=1))

@@ -11,7 +11,14 @@ from collections.abc import Mapping
 import numpy as np
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 
-from indexer_service.kernels.inputs import ChunkInputs, ChunkMetadata, DcpConfig, InvalidInputError
+from indexer_service.kernels.inputs import (
+    METADATA_ARRAY_FIELDS,
+    METADATA_SCALAR_FIELDS,
+    ChunkInputs,
+    ChunkMetadata,
+    DcpConfig,
+    InvalidInputError,
+)
 from indexer_service.kernels.planner import BatchInputs, ChunkSpec, PrefillPlan
 from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
 
@@ -200,25 +207,13 @@ _PLAN_BATCH_RESPONSE = _WireMessage(pb.PlanBatchResponse.DESCRIPTOR)
 
 
 def _metadata_parts(meta: ChunkMetadata, omit_token_to_seq: bool) -> list[Part]:
+    values: dict[str, object] = {name: getattr(meta, name) for name in METADATA_SCALAR_FIELDS}
+    for name in METADATA_ARRAY_FIELDS:
+        values[name] = None if omit_token_to_seq and name == "token_to_seq" else _wire_view(getattr(meta, name), name)
     a, b = meta.query_slice
-    return _CHUNK_METADATA.parts({
-        "cu_seq_lens": _wire_view(meta.cu_seq_lens, "cu_seq_lens"),
-        "token_to_seq": None if omit_token_to_seq else _wire_view(meta.token_to_seq, "token_to_seq"),
-        "cu_seqlen_ks": _wire_view(meta.cu_seqlen_ks, "cu_seqlen_ks"),
-        "cu_seqlen_ke": _wire_view(meta.cu_seqlen_ke, "cu_seqlen_ke"),
-        "total_seq_lens": meta.total_seq_lens,
-        "token_start": meta.token_start,
-        "token_end": meta.token_end,
-        "num_reqs": meta.num_reqs,
-        "skip_kv_gather": meta.skip_kv_gather,
-        "local_cu_seq_lens": _wire_view(meta.local_cu_seq_lens, "local_cu_seq_lens"),
-        "local_total_seq_lens": meta.local_total_seq_lens,
-        "max_local_total_seq_lens": meta.max_local_total_seq_lens,
-        "req_start": meta.req_start,
-        "req_end": meta.req_end,
-        "query_slice": _QUERY_SLICE.parts({"start": a, "stop": b}),
-        "token_to_seq_omitted": omit_token_to_seq,
-    })  # fmt: skip
+    values["query_slice"] = _QUERY_SLICE.parts({"start": a, "stop": b})
+    values["token_to_seq_omitted"] = omit_token_to_seq
+    return _CHUNK_METADATA.parts(values)
 
 
 def build_chunk_response_bytes(meta: ChunkMetadata | None, omit_token_to_seq: bool) -> bytes:
@@ -240,21 +235,12 @@ def plan_response_bytes(plan: PrefillPlan, omit_token_to_seq: bool) -> bytes:
 
 def metadata_from_proto(message: pb.ChunkMetadata) -> ChunkMetadata:
     """The kernel layer's type; ``token_to_seq`` is None when the server omitted it."""
+    arrays = {name: decode_int32(getattr(message, name), name) for name in METADATA_ARRAY_FIELDS}
+    if message.token_to_seq_omitted:
+        arrays["token_to_seq"] = None
     return ChunkMetadata(
-        cu_seq_lens=decode_int32(message.cu_seq_lens, "cu_seq_lens"),
-        token_to_seq=None if message.token_to_seq_omitted else decode_int32(message.token_to_seq, "token_to_seq"),
-        cu_seqlen_ks=decode_int32(message.cu_seqlen_ks, "cu_seqlen_ks"),
-        cu_seqlen_ke=decode_int32(message.cu_seqlen_ke, "cu_seqlen_ke"),
-        total_seq_lens=message.total_seq_lens,
-        token_start=message.token_start,
-        token_end=message.token_end,
-        num_reqs=message.num_reqs,
-        skip_kv_gather=message.skip_kv_gather,
-        local_cu_seq_lens=decode_int32(message.local_cu_seq_lens, "local_cu_seq_lens"),
-        local_total_seq_lens=message.local_total_seq_lens,
-        max_local_total_seq_lens=message.max_local_total_seq_lens,
-        req_start=message.req_start,
-        req_end=message.req_end,
+        **arrays,
+        **{name: getattr(message, name) for name in METADATA_SCALAR_FIELDS},
         query_slice=(message.query_slice.start, message.query_slice.stop),
     )
 

@@ -23,7 +23,14 @@ from dataclasses import dataclass
 
 from google.protobuf.message import Message
 
-from indexer_service.kernels.inputs import ChunkInputs, ChunkMetadata, InvalidInputError, assemble, chunk_host_parts
+from indexer_service.kernels.inputs import (
+    ChunkInputs,
+    ChunkMetadata,
+    InvalidInputError,
+    ValidBatch,
+    assemble,
+    chunk_host_parts,
+)
 from indexer_service.kernels.planner import (
     PlanTooLargeError,
     PrefillPlan,
@@ -236,10 +243,12 @@ class DataPlane:
                 raise CallerGone(caller.gone() or Code.CANCELLED, exc.message, exc.reason) from None
             raise Shed(exc.reason, exc.message) from None
 
-    def _build(self, method: str, chunks: Sequence[ChunkInputs], omit_token_to_seq: bool) -> list[ChunkMetadata | None]:
+    def _build(
+        self, method: str, chunks: Sequence[ChunkInputs], valid: ValidBatch, omit_token_to_seq: bool
+    ) -> list[ChunkMetadata | None]:
         """Every chunk's metadata (None where it has no compressed token) after the limits on the workspace
         and the response size, checked on the host parts before any array is computed."""
-        hosts = chunk_host_parts(chunks)
+        hosts = chunk_host_parts(chunks, valid)
         response_bytes = self.limits.check_sizes(chunks, hosts, omit_token_to_seq)
         self._admit_work(response_bytes, len(chunks))
         stop_if_abandoned()
@@ -295,8 +304,8 @@ class DataPlane:
 
     def _build_chunk(self, request: pb.BuildChunkRequest) -> bytes:
         inputs = codec.chunk_inputs_from_proto(request)
-        self.limits.check_request(inputs)
-        (meta,) = self._build("BuildChunk", [inputs], request.omit_token_to_seq)
+        valid = self.limits.check_request(inputs)
+        (meta,) = self._build("BuildChunk", [inputs], valid, request.omit_token_to_seq)
         if meta is None:
             self._observe_size("BuildChunk", inputs.req_end - inputs.req_start, 0)
         else:
@@ -307,10 +316,10 @@ class DataPlane:
     def _plan_batch(self, request: pb.PlanBatchRequest) -> bytes:
         config = self.config
         batch = codec.batch_inputs_from_proto(request, config.max_model_len, config.max_logits_bytes)
-        self.limits.check_request(batch)
+        valid = self.limits.check_request(batch)
         self.limits.check_plan_model_len(batch)
         try:
-            chunks = plan_prefill_batch(batch, config.max_plan_chunks)
+            chunks = plan_prefill_batch(batch, config.max_plan_chunks, valid)
         except PlanTooLargeError:
             raise Shed(
                 "work_limit",
@@ -318,7 +327,7 @@ class DataPlane:
                 f"more than max_plan_chunks {config.max_plan_chunks} chunks; raise max_logits_bytes or send fewer "
                 "query tokens",
             ) from None
-        built = self._build("PlanBatch", chunk_inputs_of_plan(batch, chunks), request.omit_token_to_seq)
+        built = self._build("PlanBatch", chunk_inputs_of_plan(batch, chunks), valid, request.omit_token_to_seq)
         plan = PrefillPlan(chunks, [meta for meta in built if meta is not None], max_prefill_seq_len(batch))
         decodes = batch.num_decodes  # validated by the planner
         tokens = int(batch.query_start_loc[-1] - batch.query_start_loc[decodes])

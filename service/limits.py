@@ -14,9 +14,8 @@ import numpy as np
 from indexer_service.kernels.inputs import (
     ChunkHostPart,
     ChunkInputs,
-    normalized_ratio,
-    validate_batch,
-    validate_dcp,
+    ValidBatch,
+    validate_request,
 )
 from indexer_service.kernels.planner import WORKSPACE_TOKENS_PER_MODEL_LEN, BatchInputs, prefill_workspace_size
 from indexer_service.kernels.specialization import CompileKey
@@ -74,14 +73,14 @@ class RequestLimits:
         self.config = config
         self.admit_launch = admit_launch
 
-    def check_request(self, inputs: ChunkInputs | BatchInputs) -> None:
+    def check_request(self, inputs: ChunkInputs | BatchInputs) -> ValidBatch:
         """Malformed input first (INVALID_ARGUMENT), then limits (RESOURCE_EXHAUSTED), then policy
         (FAILED_PRECONDITION), all before any work: a request is named malformed before a limit or a policy
-        speaks about values that mean nothing. The kernel layer checks the rest of the shape (chunk bounds)."""
+        speaks about values that mean nothing. The kernel layer checks the rest of the shape (chunk bounds). The
+        validated batch is what the request's later steps use."""
         config = self.config
-        qsl, seq = validate_batch(inputs.query_start_loc, inputs.seq_lens)
-        validate_dcp(inputs.dcp)
-        ratio = normalized_ratio(inputs.compress_ratio)
+        valid = validate_request(inputs.query_start_loc, inputs.seq_lens, inputs.compress_ratio, inputs.dcp)
+        qsl, seq, ratio = valid.query_start_loc, valid.seq_lens, valid.ratio
         if seq.size > config.max_num_seqs:
             raise LimitExceeded(f"seq_lens: {seq.size} sequences, above max_num_seqs {config.max_num_seqs}")
         if (qsl > config.max_num_batched_tokens).any():
@@ -103,6 +102,7 @@ class RequestLimits:
             # Service-owned buffers are always aligned and scalars validated to int32, so the ratio alone
             # decides the variant, on either backend; the Triton backend checks each real launch again.
             self.admit_launch(CompileKey(compress_ratio=ratio))
+        return valid
 
     def check_plan_model_len(self, batch: BatchInputs) -> None:
         """A PlanBatch's own max_model_len may not pass the server's (it sizes the workspace of each chunk)."""
