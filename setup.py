@@ -1,7 +1,8 @@
 """The one compiled module, BuildChunk's common case (service/fastpath.c); everything else is in pyproject.toml.
 
 A C compiler and the Python headers build it during ``pip install`` (both are on a fresh machine and in the
-image's build stage).
+image's build stage). It is optional: where it cannot be built, the install goes on without it and the service
+serves every request through numpy, saying so once at start (service/backends.py).
 """
 
 from setuptools import Extension, setup
@@ -14,6 +15,7 @@ setup(
             # Generated from the proto by `make protos`; listed so that it ships in the sdist and a regenerated
             # header rebuilds the extension.
             depends=["protos/indexer/v1/indexer_wire.h"],
+            optional=True,
             extra_compile_args=["-O3", "-std=c11", "-Wall", "-Wextra", "-Werror=implicit-function-declaration"],
         )
     ]
