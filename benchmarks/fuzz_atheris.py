@@ -21,14 +21,11 @@ with atheris.instrument_imports(include=["indexer_service", "testkit.fuzzing"]):
     import grpc
     from google.protobuf.message import DecodeError
 
-    from indexer_service.kernels.specialization import warmup_keys
-    from indexer_service.service.backends import make_backend
     from indexer_service.service.config import load_config
     from indexer_service.service.dataplane import DataPlane
     from indexer_service.service.errors import ServiceError
     from indexer_service.service.grpc_server import GRPC_STATUS
-    from indexer_service.service.metrics import Metrics
-    from indexer_service.service.warmup import Warmup
+    from testkit import planes
     from testkit.fuzzing import (
         FUZZ_LIMITS,
         REQUEST_TYPES,
@@ -51,9 +48,7 @@ def make_plane() -> DataPlane:
         "max_message_bytes": limits.max_message_bytes, "max_logits_bytes": limits.max_logits_bytes,
         "max_plan_chunks": limits.max_plan_chunks,
     }, env={})  # fmt: skip
-    metrics = Metrics()
-    warmup = Warmup(warmup_keys(config.model), target=None, enabled=False, workers=1, metrics=metrics)
-    plane = DataPlane(config, metrics, warmup, make_backend("numpy", None))
+    plane = planes.make_plane(config)
     plane.readiness.refresh()
     return plane
 

@@ -23,13 +23,10 @@ from indexer_service.service.admission import (
     ShedLog,
     default_response_budget,
 )
-from indexer_service.service.backends import make_backend
-from indexer_service.service.config import load_config
 from indexer_service.service.dataplane import DataPlane
 from indexer_service.service.errors import ServiceError
 from indexer_service.service.grpc_server import GRPC_STATUS
 from indexer_service.service.metrics import Metrics
-from indexer_service.service.warmup import Warmup
 
 
 def admission(budget: int = 100, slots: int = 1, wait: float = 0.2, max_waiting: int = 4) -> Admission:
@@ -146,15 +143,6 @@ def test_plan_size_is_refused_before_the_plan_is_made() -> None:
     with pytest.raises(PlanTooLargeError):
         plan_prefill_chunks([2**20], [8192], workspace_size=2**26, max_logits_elems=1, max_chunks=1024)
     assert len(plan_prefill_chunks([2**20], [8192], 2**26, 1, max_chunks=8192)) == 8192
-
-
-@pytest.fixture
-def plane() -> DataPlane:
-    config = load_config({"warmup_target": "none", "backend": "numpy"}, env={})
-    metrics = Metrics()
-    warmup = Warmup((), target=None, enabled=False, workers=1, metrics=metrics)
-    warmup.run()
-    return DataPlane(config, metrics, warmup, make_backend("numpy", None))
 
 
 def call_code(plane: DataPlane, method: str, request) -> tuple[grpc.StatusCode, str]:

@@ -22,9 +22,7 @@ from indexer_service.service.auto_backend import (
 from indexer_service.service.backends import Backend, resolve_backend
 from indexer_service.service.codec import chunk_inputs_to_proto
 from indexer_service.service.config import load_config
-from indexer_service.service.dataplane import DataPlane
-from indexer_service.service.metrics import Metrics
-from indexer_service.service.warmup import Warmup
+from testkit.planes import make_plane
 from tests.conftest import cuda_available
 
 
@@ -75,11 +73,10 @@ def test_calibration_measures_the_ladder_and_sets_a_crossover() -> None:
 
 def test_the_served_backend_is_the_metrics_label_and_the_crossover_is_in_the_status() -> None:
     config = replace(load_config(env={}), backend="auto", native_fast_path=False)
-    metrics = Metrics()
-    warmup = Warmup([], target=None, enabled=False, workers=1, metrics=metrics)
     selector = _selector(1000)
     numpy_backend = selector.numpy
-    plane = DataPlane(config, metrics, warmup, Backend("auto", numpy_backend.arrays_many, None, selector))
+    plane = make_plane(config, backend=Backend("auto", numpy_backend.arrays_many, None, selector), keys=[])
+    metrics = plane.metrics
     for queries, seq_len in ((2, 40), (200, 40_000)):
         request = chunk_inputs_to_proto(ChunkInputs(np.array([0, queries]), np.array([seq_len]), 4, 0, 1))
         plane.call("BuildChunk", request.SerializeToString())

@@ -21,7 +21,7 @@ from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
 from indexer_service.protos.indexer.v1 import indexer_pb2_grpc as pb_grpc
 from indexer_service.service import codec
 from indexer_service.service.backends import Backend, make_backend
-from indexer_service.service.config import ServiceConfig, load_config
+from indexer_service.service.config import load_config
 from indexer_service.service.dataplane import DataPlane
 from indexer_service.service.errors import Code, ServiceError
 from indexer_service.service.grpc_server import HEALTH_NAMES, create_grpc_server
@@ -30,16 +30,10 @@ from indexer_service.service.limits import launch_admission
 from indexer_service.service.metrics import Metrics
 from indexer_service.service.warmup import Warmup, WarmupState
 from testkit.batches import BatchShape, random_batch
+from testkit.planes import make_plane
 from tests.golden import metadata_as_dict
 
 E1 = ChunkInputs(np.array([0, 1, 4, 9]), np.array([20, 10, 5]), 4, 1, 3)
-
-
-def make_plane(config: ServiceConfig, backend: Backend, warmup_target: str | None = None) -> DataPlane:
-    metrics = Metrics()
-    warmup = Warmup(warmup_keys(config.model), target=warmup_target, enabled=warmup_target is not None, workers=1,
-                    metrics=metrics)  # fmt: skip
-    return DataPlane(config, metrics, warmup, backend)
 
 
 class FlakyBackend:
@@ -61,7 +55,7 @@ def flaky_server(request) -> Iterator[tuple[DataPlane, pb_grpc.PrefillMetadataSt
     """A real gRPC server whose backend's first call raises ``request.param`` (default: a RuntimeError)."""
     failure = getattr(request, "param", RuntimeError("backend exploded"))
     config = load_config({"grpc_host": "127.0.0.1", "grpc_port": "0", "warmup_target": "none"}, env={})
-    plane = make_plane(config, Backend("numpy", FlakyBackend(failure)))
+    plane = make_plane(config, backend=Backend("numpy", FlakyBackend(failure)))
     plane.readiness.refresh()
     server = create_grpc_server(config, plane, HealthServicer(HEALTH_NAMES))
     server.server.start()
@@ -109,7 +103,7 @@ def strict_triton(triton_cpu: TritonChunkBuilder) -> tuple[DataPlane, TritonChun
     metrics = Metrics()
     warmup = Warmup(warmup_keys(config.model), target="cuda:90", enabled=True, workers=1, metrics=metrics)
     builder = TritonChunkBuilder("cpu", kernel=triton_cpu.kernel, admit=launch_admission(warmup))
-    plane = DataPlane(config, metrics, warmup, Backend("triton", builder.arrays_many))
+    plane = make_plane(config, backend=Backend("triton", builder.arrays_many), metrics=metrics, warmup=warmup)
     assert warmup.run() is WarmupState.READY
     plane.readiness.refresh()
     return plane, builder
@@ -142,7 +136,7 @@ def test_a_whole_plan_is_one_launch_on_the_triton_backend(triton_cpu: TritonChun
     config = load_config({"warmup_target": "none"}, env={})
     launches: list[CompileKey] = []
     builder = TritonChunkBuilder("cpu", kernel=triton_cpu.kernel, admit=launches.append)
-    plane = make_plane(config, Backend("triton", builder.arrays_many))
+    plane = make_plane(config, backend=Backend("triton", builder.arrays_many))
     plane.readiness.refresh()
     qsl, seq = random_batch(np.random.default_rng(5), BatchShape(12, 40, 400))
     batch = BatchInputs(qsl, seq, 4, num_decodes=2, max_model_len=100, max_logits_bytes=4 * 300)
@@ -157,7 +151,7 @@ def test_a_whole_plan_is_one_launch_on_the_triton_backend(triton_cpu: TritonChun
 
 def test_compiles_after_ready_come_from_tritons_hook() -> None:
     config = load_config({"compress_ratios": "1"}, env={})
-    plane = make_plane(config, make_backend("numpy", None), warmup_target="cuda:90")
+    plane = make_plane(config, backend=make_backend("numpy", None), warmup_on="cuda:90")
     registry = plane.metrics.registry
     uninstall = watch_compiles(plane.readiness.on_kernel_compile)
     try:

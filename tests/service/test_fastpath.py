@@ -33,6 +33,7 @@ from indexer_service.service.warmup import Warmup, WarmupState
 from testkit.batches import BatchShape, random_chunk_inputs
 from testkit.fuzzing import FUZZ_LIMITS, chunk_request, rng_draw
 from testkit.paths import REPO
+from testkit.planes import make_plane
 from tests.golden import GOLDEN, case_id, chunk_inputs, metadata_as_dict
 
 # tests/service/test_fastpath_sanitized.py runs fewer: under ASan every Python allocation is a guarded malloc.
@@ -77,7 +78,7 @@ class Paths:
         else:
             config, warmup = dataclasses.replace(config, strict=True), WarmedSet(strict_ratios)
             admit = launch_admission(warmup)
-        plane = DataPlane(config, metrics, warmup, make_backend("numpy", admit, native_fast_path=fast))
+        plane = make_plane(config, admit=admit, native_fast_path=fast, metrics=metrics, warmup=warmup)
         plane.readiness.refresh()
         return plane
 
