@@ -349,8 +349,10 @@ def test_plans_reach_the_corners_they_are_named_for() -> None:
 
 @pytest.fixture(scope="module")
 def fast_path() -> FastPath:
-    """service/fastpath.c's build_chunk with the default configuration's limits, any ratio admitted."""
-    from indexer_service.service import _fastpath, codec
+    """service/fastpath.c's build_chunk with the default configuration's limits, any ratio admitted (a skip where
+    the extension is not built: the kernel tests run without it, tests/service/ needs it)."""
+    _fastpath = pytest.importorskip("indexer_service.service._fastpath", reason="service/_fastpath is not built")
+    from indexer_service.service import codec
     from indexer_service.service.config import load_config
     from indexer_service.service.limits import fast_path_limits
 

@@ -11,16 +11,9 @@ from pathlib import Path
 import pytest
 
 from indexer_service.kernels.specialization import CompileKey
-from testkit.harness import ServiceProcess
-from tests.conftest import (
-    FAILING_WARMUP,
-    INDEXER_SERVICE,
-    LOOPBACK,
-    StartServer,
-    clean_env,
-    cuda_available,
-    default_backend_and_target,
-)
+from testkit.harness import INDEXER_SERVICE, LOOPBACK, ServiceProcess, clean_env
+from tests.conftest import cuda_available
+from tests.service.conftest import FAILING_WARMUP, StartServer, default_backend_and_target
 
 
 def run(*args: str, timeout: float = 120, **env: str) -> subprocess.CompletedProcess[str]:

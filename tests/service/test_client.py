@@ -21,7 +21,7 @@ from indexer_service.protos.indexer.v1 import indexer_pb2_grpc as pb_grpc
 from indexer_service.service.client import IndexerClient, channel_target, service_config
 from indexer_service.service.codec import SERVICE_NAME, encode_int32
 from testkit.harness import FAST_START, ServiceProcess
-from tests.conftest import FAILING_WARMUP, StartServer, scrape
+from tests.service.conftest import FAILING_WARMUP, StartServer, scrape
 
 pytestmark = pytest.mark.slow
 
@@ -143,7 +143,7 @@ def test_a_host_name_in_the_list_form_works(start_server: StartServer) -> None:
 def test_calls_wait_for_a_warming_replica_within_their_deadline(start_server: StartServer, tmp_path) -> None:
     """Wait for ready (the default): a call made while the only replica warms up is answered once it is ready.
     Without it the call fails UNAVAILABLE at once, long before its deadline."""
-    from tests.conftest import clean_env, http_get
+    from testkit.harness import clean_env, http_get
 
     cold = clean_env(TRITON_CACHE_DIR=str(tmp_path / "cold-cache"))  # a cold cache: the warmup takes seconds
     server = start_server("--backend", "numpy", "--health-port", "0", ready=False, env=cold)

@@ -16,8 +16,8 @@ from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
 from indexer_service.service.auto_backend import output_elements
 from indexer_service.service.client import IndexerClient
 from testkit.batches import BatchShape, batch_with_tokens, random_batch, random_chunk_inputs
-from tests.conftest import StartServer, scrape
 from tests.golden import GOLDEN, chunk_inputs, metadata_as_dict
+from tests.service.conftest import StartServer, scrape
 
 pytestmark = [
     pytest.mark.gpu,

@@ -14,7 +14,7 @@ from indexer_service.service.backends import FAST_PATH_BACKEND
 from indexer_service.service.client import IndexerClient
 from indexer_service.service.metrics import Metrics
 from testkit.harness import ServiceProcess
-from tests.conftest import Scrape, scrape
+from tests.service.conftest import Scrape, scrape
 
 METHODS = {"BuildChunk", "PlanBatch", "GetWarmupStatus"}
 KEY_LABELS = {k.label() for k in warmup_keys(ModelConfig((0, 0, *([4, 128] * 20), 4, 0)))}

@@ -26,8 +26,8 @@ from indexer_service.service.codec import SERVICE_NAME, encode_int32
 from indexer_service.service.config import load_config
 from testkit.batches import BatchShape, random_batch, random_chunk_inputs
 from testkit.harness import ServiceProcess
-from tests.conftest import StartServer, default_backend_and_target, scrape
 from tests.golden import ARRAY_FIELDS, GOLDEN, SCALAR_FIELDS, case_id, chunk_inputs, metadata_as_dict
+from tests.service.conftest import StartServer, default_backend_and_target, scrape
 
 MAX_MODEL_LEN = 1 << 20  # the embedded default
 E1_QSL, E1_SEQ = np.array([0, 1, 4, 9]), np.array([20, 10, 5])

@@ -17,7 +17,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
 from indexer_service.protos.indexer.v1 import indexer_pb2_grpc as pb_grpc
 from indexer_service.service.codec import SERVICE_NAME, encode_int32
-from tests.conftest import StartServer, http_get, scrape
+from testkit.harness import http_get
+from tests.service.conftest import StartServer, scrape
 
 pytestmark = pytest.mark.slow
 
@@ -148,7 +149,7 @@ MOMENTS = [
 def test_a_signal_at_any_moment_ends_the_process_with_0(tmp_path) -> None:
     import subprocess
 
-    from tests.conftest import INDEXER_SERVICE, LOOPBACK, clean_env
+    from testkit.harness import INDEXER_SERVICE, LOOPBACK, clean_env
 
     outcomes = []
     for n, (signum, marker, delay) in enumerate(MOMENTS):

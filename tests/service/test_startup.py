@@ -15,7 +15,8 @@ from indexer_service.kernels.specialization import ModelConfig, warmup_keys
 from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
 from indexer_service.protos.indexer.v1 import indexer_pb2_grpc as pb_grpc
 from indexer_service.service.codec import SERVICE_NAME, encode_int32
-from tests.conftest import FAILING_WARMUP, StartServer, clean_env, http_get, scrape
+from testkit.harness import clean_env, http_get
+from tests.service.conftest import FAILING_WARMUP, StartServer, scrape
 
 pytestmark = pytest.mark.slow
 
@@ -133,7 +134,7 @@ def test_an_unwritable_port_file_stops_the_start_at_once(tmp_path: Path) -> None
     false reason). Now: exit 1 before anything listens, one line naming the port file."""
     import subprocess
 
-    from tests.conftest import INDEXER_SERVICE, LOOPBACK
+    from testkit.harness import INDEXER_SERVICE, LOOPBACK
 
     port_file = tmp_path / "missing-dir" / "ports.json"
     start = time.monotonic()

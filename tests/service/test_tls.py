@@ -12,7 +12,7 @@ from indexer_service.kernels.naive import build_chunk_metadata_numpy
 from indexer_service.service.cli import main as cli_main
 from indexer_service.service.client import IndexerClient, tls_credentials
 from indexer_service.service.config import ConfigError, load_config
-from tests.conftest import http_get
+from testkit.harness import http_get
 
 INPUTS = ChunkInputs(np.array([0, 1, 4, 9]), np.array([20, 10, 5]), 4, 1, 3)
 

@@ -24,8 +24,8 @@ from indexer_service.kernels.inputs import ChunkInputs
 from indexer_service.service import supervisor
 from indexer_service.service.client import ChannelPool, IndexerClient
 from indexer_service.service.codec import SERVICE_NAME
-from testkit.harness import ServiceProcess
-from tests.conftest import INDEXER_SERVICE, LOOPBACK, StartServer, clean_env, http_get, scrape
+from testkit.harness import INDEXER_SERVICE, LOOPBACK, ServiceProcess, clean_env, http_get
+from tests.service.conftest import StartServer, scrape
 
 pytestmark = pytest.mark.slow
 

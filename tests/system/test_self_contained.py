@@ -13,6 +13,17 @@ import pytest
 
 from testkit.paths import REPO
 
+# Where the copy's indexer_service comes from, and whether the compiled fast path can be imported there.
+WHERE_FROM = """
+import importlib.util
+import indexer_service.kernels as kernels
+print(kernels.__file__)
+print("present" if importlib.util.find_spec("indexer_service.service._fastpath") else "absent")
+"""
+WITHOUT_EDITABLE_INSTALL = """
+import sys
+sys.meta_path[:] = [f for f in sys.meta_path if not getattr(f, "__module__", "").startswith("__editable__")]
+"""
 # Spelled in two parts so this file does not match its own check.
 SIBLING = "../" + "shared"
 
@@ -47,13 +58,17 @@ def test_no_file_reads_or_cites_a_sibling_folder(files: list[str]) -> None:
     assert not offenders, "files that reach outside the repository:\n" + "\n".join(offenders)
 
 
-def test_suite_collects_from_a_lone_copy(files: list[str], tmp_path: Path) -> None:
-    # tmp_path/alone/ holds the copy and nothing else, so a relative "../<anything>" finds nothing.
-    copy = tmp_path / "alone" / "indexer-service"
+def copy_repository(files: list[str], copy: Path) -> None:
     for name in files:
         target = copy / name
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(REPO / name, target)
+
+
+def test_suite_collects_from_a_lone_copy(files: list[str], tmp_path: Path) -> None:
+    # tmp_path/alone/ holds the copy and nothing else, so a relative "../<anything>" finds nothing.
+    copy = tmp_path / "alone" / "indexer-service"
+    copy_repository(files, copy)
     # The compiled fast path is a build output (git ignores *.so) that `make test`'s install step makes on a
     # fresh clone; bring this tree's build along rather than compile it again.
     for built in (REPO / "service").glob("_fastpath*.so"):
@@ -84,3 +99,40 @@ def test_suite_collects_from_a_lone_copy(files: list[str], tmp_path: Path) -> No
     assert run.returncode == 0, output[-4000:]
     assert "error" not in output.lower().split("\n")[-2], output[-4000:]
     assert " tests collected" in output or " test collected" in output, output[-2000:]
+
+
+def test_kernel_tests_pass_without_the_compiled_extension(files: list[str], tmp_path: Path) -> None:
+    """tests/kernels/ needs neither the service nor its compiled fast path: in a copy without
+    service/_fastpath*.so, whose ``indexer_service.*`` is the copy's own (a package folder of links on PYTHONPATH,
+    ahead of this checkout's editable install), the kernel tests collect and pass."""
+    copy = tmp_path / "alone" / "indexer-service"
+    copy_repository(files, copy)
+    assert not list((copy / "service").glob("_fastpath*")), "the copy has a compiled extension"
+    mapping = tmp_path / "mapping" / "indexer_service"
+    mapping.mkdir(parents=True)
+    for folder in ("kernels", "service", "protos"):  # pyproject's package-dir
+        (mapping / folder).symlink_to(copy / folder, target_is_directory=True)
+    # This checkout's editable install answers for indexer_service.* after PYTHONPATH does, and so would still
+    # find its own service/_fastpath*.so: the copy's interpreter drops it at startup.
+    (mapping.parent / "sitecustomize.py").write_text(WITHOUT_EDITABLE_INSTALL)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("INDEXER_")}
+    env["PYTHONPATH"] = str(mapping.parent)
+
+    which = subprocess.run(
+        [sys.executable, "-c", WHERE_FROM], cwd=copy, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert which.returncode == 0, which.stderr
+    kernels, fastpath = which.stdout.split()
+    assert kernels.startswith(str(mapping)) and fastpath == "absent", which.stdout
+
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly", "tests/kernels"],
+        cwd=copy,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    output = run.stdout + run.stderr
+    assert run.returncode == 0, output[-4000:]
+    assert " passed" in output and " failed" not in output and " error" not in output, output[-2000:]
