@@ -103,8 +103,11 @@ class PrefillMetadataHandler(grpc.GenericRpcHandler):
     INVALID_ARGUMENT (as over HTTP). It answers with wire bytes written from the result arrays (one copy, see
     service/codec.py). Health and reflection are registered apart and pass unwrapped.
 
-    gRPC looks a handler up (:meth:`service`) on its polling thread before it checks ``maximum_concurrent_rpcs``
-    and hands the call to the pool: that is where a call refused for concurrency is seen and counted."""
+    ``max_concurrent_rpcs`` is enforced here, not by gRPC's own ``maximum_concurrent_rpcs``, which counts every
+    call (health too) and refuses without a trace: gRPC looks a handler up (:meth:`service`) on its polling
+    thread before it hands the call to a pool, so a call over the limit gets a refusing handler that runs on a
+    small pool of its own (``refusals``), is counted as shed ``concurrency`` and never waits behind RPC work;
+    health runs on its own pool too (service/health.py)."""
 
     def __init__(self, plane: DataPlane, pool: RpcThreadPool, max_concurrent_rpcs: int, drain_seconds: float) -> None:
         self.plane = plane
@@ -112,6 +115,8 @@ class PrefillMetadataHandler(grpc.GenericRpcHandler):
         self.max_concurrent_rpcs = max_concurrent_rpcs
         self.watchdog = DrainWatchdog(drain_seconds)
         self._handlers = {f"/{SERVICE_NAME}/{method}": (method, self._unary(method)) for method in RPCS}
+        self.refusals = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grpc-refuse")
+        self._refusing = {method: self._refusing_handler(method) for method, _ in self._handlers.values()}
         never_started = "the caller cancelled, reset the stream or passed its deadline before the call started"
         pool.on_never_started = lambda method: plane.shed(method, "queue_deadline", never_started)
 
@@ -120,9 +125,18 @@ class PrefillMetadataHandler(grpc.GenericRpcHandler):
         if found is None:
             return None
         method, handler = found
-        if self.pool.calls >= self.max_concurrent_rpcs:  # gRPC refuses it next, before the pool sees it
-            self.plane.shed(method, "concurrency", f"{self.pool.calls} calls in the server (max_concurrent_rpcs)")
-        return handler
+        return self._refusing[method] if self.pool.calls >= self.max_concurrent_rpcs else handler
+
+    def _refusing_handler(self, method: str) -> grpc.RpcMethodHandler:
+        plane, pool, limit = self.plane, self.pool, self.max_concurrent_rpcs
+
+        def refuse(data: bytes, context: grpc.ServicerContext) -> bytes:
+            message = f"busy: {pool.calls} calls in the server (max_concurrent_rpcs {limit}); retry with backoff"
+            plane.shed(method, "concurrency", message)
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
+
+        refuse.experimental_thread_pool = self.refusals  # grpcio runs a behaviour on the pool it names
+        return grpc.unary_unary_rpc_method_handler(refuse)
 
     def _unary(self, method: str) -> grpc.RpcMethodHandler:
         plane, pool, watchdog = self.plane, self.pool, self.watchdog
@@ -253,8 +267,8 @@ def create_grpc_server(
     pool = RpcThreadPool(config.grpc_workers)
     server = grpc.server(
         pool,
-        # Over the limit gRPC answers RESOURCE_EXHAUSTED itself, before any thread or memory is spent.
-        maximum_concurrent_rpcs=config.max_concurrent_rpcs,
+        # No maximum_concurrent_rpcs: PrefillMetadataHandler refuses over max_concurrent_rpcs itself, counted,
+        # and health is never refused.
         options=server_options(config, share_port),
     )
     handler = PrefillMetadataHandler(plane, pool, config.max_concurrent_rpcs, config.response_drain_seconds)

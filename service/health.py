@@ -63,9 +63,15 @@ class HealthServicer(health_pb2_grpc.HealthServicer):
         self._drained = False
         self._stuck_sends = DrainWatchdog(send_timeout)
         self.pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="health")
-        # grpcio's non-blocking streaming: Watch returns at once and sends through the callback it is given.
-        self.Watch.__func__.experimental_non_blocking = True
-        self.Watch.__func__.experimental_thread_pool = self.pool
+        # Check and List on threads of their own: a probe never waits behind RPC work, nor behind a watcher
+        # whose send is stuck on the delivery pool.
+        self.answer_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="health-check")
+        # grpcio runs a behaviour on the pool its `experimental_thread_pool` names, and lets a streaming one
+        # marked `experimental_non_blocking` return at once and send through the callback it is given. Set on
+        # per-instance functions, not the class's: several servers in one process each keep their own pools.
+        for name, pool, non_blocking in (("Check", self.answer_pool, False), ("List", self.answer_pool, False),
+                                         ("Watch", self.pool, True)):  # fmt: skip
+            setattr(self, name, _on_pool(getattr(self, name), pool, non_blocking))
 
     def _unknown(self, service: str) -> str:
         known = ", ".join(repr(name) for name in self._status)
@@ -170,3 +176,13 @@ class HealthServicer(health_pb2_grpc.HealthServicer):
     def close(self) -> None:
         self._stuck_sends.stop()
         self.pool.shutdown(wait=False, cancel_futures=True)
+        self.answer_pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _on_pool(method: Callable, pool: ThreadPoolExecutor, non_blocking: bool) -> Callable:
+    def behaviour(*args: object) -> object:
+        return method(*args)
+
+    behaviour.experimental_thread_pool = pool
+    behaviour.experimental_non_blocking = non_blocking
+    return behaviour
