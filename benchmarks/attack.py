@@ -93,9 +93,11 @@ def stalled_streams(bench: Bench) -> dict:
     figures = siege.figures()
     figures.update(
         tried=f"10 x ~64 MB answers, windows 0, 2 connections, held {hold:.0f} s",
-        streams_opened=stalled.opened, stream_endings=stalled.statuses(), rss_after_close_mib=_wait_rss(server, 5.0),
+        streams_opened=stalled.opened,
+        stream_endings=stalled.statuses(),
+        rss_after_close_mib=_wait_rss(server, 5.0),
         response_bytes_held_after_mib=round(mib(metric_total(scrape(server.http_url), BYTES_HELD)), 1),
-    )  # fmt: skip
+    )
     small = SMALL_BUILD_CHUNK.SerializeToString()
     with StalledStreams(LOOPBACK, server.grpc_port, BUILD_CHUNK_PATH, small, 100, 1) as many:
         time.sleep(1.0)
@@ -132,13 +134,19 @@ def rapid_reset(bench: Bench) -> dict:
         for code, count in report.goaways.items():
             goaways[code] = goaways.get(code, 0) + count
     figures.update(
-        tried="4 x 5,000 HEADERS+DATA+RST_STREAM", streams_reset=sum(r.streams_reset for r in reports),
-        attack_seconds=round(max(r.seconds for r in reports), 1), goaways=goaways,
+        tried="4 x 5,000 HEADERS+DATA+RST_STREAM",
+        streams_reset=sum(r.streams_reset for r in reports),
+        attack_seconds=round(max(r.seconds for r in reports), 1),
+        goaways=goaways,
         connections_used=sum(r.connections_used for r in reports),
-        victim_ok_ratio_during_attack=round(siege.victim.ok_ratio(
-            min(r.started_wall for r in reports) - siege.victim.begin_wall,
-            max(r.ended_wall for r in reports) - siege.victim.begin_wall), 4),
-    )  # fmt: skip
+        victim_ok_ratio_during_attack=round(
+            siege.victim.ok_ratio(
+                min(r.started_wall for r in reports) - siege.victim.begin_wall,
+                max(r.ended_wall for r in reports) - siege.victim.begin_wall,
+            ),
+            4,
+        ),
+    )
     return figures
 
 
@@ -150,9 +158,12 @@ def http_big_header(bench: Bench) -> dict:
         time.sleep(1.0)
     figures = siege.figures()
     figures.update(
-        tried="64 MiB request header", header_mib_sent=round(mib(report.header_bytes_sent), 1),
-        answer=report.status, closed_by_server=report.closed_by_server, attack_seconds=round(report.seconds, 2),
-    )  # fmt: skip
+        tried="64 MiB request header",
+        header_mib_sent=round(mib(report.header_bytes_sent), 1),
+        answer=report.status,
+        closed_by_server=report.closed_by_server,
+        attack_seconds=round(report.seconds, 2),
+    )
     return figures
 
 
@@ -183,8 +194,11 @@ def http_never_read(bench: Bench) -> dict:
     for answer in answers:
         key = f"{answer.status}-{'complete' if answer.complete else 'cut' if answer.cut else 'still-arriving'}"
         statuses[key] = statuses.get(key, 0) + 1
-    figures.update(tried=f"10 unread ~64 MB HTTP answers, {hold:.0f} s", answers=statuses,
-                   rss_after_close_mib=_wait_rss(server, 5.0))  # fmt: skip
+    figures.update(
+        tried=f"10 unread ~64 MB HTTP answers, {hold:.0f} s",
+        answers=statuses,
+        rss_after_close_mib=_wait_rss(server, 5.0),
+    )
     return figures
 
 
@@ -206,8 +220,11 @@ def shedding(bench: Bench) -> dict:
     for ch in channels:
         ch.close()
     figures = siege.figures()
-    figures.update(tried="300 heavy calls at once, max_concurrent_rpcs 8", caller_codes=codes,
-                   shed_log_lines=server.log().count("shed reason="))  # fmt: skip
+    figures.update(
+        tried="300 heavy calls at once, max_concurrent_rpcs 8",
+        caller_codes=codes,
+        shed_log_lines=server.log().count("shed reason="),
+    )
     return figures
 
 
@@ -233,10 +250,13 @@ def burst_rss(bench: Bench) -> dict:
         after[f"rss_{mark:.0f}s_after_mib"] = _wait_rss(server, mark - waited)
         waited = mark
     return {
-        "tried": "64 callers of ~8 MB answers for 15 s, then idle", "burst_codes": run.codes(),
-        "rss_idle_before_mib": round(mib(idle_before), 1), "rss_peak_mib": round(mib(peak), 1), **after,
+        "tried": "64 callers of ~8 MB answers for 15 s, then idle",
+        "burst_codes": run.codes(),
+        "rss_idle_before_mib": round(mib(idle_before), 1),
+        "rss_peak_mib": round(mib(peak), 1),
+        **after,
         "ratio_60s_after": round(after["rss_60s_after_mib"] / mib(idle_before), 2),
-    }  # fmt: skip
+    }
 
 
 def drain_watchers(bench: Bench) -> dict:
@@ -263,10 +283,18 @@ def drain_watchers(bench: Bench) -> dict:
     call_channel.close()
     figures = {
         "tried": "SIGTERM with 2 health Watch streams open and one heavy call in flight",
-        "exit_code": exit_code, "exit_seconds": round(exit_seconds, 2), "in_flight_call": call_code,
-        "watchers": [{"statuses": w.statuses, "end": w.end_code.name if w.end_code else None,
-                      "ended_after_s": round(w.ended_at - start, 2) if w.ended_at else None} for w in watchers],
-    }  # fmt: skip
+        "exit_code": exit_code,
+        "exit_seconds": round(exit_seconds, 2),
+        "in_flight_call": call_code,
+        "watchers": [
+            {
+                "statuses": w.statuses,
+                "end": w.end_code.name if w.end_code else None,
+                "ended_after_s": round(w.ended_at - start, 2) if w.ended_at else None,
+            }
+            for w in watchers
+        ],
+    }
     for watcher in watchers:
         watcher.close()
     return figures

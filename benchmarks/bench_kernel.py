@@ -54,9 +54,15 @@ def cpu_row(inputs: ChunkInputs) -> dict:
     numpy_s = wall_median(lambda: build_chunk_metadata_numpy(inputs), 30)
     native_s = wall_median(lambda: _fastpath.build_chunk(request, limits, None), 30)
     copy_s = wall_median(lambda: np.copyto(dst, src), 30)
-    return {"compressed_tokens": result.total_seq_lens, "output_bytes": out_bytes, "numpy_us": numpy_s * 1e6,
-            "native_us": native_s * 1e6, "copyto_us": copy_s * 1e6, "numpy_vs_copy": numpy_s / copy_s,
-            "native_vs_copy": native_s / copy_s}  # fmt: skip
+    return {
+        "compressed_tokens": result.total_seq_lens,
+        "output_bytes": out_bytes,
+        "numpy_us": numpy_s * 1e6,
+        "native_us": native_s * 1e6,
+        "copyto_us": copy_s * 1e6,
+        "numpy_vs_copy": numpy_s / copy_s,
+        "native_vs_copy": native_s / copy_s,
+    }
 
 
 def gpu_row(inputs: ChunkInputs) -> dict:
@@ -82,8 +88,9 @@ def gpu_row(inputs: ChunkInputs) -> dict:
     specialized = triton.jit(_build_prefill_metadata_kernel_fn)  # Triton's default: DCP scalars specialized
 
     def launch(kernel):
-        return lambda: launch_prefill_metadata_kernel(device_table, tts, ks, ke, dcp=inputs.dcp,
-                                                      compress_ratio=host.ratio, kernel=kernel)  # fmt: skip
+        return lambda: launch_prefill_metadata_kernel(
+            device_table, tts, ks, ke, dcp=inputs.dcp, compress_ratio=host.ratio, kernel=kernel
+        )
 
     out_elems = kv_bases[-1] + 2 * row_bases[-1]
     src = torch.ones(out_elems, dtype=torch.int32, device=cuda)
@@ -151,19 +158,27 @@ def main() -> None:
         f"{'batch':10} {'C tokens':>9} {'copyto us':>9} {'numpy us':>9} {'ratio':>6} {'native us':>9} {'ratio':>6}",
         end="",
     )
-    print(f" | {'kernel us':>9} {'dcopy us':>8} {'ratio':>6} {'spec us':>8} {'ours/spec':>9} "
-          f"{'trip us':>8} {'numpy us':>8} {'trip/np':>7}" if gpu else "")  # fmt: skip
+    print(
+        f" | {'kernel us':>9} {'dcopy us':>8} {'ratio':>6} {'spec us':>8} {'ours/spec':>9} "
+        f"{'trip us':>8} {'numpy us':>8} {'trip/np':>7}"
+        if gpu
+        else ""
+    )
     for name in BATCHES:
         inputs = make_inputs(name)
         row = cpu_row(inputs)
-        line = (f"{name:10} {row['compressed_tokens']:>9} {row['copyto_us']:>9.1f} {row['numpy_us']:>9.1f} "
-                f"{row['numpy_vs_copy']:>6.2f} {row['native_us']:>9.1f} {row['native_vs_copy']:>6.2f}")  # fmt: skip
+        line = (
+            f"{name:10} {row['compressed_tokens']:>9} {row['copyto_us']:>9.1f} {row['numpy_us']:>9.1f} "
+            f"{row['numpy_vs_copy']:>6.2f} {row['native_us']:>9.1f} {row['native_vs_copy']:>6.2f}"
+        )
         if gpu:
             g = gpu_row(inputs)
             row["gpu"] = g
-            line += (f" | {g['kernel_us']:>9.2f} {g['device_copy_us']:>8.2f} {g['kernel_vs_copy']:>6.2f} "
-                     f"{g['specialized_kernel_us']:>8.2f} {g['ours_vs_specialized']:>9.3f} {g['round_trip_us']:>8.1f} "
-                     f"{g['numpy_us']:>8.1f} {g['round_trip_vs_numpy']:>7.2f}")  # fmt: skip
+            line += (
+                f" | {g['kernel_us']:>9.2f} {g['device_copy_us']:>8.2f} {g['kernel_vs_copy']:>6.2f} "
+                f"{g['specialized_kernel_us']:>8.2f} {g['ours_vs_specialized']:>9.3f} {g['round_trip_us']:>8.1f} "
+                f"{g['numpy_us']:>8.1f} {g['round_trip_vs_numpy']:>7.2f}"
+            )
         print(line)
         results[name] = row
     if gpu:
@@ -171,8 +186,10 @@ def main() -> None:
         print(f"{'batch':10} {'chunks':>6} {'ours us':>9} {'vllm-style us':>13} {'ours/vllm':>9}")
         for name in ("medium-64", "large-256"):
             row = plan_row(name)
-            print(f"{name:10} {row['chunks']:>6} {row['ours_us']:>9.1f} {row['vllm_style_us']:>13.1f} "
-                  f"{row['ours_vs_vllm']:>9.2f}")  # fmt: skip
+            print(
+                f"{name:10} {row['chunks']:>6} {row['ours_us']:>9.1f} {row['vllm_style_us']:>13.1f} "
+                f"{row['ours_vs_vllm']:>9.2f}"
+            )
             results[name]["plan"] = row
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))

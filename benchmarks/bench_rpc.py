@@ -67,16 +67,19 @@ def serve_echo(canned: Path, port_file: Path) -> None:
     """The baseline server: each known request's bytes get their recorded response bytes, nothing else."""
     config = replace(load_config(env={}), max_streams_per_connection=STREAMS_PER_CONNECTION)
     configure_malloc(config.malloc_arena_max, config.malloc_retain_bytes)  # as serve() does
-    answers = {(canned / f"{n}.request").read_bytes(): (canned / f"{n}.response").read_bytes()
-               for n in range(len(list(canned.glob("*.request"))))}  # fmt: skip
+    answers = {
+        (canned / f"{n}.request").read_bytes(): (canned / f"{n}.response").read_bytes()
+        for n in range(len(list(canned.glob("*.request"))))
+    }
 
     def echo(request: bytes, context: grpc.ServicerContext) -> bytes:
         return answers[request]
 
     server = grpc.server(
-        ThreadPoolExecutor(max_workers=config.grpc_workers), options=server_options(config),
+        ThreadPoolExecutor(max_workers=config.grpc_workers),
+        options=server_options(config),
         maximum_concurrent_rpcs=config.max_concurrent_rpcs,
-    )  # fmt: skip
+    )
     handler = grpc.unary_unary_rpc_method_handler(echo)  # no (de)serializers: bytes in, bytes out
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, {"BuildChunk": handler}),))
     port = server.add_insecure_port("127.0.0.1:0")
@@ -88,8 +91,13 @@ def serve_echo(canned: Path, port_file: Path) -> None:
 
 def record_responses(service: ServiceProcess, canned: Path) -> dict[str, bytes]:
     """Each batch's request bytes; the service's response bytes, checked against numpy, saved for the echo."""
-    limits = Limits(max_num_seqs=1024, max_num_batched_tokens=131072, max_model_len=2**20,
-                    max_message_bytes=64 * 2**20, max_logits_bytes=512 * 2**20)  # fmt: skip
+    limits = Limits(
+        max_num_seqs=1024,
+        max_num_batched_tokens=131072,
+        max_model_len=2**20,
+        max_message_bytes=64 * 2**20,
+        max_logits_bytes=512 * 2**20,
+    )
     requests = {}
     with channel(service.address) as chan:
         raw = chan.unary_unary(METHOD, request_serializer=None, response_deserializer=None)
@@ -97,8 +105,13 @@ def record_responses(service: ServiceProcess, canned: Path) -> dict[str, bytes]:
             message = chunk_inputs_to_proto(make_inputs(name))
             request = message.SerializeToString()
             response = raw(request, timeout=60)
-            problems = check_answer(judge("BuildChunk", message, limits), message, grpc.StatusCode.OK, "",
-                                    pb.BuildChunkResponse.FromString(response))  # fmt: skip
+            problems = check_answer(
+                judge("BuildChunk", message, limits),
+                message,
+                grpc.StatusCode.OK,
+                "",
+                pb.BuildChunkResponse.FromString(response),
+            )
             if problems:
                 raise SystemExit(f"the service answered {name} wrongly: {problems}")
             (canned / f"{n}.request").write_bytes(request)
@@ -118,8 +131,11 @@ def measure(address: str, request: bytes, seconds: float) -> dict[str, float]:
 
         closed_loop(one, 1, max_calls=20, max_seconds=seconds)  # connection, caches, allocator
         single = closed_loop(one, 1, max_calls=LATENCY_CALLS, max_seconds=seconds)
-        row = {"calls": len(single.records), "p50_us": percentile_us(single.latencies(), 50),
-               "p99_us": percentile_us(single.latencies(), 99)}  # fmt: skip
+        row = {
+            "calls": len(single.records),
+            "p50_us": percentile_us(single.latencies(), 50),
+            "p99_us": percentile_us(single.latencies(), 99),
+        }
         for k in IN_FLIGHT:
             loaded = closed_loop(one, k, max_calls=LOAD_CALLS, max_seconds=seconds)
             if loaded.problems():
@@ -149,8 +165,12 @@ def _plot(results: dict, path: Path, backends: list[str]) -> None:
         servers = ["echo", *backends]
         width = 0.8 / len(servers)
         for i, server in enumerate(servers):
-            ax.bar(x + (i - (len(servers) - 1) / 2) * width, [results[b][server][key] for b in BATCHES], width,
-                   label=server)  # fmt: skip
+            ax.bar(
+                x + (i - (len(servers) - 1) / 2) * width,
+                [results[b][server][key] for b in BATCHES],
+                width,
+                label=server,
+            )
         ax.set_xticks(x, BATCHES)
         ax.set_yscale("log")
         ax.set_title(title)
@@ -166,8 +186,16 @@ def service_flags(backend: str) -> tuple[str, ...]:
     # calls beyond 2 + 4 waiting would be shed (issue 10, by design); this benchmark measures the compute paths.
     # The response budget as on a machine without a memory limit, whatever this one's: one client connection
     # carries every phase, and a connection may hold a quarter of the budget.
-    streams = ("--max-streams-per-connection", str(STREAMS_PER_CONNECTION), "--heavy-lane-slots", "8",
-               "--response-budget-bytes", str(1 << 30), "--backend", backend)  # fmt: skip
+    streams = (
+        "--max-streams-per-connection",
+        str(STREAMS_PER_CONNECTION),
+        "--heavy-lane-slots",
+        "8",
+        "--response-budget-bytes",
+        str(1 << 30),
+        "--backend",
+        backend,
+    )
     if backend == "numpy":
         return (*SERVICE_FLAGS, *streams)
     return (*SERVICE_FLAGS[2:], *streams)  # the in-process warmup stays: auto measures its crossover there
@@ -178,8 +206,11 @@ def auto_report(services: dict[str, ServiceProcess]) -> dict:
     from testkit.harness import http_get
 
     with channel(services["auto"].address) as chan:
-        ask = chan.unary_unary(f"/{SERVICE_NAME}/GetWarmupStatus", request_serializer=None,
-                               response_deserializer=pb.GetWarmupStatusResponse.FromString)  # fmt: skip
+        ask = chan.unary_unary(
+            f"/{SERVICE_NAME}/GetWarmupStatus",
+            request_serializer=None,
+            response_deserializer=pb.GetWarmupStatusResponse.FromString,
+        )
         status = ask(b"", timeout=10)
     served = {}
     for line in http_get(f"{services['auto'].http_url}/metrics")[1].splitlines():
@@ -254,36 +285,49 @@ def main() -> None:
     verdicts = {}
     for name in BATCHES:
         echo_row = results[name]["echo"]
-        print(f"{name:10} {'echo':8} {echo_row['p50_us']:>9,.0f} {echo_row['p99_us']:>9,.0f}"
-              + "".join(f" {echo_row[f'calls_per_s_{k}']:>13,.0f}" for k in IN_FLIGHT))  # fmt: skip
+        print(
+            f"{name:10} {'echo':8} {echo_row['p50_us']:>9,.0f} {echo_row['p99_us']:>9,.0f}"
+            + "".join(f" {echo_row[f'calls_per_s_{k}']:>13,.0f}" for k in IN_FLIGHT)
+        )
         results[name]["ratios"], results[name]["targets"] = {}, {}
         for backend in backends:
             row = results[name][backend]
-            print(f"{name:10} {backend:8} {row['p50_us']:>9,.0f} {row['p99_us']:>9,.0f}"
-                  + "".join(f" {row[f'calls_per_s_{k}']:>13,.0f}" for k in IN_FLIGHT))  # fmt: skip
+            print(
+                f"{name:10} {backend:8} {row['p50_us']:>9,.0f} {row['p99_us']:>9,.0f}"
+                + "".join(f" {row[f'calls_per_s_{k}']:>13,.0f}" for k in IN_FLIGHT)
+            )
             ratios = {"p50": row["p50_us"] / echo_row["p50_us"], "p99": row["p99_us"] / echo_row["p99_us"]}
             ratios |= {f"calls_per_s_{k}": row[f"calls_per_s_{k}"] / echo_row[f"calls_per_s_{k}"] for k in IN_FLIGHT}
             met = {f"p50 <= {P50_TARGET}x echo": ratios["p50"] <= P50_TARGET}
-            met |= {f"calls/s @{k} >= {THROUGHPUT_TARGET}x echo": ratios[f"calls_per_s_{k}"] >= THROUGHPUT_TARGET
-                    for k in IN_FLIGHT}  # fmt: skip
-            print(f"{name:10} {'  /echo':8} {ratios['p50']:>8.2f}x {ratios['p99']:>8.2f}x"
-                  + "".join(f" {ratios[f'calls_per_s_{k}']:>12.2f}x" for k in IN_FLIGHT)
-                  + "   " + ", ".join(f"{k}: {'met' if v else 'MISSED'}" for k, v in met.items()))  # fmt: skip
+            met |= {
+                f"calls/s @{k} >= {THROUGHPUT_TARGET}x echo": ratios[f"calls_per_s_{k}"] >= THROUGHPUT_TARGET
+                for k in IN_FLIGHT
+            }
+            print(
+                f"{name:10} {'  /echo':8} {ratios['p50']:>8.2f}x {ratios['p99']:>8.2f}x"
+                + "".join(f" {ratios[f'calls_per_s_{k}']:>12.2f}x" for k in IN_FLIGHT)
+                + "   "
+                + ", ".join(f"{k}: {'met' if v else 'MISSED'}" for k, v in met.items())
+            )
             results[name]["ratios"][backend], results[name]["targets"][backend] = ratios, met
             if backend == backends[0] or backend == "auto":
                 verdicts |= {f"{name} {backend} {k}": v for k, v in met.items()}
         if {"numpy", "triton", "auto"} <= set(backends):
             best_p50 = min(results[name][b]["p50_us"] for b in ("numpy", "triton"))
             best_rate = max(results[name][b]["calls_per_s_8"] for b in ("numpy", "triton"))
-            vs_best = {"p50": best_p50 / results[name]["auto"]["p50_us"],
-                       "calls_per_s_8": results[name]["auto"]["calls_per_s_8"] / best_rate}  # fmt: skip
+            vs_best = {
+                "p50": best_p50 / results[name]["auto"]["p50_us"],
+                "calls_per_s_8": results[name]["auto"]["calls_per_s_8"] / best_rate,
+            }
             met = {
                 f"auto p50 >= {AUTO_TARGET}x the better": vs_best["p50"] >= AUTO_TARGET,
                 f"auto calls/s @8 >= {AUTO_TARGET}x the better": vs_best["calls_per_s_8"] >= AUTO_TARGET,
             }
-            print(f"{name:10} {'auto/best':8} p50 {vs_best['p50']:.2f}x (best {best_p50:,.0f} us), calls/s @8 "
-                  f"{vs_best['calls_per_s_8']:.2f}x (best {best_rate:,.0f})   "
-                  + ", ".join(f"{k}: {'met' if v else 'MISSED'}" for k, v in met.items()))  # fmt: skip
+            print(
+                f"{name:10} {'auto/best':8} p50 {vs_best['p50']:.2f}x (best {best_p50:,.0f} us), calls/s @8 "
+                f"{vs_best['calls_per_s_8']:.2f}x (best {best_rate:,.0f})   "
+                + ", ".join(f"{k}: {'met' if v else 'MISSED'}" for k, v in met.items())
+            )
             results[name]["auto_vs_best"] = vs_best
             verdicts |= {f"{name} {k}": v for k, v in met.items()}
     if auto is not None:
@@ -293,8 +337,17 @@ def main() -> None:
         )
     missed = [k for k, v in verdicts.items() if not v]
     print(f"targets met: {len(verdicts) - len(missed)}/{len(verdicts)}" + (f"; missed: {missed}" if missed else ""))
-    write_json(args.out, {"backends": backends, "pinned": pin, "seconds": args.seconds, "rounds": args.rounds,
-                          "auto": auto, "batches": results})  # fmt: skip
+    write_json(
+        args.out,
+        {
+            "backends": backends,
+            "pinned": pin,
+            "seconds": args.seconds,
+            "rounds": args.rounds,
+            "auto": auto,
+            "batches": results,
+        },
+    )
     if args.plot:
         _plot(results, args.plot, backends)
 

@@ -47,8 +47,13 @@ def start_to_ready(cache: Path, workers: int, *flags: str) -> dict:
         ready = server.wait_ready(poll=0.01)  # already ready: returns the time it first answered 200
         with IndexerClient(server.address, health_check=False, max_attempts=1) as client:
             status = client.warmup_status()
-    return {"start_to_ready_s": ready, "warmup_s": status.warmup_seconds, "keys": len(status.keys),
-            "target": status.target, "backend": status.backend}  # fmt: skip
+    return {
+        "start_to_ready_s": ready,
+        "warmup_s": status.warmup_seconds,
+        "keys": len(status.keys),
+        "target": status.target,
+        "backend": status.backend,
+    }
 
 
 def import_baseline_rss() -> int:
@@ -58,8 +63,15 @@ def import_baseline_rss() -> int:
         import psutil
         print(psutil.Process().memory_info().rss)
     """)
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300,
-                          env=clean_env(), cwd=Path(__file__).resolve().parent.parent)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+        env=clean_env(),
+        cwd=Path(__file__).resolve().parent.parent,
+    )
     return int(done.stdout.strip().splitlines()[-1])
 
 
@@ -69,8 +81,11 @@ def memory(cache: Path, seconds: float) -> dict:
     with ServiceProcess("--max-num-batched-tokens", "131072", env=env) as server:
         row = {"idle_rss": server.rss_bytes(), "idle_peak_rss": server.peak_rss_bytes()}
         with channel(server.address) as chan:
-            call = chan.unary_unary(f"/{SERVICE_NAME}/BuildChunk", request_serializer=None,
-                                    response_deserializer=pb.BuildChunkResponse.FromString)  # fmt: skip
+            call = chan.unary_unary(
+                f"/{SERVICE_NAME}/BuildChunk",
+                request_serializer=None,
+                response_deserializer=pb.BuildChunkResponse.FromString,
+            )
 
             def one(_: int) -> tuple[grpc.StatusCode, str]:
                 response = call(request, timeout=120)
@@ -135,41 +150,54 @@ def main() -> None:
 
     where = rows[next(iter(rows))]["cold"]
     print(f"warmup of the default config: backend {where['backend']}, target {where['target']}, {where['keys']} keys")
-    print(f"{'variant':28} {'keys':>5} {'cold ready s':>12} {'cold warmup s':>13} {'warm ready s':>12} "
-          f"{'warm warmup s':>13} {'cold vs baseline':>16}")  # fmt: skip
+    print(
+        f"{'variant':28} {'keys':>5} {'cold ready s':>12} {'cold warmup s':>13} {'warm ready s':>12} "
+        f"{'warm warmup s':>13} {'cold vs baseline':>16}"
+    )
     b_cold, b_warm = baseline["cold"], baseline["warm"]
     b_ready = {t: b["import_seconds"] + b["seconds"] for t, b in baseline.items()}
-    print(f"{'vLLM-style one by one':28} {b_cold['keys']:>5} {b_ready['cold']:>12.3f} {b_cold['seconds']:>13.3f} "
-          f"{b_ready['warm']:>12.3f} {b_warm['seconds']:>13.3f} {'1.0x':>16}")  # fmt: skip
+    print(
+        f"{'vLLM-style one by one':28} {b_cold['keys']:>5} {b_ready['cold']:>12.3f} {b_cold['seconds']:>13.3f} "
+        f"{b_ready['warm']:>12.3f} {b_warm['seconds']:>13.3f} {'1.0x':>16}"
+    )
     for name, row in rows.items():
         cold, warm = row["cold"], row["warm"]
         row["speedup_warmup"] = b_cold["seconds"] / cold["warmup_s"]
         row["speedup_process"] = b_ready["cold"] / cold["start_to_ready_s"]
         speedup = row["speedup_warmup"]
-        print(f"{name:28} {cold['keys']:>5} {cold['start_to_ready_s']:>12.3f} {cold['warmup_s']:>13.3f} "
-              f"{warm['start_to_ready_s']:>12.3f} {warm['warmup_s']:>13.3f} {speedup:>15.1f}x")  # fmt: skip
+        print(
+            f"{name:28} {cold['keys']:>5} {cold['start_to_ready_s']:>12.3f} {cold['warmup_s']:>13.3f} "
+            f"{warm['start_to_ready_s']:>12.3f} {warm['warmup_s']:>13.3f} {speedup:>15.1f}x"
+        )
     print("  baseline 'ready s': its imports and compiles in a fresh process; the service's: Popen to /readyz 200")
     print("  the service's warmup seconds include starting the compile engine (Triton's import, the stand-in driver);")
     print("  the baseline counts its imports apart: compare warm-cache runs by 'ready s'")
     for name, row in rows.items():
         warm_s = row["warm"]["warmup_s"]
         verdict = "met" if warm_s < WARM_TARGET_SECONDS else "MISSED"
-        print(f"  {name}: warm-cache warmup {warm_s:.3f} s, target < {WARM_TARGET_SECONDS} s: {verdict}; "
-              f"cold, whole process {row['speedup_process']:.1f}x faster than the baseline's")  # fmt: skip
+        print(
+            f"  {name}: warm-cache warmup {warm_s:.3f} s, target < {WARM_TARGET_SECONDS} s: {verdict}; "
+            f"cold, whole process {row['speedup_process']:.1f}x faster than the baseline's"
+        )
 
     print(
         f"memory (RSS) of the server, default config, large batch ({mem['calls_1']} + {mem['calls_8']} calls, "
         f"{mem['response_bytes'] / 1e6:.1f} MB a response)"
     )
     print(f"  bare process importing the server's modules: {mib(imports_rss):8.1f} MiB (baseline)")
-    print(f"  server ready, idle:                          {mib(mem['idle_rss']):8.1f} MiB "
-          f"({mem['idle_rss'] / imports_rss:.2f}x baseline)")  # fmt: skip
+    print(
+        f"  server ready, idle:                          {mib(mem['idle_rss']):8.1f} MiB "
+        f"({mem['idle_rss'] / imports_rss:.2f}x baseline)"
+    )
     for k in (1, 8):
-        print(f"  peak with {k} large call(s) in flight:          {mib(mem[f'peak_rss_{k}']):8.1f} MiB "
-              f"({mem[f'peak_rss_{k}'] / mem['idle_rss']:.2f}x idle)")  # fmt: skip
+        print(
+            f"  peak with {k} large call(s) in flight:          {mib(mem[f'peak_rss_{k}']):8.1f} MiB "
+            f"({mem[f'peak_rss_{k}'] / mem['idle_rss']:.2f}x idle)"
+        )
     print(f"  after the load, idle:                        {mib(mem['rss_after']):8.1f} MiB")
-    write_json(args.out, {"target": target, "baseline": baseline, "service": rows, "memory": mem,
-                          "imports_rss": imports_rss})  # fmt: skip
+    write_json(
+        args.out, {"target": target, "baseline": baseline, "service": rows, "memory": mem, "imports_rss": imports_rss}
+    )
     if args.plot:
         _plot(rows, baseline, args.plot)
 

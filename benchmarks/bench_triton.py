@@ -79,8 +79,12 @@ def run_threads(fn, threads: int, seconds: float, max_calls: int = 200_000) -> d
         t.join()
     elapsed = time.perf_counter() - began
     every = np.concatenate([np.asarray(x) for x in latencies])
-    return {"calls": int(every.size), "median_us": float(np.median(every)) * 1e6,
-            "p99_us": float(np.percentile(every, 99)) * 1e6, "calls_per_s": every.size / elapsed}  # fmt: skip
+    return {
+        "calls": int(every.size),
+        "median_us": float(np.median(every)) * 1e6,
+        "p99_us": float(np.percentile(every, 99)) * 1e6,
+        "calls_per_s": every.size / elapsed,
+    }
 
 
 def main() -> None:
@@ -118,8 +122,10 @@ def main() -> None:
         results[name] = row
 
     print(f"Triton backend round trip in process, ratio 4, {torch.cuda.get_device_name()}, torch {torch.__version__}")
-    print(f"{'batch':10} {'variant':13} {'1 thread us':>11} {f'{args.threads} threads us':>13} {'ratio':>6} "
-          f"{'calls/s 1':>10} {f'calls/s {args.threads}':>10}")  # fmt: skip
+    print(
+        f"{'batch':10} {'variant':13} {'1 thread us':>11} {f'{args.threads} threads us':>13} {'ratio':>6} "
+        f"{'calls/s 1':>10} {f'calls/s {args.threads}':>10}"
+    )
     verdicts = {}
     for name, row in results.items():
         for variant, r in row.items():
@@ -134,9 +140,11 @@ def main() -> None:
         for variant in ("pooled-spin", "pooled-block"):
             row[variant]["vs_before_one"] = row[variant]["one"]["median_us"] / row["before"]["one"]["median_us"]
             row[variant]["vs_numpy_one"] = row[variant]["one"]["median_us"] / row["numpy"]["one"]["median_us"]
-        print(f"{'':10} one thread vs before: spin {row['pooled-spin']['vs_before_one']:.2f}x, block "
-              f"{row['pooled-block']['vs_before_one']:.2f}x; vs numpy: spin {row['pooled-spin']['vs_numpy_one']:.2f}x, "
-              f"block {row['pooled-block']['vs_numpy_one']:.2f}x")  # fmt: skip
+        print(
+            f"{'':10} one thread vs before: spin {row['pooled-spin']['vs_before_one']:.2f}x, block "
+            f"{row['pooled-block']['vs_before_one']:.2f}x; vs numpy: spin {row['pooled-spin']['vs_numpy_one']:.2f}x, "
+            f"block {row['pooled-block']['vs_numpy_one']:.2f}x"
+        )
     large = results["large-256"]
     verdicts["large-256 one-thread round trip below numpy's"] = (
         min(large[v]["one"]["median_us"] for v in ("pooled-spin", "pooled-block")) < large["numpy"]["one"]["median_us"]
@@ -144,8 +152,11 @@ def main() -> None:
     for k, v in verdicts.items():
         print(f"target {k}: {'met' if v else 'MISSED'}")
     if args.out:
-        args.out.write_text(json.dumps({"threads": args.threads, "seconds": args.seconds, "batches": results,
-                                        "targets": verdicts}, indent=1))  # fmt: skip
+        args.out.write_text(
+            json.dumps(
+                {"threads": args.threads, "seconds": args.seconds, "batches": results, "targets": verdicts}, indent=1
+            )
+        )
 
 
 if __name__ == "__main__":

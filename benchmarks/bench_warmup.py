@@ -94,8 +94,11 @@ def main() -> None:
     where = "in-process JIT on " + torch.cuda.get_device_name() if target is None else f"ahead of time for {target}"
     rows = {}
     with tempfile.TemporaryDirectory() as scratch:
-        for name, mode, workers in (("vllm-style one by one", "vllm", 1), ("ours sequential", "ours", 1),
-                                    (f"ours parallel x{args.workers}", "ours", args.workers)):  # fmt: skip
+        for name, mode, workers in (
+            ("vllm-style one by one", "vllm", 1),
+            ("ours sequential", "ours", 1),
+            (f"ours parallel x{args.workers}", "ours", args.workers),
+        ):
             cache = tempfile.mkdtemp(dir=scratch)
             rows[name] = {"cold": measure(mode, cache, target, workers), "warm": measure(mode, cache, target, workers)}
     baseline = rows["vllm-style one by one"]["cold"]["seconds"]
@@ -103,8 +106,10 @@ def main() -> None:
     print(f"{'variant':28} {'keys':>5} {'cold s':>8} {'warm s':>8} {'cold speed-up vs baseline':>26}")
     for name, row in rows.items():
         cold, warm = row["cold"], row["warm"]
-        print(f"{name:28} {cold['keys']:>5} {cold['seconds']:>8.3f} {warm['seconds']:>8.3f} "
-              f"{baseline / cold['seconds']:>25.1f}x")  # fmt: skip
+        print(
+            f"{name:28} {cold['keys']:>5} {cold['seconds']:>8.3f} {warm['seconds']:>8.3f} "
+            f"{baseline / cold['seconds']:>25.1f}x"
+        )
     if args.out:
         args.out.write_text(json.dumps({"where": where, "rows": rows}, indent=1))
 

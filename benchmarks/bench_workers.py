@@ -64,8 +64,16 @@ def client_main(address: str, request_file: str, threads: int, seconds: float, c
     time.sleep(max(0.0, start - time.time()))
     run = closed_loop(one, threads, max_calls=10**9, max_seconds=seconds)
     problems = run.problems()
-    print(json.dumps({"calls": len(run.records), "elapsed": run.elapsed, "problems": len(problems),
-                      "first_problem": problems[0].problem if problems else ""}))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "calls": len(run.records),
+                "elapsed": run.elapsed,
+                "problems": len(problems),
+                "first_problem": problems[0].problem if problems else "",
+            }
+        )
+    )
 
 
 def pod_cpu_seconds(pid: int) -> float:
@@ -83,8 +91,18 @@ def pod_cpu_seconds(pid: int) -> float:
 def load(address: str, request_file: Path, clients: int, seconds: float, connections: int, cpus, pid: int) -> dict:
     threads = IN_FLIGHT // clients
     start = time.time() + 2.0
-    command = [sys.executable, "-m", "benchmarks.bench_workers", "--client", address, str(request_file),
-               str(threads), str(seconds), str(connections), str(start)]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "benchmarks.bench_workers",
+        "--client",
+        address,
+        str(request_file),
+        str(threads),
+        str(seconds),
+        str(connections),
+        str(start),
+    ]
     pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
     processes = [subprocess.Popen(command, stdout=subprocess.PIPE, text=True, preexec_fn=pin) for _ in range(clients)]
     cpu = {}
@@ -159,8 +177,15 @@ def main() -> None:
             for r in range(args.rounds):
                 for b in batches:
                     for n in counts:
-                        row = load(servers[n].address, requests[b], clients, args.seconds, args.connections,
-                                   client_cpus, servers[n].pid)  # fmt: skip
+                        row = load(
+                            servers[n].address,
+                            requests[b],
+                            clients,
+                            args.seconds,
+                            args.connections,
+                            client_cpus,
+                            servers[n].pid,
+                        )
                         row["p50_us"] = p50_one_client(servers[n].address, requests[b].read_bytes(), 1.0)
                         results[b][n].append(row)
                 print(f"round {r + 1}/{args.rounds} done", file=sys.stderr)
@@ -168,11 +193,16 @@ def main() -> None:
             for server in servers.values():
                 server.kill()
 
-    where = f"servers on CPUs 0..N-1, {clients} client processes on the other {len(client_cpus)}" if pin else (
-        f"unpinned, {clients} client processes sharing the servers' {len(cpus)} CPUs")  # fmt: skip
+    where = (
+        f"servers on CPUs 0..N-1, {clients} client processes on the other {len(client_cpus)}"
+        if pin
+        else (f"unpinned, {clients} client processes sharing the servers' {len(cpus)} CPUs")
+    )
     print(f"BuildChunk, numpy backend, {IN_FLIGHT} in flight, {args.connections} connections per client; {where}")
-    print(f"{'batch':10} {'workers':>7} {'calls/s':>10} {'x 1 worker':>10} {'/ (N x 1)':>10} {'p50 us':>8} "
-          f"{'pod cores':>9} {'spread (min..max calls/s)':>28}")  # fmt: skip
+    print(
+        f"{'batch':10} {'workers':>7} {'calls/s':>10} {'x 1 worker':>10} {'/ (N x 1)':>10} {'p50 us':>8} "
+        f"{'pod cores':>9} {'spread (min..max calls/s)':>28}"
+    )
     summary: dict[str, dict] = {}
     for b in batches:
         base = float(np.median([row["calls_per_s"] for row in results[b][1]]))
@@ -185,12 +215,21 @@ def main() -> None:
             cores = float(np.median([row["pod_cpu_cores"] for row in rows]))
             low, high = min(row["calls_per_s"] for row in rows), max(row["calls_per_s"] for row in rows)
             efficiency = rate / (n * base)
-            summary[b][n] = {"calls_per_s": rate, "ratio": rate / base, "efficiency": efficiency, "p50_us": p50,
-                             "p50_ratio": p50 / base_p50, "pod_cpu_cores": cores, "rounds": rows,
-                             "target_met": efficiency >= TARGET}  # fmt: skip
+            summary[b][n] = {
+                "calls_per_s": rate,
+                "ratio": rate / base,
+                "efficiency": efficiency,
+                "p50_us": p50,
+                "p50_ratio": p50 / base_p50,
+                "pod_cpu_cores": cores,
+                "rounds": rows,
+                "target_met": efficiency >= TARGET,
+            }
             verdict = "" if n == 1 else f"  target >= {TARGET}: {'met' if efficiency >= TARGET else 'MISSED'}"
-            print(f"{b:10} {n:>7} {rate:>10,.0f} {rate / base:>9.2f}x {efficiency:>9.2f}  {p50:>8,.0f} "
-                  f"{cores:>9.2f} {f'{low:,.0f}..{high:,.0f}':>28}{verdict}")  # fmt: skip
+            print(
+                f"{b:10} {n:>7} {rate:>10,.0f} {rate / base:>9.2f}x {efficiency:>9.2f}  {p50:>8,.0f} "
+                f"{cores:>9.2f} {f'{low:,.0f}..{high:,.0f}':>28}{verdict}"
+            )
     meta = {"pinned": pin, "clients": clients, "connections": args.connections, "seconds": args.seconds}
     write_json(args.out, {**meta, "rounds": args.rounds, "cpus": len(cpus), "batches": summary})
 

@@ -42,12 +42,19 @@ METHODS = tuple(REQUEST_TYPES)
 def make_plane() -> DataPlane:
     """The server's data plane with the fuzz tests' limits, numpy backend, no warmup, ready."""
     limits = FUZZ_LIMITS
-    config = load_config({
-        "backend": "numpy", "warmup_target": "none", "max_num_seqs": limits.max_num_seqs,
-        "max_num_batched_tokens": limits.max_num_batched_tokens, "max_model_len": limits.max_model_len,
-        "max_message_bytes": limits.max_message_bytes, "max_logits_bytes": limits.max_logits_bytes,
-        "max_plan_chunks": limits.max_plan_chunks,
-    }, env={})  # fmt: skip
+    config = load_config(
+        {
+            "backend": "numpy",
+            "warmup_target": "none",
+            "max_num_seqs": limits.max_num_seqs,
+            "max_num_batched_tokens": limits.max_num_batched_tokens,
+            "max_model_len": limits.max_model_len,
+            "max_message_bytes": limits.max_message_bytes,
+            "max_logits_bytes": limits.max_logits_bytes,
+            "max_plan_chunks": limits.max_plan_chunks,
+        },
+        env={},
+    )
     plane = planes.make_plane(config)
     plane.readiness.refresh()
     return plane

@@ -72,8 +72,10 @@ class FuzzReport:
 
     @property
     def targets(self) -> dict[str, bool]:
-        return {"0 unexpected answers": self.unexpected == 0, f"RSS growth < {RSS_GROWTH_LIMIT:.0%}":
-                self.rss_growth < RSS_GROWTH_LIMIT}  # fmt: skip
+        return {
+            "0 unexpected answers": self.unexpected == 0,
+            f"RSS growth < {RSS_GROWTH_LIMIT:.0%}": self.rss_growth < RSS_GROWTH_LIMIT,
+        }
 
 
 # Where the fuzz pauses to read the server's idle RSS, as shares of its requests: the first is the warm-up's
@@ -88,8 +90,9 @@ def idle_rss(server: ServiceProcess, settle: float = 1.0) -> float:
     return sampler.median(0.0)
 
 
-def run_fuzz(server: ServiceProcess, count: int, seed: int, limits: Limits, in_flight: int = 4,
-             max_seconds: float = 3600.0) -> FuzzReport:  # fmt: skip
+def run_fuzz(
+    server: ServiceProcess, count: int, seed: int, limits: Limits, in_flight: int = 4, max_seconds: float = 3600.0
+) -> FuzzReport:
     """``count`` fresh generated requests, each judged; the server's idle RSS at each of FUZZ_CHECKPOINTS."""
     # One generator per client thread: numpy generators are not thread-safe.
     draws = [rng_draw(np.random.default_rng([seed, n])) for n in range(in_flight)]
@@ -114,8 +117,7 @@ def run_fuzz(server: ServiceProcess, count: int, seed: int, limits: Limits, in_f
     codes: dict[str, int] = {}
     for r in records:
         codes[r.code.name] = codes.get(r.code.name, 0) + 1
-    return FuzzReport(len(records), elapsed, codes, len(problems),
-                      [p.problem for p in problems[:5]], idle)  # fmt: skip
+    return FuzzReport(len(records), elapsed, codes, len(problems), [p.problem for p in problems[:5]], idle)
 
 
 def threading_index() -> int:
@@ -156,15 +158,21 @@ def soak_phase(args: argparse.Namespace, env: dict[str, str], results: dict[str,
     with ServiceProcess(*FAST_START, *SOAK_LIMITS.flags(), env=env) as server:
         soak = run_soak(server, args.seconds, args.in_flight, pool)
         alive = server.process.poll() is None
-    print(f"soak: {soak.calls:,} calls in {soak.seconds:.1f} s at {soak.in_flight} in flight "
-          f"({soak.calls_per_second:,.0f}/s), codes {soak.codes}")  # fmt: skip
+    print(
+        f"soak: {soak.calls:,} calls in {soak.seconds:.1f} s at {soak.in_flight} in flight "
+        f"({soak.calls_per_second:,.0f}/s), codes {soak.codes}"
+    )
     print(f"  unexpected answers: {soak.unexpected}")
     for example in soak.examples:
         print(f"    {example[:300]}")
-    print(f"  median RSS second third {soak.rss_warm_mib:.1f} MiB, last third {soak.rss_end_mib:.1f} MiB: "
-          f"growth {soak.rss_growth:+.2%}")  # fmt: skip
-    print(f"  p99 first third {soak.p99_first_us:,.0f} us, last third {soak.p99_last_us:,.0f} us: "
-          f"{soak.p99_drift:.2f}x the baseline")  # fmt: skip
+    print(
+        f"  median RSS second third {soak.rss_warm_mib:.1f} MiB, last third {soak.rss_end_mib:.1f} MiB: "
+        f"growth {soak.rss_growth:+.2%}"
+    )
+    print(
+        f"  p99 first third {soak.p99_first_us:,.0f} us, last third {soak.p99_last_us:,.0f} us: "
+        f"{soak.p99_drift:.2f}x the baseline"
+    )
     print(f"  server alive at the end: {alive}")
     results["soak"] = asdict(soak) | {"targets": soak.targets, "alive": alive}
     if args.plot:

@@ -61,12 +61,16 @@ def main() -> None:
             sweep(client, 20, (7,), seed=7)  # the baseline: a ratio outside the warmup set
             unwarmed = client.warmup_status().compiles_after_ready - after
     result = {
-        "backend": status.backend, "target": status.target, "keys": len(status.keys), "ready_seconds": startup,
-        "requests": args.requests, "sweep_seconds": seconds, "compiles_after_ready": after - before,
+        "backend": status.backend,
+        "target": status.target,
+        "keys": len(status.keys),
+        "ready_seconds": startup,
+        "requests": args.requests,
+        "sweep_seconds": seconds,
+        "compiles_after_ready": after - before,
         "compiles_for_an_unwarmed_ratio": unwarmed,
-    }  # fmt: skip
-    print(f"backend={status.backend} target={status.target} warmup keys={len(status.keys)} "
-          f"ready after {startup:.2f} s")  # fmt: skip
+    }
+    print(f"backend={status.backend} target={status.target} warmup keys={len(status.keys)} ready after {startup:.2f} s")
     print(f"{args.requests} random requests in {seconds:.1f} s: compiles after ready = {after - before}")
     print(f"baseline, 20 requests at unwarmed ratio 7: compiles = {unwarmed} (1 expected on a GPU, 0 on numpy)")
     if args.out:

@@ -176,8 +176,9 @@ def _int32(draw: Draw, valid_lo: int, valid_hi: int) -> int:
 def chunk_request(draw: Draw, limits: Limits = FUZZ_LIMITS) -> pb.BuildChunkRequest:
     """A BuildChunkRequest: a random batch and chunk, most of them valid, the rest with one or more defects."""
     qsl, seq = _batch(draw, limits)
-    request = pb.BuildChunkRequest(compress_ratio=_ratio(draw), skip_kv_gather=chance(draw, 20),
-                                   omit_token_to_seq=chance(draw, 30))  # fmt: skip
+    request = pb.BuildChunkRequest(
+        compress_ratio=_ratio(draw), skip_kv_gather=chance(draw, 20), omit_token_to_seq=chance(draw, 30)
+    )
     size = seq.size
     start = _int32(draw, 0, size)
     end = _int32(draw, start, size) if 0 <= start <= size else _int32(draw, 0, size)
@@ -194,8 +195,9 @@ def chunk_request(draw: Draw, limits: Limits = FUZZ_LIMITS) -> pb.BuildChunkRequ
 def plan_request(draw: Draw, limits: Limits = FUZZ_LIMITS) -> pb.PlanBatchRequest:
     """A PlanBatchRequest; small logits budgets make plans of many chunks, some of one query row each."""
     qsl, seq = _batch(draw, limits)
-    request = pb.PlanBatchRequest(compress_ratio=_ratio(draw), omit_token_to_seq=chance(draw, 30),
-                                  num_decodes=_int32(draw, 0, seq.size))  # fmt: skip
+    request = pb.PlanBatchRequest(
+        compress_ratio=_ratio(draw), omit_token_to_seq=chance(draw, 30), num_decodes=_int32(draw, 0, seq.size)
+    )
     if chance(draw, 50):
         bad = chance(draw, 10)
         request.max_model_len = pick(
@@ -326,19 +328,23 @@ def judge(method: str, request: pb.BuildChunkRequest | pb.PlanBatchRequest, limi
     try:
         if method == "BuildChunk":
             slice_ = (request.query_slice.start, request.query_slice.stop) if request.HasField("query_slice") else None
-            chunks = [ChunkInputs(qsl, seq, ratio, request.req_start, request.req_end, slice_, request.skip_kv_gather,
-                                  dcp)]  # fmt: skip
+            chunks = [
+                ChunkInputs(qsl, seq, ratio, request.req_start, request.req_end, slice_, request.skip_kv_gather, dcp)
+            ]
 
             def build() -> ChunkMetadata | None:
                 return build_numpy(chunks[0])
 
         else:
             batch = BatchInputs(
-                qsl, seq, ratio, request.num_decodes,
+                qsl,
+                seq,
+                ratio,
+                request.num_decodes,
                 request.max_model_len if request.HasField("max_model_len") else limits.max_model_len,
                 request.max_logits_bytes if request.HasField("max_logits_bytes") else limits.max_logits_bytes,
                 dcp,
-            )  # fmt: skip
+            )
             try:
                 chunks = chunk_inputs_of_plan(batch, plan_prefill_batch(batch, limits.max_plan_chunks))
             except PlanTooLargeError:
@@ -378,9 +384,11 @@ def _array(data: bytes) -> np.ndarray:
 def _compare_metadata(got: pb.ChunkMetadata, want: ChunkMetadata, omit: bool, where: str) -> list[str]:
     problems = []
     arrays = {
-        "cu_seq_lens": want.cu_seq_lens, "cu_seqlen_ks": want.cu_seqlen_ks, "cu_seqlen_ke": want.cu_seqlen_ke,
+        "cu_seq_lens": want.cu_seq_lens,
+        "cu_seqlen_ks": want.cu_seqlen_ks,
+        "cu_seqlen_ke": want.cu_seqlen_ke,
         "local_cu_seq_lens": want.local_cu_seq_lens,
-    }  # fmt: skip
+    }
     if omit:
         if got.token_to_seq or not got.token_to_seq_omitted:
             problems.append(f"{where}.token_to_seq: sent although omit_token_to_seq was set")
@@ -390,11 +398,16 @@ def _compare_metadata(got: pb.ChunkMetadata, want: ChunkMetadata, omit: bool, wh
         if not np.array_equal(_array(getattr(got, name)), values):
             problems.append(f"{where}.{name}: {_array(getattr(got, name))[:8]}... != numpy's {values[:8]}...")
     scalars = {
-        "total_seq_lens": want.total_seq_lens, "token_start": want.token_start, "token_end": want.token_end,
-        "num_reqs": want.num_reqs, "skip_kv_gather": want.skip_kv_gather,
-        "local_total_seq_lens": want.local_total_seq_lens, "max_local_total_seq_lens": want.max_local_total_seq_lens,
-        "req_start": want.req_start, "req_end": want.req_end,
-    }  # fmt: skip
+        "total_seq_lens": want.total_seq_lens,
+        "token_start": want.token_start,
+        "token_end": want.token_end,
+        "num_reqs": want.num_reqs,
+        "skip_kv_gather": want.skip_kv_gather,
+        "local_total_seq_lens": want.local_total_seq_lens,
+        "max_local_total_seq_lens": want.max_local_total_seq_lens,
+        "req_start": want.req_start,
+        "req_end": want.req_end,
+    }
     for name, value in scalars.items():
         if getattr(got, name) != value:
             problems.append(f"{where}.{name}: {getattr(got, name)} != numpy's {value}")

@@ -115,11 +115,17 @@ class RawGrpcConnection:
                 return None
             try:
                 stream_id = self.h2.get_next_available_stream_id()
-                self.h2.send_headers(stream_id, [
-                    (":method", "POST"), (":scheme", "http"), (":path", path),
-                    (":authority", f"{self.host}:{self.port}"), ("content-type", "application/grpc"),
-                    ("te", "trailers"),
-                ])  # fmt: skip
+                self.h2.send_headers(
+                    stream_id,
+                    [
+                        (":method", "POST"),
+                        (":scheme", "http"),
+                        (":path", path),
+                        (":authority", f"{self.host}:{self.port}"),
+                        ("content-type", "application/grpc"),
+                        ("te", "trailers"),
+                    ],
+                )
                 self.h2.send_data(stream_id, grpc_frame(message), end_stream=True)
                 self.streams[stream_id] = StreamOutcome(stream_id, time.monotonic() - self._begin)
                 if reset:
@@ -348,7 +354,6 @@ def rapid_reset_parallel(
     context = multiprocessing.get_context("spawn")  # no fork of a process that runs gRPC threads
     with ProcessPoolExecutor(connections, mp_context=context) as pool:
         futures = [
-            pool.submit(rapid_reset, host, port, path, message, streams_each, max_seconds)
-            for _ in range(connections)
-        ]  # fmt: skip
+            pool.submit(rapid_reset, host, port, path, message, streams_each, max_seconds) for _ in range(connections)
+        ]
         return [future.result(timeout=max_seconds + 60.0) for future in futures]

@@ -89,8 +89,20 @@ class ServiceProcess:
         self.log_path = self.workdir / f"server-{os.getpid()}-{n}.log"
         self.grpc_host, self.http_host = grpc_host, http_host
         if command is None:
-            command = [INDEXER_SERVICE, "serve", "--grpc-host", grpc_host, "--http-host", http_host,
-                       "--grpc-port", "0", "--http-port", "0", "--health-port", "0"]  # fmt: skip
+            command = [
+                INDEXER_SERVICE,
+                "serve",
+                "--grpc-host",
+                grpc_host,
+                "--http-host",
+                http_host,
+                "--grpc-port",
+                "0",
+                "--http-port",
+                "0",
+                "--health-port",
+                "0",
+            ]
         self.command = [*command, "--port-file", str(self.port_file), *flags]
         self.env = env if env is not None else clean_env(TRITON_CACHE_DIR=str(self.workdir / "triton-cache"))
         self.cpus = set(cpus) if cpus is not None else None
@@ -104,9 +116,13 @@ class ServiceProcess:
         with open(self.log_path, "wb") as log:
             self.started_at = time.perf_counter()
             self.process = subprocess.Popen(
-                self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=REPO,
+                self.command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+                cwd=REPO,
                 preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
-            )  # fmt: skip
+            )
         return self
 
     @property

@@ -44,7 +44,7 @@ class _Paced:
         self._threads = [
             threading.Thread(target=self._run, args=(n,), name=f"{self.name}-{n}", daemon=True)
             for n in range(self.threads)
-        ]  # fmt: skip
+        ]
         for thread in self._threads:
             thread.start()
         return self
@@ -141,17 +141,23 @@ class Probes(_Paced):
             records = list(self.records)
         return {
             name: ProbeSummary(
-                name, sum(r.target == name for r in records), sum(r.ok for r in records if r.target == name),
+                name,
+                sum(r.target == name for r in records),
+                sum(r.ok for r in records if r.target == name),
                 max((r.seconds for r in records if r.target == name), default=0.0),
             )
             for name in self._names
-        }  # fmt: skip
+        }
 
     def overall(self) -> ProbeSummary:
         """Every probe of every target together."""
         parts = self.summaries().values()
-        return ProbeSummary("all", sum(p.probes for p in parts), sum(p.in_time for p in parts),
-                            max((p.worst_seconds for p in parts), default=0.0))  # fmt: skip
+        return ProbeSummary(
+            "all",
+            sum(p.probes for p in parts),
+            sum(p.in_time for p in parts),
+            max((p.worst_seconds for p in parts), default=0.0),
+        )
 
 
 # --- callers ------------------------------------------------------------------------------------------------

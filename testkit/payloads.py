@@ -30,9 +30,12 @@ def grpc_frame(message: bytes) -> bytes:
 
 # A small, valid BuildChunk (three sequences, nine query tokens): the well-behaved victim's call.
 SMALL_BUILD_CHUNK = pb.BuildChunkRequest(
-    query_start_loc=int32_bytes([0, 1, 4, 9]), seq_lens=int32_bytes([20, 10, 5]), compress_ratio=4, req_start=1,
+    query_start_loc=int32_bytes([0, 1, 4, 9]),
+    seq_lens=int32_bytes([20, 10, 5]),
+    compress_ratio=4,
+    req_start=1,
     req_end=3,
-)  # fmt: skip
+)
 
 
 def big_answer_build_chunk(
@@ -45,9 +48,12 @@ def big_answer_build_chunk(
     sequences = -(-tokens // max_model_len)
     seq_lens = [max_model_len] * (sequences - 1) + [tokens - max_model_len * (sequences - 1)]
     return pb.BuildChunkRequest(
-        query_start_loc=int32_bytes(np.arange(sequences + 1)), seq_lens=int32_bytes(seq_lens), compress_ratio=1,
-        req_start=0, req_end=sequences,
-    )  # fmt: skip
+        query_start_loc=int32_bytes(np.arange(sequences + 1)),
+        seq_lens=int32_bytes(seq_lens),
+        compress_ratio=1,
+        req_start=0,
+        req_end=sequences,
+    )
 
 
 def one_row_chunks_plan_batch(chunks: int) -> pb.PlanBatchRequest:
@@ -55,9 +61,12 @@ def one_row_chunks_plan_batch(chunks: int) -> pb.PlanBatchRequest:
     value: the planner cuts it into ``chunks`` one-row chunks, each of which is built. About 2 bytes of request
     per chunk of server work."""
     return pb.PlanBatchRequest(
-        query_start_loc=int32_bytes([0, chunks]), seq_lens=int32_bytes([2**20]), compress_ratio=4,
-        max_logits_bytes=4, omit_token_to_seq=True,
-    )  # fmt: skip
+        query_start_loc=int32_bytes([0, chunks]),
+        seq_lens=int32_bytes([2**20]),
+        compress_ratio=4,
+        max_logits_bytes=4,
+        omit_token_to_seq=True,
+    )
 
 
 # Issue 10's CPU amplifier: 22 bytes on the wire, about a second of server CPU (8,192 one-row chunks, the most

@@ -106,9 +106,15 @@ class Siege:
 
     def figures(self) -> dict[str, object]:
         """Everything measured, as plain numbers (JSON-ready)."""
-        probes = {name: {"probes": s.probes, "in_time": s.in_time, "ratio": round(s.ratio, 4),
-                         "worst_s": round(s.worst_seconds, 3)}
-                  for name, s in self.probes.summaries().items()}  # fmt: skip
+        probes = {
+            name: {
+                "probes": s.probes,
+                "in_time": s.in_time,
+                "ratio": round(s.ratio, 4),
+                "worst_s": round(s.worst_seconds, 3),
+            }
+            for name, s in self.probes.summaries().items()
+        }
         overall = self.probes.overall()
         figures: dict[str, object] = {
             "seconds": round(self.seconds, 1),

@@ -15,8 +15,13 @@ from testkit.fuzzing import REQUESTS, Limits, Verdict, call_and_check, describe,
 from testkit.harness import LoadRun, RssSampler, ServiceProcess, channel, closed_loop, mib, percentile_us
 
 # Room for the benchmarks' medium batch (64 requests, ~8.9k query tokens); small enough to reach in a fuzz.
-SOAK_LIMITS = Limits(max_num_seqs=256, max_num_batched_tokens=16_384, max_model_len=200_000,
-                     max_message_bytes=4 * 2**20, max_logits_bytes=2**20)  # fmt: skip
+SOAK_LIMITS = Limits(
+    max_num_seqs=256,
+    max_num_batched_tokens=16_384,
+    max_model_len=200_000,
+    max_message_bytes=4 * 2**20,
+    max_logits_bytes=2**20,
+)
 RSS_GROWTH_LIMIT = 0.05
 P99_DRIFT_LIMIT = 2.0
 
@@ -83,13 +88,22 @@ def _report(run: LoadRun, sampler: RssSampler, seconds: float) -> SoakReport:
     latencies = run.latencies()
     starts = np.array([r.start for r in run.records if r.code is grpc.StatusCode.OK])
     return SoakReport(
-        seconds=run.elapsed, in_flight=run.in_flight, calls=len(run.records), calls_per_second=run.calls_per_second,
-        codes=run.codes(), unexpected=len(problems), examples=[p.problem for p in problems[:5]],
-        rss_warm_mib=mib(warm), rss_end_mib=mib(end), rss_growth=(end - warm) / warm,
-        p99_first_us=p99_first, p99_last_us=p99_last, p99_drift=p99_last / p99_first,
+        seconds=run.elapsed,
+        in_flight=run.in_flight,
+        calls=len(run.records),
+        calls_per_second=run.calls_per_second,
+        codes=run.codes(),
+        unexpected=len(problems),
+        examples=[p.problem for p in problems[:5]],
+        rss_warm_mib=mib(warm),
+        rss_end_mib=mib(end),
+        rss_growth=(end - warm) / warm,
+        p99_first_us=p99_first,
+        p99_last_us=p99_last,
+        p99_drift=p99_last / p99_first,
         rss_trace=[(t, mib(r)) for t, r in sampler.samples],
         latency_trace=[(float(s), float(v * 1e6)) for s, v in zip(starts[::50], latencies[::50], strict=True)],
-    )  # fmt: skip
+    )
 
 
 def run_soak(server: ServiceProcess, seconds: float, in_flight: int, pool: list[Case]) -> SoakReport:

@@ -436,8 +436,10 @@ class Server(LoggedProcess):
     def wait_listening(self, timeout: float = 90) -> Server:
         ports = wait_for(
             lambda: self.port_file.exists() and json.loads(self.port_file.read_text()),
-            timeout, f"{self.log_path.stem} listening", process=self.process,
-        )  # fmt: skip
+            timeout,
+            f"{self.log_path.stem} listening",
+            process=self.process,
+        )
         self.grpc_port, self.http_port = ports["grpc_port"], ports["http_port"]
         self.health_port = ports.get("health_port")
         return self

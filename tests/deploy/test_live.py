@@ -310,9 +310,12 @@ def test_image_healthcheck_with_tls_on(workdir: Path, image_cache: Path, tmp_pat
     cert.private_key_pem.write_to_path(str(key_file))
     volume = seed_cache(image_cache, tmp_path / "triton-cache")
     server = Server(
-        tmp_path, "tls", TRITON_CACHE_DIR=str(volume),
-        INDEXER_TLS_CERT_FILE=str(cert_file), INDEXER_TLS_KEY_FILE=str(key_file),
-    )  # fmt: skip
+        tmp_path,
+        "tls",
+        TRITON_CACHE_DIR=str(volume),
+        INDEXER_TLS_CERT_FILE=str(cert_file),
+        INDEXER_TLS_KEY_FILE=str(key_file),
+    )
     try:
         server.wait_ready()
         assert run_healthcheck(server.http_port) == 0

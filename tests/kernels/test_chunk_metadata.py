@@ -107,8 +107,9 @@ def test_one_launch_builds_every_chunk_of_a_plan(dcp_name, ratio, triton_cpu, se
     qsl, seq = random_batch(rng, BatchShape(16, 60, 700))
     # Budgets small enough for many chunks and for requests split along their queries at every ratio.
     logits = 2000 if ratio < 128 else 40
-    batch = BatchInputs(qsl, seq, ratio, num_decodes=3, max_model_len=60, max_logits_bytes=4 * logits,
-                        dcp=DCP_SETTINGS[dcp_name])  # fmt: skip
+    batch = BatchInputs(
+        qsl, seq, ratio, num_decodes=3, max_model_len=60, max_logits_bytes=4 * logits, dcp=DCP_SETTINGS[dcp_name]
+    )
     hosts = [h for h in map(chunk_host_part, chunk_inputs_of_plan(batch, plan_prefill_batch(batch))) if h]
     assert len(hosts) >= 4 and any(h.query_slice[0] > 0 for h in hosts)
     launches = []
@@ -145,8 +146,14 @@ def test_dcp_shares_partition_every_length_and_rank_zero_holds_the_most(lengths,
     shares = np.stack([dcp_local_lens(lengths, DcpConfig(r, world, interleave)) for r in range(world)])
     assert (shares.sum(axis=0) == lengths).all()
     assert (np.diff(shares, axis=0) <= 0).all()
-    inputs = ChunkInputs(np.zeros(lengths.size + 1, dtype=np.int64), lengths, 1, 0, lengths.size,
-                         dcp=DcpConfig(world - 1, world, interleave))  # fmt: skip
+    inputs = ChunkInputs(
+        np.zeros(lengths.size + 1, dtype=np.int64),
+        lengths,
+        1,
+        0,
+        lengths.size,
+        dcp=DcpConfig(world - 1, world, interleave),
+    )
     result = build_chunk_metadata_numpy(inputs)
     if result is not None:
         assert result.max_local_total_seq_lens == int(shares.sum(axis=1).max())

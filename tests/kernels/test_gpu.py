@@ -27,8 +27,12 @@ DCPS = (DcpConfig(), DcpConfig(1, 2), DcpConfig(3, 4, 2), DcpConfig(0, 4))
 
 
 def random_case(rng: np.random.Generator, i: int, ratios: tuple[int, ...]):
-    shape = BatchShape(int(rng.integers(1, 65)), int(rng.integers(1, 300)), int(rng.integers(0, 5000)),
-                       zero_query_share=float(rng.choice([0.0, 0.1, 0.5])))  # fmt: skip
+    shape = BatchShape(
+        int(rng.integers(1, 65)),
+        int(rng.integers(1, 300)),
+        int(rng.integers(0, 5000)),
+        zero_query_share=float(rng.choice([0.0, 0.1, 0.5])),
+    )
     return random_chunk_inputs(rng, shape, ratios[i % len(ratios)], DCPS[i % len(DCPS)])
 
 

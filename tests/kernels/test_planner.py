@@ -31,8 +31,9 @@ def test_plan_matches_golden(case):
 
 
 def test_spec_e3_plan_then_build():
-    batch = BatchInputs(np.array([0, 1, 7]), np.array([30, 10]), 1, num_decodes=1, max_model_len=1000,
-                        max_logits_bytes=160)  # fmt: skip
+    batch = BatchInputs(
+        np.array([0, 1, 7]), np.array([30, 10]), 1, num_decodes=1, max_model_len=1000, max_logits_bytes=160
+    )
     plan = build_prefill_batch(batch, build_chunk_metadata_numpy)
     assert plan.chunks == [ChunkSpec(1, 2, 0, 4), ChunkSpec(1, 2, 4, 6)]
     first, second = plan.metadata
@@ -60,8 +61,9 @@ def test_oversize_request_is_emitted_alone():
 
 def test_chunks_with_no_compressed_token_are_dropped():
     # ratio 4, the first prefill has S = 3 < 4: its chunk has T == 0 and is dropped.
-    batch = BatchInputs(np.array([0, 3, 7]), np.array([3, 40]), 4, num_decodes=0, max_model_len=100,
-                        max_logits_bytes=4 * 12)  # fmt: skip
+    batch = BatchInputs(
+        np.array([0, 3, 7]), np.array([3, 40]), 4, num_decodes=0, max_model_len=100, max_logits_bytes=4 * 12
+    )
     plan = build_prefill_batch(batch, build_chunk_metadata_numpy)
     assert plan.chunks[0] == ChunkSpec(0, 1, 0, 3)
     assert all(m.req_start != 0 for m in plan.metadata)

@@ -152,8 +152,9 @@ def test_triton_itself_compiles_nothing_beyond_the_warmup_set():
     compiles = []
     with compile_only_driver(parse_target("cuda:90")):
         for key in warmup_keys(model):
-            kernel.warmup(*warmup_arguments(key, "cpu"), grid=(1,), BLOCK_SIZE=key.block_size,
-                          COMPRESS_RATIO=key.compress_ratio)  # fmt: skip
+            kernel.warmup(
+                *warmup_arguments(key, "cpu"), grid=(1,), BLOCK_SIZE=key.block_size, COMPRESS_RATIO=key.compress_ratio
+            )
         uninstall = watch_compiles(compiles.append)
         try:
             builder = TritonChunkBuilder("cpu", kernel=_CompileOnly(kernel))
@@ -184,10 +185,15 @@ def test_every_warmup_key_is_reachable_by_a_valid_request(model):
 
 @pytest.mark.parametrize(
     ("model", "max_num_batched_tokens", "keys"),
-    [(ModelConfig(FLASH_RATIOS), 8192, 54), (ModelConfig((0, 0, 4, 128, 0), 32), 8192, 72),
-     (ModelConfig(), 8192, 18), (ModelConfig(FLASH_RATIOS), 4, 36), (ModelConfig(FLASH_RATIOS), 1, 36)],
+    [
+        (ModelConfig(FLASH_RATIOS), 8192, 54),
+        (ModelConfig((0, 0, 4, 128, 0), 32), 8192, 72),
+        (ModelConfig(), 8192, 18),
+        (ModelConfig(FLASH_RATIOS), 4, 36),
+        (ModelConfig(FLASH_RATIOS), 1, 36),
+    ],
     ids=["flash", "kpool32", "v32", "mnbt4", "mnbt1"],
-)  # fmt: skip
+)
 def test_the_benchmark_baseline_is_vllms_key_space(model, max_num_batched_tokens, keys):
     """The spec's key counts (section 4): what the vLLM-style warmup baseline compiles one by one."""
     assert len(vllm_warmup_points(model, max_num_batched_tokens)) == keys

@@ -39,9 +39,11 @@ class Scrape:
     def samples(self, name: str, **labels: str) -> list:
         """Samples called ``name`` (a family's sample, e.g. ``x_count``) whose labels include ``labels``."""
         return [
-            s for f in self.families.values() for s in f.samples
+            s
+            for f in self.families.values()
+            for s in f.samples
             if s.name == name and labels.items() <= s.labels.items()
-        ]  # fmt: skip
+        ]
 
     def value(self, name: str, **labels: str) -> float | None:
         """The one sample ``name`` with exactly ``labels`` (None when absent)."""

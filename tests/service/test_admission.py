@@ -30,8 +30,14 @@ from indexer_service.service.metrics import Metrics
 
 
 def admission(budget: int = 100, slots: int = 1, wait: float = 0.2, max_waiting: int = 4) -> Admission:
-    return Admission(budget, heavy_request_bytes=10, heavy_lane_slots=slots, wait_seconds=wait,
-                     max_waiting=max_waiting, metrics=Metrics())  # fmt: skip
+    return Admission(
+        budget,
+        heavy_request_bytes=10,
+        heavy_lane_slots=slots,
+        wait_seconds=wait,
+        max_waiting=max_waiting,
+        metrics=Metrics(),
+    )
 
 
 def test_default_budget_is_an_eighth_of_the_memory_limit_at_most_256_mib() -> None:
@@ -153,9 +159,12 @@ def call_code(plane: DataPlane, method: str, request) -> tuple[grpc.StatusCode, 
 
 def test_cpu_amplifying_plan_is_refused_as_work_limit_and_counted(plane: DataPlane) -> None:
     request = pb.PlanBatchRequest(
-        query_start_loc=codec.encode_int32([0, 8192]), seq_lens=codec.encode_int32([2**20]), compress_ratio=1,
-        max_logits_bytes=4, omit_token_to_seq=True,
-    )  # fmt: skip
+        query_start_loc=codec.encode_int32([0, 8192]),
+        seq_lens=codec.encode_int32([2**20]),
+        compress_ratio=1,
+        max_logits_bytes=4,
+        omit_token_to_seq=True,
+    )
     start = time.perf_counter()
     code, message = call_code(plane, "PlanBatch", request)
     assert time.perf_counter() - start < 1.0  # it was 1.2 s of CPU before the limit
@@ -169,9 +178,12 @@ def test_malformed_input_is_named_before_limits_and_policy(plane: DataPlane) -> 
     )
     assert call_code(plane, "BuildChunk", garbage)[0] is grpc.StatusCode.INVALID_ARGUMENT
     dcp = pb.BuildChunkRequest(
-        query_start_loc=codec.encode_int32([0, 1]), seq_lens=codec.encode_int32([4]), compress_ratio=4, req_end=1,
+        query_start_loc=codec.encode_int32([0, 1]),
+        seq_lens=codec.encode_int32([4]),
+        compress_ratio=4,
+        req_end=1,
         dcp_world_size=65537,
-    )  # fmt: skip
+    )
     code, message = call_code(plane, "BuildChunk", dcp)
     assert code is grpc.StatusCode.INVALID_ARGUMENT and message.startswith("dcp_world_size")
 

@@ -46,8 +46,12 @@ def probe(arena_max: int, retain_bytes: int, **env: str) -> dict:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
     out = subprocess.run(
         [sys.executable, "-c", PROBE, str(arena_max), str(retain_bytes)],
-        capture_output=True, text=True, check=True, timeout=60, env={**clean, **env},
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+        env={**clean, **env},
+    )
     return json.loads(out.stdout)
 
 

@@ -82,9 +82,11 @@ def test_the_served_backend_is_the_metrics_label_and_the_crossover_is_in_the_sta
         plane.call("BuildChunk", request.SerializeToString())
     labels = {
         s.labels["backend"]: s.value
-        for m in metrics.registry.collect() if m.name == "indexer_backend_duration_seconds"
-        for s in m.samples if s.name.endswith("_count")
-    }  # fmt: skip
+        for m in metrics.registry.collect()
+        if m.name == "indexer_backend_duration_seconds"
+        for s in m.samples
+        if s.name.endswith("_count")
+    }
     assert labels == {"numpy": 1, "triton": 1}
     status = pb.GetWarmupStatusResponse.FromString(plane.call("GetWarmupStatus", b""))
     assert status.backend == "auto" and status.auto_crossover_elements == 1000

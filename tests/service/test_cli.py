@@ -26,13 +26,25 @@ def run(*args: str, timeout: float = 120, **env: str) -> subprocess.CompletedPro
     ("command", "expected"),
     [
         ((), ("serve", "keys", "precompile", "check")),
-        (("serve",), ("--grpc-port", "--http-port", "--port-file", "--warmup-target", "--model-config", "--config",
-                      "--strict", "--shutdown-grace-seconds", "INDEXER_")),
+        (
+            ("serve",),
+            (
+                "--grpc-port",
+                "--http-port",
+                "--port-file",
+                "--warmup-target",
+                "--model-config",
+                "--config",
+                "--strict",
+                "--shutdown-grace-seconds",
+                "INDEXER_",
+            ),
+        ),
         (("keys",), ("--model-config", "--compress-ratios", "--index-kpool")),
         (("precompile",), ("--target", "--cache-dir", "--model-config")),
         (("check",), ("address", "--timeout", "--tls", "--tls-ca", "3 when unreachable", "2 on a usage error")),
     ],
-)  # fmt: skip
+)
 def test_every_command_has_help(command: tuple[str, ...], expected: tuple[str, ...]) -> None:
     out = run(*command, "--help")
     assert out.returncode == 0, out.stderr
@@ -44,9 +56,10 @@ def test_every_command_has_help(command: tuple[str, ...], expected: tuple[str, .
 def key_ratios(stdout: str) -> list[int]:
     keys = [json.loads(line) for line in stdout.splitlines()]
     for key in keys:
-        assert json.dumps(key, separators=(",", ":")) == CompileKey(**{
-            k: tuple(v) if isinstance(v, list) else v for k, v in key.items()
-        }).to_json()  # fmt: skip
+        assert (
+            json.dumps(key, separators=(",", ":"))
+            == CompileKey(**{k: tuple(v) if isinstance(v, list) else v for k, v in key.items()}).to_json()
+        )
         assert set(key) == {"compress_ratio", "block_size", "pointer_classes", "scalar_types"}
     return [key["compress_ratio"] for key in keys]
 
@@ -88,10 +101,14 @@ def test_check_a_serving_server(live_server: ServiceProcess) -> None:
     lines = out.stdout.splitlines()
     assert lines[0] == "health overall=SERVING indexer.v1.PrefillMetadata=SERVING"
     backend, target = default_backend_and_target()
-    assert lines[1].startswith(f"warmup state=READY ready=true backend={backend} target={target} strict=false keys=3 "
-                               "compiled=3 failed=0")  # fmt: skip
-    assert [line.split()[1] for line in lines[2:]] == ["r1-b1024-aligned-i32", "r4-b1024-aligned-i32",
-                                                       "r128-b1024-aligned-i32"]  # fmt: skip
+    assert lines[1].startswith(
+        f"warmup state=READY ready=true backend={backend} target={target} strict=false keys=3 compiled=3 failed=0"
+    )
+    assert [line.split()[1] for line in lines[2:]] == [
+        "r1-b1024-aligned-i32",
+        "r4-b1024-aligned-i32",
+        "r128-b1024-aligned-i32",
+    ]
 
 
 def test_check_a_server_that_is_not_ready(start_server: StartServer) -> None:
@@ -175,7 +192,7 @@ def test_check_with_a_client_certificate_but_no_ca_speaks_tls(live_server: Servi
         (("--tls-cert-file", "{junk}", "--tls-key-file", "{junk}"), "tls_cert_file (from flag --tls-cert-file)"),
         (("--tls-cert-file", "{cert}"), "tls_key_file: not set, but tls_cert_file is (flag --tls-cert-file)"),
     ],
-)  # fmt: skip
+)
 def test_invalid_values_from_the_issue_exit_2_with_one_line(
     args: tuple[str, ...], fragment: str, pem: dict, tmp_path: Path
 ) -> None:
@@ -232,9 +249,24 @@ def test_serve_refuses_a_port_in_use() -> None:
         busy.bind((LOOPBACK, 0))
         busy.listen()
         port = busy.getsockname()[1]
-        out = run("serve", "--backend", "numpy", "--warmup-target", "none", "--grpc-host", LOOPBACK,
-                  "--grpc-port", str(port), "--http-host", LOOPBACK, "--http-port", "0", "--health-port", "0",
-                  timeout=60)  # fmt: skip
+        out = run(
+            "serve",
+            "--backend",
+            "numpy",
+            "--warmup-target",
+            "none",
+            "--grpc-host",
+            LOOPBACK,
+            "--grpc-port",
+            str(port),
+            "--http-host",
+            LOOPBACK,
+            "--http-port",
+            "0",
+            "--health-port",
+            "0",
+            timeout=60,
+        )
     assert out.returncode == 1 and f"cannot bind gRPC to {LOOPBACK}:{port}" in out.stderr
     errors = [line for line in out.stderr.splitlines() if line.startswith("indexer-service serve:")]
     assert len(errors) == 1 and "cannot bind gRPC" in errors[0] and "Traceback" not in out.stderr, out.stderr

@@ -30,8 +30,17 @@ def reference_metadata(meta: ChunkMetadata, omit_token_to_seq: bool, into: pb.Ch
     into.cu_seqlen_ks = encode_int32(meta.cu_seqlen_ks)
     into.cu_seqlen_ke = encode_int32(meta.cu_seqlen_ke)
     into.local_cu_seq_lens = encode_int32(meta.local_cu_seq_lens)
-    for name in ("total_seq_lens", "token_start", "token_end", "num_reqs", "skip_kv_gather", "local_total_seq_lens",
-                 "max_local_total_seq_lens", "req_start", "req_end"):  # fmt: skip
+    for name in (
+        "total_seq_lens",
+        "token_start",
+        "token_end",
+        "num_reqs",
+        "skip_kv_gather",
+        "local_total_seq_lens",
+        "max_local_total_seq_lens",
+        "req_start",
+        "req_end",
+    ):
         setattr(into, name, getattr(meta, name))
     into.query_slice.SetInParent()
     into.query_slice.start, into.query_slice.stop = meta.query_slice
@@ -74,11 +83,22 @@ def _without_token_to_seq(meta: ChunkMetadata) -> ChunkMetadata:
 def test_edges_int64_scalars_other_dtypes_and_views() -> None:
     arrays = np.arange(12, dtype=np.int64)[::2]  # int64 and strided: converted, checked, equal bytes
     meta = ChunkMetadata(
-        cu_seq_lens=arrays, token_to_seq=np.array([], dtype=np.int32), cu_seqlen_ks=np.zeros(0, np.int32),
-        cu_seqlen_ke=np.zeros(0, np.int32), total_seq_lens=2**40, token_start=0, token_end=2**33, num_reqs=0,
-        skip_kv_gather=False, local_cu_seq_lens=np.array([0, 2**31 - 1], dtype=np.int32),
-        local_total_seq_lens=2**31 - 1, max_local_total_seq_lens=2**35, req_start=0, req_end=0, query_slice=(0, 0),
-    )  # fmt: skip
+        cu_seq_lens=arrays,
+        token_to_seq=np.array([], dtype=np.int32),
+        cu_seqlen_ks=np.zeros(0, np.int32),
+        cu_seqlen_ke=np.zeros(0, np.int32),
+        total_seq_lens=2**40,
+        token_start=0,
+        token_end=2**33,
+        num_reqs=0,
+        skip_kv_gather=False,
+        local_cu_seq_lens=np.array([0, 2**31 - 1], dtype=np.int32),
+        local_total_seq_lens=2**31 - 1,
+        max_local_total_seq_lens=2**35,
+        req_start=0,
+        req_end=0,
+        query_slice=(0, 0),
+    )
     expected = pb.BuildChunkResponse()
     reference_metadata(meta, False, expected.metadata)
     assert build_chunk_response_bytes(meta, False) == expected.SerializeToString()
@@ -93,13 +113,20 @@ def test_plan_bytes_equal_protobufs_serialization(omit_token_to_seq: bool) -> No
     for _ in range(30):
         qsl, seq = random_batch(rng, BatchShape(int(rng.integers(1, 16)), 40, 400))
         decodes = int(rng.integers(0, seq.size))
-        batch = BatchInputs(qsl, seq, int(rng.choice([1, 4, 128])), num_decodes=decodes, max_model_len=100,
-                            max_logits_bytes=4 * int(rng.integers(50, 400)))  # fmt: skip
+        batch = BatchInputs(
+            qsl,
+            seq,
+            int(rng.choice([1, 4, 128])),
+            num_decodes=decodes,
+            max_model_len=100,
+            max_logits_bytes=4 * int(rng.integers(50, 400)),
+        )
         plan = build_prefill_batch(batch, build_chunk_metadata_numpy)
         expected = pb.PlanBatchResponse(max_prefill_seq_len=plan.max_prefill_seq_len)
         for c in plan.chunks:
-            expected.chunks.add(req_start=c.req_start, req_end=c.req_end, query_start=c.query_start,
-                                query_stop=c.query_stop)  # fmt: skip
+            expected.chunks.add(
+                req_start=c.req_start, req_end=c.req_end, query_start=c.query_start, query_stop=c.query_stop
+            )
         for meta in plan.metadata:
             reference_metadata(meta, omit_token_to_seq, expected.metadata.add())
         wire = plan_response_bytes(plan, omit_token_to_seq)

@@ -351,12 +351,21 @@ def test_settings_that_go_together_blame_the_missing_one(
 
 def test_valid_tls_and_edge_values_are_accepted(files: dict[str, str]) -> None:
     config = load_config(
-        {"tls_cert_file": files["cert"], "tls_key_file": files["key"], "tls_client_ca_file": files["ca"],
-         "max_connection_age_seconds": "0", "response_budget_bytes": "0", "idle_trim_seconds": "0",
-         "compress_ratios": f"0,{2**20}", "grpc_port": "65535", "health_port": "0", "log_level": "debug",
-         "max_message_bytes": str(2**31 - 1)},
+        {
+            "tls_cert_file": files["cert"],
+            "tls_key_file": files["key"],
+            "tls_client_ca_file": files["ca"],
+            "max_connection_age_seconds": "0",
+            "response_budget_bytes": "0",
+            "idle_trim_seconds": "0",
+            "compress_ratios": f"0,{2**20}",
+            "grpc_port": "65535",
+            "health_port": "0",
+            "log_level": "debug",
+            "max_message_bytes": str(2**31 - 1),
+        },
         env={"INDEXER_MAX_CONNECTION_AGE_SECONDS": "2147483.647"},
-    )  # fmt: skip
+    )
     assert config.tls_enabled and config.compress_ratios == (0, 2**20)
 
 

@@ -46,9 +46,23 @@ def _gcc() -> str:
 def _build(gcc: str, out: Path) -> Path:
     """The extension with both sanitizers and the test seams, -O1 -g for readable reports."""
     target = out / ("_fastpath" + sysconfig.get_config_var("EXT_SUFFIX"))
-    command = [gcc, "-shared", "-fPIC", "-O1", "-g", "-std=c11", "-Wall", "-Wextra", "-Werror", *SANITIZE,
-               "-DFASTPATH_TEST_SEAMS", f"-I{sysconfig.get_paths()['include']}", str(REPO / "service" / "fastpath.c"),
-               "-o", str(target)]  # fmt: skip
+    command = [
+        gcc,
+        "-shared",
+        "-fPIC",
+        "-O1",
+        "-g",
+        "-std=c11",
+        "-Wall",
+        "-Wextra",
+        "-Werror",
+        *SANITIZE,
+        "-DFASTPATH_TEST_SEAMS",
+        f"-I{sysconfig.get_paths()['include']}",
+        str(REPO / "service" / "fastpath.c"),
+        "-o",
+        str(target),
+    ]
     built = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert built.returncode == 0, f"{' '.join(command)}\n{built.stderr}"
     return target
@@ -80,8 +94,17 @@ def test_fast_path_tests_pass_under_asan_and_ubsan(tmp_path: Path) -> None:
         FASTPATH_FUZZ_EXAMPLES="150",
         PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
     )
-    command = [sys.executable, "-c", BOOTSTRAP, str(module), "-q", "-p", "no:cacheprovider", "-rs",
-               str(REPO / "tests" / "service" / "test_fastpath.py")]  # fmt: skip
+    command = [
+        sys.executable,
+        "-c",
+        BOOTSTRAP,
+        str(module),
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-rs",
+        str(REPO / "tests" / "service" / "test_fastpath.py"),
+    ]
     run = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     reports = "\n".join(p.read_text(errors="replace") for p in sorted(tmp_path.glob("sanitizer.*")))
     assert not reports, reports[:8000]

@@ -62,8 +62,9 @@ def test_request_metrics_count_the_calls(after_calls: tuple[Scrape, Scrape], ser
     before, after = after_calls
     assert increase(before, after, "indexer_request_duration_seconds_count", method="BuildChunk", code="OK") == 3
     assert increase(before, after, "indexer_request_duration_seconds_count", method="PlanBatch", code="OK") == 1
-    count_bad = increase(before, after, "indexer_request_duration_seconds_count", method="BuildChunk",
-                         code="INVALID_ARGUMENT")  # fmt: skip
+    count_bad = increase(
+        before, after, "indexer_request_duration_seconds_count", method="BuildChunk", code="INVALID_ARGUMENT"
+    )
     assert count_bad == 1
     assert increase(before, after, "indexer_request_errors_total", method="BuildChunk", code="INVALID_ARGUMENT") == 1
     assert increase(before, after, "indexer_request_errors_total", method="BuildChunk", code="OK") == 0
@@ -75,14 +76,18 @@ def test_request_metrics_count_the_calls(after_calls: tuple[Scrape, Scrape], ser
     # compiled fast path ("native"); the Triton kernel on a CUDA machine, which has no fast path.
     backend = served_backend
     chunk_backend = FAST_PATH_BACKEND if backend == "numpy" else backend
-    assert increase(before, after, "indexer_backend_duration_seconds_count", method="BuildChunk",
-                    backend=chunk_backend) == 3  # fmt: skip
+    assert (
+        increase(before, after, "indexer_backend_duration_seconds_count", method="BuildChunk", backend=chunk_backend)
+        == 3
+    )
     if chunk_backend != backend:
-        assert increase(before, after, "indexer_backend_duration_seconds_count", method="BuildChunk",
-                        backend=backend) == 0  # fmt: skip
+        assert (
+            increase(before, after, "indexer_backend_duration_seconds_count", method="BuildChunk", backend=backend) == 0
+        )
     assert increase(before, after, "indexer_backend_duration_seconds_count", method="PlanBatch", backend=backend) == 1
-    backend_seconds = increase(before, after, "indexer_backend_duration_seconds_sum", method="BuildChunk",
-                               backend=chunk_backend)  # fmt: skip
+    backend_seconds = increase(
+        before, after, "indexer_backend_duration_seconds_sum", method="BuildChunk", backend=chunk_backend
+    )
     request_seconds = increase(before, after, "indexer_request_duration_seconds_sum", method="BuildChunk", code="OK")
     assert 0 < backend_seconds < request_seconds < 1
     for method in METHODS:
@@ -92,8 +97,10 @@ def test_request_metrics_count_the_calls(after_calls: tuple[Scrape, Scrape], ser
 def test_warmup_and_readiness_metrics(after_calls: tuple[Scrape, Scrape]) -> None:
     before, after = after_calls
     assert {s.labels["state"]: s.value for s in after.samples("indexer_warmup_keys")} == {
-        "planned": 3, "compiled": 3, "failed": 0,
-    }  # fmt: skip
+        "planned": 3,
+        "compiled": 3,
+        "failed": 0,
+    }
     per_key = {s.labels["key"]: s.value for s in after.samples("indexer_warmup_key_compile_seconds")}
     assert set(per_key) == KEY_LABELS and all(0 < v < 60 for v in per_key.values())
     assert after.value("indexer_compile_duration_seconds_count", phase="warmup") == 3

@@ -49,8 +49,11 @@ def assert_same_metadata(got: ChunkMetadata | None, expected: ChunkMetadata | No
     assert (got is None) == (expected is None)
     if expected is not None:
         assert metadata_as_dict(got) == metadata_as_dict(expected)
-        assert (got.req_start, got.req_end, got.query_slice) == (expected.req_start, expected.req_end,
-                                                                 expected.query_slice)  # fmt: skip
+        assert (got.req_start, got.req_end, got.query_slice) == (
+            expected.req_start,
+            expected.req_end,
+            expected.query_slice,
+        )
 
 
 # --- results ------------------------------------------------------------------------------------------------
@@ -104,8 +107,9 @@ def golden_plan_batch(case: dict) -> BatchInputs:
 def test_plan_batch_equals_golden_plans(client: IndexerClient, case: dict) -> None:
     batch = golden_plan_batch(case)
     plan = client.plan_batch(batch)
-    assert [{"requests": [c.req_start, c.req_end], "query_slice": [c.query_start, c.query_stop]} for c in plan.chunks
-            ] == case["expected"]  # fmt: skip
+    assert [
+        {"requests": [c.req_start, c.req_end], "query_slice": [c.query_start, c.query_stop]} for c in plan.chunks
+    ] == case["expected"]
     expected = build_prefill_batch(batch, build_chunk_metadata_numpy)
     assert len(plan.metadata) == len(expected.metadata)
     for got, want in zip(plan.metadata, expected.metadata, strict=True):
@@ -122,9 +126,13 @@ def test_plan_batch_equals_numpy_on_random_batches(client: IndexerClient) -> Non
         num_requests = int(rng.integers(1, 30))
         qsl, seq_lens = random_batch(rng, BatchShape(num_requests, int(rng.integers(1, 300)), 5000))
         batch = BatchInputs(
-            qsl, seq_lens, (0, 1, 4, 128)[i % 4], int(rng.integers(0, num_requests + 1)),
-            max_model_len=int(rng.integers(100, 20_000)), max_logits_bytes=int(rng.integers(4, 400_000)),
-        )  # fmt: skip
+            qsl,
+            seq_lens,
+            (0, 1, 4, 128)[i % 4],
+            int(rng.integers(0, num_requests + 1)),
+            max_model_len=int(rng.integers(100, 20_000)),
+            max_logits_bytes=int(rng.integers(4, 400_000)),
+        )
         expected = build_prefill_batch(batch, build_chunk_metadata_numpy)
         if len(expected.chunks) > MAX_PLAN_CHUNKS:  # the server's work limit speaks first
             with pytest.raises(grpc.RpcError) as refused:
@@ -142,9 +150,11 @@ def test_plan_batch_equals_numpy_on_random_batches(client: IndexerClient) -> Non
 def test_plan_batch_defaults_come_from_the_server_config(stub: pb_grpc.PrefillMetadataStub) -> None:
     qsl, seq_lens = np.array([0, 8192]), np.array([65536])
     response = stub.PlanBatch(
-        pb.PlanBatchRequest(query_start_loc=encode_int32(qsl), seq_lens=encode_int32(seq_lens), compress_ratio=1,
-                            omit_token_to_seq=True), timeout=30,
-    )  # fmt: skip
+        pb.PlanBatchRequest(
+            query_start_loc=encode_int32(qsl), seq_lens=encode_int32(seq_lens), compress_ratio=1, omit_token_to_seq=True
+        ),
+        timeout=30,
+    )
     # The spec's "at scale" example: 512 MiB of logits over 65,536 tokens allows 2,048 queries a chunk.
     assert [(c.query_start, c.query_stop) for c in response.chunks] == [(o, o + 2048) for o in range(0, 8192, 2048)]
     assert all(m.token_to_seq_omitted and not m.token_to_seq for m in response.metadata)
@@ -159,17 +169,24 @@ PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION
 
 def chunk(qsl=(0, 1, 4, 9), seq=(20, 10, 5), ratio=4, start=1, end=3, **fields) -> tuple[str, pb.BuildChunkRequest]:
     request = pb.BuildChunkRequest(
-        query_start_loc=encode_int32(np.array(qsl)), seq_lens=encode_int32(np.array(seq)),
-        compress_ratio=ratio, req_start=start, req_end=end, **fields,
-    )  # fmt: skip
+        query_start_loc=encode_int32(np.array(qsl)),
+        seq_lens=encode_int32(np.array(seq)),
+        compress_ratio=ratio,
+        req_start=start,
+        req_end=end,
+        **fields,
+    )
     return "BuildChunk", request
 
 
 def batch(qsl=(0, 1, 4, 9), seq=(20, 10, 5), ratio=4, decodes=1, **fields) -> tuple[str, pb.PlanBatchRequest]:
     request = pb.PlanBatchRequest(
-        query_start_loc=encode_int32(np.array(qsl)), seq_lens=encode_int32(np.array(seq)),
-        compress_ratio=ratio, num_decodes=decodes, **fields,
-    )  # fmt: skip
+        query_start_loc=encode_int32(np.array(qsl)),
+        seq_lens=encode_int32(np.array(seq)),
+        compress_ratio=ratio,
+        num_decodes=decodes,
+        **fields,
+    )
     return "PlanBatch", request
 
 

@@ -26,16 +26,22 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 SHUTDOWN_DELAY = 1.0
 GRACE = 30.0
 SMALL = pb.BuildChunkRequest(
-    query_start_loc=encode_int32(np.arange(0, 4097, 64)), seq_lens=encode_int32(np.full(64, 4096)),
-    compress_ratio=4, req_start=0, req_end=64,
-)  # fmt: skip
+    query_start_loc=encode_int32(np.arange(0, 4097, 64)),
+    seq_lens=encode_int32(np.full(64, 4096)),
+    compress_ratio=4,
+    req_start=0,
+    req_end=64,
+)
 # One request of 32,768 query rows cut into one chunk per row by a one-element logits budget: seconds of
 # real work (each chunk is planned, built and encoded), not a sleep.
 LONG_ROWS = 32_768
 LONG = pb.PlanBatchRequest(
-    query_start_loc=encode_int32(np.array([0, LONG_ROWS])), seq_lens=encode_int32(np.array([1_000_000])),
-    compress_ratio=1, max_logits_bytes=4, omit_token_to_seq=True,
-)  # fmt: skip
+    query_start_loc=encode_int32(np.array([0, LONG_ROWS])),
+    seq_lens=encode_int32(np.array([1_000_000])),
+    compress_ratio=1,
+    max_logits_bytes=4,
+    omit_token_to_seq=True,
+)
 
 
 @dataclass
@@ -63,10 +69,19 @@ def burst(address: str, calls: list[Call], stop: threading.Event) -> None:
 
 def test_sigterm_during_a_burst_drains_and_exits_0(start_server: StartServer) -> None:
     server = start_server(
-        "--backend", "numpy", "--warmup-target", "none", "--max-num-batched-tokens", str(LONG_ROWS),
-        "--max-plan-chunks", str(LONG_ROWS), "--shutdown-delay-seconds", str(SHUTDOWN_DELAY),
-        "--shutdown-grace-seconds", str(GRACE),
-    )  # fmt: skip
+        "--backend",
+        "numpy",
+        "--warmup-target",
+        "none",
+        "--max-num-batched-tokens",
+        str(LONG_ROWS),
+        "--max-plan-chunks",
+        str(LONG_ROWS),
+        "--shutdown-delay-seconds",
+        str(SHUTDOWN_DELAY),
+        "--shutdown-grace-seconds",
+        str(GRACE),
+    )
     calls: list[Call] = []
     stop = threading.Event()
     workers = [threading.Thread(target=burst, args=(server.address, calls, stop)) for _ in range(4)]
@@ -155,9 +170,24 @@ def test_a_signal_at_any_moment_ends_the_process_with_0(tmp_path) -> None:
     for n, (signum, marker, delay) in enumerate(MOMENTS):
         log_path = tmp_path / f"server-{n}.log"
         env = clean_env(TRITON_CACHE_DIR=str(tmp_path / f"cold-cache-{n}"))  # cold: the warmup compiles
-        command = [INDEXER_SERVICE, "serve", "--backend", "numpy", "--warmup-target", "cuda:90",
-                   "--grpc-host", LOOPBACK, "--http-host", LOOPBACK, "--grpc-port", "0", "--http-port", "0",
-                   "--health-port", "0"]  # fmt: skip
+        command = [
+            INDEXER_SERVICE,
+            "serve",
+            "--backend",
+            "numpy",
+            "--warmup-target",
+            "cuda:90",
+            "--grpc-host",
+            LOOPBACK,
+            "--http-host",
+            LOOPBACK,
+            "--grpc-port",
+            "0",
+            "--http-port",
+            "0",
+            "--health-port",
+            "0",
+        ]
         with open(log_path, "wb") as log:
             process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
         try:

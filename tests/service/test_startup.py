@@ -24,9 +24,12 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 DEFAULT_KEY_LABELS = {key.label() for key in warmup_keys(ModelConfig((0, 0, *([4, 128] * 20), 4, 0)))}
 E1 = pb.BuildChunkRequest(
-    query_start_loc=encode_int32(np.array([0, 1, 4, 9])), seq_lens=encode_int32(np.array([20, 10, 5])),
-    compress_ratio=4, req_start=1, req_end=3,
-)  # fmt: skip
+    query_start_loc=encode_int32(np.array([0, 1, 4, 9])),
+    seq_lens=encode_int32(np.array([20, 10, 5])),
+    compress_ratio=4,
+    req_start=1,
+    req_end=3,
+)
 
 
 def health_statuses(channel: grpc.Channel) -> dict[str, int]:
@@ -53,8 +56,9 @@ def test_not_serving_until_warmup_has_compiled_every_key(start_server: StartServ
         early = pb_grpc.PrefillMetadataStub(channel).GetWarmupStatus(pb.GetWarmupStatusRequest(), timeout=5)
         assert early.state == pb.WARMUP_STATE_RUNNING and not early.ready
 
-        watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=SERVICE_NAME),
-                                                          timeout=120)  # fmt: skip
+        watch = health_pb2_grpc.HealthStub(channel).Watch(
+            health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=120
+        )
         seen = []
         for update in watch:
             seen.append(update.status)
@@ -77,8 +81,14 @@ def test_not_serving_until_warmup_has_compiled_every_key(start_server: StartServ
     assert metrics.value("indexer_ready") == 1
 
     log = server.log()
-    order = ["listening grpc=127.0.0.1:", "warmup start keys=3 target=cuda:90", "warmup 1/3 key=",
-             "warmup 3/3 key=", "warmup done keys=3", "ready backend=numpy"]  # fmt: skip
+    order = [
+        "listening grpc=127.0.0.1:",
+        "warmup start keys=3 target=cuda:90",
+        "warmup 1/3 key=",
+        "warmup 3/3 key=",
+        "warmup done keys=3",
+        "ready backend=numpy",
+    ]
     positions = [log.find(line) for line in order]
     assert -1 not in positions and positions == sorted(positions), log
 
@@ -139,10 +149,29 @@ def test_an_unwritable_port_file_stops_the_start_at_once(tmp_path: Path) -> None
     port_file = tmp_path / "missing-dir" / "ports.json"
     start = time.monotonic()
     out = subprocess.run(
-        [INDEXER_SERVICE, "serve", "--backend", "numpy", "--grpc-host", LOOPBACK, "--http-host", LOOPBACK,
-         "--grpc-port", "0", "--http-port", "0", "--health-port", "0", "--port-file", str(port_file)],
-        capture_output=True, text=True, timeout=120, env=clean_env(TRITON_CACHE_DIR=str(tmp_path / "cache")),
-    )  # fmt: skip
+        [
+            INDEXER_SERVICE,
+            "serve",
+            "--backend",
+            "numpy",
+            "--grpc-host",
+            LOOPBACK,
+            "--http-host",
+            LOOPBACK,
+            "--grpc-port",
+            "0",
+            "--http-port",
+            "0",
+            "--health-port",
+            "0",
+            "--port-file",
+            str(port_file),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=clean_env(TRITON_CACHE_DIR=str(tmp_path / "cache")),
+    )
     assert out.returncode == 1, out.stderr
     errors = [line for line in out.stderr.splitlines() if line.startswith("indexer-service serve:")]
     assert errors == [f"indexer-service serve: cannot write --port-file {port_file}: No such file or directory"]
@@ -169,7 +198,19 @@ def test_the_start_up_log_states_the_tls_mode(start_server: StartServer, tmp_pat
 
     plain = start_server("--warmup-target", "none", "--backend", "numpy", "--health-port", "0")
     assert "tls mode=off cert=- client_ca=-" in plain.log()
-    mutual = start_server("--warmup-target", "none", "--backend", "numpy", "--health-port", "0",
-                          "--tls-cert-file", paths["cert"], "--tls-key-file", paths["key"],
-                          "--tls-client-ca-file", paths["ca"], ready=False)  # fmt: skip
+    mutual = start_server(
+        "--warmup-target",
+        "none",
+        "--backend",
+        "numpy",
+        "--health-port",
+        "0",
+        "--tls-cert-file",
+        paths["cert"],
+        "--tls-key-file",
+        paths["key"],
+        "--tls-client-ca-file",
+        paths["ca"],
+        ready=False,
+    )
     assert f"tls mode=mutual cert={paths['cert']} client_ca={paths['ca']}" in mutual.log()

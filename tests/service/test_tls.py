@@ -37,8 +37,9 @@ def pki(tmp_path_factory):
 
 
 def tls_server(start_server, pki, *extra: str):
-    return start_server("--warmup-target", "none", "--tls-cert-file", pki["server_cert"],
-                        "--tls-key-file", pki["server_key"], *extra)  # fmt: skip
+    return start_server(
+        "--warmup-target", "none", "--tls-cert-file", pki["server_cert"], "--tls-key-file", pki["server_key"], *extra
+    )
 
 
 def test_tls_serves_and_refuses_plaintext(start_server, pki):
@@ -69,8 +70,16 @@ def test_mutual_tls_requires_a_client_certificate(start_server, pki, capsys):
     mtls = tls_credentials(pki["ca"], pki["client_cert"], pki["client_key"])
     with IndexerClient([server.address], credentials=mtls, timeout=10) as client:
         assert client.build_chunk(INPUTS).total_seq_lens == 3
-    args = ["check", server.address, "--tls-ca", pki["ca"], "--tls-cert", pki["client_cert"], "--tls-key",
-            pki["client_key"]]  # fmt: skip
+    args = [
+        "check",
+        server.address,
+        "--tls-ca",
+        pki["ca"],
+        "--tls-cert",
+        pki["client_cert"],
+        "--tls-key",
+        pki["client_key"],
+    ]
     assert cli_main(args) == 0
     assert "health overall=SERVING" in capsys.readouterr().out
 

@@ -173,8 +173,22 @@ def _assert_never_ready(server: ServiceProcess) -> pb.GetWarmupStatusResponse:
 
 def _wrong_kernel_server(tmp_path, *flags: str) -> ServiceProcess:
     code = "from tests.service.test_warmup_proof import serve_with_wrong_kernel as s; s()"
-    command = [sys.executable, "-c", code, "serve", "--grpc-host", "127.0.0.1", "--http-host", "127.0.0.1",
-               "--grpc-port", "0", "--http-port", "0", "--health-port", "0"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-c",
+        code,
+        "serve",
+        "--grpc-host",
+        "127.0.0.1",
+        "--http-host",
+        "127.0.0.1",
+        "--grpc-port",
+        "0",
+        "--http-port",
+        "0",
+        "--health-port",
+        "0",
+    ]
     env = clean_env(TRITON_CACHE_DIR=str(tmp_path / "cache"))
     return ServiceProcess(*flags, workdir=tmp_path, command=command, env=env)
 
@@ -186,8 +200,9 @@ def test_a_wrong_variant_keeps_a_real_cpu_server_not_ready(tmp_path) -> None:
     _interpreter_or_skip(CompileKey(1))
     model = tmp_path / "config.json"
     model.write_text(json.dumps({"compress_ratios": [4], "index_kpool": 4}))
-    server = _wrong_kernel_server(tmp_path, "--backend", "numpy", "--warmup-target", "cuda:90",
-                                  "--model-config", str(model))  # fmt: skip
+    server = _wrong_kernel_server(
+        tmp_path, "--backend", "numpy", "--warmup-target", "cuda:90", "--model-config", str(model)
+    )
     try:
         status = _assert_never_ready(server.start().wait_listening())
         assert (status.backend, status.target) == ("numpy", "cuda:90")

@@ -92,10 +92,26 @@ def test_two_workers_share_the_port_both_serve_and_metrics_add_up(start_server: 
 
     # The port is this replica's: another server asked for it is refused.
     other = subprocess.run(
-        [INDEXER_SERVICE, "serve", *FAST, "--grpc-host", LOOPBACK, "--grpc-port", str(server.grpc_port),
-         "--http-host", LOOPBACK, "--http-port", "0", "--health-port", "0"],
-        capture_output=True, text=True, timeout=60, env=clean_env(),
-    )  # fmt: skip
+        [
+            INDEXER_SERVICE,
+            "serve",
+            *FAST,
+            "--grpc-host",
+            LOOPBACK,
+            "--grpc-port",
+            str(server.grpc_port),
+            "--http-host",
+            LOOPBACK,
+            "--http-port",
+            "0",
+            "--health-port",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=clean_env(),
+    )
     assert other.returncode == 1 and f"cannot bind gRPC to {LOOPBACK}:{server.grpc_port}" in other.stderr
 
 
@@ -160,8 +176,15 @@ def test_sigterm_drains_every_worker_and_exits_0(start_server: StartServer) -> N
 
 def test_workers_warm_up_one_at_a_time_and_compile_once(start_server: StartServer, tmp_path: Path) -> None:
     """A cold cache: the first worker compiles the 3 keys, the second loads all three from what it wrote."""
-    server = start_server("--workers", "2", "--backend", "numpy", "--warmup-target", "cuda:90",
-                          env=clean_env(TRITON_CACHE_DIR=str(tmp_path / "cold-cache")))  # fmt: skip
+    server = start_server(
+        "--workers",
+        "2",
+        "--backend",
+        "numpy",
+        "--warmup-target",
+        "cuda:90",
+        env=clean_env(TRITON_CACHE_DIR=str(tmp_path / "cold-cache")),
+    )
     keys: dict[int, list[float]] = {0: [], 1: []}
     for seconds, worker in re.findall(r"warmup \d/3 key=\S+ seconds=([\d.]+) worker=(\d)", server.log()):
         keys[int(worker)].append(float(seconds))
@@ -231,9 +254,10 @@ def test_the_client_opens_separate_connections(start_server: StartServer) -> Non
         for _ in range(6):
             client.build_chunk(INPUTS)
         peers = {
-            c.laddr for c in psutil.Process().net_connections("tcp")
+            c.laddr
+            for c in psutil.Process().net_connections("tcp")
             if c.raddr and c.raddr.port == server.grpc_port and c.status == "ESTABLISHED"
-        }  # fmt: skip
+        }
     assert len(peers) == 3, peers
 
 

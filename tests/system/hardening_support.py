@@ -11,18 +11,24 @@ from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
 from testkit.harness import ServiceProcess, metric_total, scrape
 
 SMALL = pb.BuildChunkRequest(
-    query_start_loc=np.array([0, 1, 4, 9], "<i4").tobytes(), seq_lens=np.array([20, 10, 5], "<i4").tobytes(),
-    compress_ratio=4, req_start=1, req_end=3,
-)  # fmt: skip
+    query_start_loc=np.array([0, 1, 4, 9], "<i4").tobytes(),
+    seq_lens=np.array([20, 10, 5], "<i4").tobytes(),
+    compress_ratio=4,
+    req_start=1,
+    req_end=3,
+)
 # A plan of SLOW_CHUNKS one-row chunks (a logits budget of one element): about 0.35 s of server work on this
 # machine that no shortcut skips, since each chunk is answered; long enough for calls to overlap.
 SLOW_CHUNKS = 4096
 # A server that is to take SLOW at all allows plans of its size (the default max_plan_chunks is 1,024).
 SLOW_FLAGS = ("--max-plan-chunks", str(SLOW_CHUNKS))
 SLOW = pb.PlanBatchRequest(
-    query_start_loc=np.array([0, SLOW_CHUNKS], "<i4").tobytes(), seq_lens=np.array([100_000], "<i4").tobytes(),
-    compress_ratio=1, max_logits_bytes=4, omit_token_to_seq=True,
-)  # fmt: skip
+    query_start_loc=np.array([0, SLOW_CHUNKS], "<i4").tobytes(),
+    seq_lens=np.array([100_000], "<i4").tobytes(),
+    compress_ratio=1,
+    max_logits_bytes=4,
+    omit_token_to_seq=True,
+)
 IN_FLIGHT = "indexer_requests_in_flight"
 ERRORS = "indexer_request_errors_total"
 

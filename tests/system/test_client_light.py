@@ -60,8 +60,10 @@ def light_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
     python = folder / "venv" / "bin" / "python"
     installed = subprocess.run(
         [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", str(wheel)],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert installed.returncode == 0, installed.stdout + installed.stderr
     return python
 
@@ -80,17 +82,30 @@ def test_the_light_environment_has_no_torch_triton_or_server(light_python: Path)
     assert "indexer-service-client" in names
     assert not names & {"torch", "triton", "indexer-service"}, names
     # What the four dependencies bring (grpcio needs typing_extensions), and the venv's own pip.
-    allowed = {"indexer-service-client", "numpy", "grpcio", "grpcio-health-checking", "protobuf", "typing-extensions",
-               "typing_extensions", "pip", "setuptools"}  # fmt: skip
+    allowed = {
+        "indexer-service-client",
+        "numpy",
+        "grpcio",
+        "grpcio-health-checking",
+        "protobuf",
+        "typing-extensions",
+        "typing_extensions",
+        "pip",
+        "setuptools",
+    }
     assert names <= allowed, names
 
 
 def test_the_light_client_answers_the_golden_cases(light_python: Path, server: ServiceProcess) -> None:
     cases = GOLDEN["chunk_metadata"]
     ran = subprocess.run(
-        [str(light_python), "-c", SCRIPT, server.address], input=json.dumps(cases), capture_output=True,
-        text=True, timeout=120, cwd="/",
-    )  # fmt: skip
+        [str(light_python), "-c", SCRIPT, server.address],
+        input=json.dumps(cases),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd="/",
+    )
     assert ran.returncode == 0, ran.stderr
     out = json.loads(ran.stdout)
     assert out["heavy"] == [] and out["health"] == "SERVING"

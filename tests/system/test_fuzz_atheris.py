@@ -19,8 +19,17 @@ RUNS = 8000
 
 def test_coverage_guided_fuzz_finds_no_wrong_answer(tmp_path: Path) -> None:
     # Crash inputs land in the working directory: keep them with the test's files.
-    command = [sys.executable, "-m", "benchmarks.fuzz_atheris", f"-runs={RUNS}", "-max_total_time=90", "-timeout=20",
-               "-rss_limit_mb=1024", "-seed=1", "-print_final_stats=1"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "benchmarks.fuzz_atheris",
+        f"-runs={RUNS}",
+        "-max_total_time=90",
+        "-timeout=20",
+        "-rss_limit_mb=1024",
+        "-seed=1",
+        "-print_final_stats=1",
+    ]
     env = clean_env(PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
     output = done.stdout + done.stderr

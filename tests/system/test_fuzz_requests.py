@@ -105,8 +105,12 @@ def _judge_raw(method: str, payload: bytes, code: grpc.StatusCode, details: str,
 
 
 def test_raw_request_bytes_over_grpc(server: ServiceProcess, grpc_channel: grpc.Channel) -> None:
-    raw = {m: grpc_channel.unary_unary(f"/indexer.v1.PrefillMetadata/{m}", request_serializer=None,
-                                       response_deserializer=None) for m in METHODS}  # fmt: skip
+    raw = {
+        m: grpc_channel.unary_unary(
+            f"/indexer.v1.PrefillMetadata/{m}", request_serializer=None, response_deserializer=None
+        )
+        for m in METHODS
+    }
 
     @FUZZ
     @given(raw_payloads())
@@ -133,8 +137,12 @@ def test_raw_request_bodies_over_http(server: ServiceProcess) -> None:
     @given(raw_payloads())
     def one(case: tuple[str, bytes]) -> None:
         method, payload = case
-        connection.request("POST", f"/indexer.v1.PrefillMetadata/{method}", body=payload,
-                           headers={"content-type": "application/x-protobuf"})  # fmt: skip
+        connection.request(
+            "POST",
+            f"/indexer.v1.PrefillMetadata/{method}",
+            body=payload,
+            headers={"content-type": "application/x-protobuf"},
+        )
         reply = connection.getresponse()
         body = reply.read()
         if reply.status == 200:
@@ -159,16 +167,19 @@ def test_raw_request_bodies_over_http(server: ServiceProcess) -> None:
 
 def test_undecodable_request_bytes_are_invalid_argument(server: ServiceProcess, grpc_channel: grpc.Channel) -> None:
     """Bytes that are not a request message are the caller's mistake, as the HTTP transport already says."""
-    call = grpc_channel.unary_unary("/indexer.v1.PrefillMetadata/BuildChunk", request_serializer=None,
-                                    response_deserializer=None)  # fmt: skip
+    call = grpc_channel.unary_unary(
+        "/indexer.v1.PrefillMetadata/BuildChunk", request_serializer=None, response_deserializer=None
+    )
     with pytest.raises(grpc.RpcError) as refused:
         call(b"\xff\xff\xff", timeout=10)
     code, details = refused.value.code(), refused.value.details()
     if code is grpc.StatusCode.INTERNAL and details == GRPC_UNDECODABLE:
-        pytest.skip("service feature missing: grpcio answers undecodable request bytes with INTERNAL "
-                    f"{GRPC_UNDECODABLE!r} and logs a traceback; needed: register PrefillMetadata's methods with a "
-                    "request deserializer that never raises (keep the bytes) and parse in the servicer, answering "
-                    "INVALID_ARGUMENT 'request: not a BuildChunkRequest message' like the HTTP transport")  # fmt: skip
+        pytest.skip(
+            "service feature missing: grpcio answers undecodable request bytes with INTERNAL "
+            f"{GRPC_UNDECODABLE!r} and logs a traceback; needed: register PrefillMetadata's methods with a "
+            "request deserializer that never raises (keep the bytes) and parse in the servicer, answering "
+            "INVALID_ARGUMENT 'request: not a BuildChunkRequest message' like the HTTP transport"
+        )
     assert code is grpc.StatusCode.INVALID_ARGUMENT, (code, details)
     assert details.startswith("request"), details
     assert_healthy_after(server)
@@ -178,9 +189,15 @@ def test_dcp_interleave_near_int32_is_answered_clearly() -> None:
     """Found by the fuzz (an OverflowError answered INTERNAL, fixed since): rank * interleave past int32 must be
     a clear refusal naming the field. Its own server, so that a regression does not count against the others."""
     request = pb.BuildChunkRequest(
-        query_start_loc=np.array([0, 4], "<i4").tobytes(), seq_lens=np.array([100], "<i4").tobytes(),
-        compress_ratio=1, req_start=0, req_end=1, dcp_rank=3, dcp_world_size=4, dcp_interleave=2**30,
-    )  # fmt: skip
+        query_start_loc=np.array([0, 4], "<i4").tobytes(),
+        seq_lens=np.array([100], "<i4").tobytes(),
+        compress_ratio=1,
+        req_start=0,
+        req_end=1,
+        dcp_rank=3,
+        dcp_world_size=4,
+        dcp_interleave=2**30,
+    )
     with ServiceProcess(*FAST_START, *FUZZ_LIMITS.flags()) as own, channel(own.address) as chan:
         code, problem = call_and_check(
             stubs_for(chan), "BuildChunk", request, judge("BuildChunk", request, FUZZ_LIMITS)

@@ -81,8 +81,9 @@ def describe(siege: Siege) -> str:
 
 
 def probe_report(siege: Siege) -> str:
-    return ", ".join(f"{s.target} {s.in_time}/{s.probes} (worst {s.worst_seconds:.2f} s)"
-                     for s in siege.probes.summaries().values())  # fmt: skip
+    return ", ".join(
+        f"{s.target} {s.in_time}/{s.probes} (worst {s.worst_seconds:.2f} s)" for s in siege.probes.summaries().values()
+    )
 
 
 def wait_for(predicate, timeout: float, interval: float = 0.1) -> bool:
@@ -176,8 +177,10 @@ def test_http_idle_connections_closed_and_capped(serve) -> None:
     assert closed, f"{open_at_end} of 24 idle connections still open after the 1 s idle timeout"
     assert http_get(f"{server.http_url}/livez", timeout=2.0)[0] == 200
     samples = scrape(server.http_url)
-    refused = {reason: metric_total(samples, "indexer_http_refused_total", reason=reason)
-               for reason in ("idle_timeout", "too_many_connections")}  # fmt: skip
+    refused = {
+        reason: metric_total(samples, "indexer_http_refused_total", reason=reason)
+        for reason in ("idle_timeout", "too_many_connections")
+    }
     assert refused["too_many_connections"] >= 8 and refused["idle_timeout"] >= 1, refused
 
 

@@ -19,8 +19,14 @@ from testkit.harness import FAST_START, ServiceProcess, channel, metric_total, s
 from tests.system.hardening_support import ERRORS, SLOW, SLOW_CHUNKS, SMALL, assert_healthy_after, wait_idle
 
 # The server takes SLOW, a plan of SLOW_CHUNKS chunks, and the oracle knows it.
-LIMITS = Limits(max_num_seqs=1024, max_num_batched_tokens=8192, max_model_len=2**20, max_message_bytes=64 * 2**20,
-                max_logits_bytes=512 * 2**20, max_plan_chunks=SLOW_CHUNKS)  # fmt: skip
+LIMITS = Limits(
+    max_num_seqs=1024,
+    max_num_batched_tokens=8192,
+    max_model_len=2**20,
+    max_message_bytes=64 * 2**20,
+    max_logits_bytes=512 * 2**20,
+    max_plan_chunks=SLOW_CHUNKS,
+)
 CALLS = 6  # of each kind: more than the server's 8 worker threads together, so some wait in its queue
 
 
@@ -71,10 +77,12 @@ def test_calls_whose_client_is_gone_stop_computing(server: ServiceProcess) -> No
     idle_after, counted = abandon_slow_calls(server)
     stopped = counted["CANCELLED"] + counted["DEADLINE_EXCEEDED"]
     if stopped == 0 and counted["OK"] > 0:
-        pytest.skip(f"service feature missing: {counted['OK']:.0f} of {2 * CALLS} calls whose client had gone ran "
-                    f"to the end (counted OK; nothing in flight after {idle_after:.2f} s); needed: the servicer "
-                    "passes its grpc.ServicerContext (or a cancelled() callable) to DataPlane.call, which checks "
-                    "context.is_active() before the backend and between chunks and stops with CANCELLED or "
-                    "DEADLINE_EXCEEDED, counted in indexer_request_errors_total")  # fmt: skip
+        pytest.skip(
+            f"service feature missing: {counted['OK']:.0f} of {2 * CALLS} calls whose client had gone ran "
+            f"to the end (counted OK; nothing in flight after {idle_after:.2f} s); needed: the servicer "
+            "passes its grpc.ServicerContext (or a cancelled() callable) to DataPlane.call, which checks "
+            "context.is_active() before the backend and between chunks and stops with CANCELLED or "
+            "DEADLINE_EXCEEDED, counted in indexer_request_errors_total"
+        )
     assert counted["OK"] == 0, f"some calls ran to the end although their client had gone: {counted}"
     assert_healthy_after(server)

@@ -26,8 +26,11 @@ from tests.system.hardening_support import SLOW, SLOW_CHUNKS, SLOW_FLAGS, SMALL,
 def oversized(limit: int) -> pb.BuildChunkRequest:
     """A request whose query_start_loc alone is larger than ``limit`` bytes."""
     elements = limit // 4 + 1024
-    return pb.BuildChunkRequest(query_start_loc=np.arange(elements, dtype="<i4").tobytes(),
-                                seq_lens=np.ones(elements - 1, dtype="<i4").tobytes(), req_end=1)  # fmt: skip
+    return pb.BuildChunkRequest(
+        query_start_loc=np.arange(elements, dtype="<i4").tobytes(),
+        seq_lens=np.ones(elements - 1, dtype="<i4").tobytes(),
+        req_end=1,
+    )
 
 
 def test_messages_over_max_message_bytes_are_resource_exhausted_on_both_transports() -> None:
@@ -112,9 +115,14 @@ def test_dcp_world_size_cannot_buy_unbounded_work() -> None:
 
     def request(world: int) -> pb.BuildChunkRequest:
         return pb.BuildChunkRequest(
-            query_start_loc=np.array([0, 4], "<i4").tobytes(), seq_lens=np.array([100], "<i4").tobytes(),
-            compress_ratio=1, req_start=0, req_end=1, dcp_rank=world - 1, dcp_world_size=world,
-        )  # fmt: skip
+            query_start_loc=np.array([0, 4], "<i4").tobytes(),
+            seq_lens=np.array([100], "<i4").tobytes(),
+            compress_ratio=1,
+            req_start=0,
+            req_end=1,
+            dcp_rank=world - 1,
+            dcp_world_size=world,
+        )
 
     # Its own server: a regression keeps a worker thread busy until the process is killed.
     with ServiceProcess(*FAST_START) as server, channel(server.address) as chan:
@@ -133,9 +141,12 @@ def test_memory_of_one_request_is_bounded_by_its_response() -> None:
     long sequence. The service must not need gigabytes to send back kilobytes."""
     rows, sequence = 64, 1_000_000
     request = pb.PlanBatchRequest(
-        query_start_loc=np.array([0, rows], "<i4").tobytes(), seq_lens=np.array([sequence], "<i4").tobytes(),
-        compress_ratio=1, max_logits_bytes=4, omit_token_to_seq=True,
-    )  # fmt: skip
+        query_start_loc=np.array([0, rows], "<i4").tobytes(),
+        seq_lens=np.array([sequence], "<i4").tobytes(),
+        compress_ratio=1,
+        max_logits_bytes=4,
+        omit_token_to_seq=True,
+    )
     budget = 64 * 2**20
     with ServiceProcess(*FAST_START) as server, channel(server.address) as chan:
         before = server.peak_rss_bytes()
