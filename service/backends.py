@@ -3,6 +3,7 @@ when it is built), the Triton kernel, or ``auto`` choosing between them per requ
 
 from __future__ import annotations
 
+import importlib
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -30,10 +31,9 @@ def load_fast_path() -> ModuleType | None:
     """The compiled fast path (service/fastpath.c), or None where it was not built: the numpy path then serves
     every request, which is slower but answers the same."""
     try:
-        from indexer_service.service import _fastpath
+        return importlib.import_module("indexer_service.service._fastpath")
     except ImportError:
         return None
-    return _fastpath
 
 
 @dataclass(frozen=True)

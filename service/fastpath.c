@@ -226,7 +226,8 @@ static int parse_request(const uint8_t *p, const uint8_t *end, Request *r) {
 /* ---- check: 0 to serve here, 1 to step aside (the general path then says what is wrong), -1 on a Python error */
 
 /* The whole batch: kernels.inputs.validate_batch, then the server's limits (service/limits.py,
- * RequestLimits.check_request). int32 elements cannot exceed int32, and a non-negative query length with seq_len >= it makes seq_len >= 0. */
+ * RequestLimits.check_request). int32 elements cannot exceed int32, and a non-negative query length with
+ * seq_len >= it makes seq_len >= 0. */
 static int check_batch(const Request *r, const Limits *lim, Py_ssize_t *batch) {
     if (r->qsl_bytes % I32_BYTES || r->seq_bytes % I32_BYTES || r->qsl_bytes == 0) return 1;
     *batch = r->seq_bytes / I32_BYTES;
