@@ -91,7 +91,6 @@ class VllmStyleBatchBuilder:
     def __init__(self, query_start_loc: np.ndarray, seq_lens: np.ndarray, ratio: int, kernel) -> None:
         self.kernel = kernel
         self.ratio = ratio
-        self.qsl_cpu = query_start_loc.astype(np.int64)
         self.compressed_cpu = seq_lens.astype(np.int64) // ratio
         self.qsl = torch.from_numpy(query_start_loc.astype(np.int32)).cuda()
         self.seq_lens = torch.from_numpy(seq_lens.astype(np.int32)).cuda()

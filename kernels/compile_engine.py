@@ -198,12 +198,14 @@ def prove_key(key: CompileKey, *, on_gpu: bool) -> str | None:
     host = chunk_host_part(inputs)
     launched: list[CompileKey] = []
     if on_gpu:
-        builder = TritonChunkBuilder("cuda", kernel=triton_kernel._build_prefill_metadata_kernel,
-                                     admit=launched.append, poison=PROOF_SENTINEL)  # fmt: skip
+        builder = TritonChunkBuilder(
+            "cuda", kernel=triton_kernel._build_prefill_metadata_kernel, admit=launched.append, poison=PROOF_SENTINEL
+        )
         where = f"cuda:{torch.cuda.current_device()}"
     else:
-        builder = TritonChunkBuilder("cpu", kernel=triton_kernel.interpreted_kernel(), admit=launched.append,
-                                     poison=PROOF_SENTINEL)  # fmt: skip
+        builder = TritonChunkBuilder(
+            "cpu", kernel=triton_kernel.interpreted_kernel(), admit=launched.append, poison=PROOF_SENTINEL
+        )
         where = "Triton's interpreter"
     try:
         got = builder.arrays(host, inputs.dcp)
@@ -315,39 +317,31 @@ def compile_keys(
             COMPRESS_RATIO=key.compress_ratio,
         )
 
-    with compile_only_driver(gpu_target):
-        if async_mode is None:
-            for key in keys:
-                start = time.perf_counter()
-                try:
-                    warm(key)
-                except Exception as exc:
-                    finish(CompileOutcome(key, time.perf_counter() - start, False, _describe(exc)))
-                else:
-                    finish(CompileOutcome(key, time.perf_counter() - start, True))
-                if target is None:  # nothing to restore: prove at once, so progress follows each key
-                    conclude(compiled.pop())
-            for outcome in compiled:
-                conclude(outcome)
-            return [outcomes[k] for k in keys]
-
-        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="triton-compile") as pool:
+    with compile_only_driver(gpu_target), contextlib.ExitStack() as parallel:
+        # With an async compile mode, warming a key submits its compile to this pool and returns; the outcome
+        # comes from the future. Without, warming a key is its compile.
+        timed: _TimedExecutor | None = None
+        if async_mode is not None:
+            pool = parallel.enter_context(ThreadPoolExecutor(max_workers=workers, thread_name_prefix="triton-compile"))
             timed = _TimedExecutor(pool)
-            with async_mode(timed, ignore_errors=True):
-                for key in keys:
-                    timed.current = key
-                    start = time.perf_counter()
-                    try:
-                        warm(key)  # submits the compile, or returns at once for an already-warm key
-                    except Exception as exc:  # failed before reaching the compiler (argument binding)
-                        finish(CompileOutcome(key, time.perf_counter() - start, False, _describe(exc)))
-                        continue
-                    if key not in timed.futures.values():
-                        finish(CompileOutcome(key, time.perf_counter() - start, True))
-                for future in as_completed(list(timed.futures)):
-                    key = timed.futures[future]
-                    seconds, error = timed.timings[key]
-                    finish(CompileOutcome(key, seconds, error is None, error))
+            parallel.enter_context(async_mode(timed, ignore_errors=True))
+        for key in keys:
+            if timed is not None:
+                timed.current = key
+            start = time.perf_counter()
+            try:
+                warm(key)
+            except Exception as exc:  # the compile failed (in parallel: argument binding, before the compiler)
+                finish(CompileOutcome(key, time.perf_counter() - start, False, _describe(exc)))
+            else:
+                if timed is None or key not in timed.futures.values():  # compiled now, or already warm
+                    finish(CompileOutcome(key, time.perf_counter() - start, True))
+            if timed is None and target is None:  # nothing to restore: prove at once, so progress follows each key
+                conclude(compiled.pop())
+        for future in as_completed(list(timed.futures) if timed is not None else []):
+            key = timed.futures[future]
+            seconds, error = timed.timings[key]
+            finish(CompileOutcome(key, seconds, error is None, error))
     for outcome in compiled:
         conclude(outcome)
     return [outcomes[k] for k in keys]

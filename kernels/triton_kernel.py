@@ -308,8 +308,9 @@ class _Stage:
         if size > self.KEEP_ELEMENTS:
             return torch.empty(size, dtype=torch.int32, device=self.device)
         if self.out_device.numel() < size:
-            self.out_device = torch.empty(min(self.KEEP_ELEMENTS, max(size, 2 * self.out_device.numel())),
-                                          dtype=torch.int32, device=self.device)  # fmt: skip
+            self.out_device = torch.empty(
+                min(self.KEEP_ELEMENTS, max(size, 2 * self.out_device.numel())), dtype=torch.int32, device=self.device
+            )
         return self.out_device[:size]
 
 
@@ -423,9 +424,15 @@ class TritonChunkBuilder:
                     out.fill_(self.poison)
                 token_to_seq, ks, ke = (out[where] for where in segments)
                 launch_prefill_metadata_kernel(
-                    table_device.view(-1, len(TABLE_COLUMNS)), token_to_seq, ks, ke, dcp=dcp, compress_ratio=ratio,
-                    kernel=self.kernel, admit=self.admit,
-                )  # fmt: skip
+                    table_device.view(-1, len(TABLE_COLUMNS)),
+                    token_to_seq,
+                    ks,
+                    ke,
+                    dcp=dcp,
+                    compress_ratio=ratio,
+                    kernel=self.kernel,
+                    admit=self.admit,
+                )
                 buffer[: 4 * size].view(torch.int32).copy_(out, non_blocking=True)
                 stage.done.record(stage.stream)
             stage.done.synchronize()  # torch releases the GIL while the driver waits

@@ -134,11 +134,20 @@ class AutoSelector(Generic[B]):
             self.crossover = crossover_of(points)
         table = " ".join(f"{p.elements}:{p.numpy_us:.0f}/{p.triton_us:.0f}us" for p in points)
         if self.crossover > 0:
-            log.info("auto backend: triton from %d output elements, numpy below (ratio %d, %.3f s; elements:numpy/"
-                     "triton %s)", self.crossover, ratio, time.perf_counter() - start, table)  # fmt: skip
+            log.info(
+                "auto backend: triton from %d output elements, numpy below (ratio %d, %.3f s; elements:numpy/"
+                "triton %s)",
+                self.crossover,
+                ratio,
+                time.perf_counter() - start,
+                table,
+            )
         else:
-            log.info("auto backend: numpy for every size, triton was never faster (ratio %d; elements:numpy/triton "
-                     "%s)", ratio, table)  # fmt: skip
+            log.info(
+                "auto backend: numpy for every size, triton was never faster (ratio %d; elements:numpy/triton %s)",
+                ratio,
+                table,
+            )
         return self.crossover
 
     def describe(self) -> str:

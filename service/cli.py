@@ -86,14 +86,24 @@ def _precompile(args: argparse.Namespace) -> int:
     config = _configure(args, needs_warmup="precompile")
     cache_dir = use_triton_cache_dir(config.triton_cache_dir)
     keys = warmup_keys(config.model)
-    log.info("precompile start keys=%d target=%s cache_dir=%s", len(keys), config.warmup_target,
-             cache_dir or "(Triton's default)")  # fmt: skip
+    log.info(
+        "precompile start keys=%d target=%s cache_dir=%s",
+        len(keys),
+        config.warmup_target,
+        cache_dir or "(Triton's default)",
+    )
     start = time.perf_counter()
-    outcomes = compile_and_log(keys, config.warmup_target, config.warmup_workers, "precompile")
+    outcomes = compile_and_log(keys, keys, config.warmup_target, config.warmup_workers, "precompile")
     failed = sum(not o.ok for o in outcomes)
-    log.log(logging.ERROR if failed else logging.INFO, "precompile %s keys=%d failed=%d seconds=%.3f cache_dir=%s",
-            "failed" if failed else "done", len(keys), failed, time.perf_counter() - start,
-            cache_dir or "(Triton's default)")  # fmt: skip
+    log.log(
+        logging.ERROR if failed else logging.INFO,
+        "precompile %s keys=%d failed=%d seconds=%.3f cache_dir=%s",
+        "failed" if failed else "done",
+        len(keys),
+        failed,
+        time.perf_counter() - start,
+        cache_dir or "(Triton's default)",
+    )
     return EXIT_FAILED if failed else EXIT_OK
 
 
@@ -134,9 +144,14 @@ def _check(args: argparse.Namespace) -> int:
     # No client-side health check (a server that is not SERVING must still answer), one attempt and no
     # waiting for a ready server: the answer is about this server now.
     with IndexerClient(
-        args.address, timeout=args.timeout, max_attempts=1, health_check=False, wait_for_ready=False,
-        credentials=credentials, connections=1,
-    ) as client:  # fmt: skip
+        args.address,
+        timeout=args.timeout,
+        max_attempts=1,
+        health_check=False,
+        wait_for_ready=False,
+        credentials=credentials,
+        connections=1,
+    ) as client:
         try:
             overall, service = client.health(""), client.health(SERVICE_NAME)
             status = client.warmup_status()
@@ -171,43 +186,51 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     serve = commands.add_parser(
-        "serve", help="run the server (gRPC and HTTP)",
+        "serve",
+        help="run the server (gRPC and HTTP)",
         description="Start the gRPC and HTTP servers, warm up, serve until SIGTERM, then drain and exit 0.",
-    )  # fmt: skip
+    )
     add_config_arguments(serve)
-    serve.add_argument("--port-file", type=Path, metavar="PATH",
-                       help="write the bound ports as JSON here once both listeners are up")  # fmt: skip
+    serve.add_argument(
+        "--port-file", type=Path, metavar="PATH", help="write the bound ports as JSON here once both listeners are up"
+    )
     serve.set_defaults(run=_serve)
 
     keys = commands.add_parser(
-        "keys", help="print the normalised warmup set, one JSON object a line",
+        "keys",
+        help="print the normalised warmup set, one JSON object a line",
         description="Print every compile key of the configured model's warmup set (every axis), one JSON a line.",
-    )  # fmt: skip
+    )
     add_config_arguments(keys)
     keys.set_defaults(run=_keys)
 
     precompile = commands.add_parser(
-        "precompile", help="fill a Triton cache ahead of time, without serving",
+        "precompile",
+        help="fill a Triton cache ahead of time, without serving",
         description="Compile the warmup set for --target into --cache-dir, with no GPU needed; exit 1 if any "
         "key fails.",
-    )  # fmt: skip
+    )
     add_config_arguments(precompile, aliases={"warmup_target": "--target", "triton_cache_dir": "--cache-dir"})
     precompile.set_defaults(run=_precompile)
 
     check = commands.add_parser(
-        "check", help="ask a running server for its health and warmup status",
+        "check",
+        help="ask a running server for its health and warmup status",
         description="Call a running server once; print its health and warmup status. Exit 0 when serving, 1 when "
         "not serving (or answering as something else), 2 on a usage error (a bad flag, an unreadable --tls-* "
         "file), 3 when unreachable (connection refused, TLS handshake failed, no answer within --timeout). "
         "Takes only the flags below, not the server's settings. Any --tls* flag turns TLS on; the server's "
         "certificate must then chain to --tls-ca, or to the system's trusted roots without it.",
-    )  # fmt: skip
+    )
     check.add_argument("address", help="host:port of the gRPC server (or a gRPC target such as dns:///name:port)")
     check.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS", help="deadline of each call")
     check.add_argument("--tls", action="store_true", help="connect with TLS, trusting the system's roots")
     check.add_argument("--tls-ca", metavar="PEM", help="connect with TLS, trusting this CA bundle")
-    check.add_argument("--tls-cert", metavar="PEM", help="client certificate (TLS on), for a server that requires "
-                       "mutual TLS; needs --tls-key")  # fmt: skip
+    check.add_argument(
+        "--tls-cert",
+        metavar="PEM",
+        help="client certificate (TLS on), for a server that requires mutual TLS; needs --tls-key",
+    )
     check.add_argument("--tls-key", metavar="PEM", help="private key of --tls-cert")
     check.set_defaults(run=_check)
     return parser

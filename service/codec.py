@@ -158,10 +158,9 @@ def _wire_view(values: np.ndarray, field: str) -> memoryview:
 
 
 _MESSAGE, _BYTES, _SCALAR = range(3)
-_VARINT_TYPES = frozenset({
-    FieldDescriptor.TYPE_INT32, FieldDescriptor.TYPE_INT64, FieldDescriptor.TYPE_UINT32,
-    FieldDescriptor.TYPE_UINT64, FieldDescriptor.TYPE_BOOL, FieldDescriptor.TYPE_ENUM,
-})  # fmt: skip
+_VARINT_TYPES = frozenset(
+    getattr(FieldDescriptor, f"TYPE_{name}") for name in ("INT32", "INT64", "UINT32", "UINT64", "BOOL", "ENUM")
+)
 
 
 class _WireMessage:
@@ -226,11 +225,9 @@ def plan_response_bytes(plan: PrefillPlan, omit_token_to_seq: bool) -> bytes:
     """A serialized PlanBatchResponse."""
     fields = ("req_start", "req_end", "query_start", "query_stop")
     chunks = [_CHUNK_SPEC.parts({name: getattr(c, name) for name in fields}) for c in plan.chunks]
-    return b"".join(_PLAN_BATCH_RESPONSE.parts({
-        "chunks": chunks,
-        "metadata": [_metadata_parts(meta, omit_token_to_seq) for meta in plan.metadata],
-        "max_prefill_seq_len": plan.max_prefill_seq_len,
-    }))  # fmt: skip
+    metadata = [_metadata_parts(meta, omit_token_to_seq) for meta in plan.metadata]
+    values = {"chunks": chunks, "metadata": metadata, "max_prefill_seq_len": plan.max_prefill_seq_len}
+    return b"".join(_PLAN_BATCH_RESPONSE.parts(values))
 
 
 def metadata_from_proto(message: pb.ChunkMetadata) -> ChunkMetadata:

@@ -435,18 +435,26 @@ def _validate_tls(config: ServiceConfig, sources: Mapping[str, str]) -> None:
     config error naming the setting, not a bind failure later."""
     cert, key, client_ca = config.tls_cert_file, config.tls_key_file, config.tls_client_ca_file
     if cert and not key:
-        raise ConfigError("tls_key_file", f"not set, but tls_cert_file is ({sources.get('tls_cert_file')}): "
-                          "TLS needs both")  # fmt: skip
+        raise ConfigError(
+            "tls_key_file", f"not set, but tls_cert_file is ({sources.get('tls_cert_file')}): TLS needs both"
+        )
     if key and not cert:
-        raise ConfigError("tls_cert_file", f"not set, but tls_key_file is ({sources.get('tls_key_file')}): "
-                          "TLS needs both")  # fmt: skip
+        raise ConfigError(
+            "tls_cert_file", f"not set, but tls_key_file is ({sources.get('tls_key_file')}): TLS needs both"
+        )
     if client_ca and not cert:
-        raise ConfigError("tls_client_ca_file", "mutual TLS needs tls_cert_file and tls_key_file too",
-                          sources.get("tls_client_ca_file"))  # fmt: skip
+        raise ConfigError(
+            "tls_client_ca_file",
+            "mutual TLS needs tls_cert_file and tls_key_file too",
+            sources.get("tls_client_ca_file"),
+        )
     if not cert:
         return
-    for name, marker in (("tls_cert_file", "CERTIFICATE"), ("tls_key_file", "PRIVATE KEY"),
-                         ("tls_client_ca_file", "CERTIFICATE")):  # fmt: skip
+    for name, marker in (
+        ("tls_cert_file", "CERTIFICATE"),
+        ("tls_key_file", "PRIVATE KEY"),
+        ("tls_client_ca_file", "CERTIFICATE"),
+    ):
         path = getattr(config, name)
         if not path:
             continue
@@ -463,8 +471,9 @@ def _validate_tls(config: ServiceConfig, sources: Mapping[str, str]) -> None:
             try:
                 ssl.create_default_context().load_verify_locations(cafile=getattr(config, name))
             except (ssl.SSLError, OSError, ValueError) as exc:
-                raise ConfigError(name, f"{getattr(config, name)}: not a valid PEM certificate: {_one_line(exc)}",
-                                  sources.get(name)) from None  # fmt: skip
+                raise ConfigError(
+                    name, f"{getattr(config, name)}: not a valid PEM certificate: {_one_line(exc)}", sources.get(name)
+                ) from None
     try:
         # A key that is encrypted, broken, or not the certificate's own: the password callback keeps OpenSSL
         # from prompting on the terminal.
@@ -520,8 +529,9 @@ def add_config_arguments(parser: argparse.ArgumentParser, aliases: Mapping[str, 
         if f.type == "bool":
             group.add_argument(*options, dest=name, action=_StoreBool, default=None, help=f.metadata["help"])
         else:
-            group.add_argument(*options, dest=name, action=_Store, default=None, metavar="VALUE",
-                               help=f.metadata["help"])  # fmt: skip
+            group.add_argument(
+                *options, dest=name, action=_Store, default=None, metavar="VALUE", help=f.metadata["help"]
+            )
 
 
 def config_from_arguments(args: argparse.Namespace, needs_warmup: str = "") -> ServiceConfig:

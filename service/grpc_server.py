@@ -30,7 +30,7 @@ from indexer_service.service.admission import Caller, DrainWatchdog
 from indexer_service.service.codec import SERVICE_NAME
 from indexer_service.service.config import ServiceConfig
 from indexer_service.service.dataplane import DataPlane
-from indexer_service.service.errors import Code, ServiceError
+from indexer_service.service.errors import Code, ServiceError, Shed
 from indexer_service.service.health import HealthServicer
 from indexer_service.service.limits import max_request_bytes
 from indexer_service.service.reflection import reflection_handlers
@@ -132,11 +132,12 @@ class PrefillMetadataHandler(grpc.GenericRpcHandler):
 
         def refuse(data: bytes, context: grpc.ServicerContext) -> bytes:
             message = f"busy: {pool.calls} calls in the server (max_concurrent_rpcs {limit}); retry with backoff"
-            plane.shed(method, "concurrency", message)
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
+            plane.shed(method, "concurrency", message)  # the data plane never sees this call
+            raise Shed("concurrency", message)
 
-        refuse.experimental_thread_pool = self.refusals  # grpcio runs a behaviour on the pool it names
-        return grpc.unary_unary_rpc_method_handler(refuse)
+        refusing = error_mapped(refuse)
+        refusing.experimental_thread_pool = self.refusals  # grpcio runs a behaviour on the pool it names
+        return grpc.unary_unary_rpc_method_handler(refusing)
 
     def _unary(self, method: str) -> grpc.RpcMethodHandler:
         plane, pool, watchdog = self.plane, self.pool, self.watchdog
@@ -206,10 +207,6 @@ def access_logged(method: str, behavior: Behavior) -> Behavior:
                 log.debug("rpc method=%s code=OK ms=%.3f peer=%s", method, milliseconds, context.peer())
 
     return logged
-
-
-def health_listener(servicer: HealthServicer) -> Callable[[bool], None]:
-    return servicer.set_serving
 
 
 def connection_age_options(seconds: float) -> list[tuple[str, int]]:

@@ -49,17 +49,26 @@ class Metrics:
         self.registry = registry or CollectorRegistry()
         r = self.registry
         self.warmup_keys = Gauge(
-            "indexer_warmup_keys", "Compile keys of the warmup set, by state (planned = size of the set).",
-            ["state"], registry=r, multiprocess_mode="livemax",
-        )  # fmt: skip
+            "indexer_warmup_keys",
+            "Compile keys of the warmup set, by state (planned = size of the set).",
+            ["state"],
+            registry=r,
+            multiprocess_mode="livemax",
+        )
         self.warmup_key_compile_seconds = Gauge(
-            "indexer_warmup_key_compile_seconds", "Seconds the last warmup spent compiling each key.",
-            ["key"], registry=r, multiprocess_mode="livemax",
-        )  # fmt: skip
+            "indexer_warmup_key_compile_seconds",
+            "Seconds the last warmup spent compiling each key.",
+            ["key"],
+            registry=r,
+            multiprocess_mode="livemax",
+        )
         self.compile_duration_seconds = Histogram(
-            "indexer_compile_duration_seconds", "Seconds per kernel compile (warmup and after ready).",
-            ["phase"], buckets=COMPILE_BUCKETS, registry=r,
-        )  # fmt: skip
+            "indexer_compile_duration_seconds",
+            "Seconds per kernel compile (warmup and after ready).",
+            ["phase"],
+            buckets=COMPILE_BUCKETS,
+            registry=r,
+        )
         self.warmup_duration_seconds = Gauge(
             "indexer_warmup_duration_seconds",
             "Wall seconds of the start-up warmup, all keys.",
@@ -71,33 +80,46 @@ class Metrics:
         )
         # Workers: the least ready live process; the supervisor writes the replica's own (0 while a worker is down).
         self.ready = Gauge(
-            "indexer_ready", "1 when warmup has finished and the server takes requests.", registry=r,
+            "indexer_ready",
+            "1 when warmup has finished and the server takes requests.",
+            registry=r,
             multiprocess_mode="livemin",
-        )  # fmt: skip
+        )
         self.compiles_after_ready_total = Counter(
             "indexer_compiles_after_ready_total",
             "Kernel compiles (including disk-cache loads) after the server turned ready; should stay 0.",
             registry=r,
         )
         self.request_duration_seconds = Histogram(
-            "indexer_request_duration_seconds", "RPC latency inside the server, by method and gRPC status code.",
-            ["method", "code"], buckets=LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
+            "indexer_request_duration_seconds",
+            "RPC latency inside the server, by method and gRPC status code.",
+            ["method", "code"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.backend_duration_seconds = Histogram(
-            "indexer_backend_duration_seconds", "Seconds spent in the compute backend per RPC.",
-            ["method", "backend"], buckets=LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
+            "indexer_backend_duration_seconds",
+            "Seconds spent in the compute backend per RPC.",
+            ["method", "backend"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.request_query_tokens = Histogram(
             "indexer_request_query_tokens", "Query tokens per RPC.", ["method"], buckets=TOKEN_BUCKETS, registry=r
         )
         self.request_batch_requests = Histogram(
-            "indexer_request_batch_requests", "Requests (sequences) per RPC.", ["method"],
-            buckets=REQUEST_COUNT_BUCKETS, registry=r,
-        )  # fmt: skip
+            "indexer_request_batch_requests",
+            "Requests (sequences) per RPC.",
+            ["method"],
+            buckets=REQUEST_COUNT_BUCKETS,
+            registry=r,
+        )
         self.request_errors_total = Counter(
-            "indexer_request_errors_total", "RPCs answered with a non-OK status, by method and code.",
-            ["method", "code"], registry=r,
-        )  # fmt: skip
+            "indexer_request_errors_total",
+            "RPCs answered with a non-OK status, by method and code.",
+            ["method", "code"],
+            registry=r,
+        )
         self.requests_in_flight = Gauge(
             "indexer_requests_in_flight",
             "RPCs being served right now.",
@@ -108,8 +130,9 @@ class Metrics:
         self.requests_shed_total = Counter(
             "indexer_requests_shed_total",
             "Calls the server refused or cut to protect itself (overload or abuse), by method and reason.",
-            ["method", "reason"], registry=r,
-        )  # fmt: skip
+            ["method", "reason"],
+            registry=r,
+        )
         self.response_bytes_held = Gauge(
             "indexer_response_bytes_held",
             "Bytes of responses being built, queued or not yet read.",
@@ -126,9 +149,11 @@ class Metrics:
             "indexer_http_connections", "Open HTTP connections.", registry=r, multiprocess_mode="livesum"
         )
         self.http_refused_total = Counter(
-            "indexer_http_refused_total", "HTTP connections or requests refused by a limit, by reason.",
-            ["reason"], registry=r,
-        )  # fmt: skip
+            "indexer_http_refused_total",
+            "HTTP connections or requests refused by a limit, by reason.",
+            ["reason"],
+            registry=r,
+        )
         self._children: dict[tuple[int, tuple[str, ...]], object] = {}
         for state in WARMUP_STATES:
             self.warmup_keys.labels(state=state).set(0)
@@ -191,21 +216,31 @@ class SupervisorMetrics:
     def __init__(self, workers: int) -> None:
         r = CollectorRegistry()  # never served: the workers' /metrics read the files
         self.worker_up = Gauge(
-            "indexer_worker_up", "1 while the worker process of this slot runs.", ["worker"], registry=r,
-            multiprocess_mode="max",
-        )  # fmt: skip
-        self.worker_ready = Gauge(
-            "indexer_worker_ready", "1 while the worker of this slot is ready (warmed up, not draining).",
-            ["worker"], registry=r, multiprocess_mode="max",
-        )  # fmt: skip
-        self.worker_restarts_total = Counter(
-            "indexer_worker_restarts_total", "Worker processes restarted after they died, by slot.", ["worker"],
+            "indexer_worker_up",
+            "1 while the worker process of this slot runs.",
+            ["worker"],
             registry=r,
-        )  # fmt: skip
+            multiprocess_mode="max",
+        )
+        self.worker_ready = Gauge(
+            "indexer_worker_ready",
+            "1 while the worker of this slot is ready (warmed up, not draining).",
+            ["worker"],
+            registry=r,
+            multiprocess_mode="max",
+        )
+        self.worker_restarts_total = Counter(
+            "indexer_worker_restarts_total",
+            "Worker processes restarted after they died, by slot.",
+            ["worker"],
+            registry=r,
+        )
         self.ready = Gauge(
-            "indexer_ready", "1 when warmup has finished and the server takes requests.", registry=r,
+            "indexer_ready",
+            "1 when warmup has finished and the server takes requests.",
+            registry=r,
             multiprocess_mode="livemin",
-        )  # fmt: skip
+        )
         self.ready.set(0)
         for n in range(workers):
             slot = str(n)

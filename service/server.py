@@ -64,10 +64,15 @@ class _HttpServer:
                 raise OSError(f"cannot bind HTTP to {host_port(host, port)}: {exc}") from None
         self.port = self.socket.getsockname()[1]
         config = uvicorn.Config(
-            app, loop="uvloop", http=limited_protocol(service_config, metrics), lifespan="off", access_log=False,
-            log_config=None, timeout_graceful_shutdown=max(grace, 0.1),
+            app,
+            loop="uvloop",
+            http=limited_protocol(service_config, metrics),
+            lifespan="off",
+            access_log=False,
+            log_config=None,
+            timeout_graceful_shutdown=max(grace, 0.1),
             timeout_keep_alive=service_config.http_idle_timeout_seconds,
-        )  # fmt: skip
+        )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]}, name="http")
 
@@ -105,13 +110,18 @@ class IndexerServer:
             enabled=config.warmup_enabled,
             workers=config.warmup_workers,
             metrics=self.metrics,
+            model=config.model,
         )
         admit = launch_admission(self.warmup) if config.strict else None
         backend = make_backend(self.backend, admit, config.native_fast_path)
         self.warmup.calibrate = backend.calibrate  # auto on CUDA: its crossover, measured before ready
-        log.info("backend=%s native_fast_path=%s warmup_target=%s triton_cache_dir=%s", self.backend,
-                 backend.build_chunk_fast is not None, self.warmup.target_name,
-                 cache_dir or "(Triton's default)")  # fmt: skip
+        log.info(
+            "backend=%s native_fast_path=%s warmup_target=%s triton_cache_dir=%s",
+            self.backend,
+            backend.build_chunk_fast is not None,
+            self.warmup.target_name,
+            cache_dir or "(Triton's default)",
+        )
         self.plane = DataPlane(config, self.metrics, self.warmup, backend)
         self.health = HealthServicer(HEALTH_NAMES)
         self.plane.readiness.add_listener(self.health.set_serving)
@@ -174,8 +184,12 @@ class IndexerServer:
         config = self.config
         self.plane.readiness.begin_drain()
         watchers = self.health.drain()
-        log.info("draining delay_seconds=%.1f grace_seconds=%.1f health_watchers_ended=%d",
-                 config.shutdown_delay_seconds, config.shutdown_grace_seconds, watchers)  # fmt: skip
+        log.info(
+            "draining delay_seconds=%.1f grace_seconds=%.1f health_watchers_ended=%d",
+            config.shutdown_delay_seconds,
+            config.shutdown_grace_seconds,
+            watchers,
+        )
         if config.shutdown_delay_seconds:
             time.sleep(config.shutdown_delay_seconds)
         start = time.monotonic()
@@ -246,8 +260,12 @@ def serve(config: ServiceConfig, port_file: Path | None = None, signals: Shutdow
     signals = signals or ShutdownSignals()
     try:
         log.info("start pid=%d config: %s", os.getpid(), config.summary())
-        log.info("tls mode=%s cert=%s client_ca=%s", tls_mode(config), config.tls_cert_file or "-",
-                 config.tls_client_ca_file or "-")  # fmt: skip
+        log.info(
+            "tls mode=%s cert=%s client_ca=%s",
+            tls_mode(config),
+            config.tls_cert_file or "-",
+            config.tls_client_ca_file or "-",
+        )
         if port_file is not None:
             _check_port_file(port_file)
         configure_malloc(config.malloc_arena_max, config.malloc_retain_bytes)

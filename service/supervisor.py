@@ -224,22 +224,29 @@ class Supervisor:
         self._http = listen_http(config.http_host, config.http_port)
         self.health = HealthServicer(HEALTH_NAMES)
         self.health_server, health_port = create_health_server(config, self.health)
-        self.config = replace(config, grpc_port=grpc_port, http_port=self._http.getsockname()[1],
-                              health_port=health_port, workers=1)  # fmt: skip
+        self.config = replace(
+            config, grpc_port=grpc_port, http_port=self._http.getsockname()[1], health_port=health_port, workers=1
+        )
         self._write_status("starting")
         (self.runtime / CONFIG_FILE).write_text(json.dumps(asdict(self.config)))
         self.health_server.start()
-        log.info("workers n=%d from=%s grpc=%s (shared, SO_REUSEPORT) health=%s http=%s runtime=%s", self.workers,
-                 self.source, host_port(config.grpc_host, grpc_port), host_port(config.grpc_host, health_port),
-                 host_port(config.http_host, self.config.http_port), self.runtime)  # fmt: skip
+        log.info(
+            "workers n=%d from=%s grpc=%s (shared, SO_REUSEPORT) health=%s http=%s runtime=%s",
+            self.workers,
+            self.source,
+            host_port(config.grpc_host, grpc_port),
+            host_port(config.grpc_host, health_port),
+            host_port(config.http_host, self.config.http_port),
+            self.runtime,
+        )
         for slot in self.slots:
             self._spawn(slot)
 
     def _spawn(self, slot: Slot) -> None:
         read, write = os.pipe()
         http_fd = self._http.fileno()
-        command = [sys.executable, "-m", "indexer_service.service.worker", str(self.runtime), slot.label,
-                   str(write), str(http_fd), str(os.getpid())]  # fmt: skip
+        worker_args = (self.runtime, slot.label, write, http_fd, os.getpid())  # service/worker.py's argv
+        command = [sys.executable, "-m", "indexer_service.service.worker", *map(str, worker_args)]
         try:
             slot.process = subprocess.Popen(command, pass_fds=(write, http_fd))
         finally:
@@ -252,8 +259,7 @@ class Supervisor:
         self.metrics.worker_up.labels(worker=slot.label).set(1)
         if slot.lives > 1:
             self.metrics.worker_restarts_total.labels(worker=slot.label).inc()
-            log.warning("worker restarted worker=%d pid=%d restarts=%d", slot.number, slot.process.pid,
-                        slot.lives - 1)  # fmt: skip
+            log.warning("worker restarted worker=%d pid=%d restarts=%d", slot.number, slot.process.pid, slot.lives - 1)
         else:
             log.info("worker started worker=%d pid=%d", slot.number, slot.process.pid)
 
@@ -298,8 +304,12 @@ class Supervisor:
             elif line.startswith(b"ready "):
                 slot.ready = line == b"ready 1"
                 self.metrics.worker_ready.labels(worker=slot.label).set(int(slot.ready))
-                log.info("worker %s worker=%d pid=%d", "ready" if slot.ready else "not ready", slot.number,
-                         slot.process.pid if slot.process else -1)  # fmt: skip
+                log.info(
+                    "worker %s worker=%d pid=%d",
+                    "ready" if slot.ready else "not ready",
+                    slot.number,
+                    slot.process.pid if slot.process else -1,
+                )
 
     def _exited(self, slot: Slot) -> None:
         from prometheus_client import multiprocess
@@ -324,8 +334,15 @@ class Supervisor:
         backoff = min(BACKOFF_MAX_SECONDS, BACKOFF_FIRST_SECONDS * 2**slot.failures_in_a_row)
         slot.failures_in_a_row += 1
         slot.restart_at = time.monotonic() + backoff
-        log.error("worker exited worker=%d pid=%d code=%d %s lived_seconds=%.1f restart_in_seconds=%.1f", slot.number,
-                  process.pid, code, slot.last_exit, lived, backoff)  # fmt: skip
+        log.error(
+            "worker exited worker=%d pid=%d code=%d %s lived_seconds=%.1f restart_in_seconds=%.1f",
+            slot.number,
+            process.pid,
+            code,
+            slot.last_exit,
+            lived,
+            backoff,
+        )
 
     def _refresh(self) -> None:
         """The replica is ready when every worker is (and it is not draining): health port, gauge, /readyz."""
@@ -365,8 +382,13 @@ class Supervisor:
         if self.metrics is not None:
             self._refresh()
         live = [s for s in self.slots if s.process is not None]
-        log.info("draining workers=%d delay_seconds=%.1f grace_seconds=%.1f health_watchers_ended=%d", len(live),
-                 config.shutdown_delay_seconds, config.shutdown_grace_seconds, watchers)  # fmt: skip
+        log.info(
+            "draining workers=%d delay_seconds=%.1f grace_seconds=%.1f health_watchers_ended=%d",
+            len(live),
+            config.shutdown_delay_seconds,
+            config.shutdown_grace_seconds,
+            watchers,
+        )
         start = time.monotonic()
         for slot in live:
             slot.process.send_signal(signal.SIGTERM)
@@ -375,13 +397,15 @@ class Supervisor:
             try:
                 slot.process.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                log.error("worker still running after the grace worker=%d pid=%d: killed", slot.number,
-                          slot.process.pid)  # fmt: skip
+                log.error(
+                    "worker still running after the grace worker=%d pid=%d: killed", slot.number, slot.process.pid
+                )
                 slot.process.kill()
                 slot.process.wait()
             if slot.process.returncode != 0:
-                log.warning("worker ended worker=%d pid=%d code=%d", slot.number, slot.process.pid,
-                            slot.process.returncode)  # fmt: skip
+                log.warning(
+                    "worker ended worker=%d pid=%d code=%d", slot.number, slot.process.pid, slot.process.returncode
+                )
         self.close()
         log.info("stopped drain_seconds=%.3f", time.monotonic() - start)
 
@@ -421,8 +445,12 @@ def supervise(
     from indexer_service.service.server import _check_port_file, tls_mode
 
     log.info("start pid=%d config: %s", os.getpid(), config.summary())
-    log.info("tls mode=%s cert=%s client_ca=%s", tls_mode(config), config.tls_cert_file or "-",
-             config.tls_client_ca_file or "-")  # fmt: skip
+    log.info(
+        "tls mode=%s cert=%s client_ca=%s",
+        tls_mode(config),
+        config.tls_cert_file or "-",
+        config.tls_client_ca_file or "-",
+    )
     if port_file is not None:
         _check_port_file(port_file)
     if signals.pending() is not None:
@@ -446,8 +474,13 @@ def supervise(
 
 def _write_ports(path: Path, supervisor: Supervisor) -> None:
     config = supervisor.config
-    payload = {"grpc_port": config.grpc_port, "http_port": config.http_port, "health_port": config.health_port,
-               "pid": os.getpid(), "workers": supervisor.workers}  # fmt: skip
+    payload = {
+        "grpc_port": config.grpc_port,
+        "http_port": config.http_port,
+        "health_port": config.health_port,
+        "pid": os.getpid(),
+        "workers": supervisor.workers,
+    }
     partial = path.with_name(path.name + ".partial")
     partial.write_text(json.dumps(payload) + "\n")
     partial.replace(path)

@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from indexer_service.kernels.specialization import CompileKey
+from indexer_service.kernels.specialization import CompileKey, ModelConfig, warmup_keys
 from indexer_service.service.metrics import Metrics
 
 if TYPE_CHECKING:  # the compile engine imports torch and Triton: loaded only when something compiles
@@ -70,12 +70,15 @@ def use_triton_cache_dir(configured: str) -> str | None:
 
 def compile_and_log(
     keys: Sequence[CompileKey],
+    model_keys: Sequence[CompileKey],
     target: str | None,
     workers: int,
     phase: str,
     on_outcome: Callable[[CompileOutcome], None] | None = None,
 ) -> list[CompileOutcome]:
-    """Compile ``keys`` (the model's whole warmup set), logging ``<phase> n/N key=... seconds=...`` per key."""
+    """Compile ``keys``, logging ``<phase> n/N key=... seconds=...`` per key. Every key must be in
+    ``model_keys``, the model's warmup set (:func:`~kernels.specialization.warmup_keys`): the compile engine
+    refuses any other before anything compiles."""
     from indexer_service.kernels.compile_engine import compile_keys
 
     def progress(done: int, total: int, outcome: CompileOutcome) -> None:
@@ -84,12 +87,17 @@ def compile_and_log(
         else:
             log.error(
                 "%s %d/%d key=%s seconds=%.3f failed error=%r",
-                phase, done, total, outcome.key.label(), outcome.seconds, outcome.error,
-            )  # fmt: skip
+                phase,
+                done,
+                total,
+                outcome.key.label(),
+                outcome.seconds,
+                outcome.error,
+            )
         if on_outcome is not None:
             on_outcome(outcome)
 
-    return compile_keys(keys, keys, target=target, workers=workers, progress=progress)
+    return compile_keys(keys, model_keys, target=target, workers=workers, progress=progress)
 
 
 class Warmup:
@@ -103,8 +111,12 @@ class Warmup:
         enabled: bool,
         workers: int,
         metrics: Metrics,
+        model: ModelConfig | None = None,
     ) -> None:
         self.keys = tuple(keys)
+        # What the keys are checked against before anything compiles: the model's warmup set (without a model,
+        # in tests that warm a chosen set, the keys themselves).
+        self.model_keys = tuple(warmup_keys(model)) if model is not None else self.keys
         self.target = target  # None: in-process on the serving GPU
         self.enabled = enabled
         self.workers = workers
@@ -150,7 +162,7 @@ class Warmup:
         log.info("warmup start keys=%d target=%s workers=%d", len(self.keys), self.target_name, self.workers)
         start = time.perf_counter()
         try:
-            compile_and_log(self.keys, self.target, self.workers, "warmup", self._record)
+            compile_and_log(self.keys, self.model_keys, self.target, self.workers, "warmup", self._record)
         except Exception as exc:  # fail closed: a warmup that could not run leaves the server not ready
             log.exception("warmup aborted target=%s error=%r", self.target_name, exc)
             with self._lock:

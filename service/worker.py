@@ -94,8 +94,11 @@ def run_worker(link: WorkerLink, signals: object) -> int:
     values = json.loads((link.runtime_dir / CONFIG_FILE).read_text())
     values["compress_ratios"] = tuple(values["compress_ratios"])
     config = ServiceConfig(**values)
-    logging.basicConfig(level=config.log_level.upper(), force=True,
-                        format=f"%(asctime)s %(levelname)s %(name)s %(message)s worker={link.slot}")  # fmt: skip
+    logging.basicConfig(
+        level=config.log_level.upper(),
+        force=True,
+        format=f"%(asctime)s %(levelname)s %(name)s %(message)s worker={link.slot}",
+    )
     log.info("start pid=%d", os.getpid())
     configure_malloc(config.malloc_arena_max, config.malloc_retain_bytes)
     server = IndexerServer(config, link) if signals.pending() is None else None
