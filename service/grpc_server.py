@@ -144,6 +144,10 @@ class PrefillMetadataHandler(grpc.GenericRpcHandler):
 
         def behavior(data: bytes, context: grpc.ServicerContext) -> bytes:
             pool.note_started()
+            gone = abandoned_code(context)
+            if gone is not None:  # it waited for a thread past its deadline, or its caller cancelled meanwhile
+                plane.shed(method, "queue_deadline", f"{gone.name} before the call started")
+                context.abort(gone, "the caller went away (cancelled or past its deadline) before the call started")
             caller = Caller(context.peer(), lambda: abandoned_code(context))
             response = plane.call(method, data, caller=caller)
             ticket = caller.ticket

@@ -29,6 +29,7 @@ MODULES = {
     "service/client.py": "client.py",
     "service/codec.py": "codec.py",
     "kernels/inputs.py": "kernels/inputs.py",
+    "kernels/formulas.py": "kernels/formulas.py",
     "kernels/planner.py": "kernels/planner.py",
     "kernels/specialization.py": "kernels/specialization.py",
     "protos/indexer/v1/indexer_pb2.py": "protos/indexer/v1/indexer_pb2.py",
