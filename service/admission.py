@@ -248,9 +248,9 @@ class HeavyLane:
 @dataclass
 class Caller:
     """Who a call is for, as its transport sees it: which connection (``peer``), whether the caller still waits
-    (``gone()`` returns the status the call ends with once it has cancelled or passed its deadline: CANCELLED
-    or DEADLINE_EXCEEDED), and, once the data plane has answered, the budget ``ticket`` of the answer: the
-    transport releases it when the answer has been handed over."""
+    (``gone()`` returns the :class:`~service.errors.Code` the call ends with once it has cancelled or passed
+    its deadline: CANCELLED or DEADLINE_EXCEEDED), and, once the data plane has answered, the budget ``ticket``
+    of the answer: the transport releases it when the answer has been handed over."""
 
     peer: str = "local"
     gone: Callable[[], Any] = field(default=lambda: None)
