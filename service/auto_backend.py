@@ -22,7 +22,6 @@ import numpy as np
 
 from indexer_service.kernels.inputs import ChunkHostPart, ChunkInputs, DcpConfig, chunk_host_part
 from indexer_service.kernels.specialization import CompileKey
-from indexer_service.kernels.testing import batch_with_tokens
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +57,18 @@ def crossover_of(points: Sequence[CalibrationPoint]) -> int:
             break
         crossover = point.elements
     return crossover
+
+
+def batch_with_tokens(rng: np.random.Generator, num_requests: int, query_tokens: int, context_per_request: int):
+    """A synthetic batch of ``num_requests`` whose query lengths add up to about ``query_tokens``, each request
+    with about ``context_per_request`` tokens of context: what the calibration times (the benchmarks' batches
+    are made the same way, testkit/batches.py)."""
+    weights = rng.random(num_requests) + 0.5
+    query_lens = np.maximum(1, np.round(weights / weights.sum() * query_tokens)).astype(np.int64)
+    qsl = np.zeros(num_requests + 1, dtype=np.int32)
+    np.cumsum(query_lens, out=qsl[1:])
+    context = rng.integers(context_per_request // 2, context_per_request * 3 // 2 + 1, num_requests)
+    return qsl, (query_lens + context).astype(np.int32)
 
 
 def calibration_chunk(requests: int, ratio: int) -> ChunkInputs:

@@ -246,6 +246,20 @@ def tls_mode(config: ServiceConfig) -> str:
     return "mutual" if config.tls_client_ca_file else "tls"
 
 
+def announce_start(config: ServiceConfig, port_file: Path | None) -> None:
+    """The start-up log lines (every setting, the TLS mode), then the port file's check: a process that could
+    not report its ports fails before anything listens. Shared by the one process and the supervisor."""
+    log.info("start pid=%d config: %s", os.getpid(), config.summary())
+    log.info(
+        "tls mode=%s cert=%s client_ca=%s",
+        tls_mode(config),
+        config.tls_cert_file or "-",
+        config.tls_client_ca_file or "-",
+    )
+    if port_file is not None:
+        _check_port_file(port_file)
+
+
 def serve(config: ServiceConfig, port_file: Path | None = None, signals: ShutdownSignals | None = None) -> int:
     """Run until SIGTERM or SIGINT, then drain; returns the exit code.
 
@@ -259,15 +273,7 @@ def serve(config: ServiceConfig, port_file: Path | None = None, signals: Shutdow
     own_signals = signals is None
     signals = signals or ShutdownSignals()
     try:
-        log.info("start pid=%d config: %s", os.getpid(), config.summary())
-        log.info(
-            "tls mode=%s cert=%s client_ca=%s",
-            tls_mode(config),
-            config.tls_cert_file or "-",
-            config.tls_client_ca_file or "-",
-        )
-        if port_file is not None:
-            _check_port_file(port_file)
+        announce_start(config, port_file)
         configure_malloc(config.malloc_arena_max, config.malloc_retain_bytes)
         server = IndexerServer(config) if signals.pending() is None else None
         if server is None or signals.pending() is not None:

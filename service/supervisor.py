@@ -442,17 +442,9 @@ def supervise(
     config: ServiceConfig, workers: int, source: str, port_file: Path | None, signals: ShutdownSignals
 ) -> int:
     """Run ``workers`` worker processes until SIGTERM or SIGINT, then drain them all; returns the exit code."""
-    from indexer_service.service.server import _check_port_file, tls_mode
+    from indexer_service.service.server import announce_start
 
-    log.info("start pid=%d config: %s", os.getpid(), config.summary())
-    log.info(
-        "tls mode=%s cert=%s client_ca=%s",
-        tls_mode(config),
-        config.tls_cert_file or "-",
-        config.tls_client_ca_file or "-",
-    )
-    if port_file is not None:
-        _check_port_file(port_file)
+    announce_start(config, port_file)
     if signals.pending() is not None:
         log.info("shutdown signal=%s before the server started", signals.wait().name)
         return 0

@@ -9,6 +9,9 @@ import numpy as np
 
 from indexer_service.kernels.inputs import ChunkInputs, DcpConfig
 
+# The calibration of the auto backend and the benchmarks make their batches the same way.
+from indexer_service.service.auto_backend import batch_with_tokens
+
 NO_DCP = DcpConfig()
 
 
@@ -29,16 +32,6 @@ def random_batch(rng: np.random.Generator, shape: BatchShape) -> tuple[np.ndarra
     context = rng.integers(0, shape.max_context + 1, shape.num_requests)
     qsl = np.zeros(shape.num_requests + 1, dtype=np.int32)
     np.cumsum(query_lens, out=qsl[1:])
-    return qsl, (query_lens + context).astype(np.int32)
-
-
-def batch_with_tokens(rng: np.random.Generator, num_requests: int, query_tokens: int, context_per_request: int):
-    """A batch of ``num_requests`` whose query lengths add up to about ``query_tokens`` (benchmarks)."""
-    weights = rng.random(num_requests) + 0.5
-    query_lens = np.maximum(1, np.round(weights / weights.sum() * query_tokens)).astype(np.int64)
-    qsl = np.zeros(num_requests + 1, dtype=np.int32)
-    np.cumsum(query_lens, out=qsl[1:])
-    context = rng.integers(context_per_request // 2, context_per_request * 3 // 2 + 1, num_requests)
     return qsl, (query_lens + context).astype(np.int32)
 
 
