@@ -53,11 +53,12 @@ def host_port(host: str, port: int) -> str:
 
 
 def abandoned_code(context: grpc.ServicerContext) -> Code | None:
-    """None while the caller waits; else DEADLINE_EXCEEDED or CANCELLED."""
-    if context.is_active():
-        return None
+    """None while the caller waits; else DEADLINE_EXCEEDED or CANCELLED. The deadline is read first: a call
+    stays "active" until the server's polling thread has handled its expiry, which under load comes late."""
     remaining = context.time_remaining()
-    return Code.DEADLINE_EXCEEDED if remaining is not None and remaining <= 0 else Code.CANCELLED
+    if remaining is not None and remaining <= 0:
+        return Code.DEADLINE_EXCEEDED
+    return None if context.is_active() else Code.CANCELLED
 
 
 class RpcThreadPool(ThreadPoolExecutor):
@@ -147,7 +148,7 @@ class PrefillMetadataHandler(grpc.GenericRpcHandler):
             gone = abandoned_code(context)
             if gone is not None:  # it waited for a thread past its deadline, or its caller cancelled meanwhile
                 plane.shed(method, "queue_deadline", f"{gone.name} before the call started")
-                context.abort(gone, "the caller went away (cancelled or past its deadline) before the call started")
+                context.abort(GRPC_STATUS[gone], "the caller went away (cancelled, or past its deadline) first")
             caller = Caller(context.peer(), lambda: abandoned_code(context))
             response = plane.call(method, data, caller=caller)
             ticket = caller.ticket

@@ -216,24 +216,24 @@ def test_shedding_is_counted_and_logged(serve) -> None:
     for ch in channels:
         ch.close()
     seen = {code.name: codes.count(code) for code in set(codes)}
-    refused_or_late = seen.get("RESOURCE_EXHAUSTED", 0) + seen.get("DEADLINE_EXCEEDED", 0)
-    # Every such call is counted somewhere: shed (for concurrency, even when the refusal reached its caller after
-    # the deadline, so the caller saw DEADLINE_EXCEEDED; as queue_deadline when it expired waiting for a thread)
-    # or as a DEADLINE_EXCEEDED error. One that expired in the pool's queue is counted when a thread reaches it,
-    # which can be just after the last call returned: give the queue a few seconds to drain.
+    # Every refusal is counted: shed for concurrency (even one that reached its caller after the deadline, seen
+    # as DEADLINE_EXCEEDED) or for the heavy lane. A call that expired waiting for a thread is counted
+    # (queue_deadline) when a thread reaches it, which can be just after the last call returned: let the pool
+    # drain. A call that expired before the server's polling thread took it from gRPC core (starved of the GIL by
+    # the heavy calls) never reaches the server and cannot be counted (docs/overload.md says so).
     give_up = time.monotonic() + 10.0
     while True:
         after = scrape(server.http_url)
         shed = counter_delta(before, after, SHED, "reason")
         errors = counter_delta(before, after, ERRORS, "code")
-        counted = sum(shed.values()) + errors.get("DEADLINE_EXCEEDED", 0)
-        if counted >= refused_or_late or time.monotonic() > give_up:
+        if sum(shed.values()) >= seen.get("RESOURCE_EXHAUSTED", 0) or time.monotonic() > give_up:
             break
         time.sleep(0.2)
     summary = f"callers saw {seen}; the server counted shed {shed}, errors {errors}"
     assert seen.get("RESOURCE_EXHAUSTED", 0) >= 1, f"nothing was shed: {summary}"
     assert sum(shed.values()) >= seen.get("RESOURCE_EXHAUSTED", 0), summary
-    assert counted >= refused_or_late, summary
+    late = shed.get("queue_deadline", 0) + errors.get("DEADLINE_EXCEEDED", 0)
+    assert late <= seen.get("DEADLINE_EXCEEDED", 0), summary  # counted once, never invented
     assert "shed reason=" in server.log(), server.log()[-3000:]
 
 
