@@ -63,6 +63,12 @@ def host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+def listen_flags(grpc_host: str = LOOPBACK, http_host: str = LOOPBACK) -> list[str]:
+    """``serve``'s flags for listening on these hosts at ports the OS picks (gRPC, HTTP and the health port)."""
+    return ["--grpc-host", grpc_host, "--http-host", http_host, "--grpc-port", "0", "--http-port", "0",
+            "--health-port", "0"]  # fmt: skip
+
+
 class ServiceProcess:
     """One server process on loopback ports chosen by the OS, found through the ``--port-file`` it writes.
 
@@ -89,20 +95,7 @@ class ServiceProcess:
         self.log_path = self.workdir / f"server-{os.getpid()}-{n}.log"
         self.grpc_host, self.http_host = grpc_host, http_host
         if command is None:
-            command = [
-                INDEXER_SERVICE,
-                "serve",
-                "--grpc-host",
-                grpc_host,
-                "--http-host",
-                http_host,
-                "--grpc-port",
-                "0",
-                "--http-port",
-                "0",
-                "--health-port",
-                "0",
-            ]
+            command = [INDEXER_SERVICE, "serve", *listen_flags(grpc_host, http_host)]
         self.command = [*command, "--port-file", str(self.port_file), *flags]
         self.env = env if env is not None else clean_env(TRITON_CACHE_DIR=str(self.workdir / "triton-cache"))
         self.cpus = set(cpus) if cpus is not None else None

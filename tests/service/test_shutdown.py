@@ -164,7 +164,7 @@ MOMENTS = [
 def test_a_signal_at_any_moment_ends_the_process_with_0(tmp_path) -> None:
     import subprocess
 
-    from testkit.harness import INDEXER_SERVICE, LOOPBACK, clean_env
+    from testkit.harness import INDEXER_SERVICE, clean_env, listen_flags
 
     outcomes = []
     for n, (signum, marker, delay) in enumerate(MOMENTS):
@@ -177,16 +177,7 @@ def test_a_signal_at_any_moment_ends_the_process_with_0(tmp_path) -> None:
             "numpy",
             "--warmup-target",
             "cuda:90",
-            "--grpc-host",
-            LOOPBACK,
-            "--http-host",
-            LOOPBACK,
-            "--grpc-port",
-            "0",
-            "--http-port",
-            "0",
-            "--health-port",
-            "0",
+            *listen_flags(),
         ]
         with open(log_path, "wb") as log:
             process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)

@@ -144,7 +144,7 @@ def test_an_unwritable_port_file_stops_the_start_at_once(tmp_path: Path) -> None
     false reason). Now: exit 1 before anything listens, one line naming the port file."""
     import subprocess
 
-    from testkit.harness import INDEXER_SERVICE, LOOPBACK
+    from testkit.harness import INDEXER_SERVICE, listen_flags
 
     port_file = tmp_path / "missing-dir" / "ports.json"
     start = time.monotonic()
@@ -154,16 +154,7 @@ def test_an_unwritable_port_file_stops_the_start_at_once(tmp_path: Path) -> None
             "serve",
             "--backend",
             "numpy",
-            "--grpc-host",
-            LOOPBACK,
-            "--http-host",
-            LOOPBACK,
-            "--grpc-port",
-            "0",
-            "--http-port",
-            "0",
-            "--health-port",
-            "0",
+            *listen_flags(),
             "--port-file",
             str(port_file),
         ],

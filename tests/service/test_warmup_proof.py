@@ -33,7 +33,7 @@ from indexer_service.kernels.naive import chunk_arrays_numpy
 from indexer_service.kernels.specialization import CompileKey, ModelConfig, warmup_keys
 from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
 from indexer_service.service.client import IndexerClient
-from testkit.harness import ServiceProcess, clean_env, http_get
+from testkit.harness import ServiceProcess, clean_env, http_get, listen_flags
 from tests.conftest import cuda_available
 
 _TABLE_WIDTH = tl.constexpr(len(triton_kernel.TABLE_COLUMNS))
@@ -178,16 +178,7 @@ def _wrong_kernel_server(tmp_path, *flags: str) -> ServiceProcess:
         "-c",
         code,
         "serve",
-        "--grpc-host",
-        "127.0.0.1",
-        "--http-host",
-        "127.0.0.1",
-        "--grpc-port",
-        "0",
-        "--http-port",
-        "0",
-        "--health-port",
-        "0",
+        *listen_flags(),
     ]
     env = clean_env(TRITON_CACHE_DIR=str(tmp_path / "cache"))
     return ServiceProcess(*flags, workdir=tmp_path, command=command, env=env)
