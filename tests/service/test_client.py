@@ -25,9 +25,6 @@ from tests.service.conftest import FAILING_WARMUP, StartServer, scrape
 
 pytestmark = pytest.mark.slow
 
-# Each server its own health port (the default 50052 is one per host).
-FAST_START = (*FAST_START, "--health-port", "0")
-FAILING_WARMUP = (*FAILING_WARMUP, "--health-port", "0")
 E1 = ChunkInputs(np.array([0, 1, 4, 9], dtype=np.int64), np.array([20, 10, 5], dtype=np.int64), 4, 1, 3)
 
 
@@ -146,7 +143,7 @@ def test_calls_wait_for_a_warming_replica_within_their_deadline(start_server: St
     from testkit.harness import clean_env, http_get
 
     cold = clean_env(TRITON_CACHE_DIR=str(tmp_path / "cold-cache"))  # a cold cache: the warmup takes seconds
-    server = start_server("--backend", "numpy", "--health-port", "0", ready=False, env=cold)
+    server = start_server("--backend", "numpy", ready=False, env=cold)
     assert http_get(f"{server.http_url}/readyz")[0] == 503
     with IndexerClient([server.address], wait_for_ready=False, max_attempts=1) as client:
         start = time.monotonic()

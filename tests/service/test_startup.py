@@ -187,15 +187,13 @@ def test_the_start_up_log_states_the_tls_mode(start_server: StartServer, tmp_pat
     assert tls_mode(load_config(tls, env={})) == "tls"
     assert tls_mode(load_config(tls | {"tls_client_ca_file": paths["ca"]}, env={})) == "mutual"
 
-    plain = start_server("--warmup-target", "none", "--backend", "numpy", "--health-port", "0")
+    plain = start_server("--warmup-target", "none", "--backend", "numpy")
     assert "tls mode=off cert=- client_ca=-" in plain.log()
     mutual = start_server(
         "--warmup-target",
         "none",
         "--backend",
         "numpy",
-        "--health-port",
-        "0",
         "--tls-cert-file",
         paths["cert"],
         "--tls-key-file",
