@@ -124,7 +124,9 @@ class HttpApp:
             self.in_flight += 1
             try:
                 loop = asyncio.get_running_loop()
-                response = await loop.run_in_executor(self.executor, self.plane.call, method, request, "body", caller)
+                response = await loop.run_in_executor(
+                    self.executor, self._answer, method, request, caller, content_type == JSON
+                )
             finally:
                 self.in_flight -= 1
         except ServiceError as exc:
@@ -133,12 +135,16 @@ class HttpApp:
             await _reply(send, HTTP_STATUS[exc.code], payload, close, content_type=JSON)
             return
         try:
-            if content_type == JSON:
-                response = _to_json(method, response)
             await self._send_answer(method, scope, send, response, content_type, caller)
         finally:
             if caller.ticket is not None:
                 caller.ticket.release()
+
+    def _answer(self, method: str, request: bytes, caller: Caller, as_json: bool) -> bytes:
+        """The data plane's answer, as JSON where asked: on the executor, since encoding a large answer as JSON
+        (base64 of every array) is CPU work the event loop answering probes must not do."""
+        response = self.plane.call(method, request, "body", caller)
+        return _to_json(method, response) if as_json else response
 
     async def _send_answer(
         self, method: str, scope, send, response: bytes, content_type: bytes, caller: Caller
