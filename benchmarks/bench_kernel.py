@@ -48,7 +48,7 @@ def cpu_row(inputs: ChunkInputs) -> dict:
     src, dst = np.ones(out_bytes // 4, np.int32), np.empty(out_bytes // 4, np.int32)
     request = chunk_inputs_to_proto(inputs).SerializeToString()
     config = replace(load_config(env={}), max_num_batched_tokens=2**20)
-    limits = fast_path_limits(config, config.max_message_bytes)
+    limits = fast_path_limits(config)
     if _fastpath.build_chunk(request, limits, None) is None:
         raise SystemExit("the fast path stepped aside on a benchmark batch")
     numpy_s = wall_median(lambda: build_chunk_metadata_numpy(inputs), 30)

@@ -155,11 +155,6 @@ class ResponseBudget:
         self.metrics.response_bytes_held.set(self._held)
         return Ticket(self, peer, nbytes)
 
-    def try_reserve(self, peer: str, nbytes: int) -> Ticket | None:
-        """``nbytes`` now, or None: never waits."""
-        with self._cond:
-            return self._grant(peer, nbytes) if self._fits(peer, nbytes) else None
-
     def reserve(self, peer: str, nbytes: int, caller: Caller) -> Ticket:
         """``nbytes``, waiting up to ``wait_seconds`` (never past the caller's deadline) for room."""
         if nbytes > self.limit:

@@ -24,7 +24,10 @@ FAST_PATH_BACKEND = "native"
 ArraysFn = Callable[[Sequence[ChunkHostPart], DcpConfig, bool], list[ChunkArrays]]
 # (request bytes, limits, admitted ratios) -> (response bytes, requests, query tokens, seconds), or None: see
 # service/fastpath.c
-FastPathFn = Callable[[bytes, tuple[int, ...], tuple[int, ...] | None], tuple[bytes, int, int, float] | None]
+# build_chunk(request, limits, admitted_ratios, admit): see service/fastpath.c.
+FastPathFn = Callable[
+    [bytes, tuple[int, ...], tuple[int, ...] | None, Callable[[int], None]], tuple[bytes, int, int, float] | None
+]
 
 
 def load_fast_path() -> ModuleType | None:

@@ -16,8 +16,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
-from contextlib import ExitStack
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 
@@ -81,10 +81,22 @@ class _CallState:
     caller: Caller
     held: ExitStack
     shutdown_cut: threading.Event
+    in_heavy_lane: bool = False
 
 
 # Set by DataPlane.call for the call's duration, on its thread.
 _CALL: ContextVar[_CallState | None] = ContextVar("call", default=None)
+
+
+@contextmanager
+def _refusals_as_errors(caller: Caller) -> Iterator[None]:
+    """Admission's refusals as the data plane's errors: Shed, or CallerGone when the caller left while waiting."""
+    try:
+        yield
+    except Refused as exc:
+        if exc.gone:
+            raise CallerGone(caller.gone() or Code.CANCELLED, exc.message, exc.reason) from None
+        raise Shed(exc.reason, exc.message) from None
 
 
 def stop_if_abandoned() -> None:
@@ -150,10 +162,7 @@ class DataPlane:
             max_waiting=config.grpc_workers // 4,
             metrics=metrics,
         )
-        # The fast path serves light answers only: it reserves this much before it knows the size, and a
-        # larger answer takes the general path, which reserves its estimate and the heavy lane.
-        self._fast_reserve = min(config.max_message_bytes, config.heavy_request_bytes)
-        self._fast_limits = fast_path_limits(config, self._fast_reserve)
+        self._fast_limits = fast_path_limits(config)
         self._fast_admitted: tuple[int, ...] | None = None
         # Set when the shutdown grace ends: calls still running were cut by the shutdown, not by their callers.
         self.shutdown_cut = threading.Event()
@@ -207,41 +216,49 @@ class DataPlane:
             # Gated on the warmup, not on readiness: while draining, calls already on their way still get
             # answered (gRPC itself refuses new ones once the server stops).
             raise NotReady(f"not ready: {self.readiness.not_ready_reason()}")
-        if isinstance(request, bytes):
-            if method == "BuildChunk" and self.backend.build_chunk_fast is not None:
-                answer = self._build_chunk_fast(request, caller)
-                if answer is not None:
-                    return answer
-            request = parse_request(method, request, where)
         with ExitStack() as held:
             token = _CALL.set(_CallState(caller, held, self.shutdown_cut))
             try:
-                answer = self._handlers[method](request)
+                answer = self._answer(method, request, where)
             finally:
                 _CALL.reset(token)
         if caller.ticket is not None:
             caller.ticket.shrink(len(answer))
         return answer
 
+    def _answer(self, method: str, request: object, where: str) -> bytes:
+        if isinstance(request, bytes):
+            if method == "BuildChunk" and self.backend.build_chunk_fast is not None:
+                answer = self._build_chunk_fast(request)
+                if answer is not None:
+                    return answer
+            request = parse_request(method, request, where)
+        return self._handlers[method](request)
+
     def shed(self, method: str, reason: str, detail: str) -> None:
         """Count and log a call the transport refused or cut before or after the data plane saw it."""
         self.admission.shed.record(method, reason, detail)
 
+    def _admit_heavy(self, cost_bytes: int) -> None:
+        """Take a heavy-lane slot, held until the call returns, when the work's estimated cost passes
+        heavy_request_bytes (once per call: a plan asks as soon as its chunk count is known, before the
+        per-chunk work, and again with its answer's size); or refuse."""
+        state = _CALL.get()
+        if state is None or state.in_heavy_lane or cost_bytes <= self.admission.heavy_request_bytes:
+            return
+        with _refusals_as_errors(state.caller):
+            state.held.enter_context(self.admission.lane.slot(state.caller))
+        state.in_heavy_lane = True
+
     def _admit_work(self, response_bytes: int, num_chunks: int) -> None:
-        """Hold the answer's bytes in the response budget and, for a heavy request, a heavy-lane slot until the
-        call returns; or refuse (Shed, or CallerGone when the caller left while waiting)."""
+        """The heavy lane when the work is heavy, then the answer's bytes in the response budget until the
+        transport releases them; or refuse (Shed, or CallerGone when the caller left while waiting)."""
         state = _CALL.get()
         if state is None:  # a handler called outside DataPlane.call (tests): nothing to hold
             return
-        caller, admission = state.caller, self.admission
-        try:
-            caller.ticket = admission.budget.reserve(caller.peer, response_bytes, caller)
-            if response_bytes + CHUNK_COST_BYTES * num_chunks > admission.heavy_request_bytes:
-                state.held.enter_context(admission.lane.slot(caller))
-        except Refused as exc:
-            if exc.gone:
-                raise CallerGone(caller.gone() or Code.CANCELLED, exc.message, exc.reason) from None
-            raise Shed(exc.reason, exc.message) from None
+        self._admit_heavy(response_bytes + CHUNK_COST_BYTES * num_chunks)
+        with _refusals_as_errors(state.caller):
+            state.caller.ticket = self.admission.budget.reserve(state.caller.peer, response_bytes, state.caller)
 
     def _build(
         self, method: str, chunks: Sequence[ChunkInputs], valid: ValidBatch, omit_token_to_seq: bool
@@ -269,27 +286,22 @@ class DataPlane:
         self.metrics.child(self.metrics.request_batch_requests, method).observe(requests)
         self.metrics.child(self.metrics.request_query_tokens, method).observe(tokens)
 
-    def _build_chunk_fast(self, data: bytes, caller: Caller) -> bytes | None:
+    def _build_chunk_fast(self, data: bytes) -> bytes | None:
         """The response from service/fastpath.c, or None where the request needs the general path (errors
-        included: their messages are all the general path's; answers above the fast path's reserve; a budget
-        too full to reserve it without waiting)."""
-        ticket = self.admission.budget.try_reserve(caller.peer, self._fast_reserve)
-        if ticket is None:
-            return None
-        try:
-            served = self.backend.build_chunk_fast(data, self._fast_limits, self._admitted_ratios())
-        except BaseException:
-            ticket.release()
-            raise
+        included: their messages are all the general path's). Admission is the general path's, called by the
+        fast path with the answer's size once the request is known valid: a large answer waits for its budget
+        and the heavy lane like any other, and is then written without the GIL."""
+        served = self.backend.build_chunk_fast(data, self._fast_limits, self._admitted_ratios(), self._admit_fast)
         if served is None:
-            ticket.release()
             return None
         response, requests, tokens, seconds = served
-        ticket.shrink(len(response))
-        caller.ticket = ticket
         self.metrics.child(self.metrics.backend_duration_seconds, "BuildChunk", FAST_PATH_BACKEND).observe(seconds)
         self._observe_size("BuildChunk", requests, tokens)
         return response
+
+    def _admit_fast(self, response_bytes: int) -> None:
+        self._admit_work(response_bytes, 1)
+        stop_if_abandoned()
 
     def _admitted_ratios(self) -> tuple[int, ...] | None:
         """Strict mode's admitted compress ratios for the fast path (None: any). Read once the warmup is over:
@@ -327,6 +339,9 @@ class DataPlane:
                 f"more than max_plan_chunks {config.max_plan_chunks} chunks; raise max_logits_bytes or send fewer "
                 "query tokens",
             ) from None
+        # The chunk count is the cost known first: a plan of many small chunks is heavy before its answer's
+        # size is (the per-chunk host work is most of such a call).
+        self._admit_heavy(CHUNK_COST_BYTES * len(chunks))
         built = self._build("PlanBatch", chunk_inputs_of_plan(batch, chunks), valid, request.omit_token_to_seq)
         plan = PrefillPlan(chunks, [meta for meta in built if meta is not None], max_prefill_seq_len(batch))
         decodes = batch.num_decodes  # validated by the planner

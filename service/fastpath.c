@@ -274,15 +274,19 @@ static int check_chunk(const Request *r, Py_ssize_t batch, PyObject *admitted, C
 
 /* The limits on the answer (RequestLimits.check_sizes): the KV workspace, then the estimate of the response's
  * bytes against max_message_bytes (here the fast path's reserve, which the data plane passes in its place). */
-static int check_response(const Chunk *c, const Limits *lim) {
+static int64_t response_estimate(const Chunk *c, const Limits *lim) {
     int64_t estimate = lim->chunk_overhead_bytes;
     if (c->total > 0) {
-        if (c->total > lim->workspace_tokens / c->ratio) return 1;
         int64_t rows = c->rows_stop - c->rows_start;
         estimate += 2 * I32_BYTES * rows + 2 * I32_BYTES * (int64_t)(c->reqs + 1) +
                     (c->r->omit_token_to_seq ? 0 : I32_BYTES * c->total);
     }
-    return estimate > lim->max_message_bytes;
+    return estimate;
+}
+
+static int check_response(const Chunk *c, const Limits *lim) {
+    if (c->total > 0 && c->total > lim->workspace_tokens / c->ratio) return 1;
+    return response_estimate(c, lim) > lim->max_message_bytes;
 }
 
 /* ---- size and write: one emit code, run counting and then writing -------------------------------------- */
@@ -491,8 +495,12 @@ static int fill_arrays(const Layout *l, double *seconds) {
 
 /* ---- the call ------------------------------------------------------------------------------------------- */
 
-/* Parse, check, size and write: the answer tuple, None to step aside, or NULL with an exception. */
-static PyObject *serve(const Py_buffer *request, const Limits *lim, PyObject *admitted, Py_ssize_t size_skew) {
+/* Parse, check, admit, size and write: the answer tuple, None to step aside, or NULL with an exception.
+ * `admit` (None: no admission) is called with the answer's size estimate once the request is known valid and
+ * in limits, before any array is written: it reserves the response budget and the heavy lane, or raises. After
+ * it returns, the call no longer steps aside, so what it reserved is the caller's to release. */
+static PyObject *serve(const Py_buffer *request, const Limits *lim, PyObject *admitted, PyObject *admit,
+                       Py_ssize_t size_skew) {
     Request r = {.dcp_world_size = 1, .dcp_interleave = 1}; /* optional fields: absent means 1 */
     Chunk c;
     Py_ssize_t batch;
@@ -501,6 +509,11 @@ static PyObject *serve(const Py_buffer *request, const Limits *lim, PyObject *ad
     int rc = check_chunk(&r, batch, admitted, &c);
     if (rc < 0) return NULL;
     if (rc > 0 || check_response(&c, lim)) Py_RETURN_NONE;
+    if (admit != Py_None) {
+        PyObject *admitted_ok = PyObject_CallFunction(admit, "n", (Py_ssize_t)response_estimate(&c, lim));
+        if (!admitted_ok) return NULL;
+        Py_DECREF(admitted_ok);
+    }
     if (c.total == 0) { /* nothing to build: a BuildChunkResponse without metadata */
         PyObject *empty = PyBytes_FromStringAndSize(NULL, 0);
         return empty ? Py_BuildValue("(Nnnd)", empty, c.reqs, (Py_ssize_t)0, 0.0) : NULL;
@@ -520,24 +533,26 @@ static PyObject *serve(const Py_buffer *request, const Limits *lim, PyObject *ad
 static PyObject *build_chunk_skewed(PyObject *args, Py_ssize_t size_skew) {
     Py_buffer buffer;
     Limits lim;
-    PyObject *admitted;
-    if (!PyArg_ParseTuple(args, "y*(LLLLLL)O:build_chunk", &buffer, &lim.max_num_seqs, &lim.max_num_batched_tokens,
+    PyObject *admitted, *admit = Py_None;
+    if (!PyArg_ParseTuple(args, "y*(LLLLLL)O|O:build_chunk", &buffer, &lim.max_num_seqs, &lim.max_num_batched_tokens,
                           &lim.max_model_len, &lim.workspace_tokens, &lim.max_message_bytes,
-                          &lim.chunk_overhead_bytes, &admitted))
+                          &lim.chunk_overhead_bytes, &admitted, &admit))
         return NULL;
-    PyObject *result = serve(&buffer, &lim, admitted, size_skew);
+    PyObject *result = serve(&buffer, &lim, admitted, admit, size_skew);
     PyBuffer_Release(&buffer);
     return result;
 }
 
 PyDoc_STRVAR(build_chunk_doc,
-"build_chunk(request, limits, admitted_ratios) -> (response, num_reqs, query_tokens, seconds) | None\n\n"
+"build_chunk(request, limits, admitted_ratios, admit=None) -> (response, num_reqs, query_tokens, seconds) | None\n\n"
 "Serve one serialized BuildChunkRequest: the serialized BuildChunkResponse, the request count and query rows\n"
 "for the size metrics, and the seconds spent writing the arrays. None when the request is not the common\n"
 "case this function proves valid (any error, DCP, a limit reached, an unusual encoding): the caller then\n"
 "takes the general path. ``limits``: (max_num_seqs, max_num_batched_tokens, max_model_len,\n"
 "workspace_tokens, max_message_bytes, chunk_overhead_bytes); ``admitted_ratios``: the normalised compress\n"
-"ratios strict mode admits, or None for any. RuntimeError if its size and write passes disagree (a bug).");
+"ratios strict mode admits, or None for any; ``admit(size_estimate)``: called once the request is valid and in\n"
+"limits, before any array is written (it reserves or raises; from then on the call never steps aside). The\n"
+"arrays are written without the GIL when large. RuntimeError if its size and write passes disagree (a bug).");
 
 static PyObject *build_chunk(PyObject *self, PyObject *args) {
     (void)self;

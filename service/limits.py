@@ -34,16 +34,16 @@ def max_request_bytes(config: ServiceConfig) -> int:
     return min(config.max_message_bytes, 64 * 2**10 + 32 * (config.max_num_seqs + 1))
 
 
-def fast_path_limits(config: ServiceConfig, max_response_bytes: int) -> tuple[int, ...]:
+def fast_path_limits(config: ServiceConfig) -> tuple[int, ...]:
     """The limits service/fastpath.c checks, in its order (:meth:`RequestLimits.check_request`'s and
-    :meth:`RequestLimits.check_sizes`'); a larger answer than ``max_response_bytes`` steps aside to the general
-    path."""
+    :meth:`RequestLimits.check_sizes`'); a request over any of them steps aside to the general path, which
+    names the limit."""
     return (
         config.max_num_seqs,
         config.max_num_batched_tokens,
         config.max_model_len,
         config.max_model_len * WORKSPACE_TOKENS_PER_MODEL_LEN,
-        max_response_bytes,
+        config.max_message_bytes,
         CHUNK_OVERHEAD_BYTES,
     )
 

@@ -357,7 +357,7 @@ def fast_path() -> FastPath:
     from indexer_service.service.limits import fast_path_limits
 
     config = load_config({"warmup_target": "none"}, env={})
-    limits = fast_path_limits(config, min(config.max_message_bytes, config.heavy_request_bytes))
+    limits = fast_path_limits(config)
 
     def build(inputs: ChunkInputs) -> tuple[bool, ChunkMetadata | None]:
         """(answered, result): answered is False where the fast path steps aside to the general path."""

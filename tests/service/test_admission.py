@@ -13,7 +13,7 @@ import pytest
 
 from indexer_service.kernels.planner import PlanTooLargeError, plan_prefill_chunks
 from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
-from indexer_service.service import codec
+from indexer_service.service import codec, dataplane
 from indexer_service.service.admission import (
     DEFAULT_BUDGET_BYTES,
     Admission,
@@ -27,6 +27,7 @@ from indexer_service.service.dataplane import DataPlane
 from indexer_service.service.errors import ServiceError
 from indexer_service.service.grpc_server import GRPC_STATUS
 from indexer_service.service.metrics import Metrics
+from testkit.planes import make_plane
 
 
 def admission(budget: int = 100, slots: int = 1, wait: float = 0.2, max_waiting: int = 4) -> Admission:
@@ -170,6 +171,27 @@ def test_cpu_amplifying_plan_is_refused_as_work_limit_and_counted(plane: DataPla
     assert time.perf_counter() - start < 1.0  # it was 1.2 s of CPU before the limit
     assert code is grpc.StatusCode.RESOURCE_EXHAUSTED and message.startswith("max_logits_bytes:")
     assert plane.metrics.requests_shed_total.labels("PlanBatch", "work_limit")._value.get() == 1
+
+
+def test_a_plan_of_many_chunks_takes_the_heavy_lane_before_its_per_chunk_work(monkeypatch) -> None:
+    """A small request can plan into many chunks; the chunk count is its first known cost, so it queues for
+    the heavy lane (and is shed there) before any per-chunk host work, which is most of such a call."""
+    plane = make_plane(max_plan_chunks=8192, heavy_lane_slots=1, admission_wait_seconds=0.05)
+    plane.readiness.refresh()
+    per_chunk_work = []
+    monkeypatch.setattr(dataplane, "chunk_host_parts", lambda *a: per_chunk_work.append(a) or [])
+    request = pb.PlanBatchRequest(
+        query_start_loc=codec.encode_int32([0, 4096]),
+        seq_lens=codec.encode_int32([2**20]),
+        compress_ratio=1,
+        max_logits_bytes=4,
+        omit_token_to_seq=True,
+    )
+    with plane.admission.lane.slot(Caller()):
+        code, message = call_code(plane, "PlanBatch", request)
+    assert code is grpc.StatusCode.RESOURCE_EXHAUSTED and "heavy" in message
+    assert per_chunk_work == []
+    assert plane.metrics.requests_shed_total.labels("PlanBatch", "heavy_lane")._value.get() == 1
 
 
 def test_malformed_input_is_named_before_limits_and_policy(plane: DataPlane) -> None:

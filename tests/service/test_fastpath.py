@@ -23,10 +23,11 @@ from indexer_service.kernels.inputs import ChunkInputs, DcpConfig, chunk_host_pa
 from indexer_service.kernels.specialization import CompileKey, warmup_keys
 from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
 from indexer_service.service import _fastpath, codec
+from indexer_service.service.admission import Caller
 from indexer_service.service.backends import FAST_PATH_BACKEND, make_backend
 from indexer_service.service.config import ServiceConfig, load_config
 from indexer_service.service.dataplane import DataPlane
-from indexer_service.service.errors import ServiceError
+from indexer_service.service.errors import Code, ServiceError
 from indexer_service.service.limits import launch_admission
 from indexer_service.service.metrics import Metrics
 from indexer_service.service.warmup import Warmup, WarmupState
@@ -394,11 +395,6 @@ BOUNDARIES = {
     "max_message_bytes-omit": Boundary(
         {"max_message_bytes": ESTIMATE_OMIT}, PLAIN, PLAIN, EXHAUSTED, {"max_message_bytes": ESTIMATE_OMIT - 1}, True
     ),
-    # The fast path serves what fits its reserve, min(max_message_bytes, heavy_request_bytes); a larger answer is
-    # the general path's, which reserves its estimate and takes the heavy lane.
-    "fast-path-reserve": Boundary(
-        {"heavy_request_bytes": ESTIMATE}, PLAIN, PLAIN, "general", {"heavy_request_bytes": ESTIMATE - 1}
-    ),
     # The compressed total is int32 on the wire: 2^31 - 1 is served, 2^31 is malformed.
     "int32-total": Boundary(
         {"max_model_len": 2**30},
@@ -430,6 +426,32 @@ def test_every_check_answers_as_the_general_path_at_and_past_its_boundary(case: 
     assert _outcome(Paths(dataclasses.replace(BASE, **case.settings)), case.at, case.omit) == "fast"
     past = Paths(dataclasses.replace(BASE, **(case.past_settings or case.settings)))
     assert _outcome(past, case.past, case.omit) == case.outcome
+
+
+def test_fast_path_is_admitted_with_the_general_paths_estimate_and_its_heavy_lane() -> None:
+    """The fast path asks admission with the general path's own estimate once the request is known valid, and
+    serves large answers too (written without the GIL): a heavy one takes the heavy lane like any other, and
+    with the lane full it is shed, counted, before any array is written."""
+    data, invalid = _wire(PLAIN), _wire(_replace(PLAIN, req_end=3))
+    estimates: list[int] = []
+    limits = Paths(BASE).fast._fast_limits
+    assert _fastpath.build_chunk(data, limits, None, estimates.append) is not None
+    assert _fastpath.build_chunk(invalid, limits, None, estimates.append) is None
+    assert estimates == [ESTIMATE]  # the invalid request stepped aside before admission
+
+    lane = {"heavy_request_bytes": ESTIMATE - 1, "heavy_lane_slots": 1, "admission_wait_seconds": 0.05}
+    heavy = Paths(dataclasses.replace(BASE, **lane))
+    plane, registry = heavy.fast, heavy.fast.metrics.registry
+    served = {"method": "BuildChunk", "backend": FAST_PATH_BACKEND}
+    assert plane.call("BuildChunk", data) == heavy.general.call("BuildChunk", data)
+    assert registry.get_sample_value("indexer_backend_duration_seconds_count", served) == 1
+    with plane.admission.lane.slot(Caller()), pytest.raises(ServiceError) as shed:
+        plane.call("BuildChunk", data)
+    assert shed.value.code is Code.RESOURCE_EXHAUSTED and "heavy" in shed.value.message
+    reason = {"method": "BuildChunk", "reason": "heavy_lane"}
+    assert registry.get_sample_value("indexer_requests_shed_total", reason) == 1
+    assert registry.get_sample_value("indexer_backend_duration_seconds_count", served) == 1
+    assert plane.admission.budget.held == 0
 
 
 # --- the wire contract comes from the proto; the size pass is checked against the write pass ------------------
