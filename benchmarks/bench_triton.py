@@ -1,6 +1,6 @@
 """The Triton backend's host round trip under concurrency, in process, against the design before it and numpy.
 
-    python -m benchmarks.bench_triton [--seconds 1] [--threads 8] [--out triton.json]
+    python -m benchmarks.bench_triton [--seconds 1] [--threads 8] [--switch-intervals 0.005,0.0005] [--out triton.json]
 
 Per batch (bench_kernel's small-8, medium-64, large-256; ratio 4), each variant is called back to back by one
 thread, then by ``--threads`` threads at once (like the gRPC pool), each phase bounded by ``--seconds``; the figure
@@ -13,6 +13,10 @@ is the per-call median (and calls/s in all). Variants, measured in the same run:
   the wait on an event with the GIL released; spinning or sleeping in the driver while waiting.
 * ``numpy``: the numpy backend (``chunk_arrays_numpy_many``).
 
+Each variant runs once per ``--switch-intervals`` value (``sys.setswitchinterval``: how long a thread that holds
+the GIL keeps it while another asks). A thread back from a wait with the GIL released (the GPU event) must take
+the GIL back from threads busy in Python, which give it up only at the interval: the convoy that this measures.
+
 Targets (issue 12): with ``--threads`` threads the per-call median <= 2x the one-thread median; the large batch's
 one-thread round trip below numpy's.
 """
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import threading
 import time
 from pathlib import Path
@@ -91,23 +96,33 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seconds", type=float, default=1.0)
     parser.add_argument("--threads", type=int, default=8)
+    parser.add_argument("--switch-intervals", default="0.005", help="sys.setswitchinterval values, comma-separated")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
+    intervals = [float(v) for v in args.switch_intervals.split(",")]
     if not torch.cuda.is_available():
         raise SystemExit("bench_triton needs a CUDA GPU")
-    variants = {
+    builders = {
         "before": before_arrays_many,
         "pooled-spin": TritonChunkBuilder("cuda", blocking_wait=False).arrays_many,
         "pooled-block": TritonChunkBuilder("cuda", blocking_wait=True).arrays_many,
         "numpy": chunk_arrays_numpy_many,
     }
+    # The first interval keeps the plain names (the baseline figures); the others are suffixed "@seconds".
+    variants = {
+        (name if i == 0 else f"{name}@{interval:g}"): (fn, interval)
+        for i, interval in enumerate(intervals)
+        for name, fn in builders.items()
+    }
+    pooled = [v for v in variants if v.startswith("pooled")]
     results: dict[str, dict] = {}
     for name in BATCHES:
         inputs = make_inputs(name)
         host = chunk_host_part(inputs)
         expected = chunk_arrays_numpy_many([host], inputs.dcp)[0]
         row: dict[str, dict] = {}
-        for variant, arrays_many in variants.items():
+        for variant, (arrays_many, interval) in variants.items():
+            sys.setswitchinterval(interval)
             got = arrays_many([host], inputs.dcp)[0]  # compile, first touches, and a check
             assert all(np.array_equal(g, e) for g, e in zip(got, expected, strict=True)), (name, variant)
             del got
@@ -120,20 +135,21 @@ def main() -> None:
             many = run_threads(call, args.threads, args.seconds)
             row[variant] = {"one": one, "many": many, "many_vs_one": many["median_us"] / one["median_us"]}
         results[name] = row
+    sys.setswitchinterval(intervals[0])
 
     print(f"Triton backend round trip in process, ratio 4, {torch.cuda.get_device_name()}, torch {torch.__version__}")
     print(
-        f"{'batch':10} {'variant':13} {'1 thread us':>11} {f'{args.threads} threads us':>13} {'ratio':>6} "
+        f"{'batch':10} {'variant':20} {'1 thread us':>11} {f'{args.threads} threads us':>13} {'ratio':>6} "
         f"{'calls/s 1':>10} {f'calls/s {args.threads}':>10}"
     )
     verdicts = {}
     for name, row in results.items():
         for variant, r in row.items():
             print(
-                f"{name:10} {variant:13} {r['one']['median_us']:>11.1f} {r['many']['median_us']:>13.1f} "
+                f"{name:10} {variant:20} {r['one']['median_us']:>11.1f} {r['many']['median_us']:>13.1f} "
                 f"{r['many_vs_one']:>5.2f}x {r['one']['calls_per_s']:>10,.0f} {r['many']['calls_per_s']:>10,.0f}"
             )
-        best = min(("pooled-spin", "pooled-block"), key=lambda v: row[v]["many_vs_one"])
+        best = min(pooled, key=lambda v: row[v]["many_vs_one"])
         verdicts[f"{name} {best} {args.threads} threads <= {CONCURRENCY_TARGET}x one"] = (
             row[best]["many_vs_one"] <= CONCURRENCY_TARGET
         )
@@ -147,14 +163,21 @@ def main() -> None:
         )
     large = results["large-256"]
     verdicts["large-256 one-thread round trip below numpy's"] = (
-        min(large[v]["one"]["median_us"] for v in ("pooled-spin", "pooled-block")) < large["numpy"]["one"]["median_us"]
+        min(large[v]["one"]["median_us"] for v in pooled) < large["numpy"]["one"]["median_us"]
     )
     for k, v in verdicts.items():
         print(f"target {k}: {'met' if v else 'MISSED'}")
     if args.out:
         args.out.write_text(
             json.dumps(
-                {"threads": args.threads, "seconds": args.seconds, "batches": results, "targets": verdicts}, indent=1
+                {
+                    "threads": args.threads,
+                    "seconds": args.seconds,
+                    "switch_intervals": intervals,
+                    "batches": results,
+                    "targets": verdicts,
+                },
+                indent=1,
             )
         )
 

@@ -17,6 +17,7 @@ dashboard and the log both show shedding as it happens.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -244,12 +245,19 @@ class HeavyLane:
 class Caller:
     """Who a call is for, as its transport sees it: which connection (``peer``), whether the caller still waits
     (``gone()`` returns the :class:`~service.errors.Code` the call ends with once it has cancelled or passed
-    its deadline: CANCELLED or DEADLINE_EXCEEDED), and, once the data plane has answered, the budget ``ticket``
-    of the answer: the transport releases it when the answer has been handed over."""
+    its deadline: CANCELLED or DEADLINE_EXCEEDED), how many bytes the transport holds per byte of the protobuf
+    answer until it is sent (``held_per_answer_byte``: 1 for protobuf; more for JSON, which holds the answer,
+    the message parsed from it and its text at once), and, once the data plane has answered, the budget
+    ``ticket`` of the answer: the transport releases it when the answer has been handed over."""
 
     peer: str = "local"
     gone: Callable[[], Any] = field(default=lambda: None)
+    held_per_answer_byte: float = 1.0
     ticket: Ticket | None = None
+
+    def held_bytes(self, answer_bytes: int) -> int:
+        """What an answer of ``answer_bytes`` protobuf bytes holds in the budget for this caller."""
+        return math.ceil(answer_bytes * self.held_per_answer_byte)
 
 
 @contextmanager

@@ -223,7 +223,7 @@ class DataPlane:
             finally:
                 _CALL.reset(token)
         if caller.ticket is not None:
-            caller.ticket.shrink(len(answer))
+            caller.ticket.shrink(caller.held_bytes(len(answer)))
         return answer
 
     def _answer(self, method: str, request: object, where: str) -> bytes:
@@ -258,7 +258,8 @@ class DataPlane:
             return
         self._admit_heavy(response_bytes + CHUNK_COST_BYTES * num_chunks)
         with _refusals_as_errors(state.caller):
-            state.caller.ticket = self.admission.budget.reserve(state.caller.peer, response_bytes, state.caller)
+            held = state.caller.held_bytes(response_bytes)
+            state.caller.ticket = self.admission.budget.reserve(state.caller.peer, held, state.caller)
 
     def _build(
         self, method: str, chunks: Sequence[ChunkInputs], valid: ValidBatch, omit_token_to_seq: bool

@@ -57,6 +57,10 @@ HTTP_STATUS: dict[Code, int] = {
 }
 # Answers are written this much at a time: a reader that stops holds at most one piece in the socket buffer.
 SEND_PIECE_BYTES = 2**20
+# A JSON answer holds, at the peak of its encoding, the protobuf answer and 4x its size more (the parsed
+# message, the base64 strings, the text and its bytes; tracemalloc over an 8 MB answer): its budget ticket
+# is taken for 5 bytes per answer byte, and shrinks to the text once encoded.
+JSON_HELD_PER_ANSWER_BYTE = 5.0
 # ASGI scope key through which the app can drop its connection at once (see limited_protocol).
 ABORT_KEY = "indexer.abort"
 
@@ -105,7 +109,7 @@ class HttpApp:
             text = f"content type {content_type.decode(errors='replace')!r} is not accepted; send {accepted.decode()}\n"
             await _reply(send, 415, text.encode(), [(b"accept", accepted)])
             return
-        caller = Caller(_peer(scope))
+        caller = Caller(_peer(scope), held_per_answer_byte=JSON_HELD_PER_ANSWER_BYTE if content_type == JSON else 1.0)
         close: list[tuple[bytes, bytes]] = []
         try:
             body, reusable = await _read_body(receive, self.max_body, self.max_discard)
@@ -144,7 +148,12 @@ class HttpApp:
         """The data plane's answer, as JSON where asked: on the executor, since encoding a large answer as JSON
         (base64 of every array) is CPU work the event loop answering probes must not do."""
         response = self.plane.call(method, request, "body", caller)
-        return _to_json(method, response) if as_json else response
+        if not as_json:
+            return response
+        text = _to_json(method, response)
+        if caller.ticket is not None:
+            caller.ticket.shrink(len(text))  # from the peak of the encoding down to the text that is sent
+        return text
 
     async def _send_answer(
         self, method: str, scope, send, response: bytes, content_type: bytes, caller: Caller

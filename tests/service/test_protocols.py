@@ -17,7 +17,8 @@ from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
 from indexer_service.service import codec
 from indexer_service.service.codec import SERVICE_NAME
 from indexer_service.service.reflection import V1, V1ALPHA
-from testkit.harness import ServiceProcess
+from testkit.harness import FAST_START, ServiceProcess, metric_total, scrape
+from testkit.payloads import big_answer_build_chunk
 from tests.golden import GOLDEN, chunk_inputs, metadata_as_dict
 
 
@@ -102,6 +103,21 @@ def test_json_over_http_uses_the_proto3_json_mapping(live_server: ServiceProcess
     assert metadata_as_dict(codec.metadata_from_proto(answer.metadata)) == case["expected"]
     # bytes fields are base64 in the JSON mapping
     assert json.loads(request)["queryStartLoc"]
+
+
+def test_a_json_answer_is_admitted_for_what_its_encoding_holds() -> None:
+    """A JSON answer holds 5 bytes per protobuf answer byte at its peak (http_app.JSON_HELD_PER_ANSWER_BYTE): with
+    a budget of three times the answer, protobuf is served and JSON is refused for memory before any work."""
+    request = big_answer_build_chunk(1 << 20)
+    budget = str(3 << 20)
+    with ServiceProcess(*FAST_START, "--response-budget-bytes", budget, "--admission-wait-seconds", "0.1") as server:
+        url = f"{server.http_url}/{SERVICE_NAME}/BuildChunk"
+        status, _, body = post(url, request.SerializeToString(), "application/x-protobuf")
+        assert status == 200 and len(body) > 1_000_000
+        status, _, body = post(url, json_format.MessageToJson(request).encode(), "application/json")
+        assert status == 429 and "response_budget_bytes" in json.loads(body)["message"]
+        shed = metric_total(scrape(server.http_url), "indexer_requests_shed_total", reason="memory")
+        assert shed == 1 and metric_total(scrape(server.http_url), "indexer_response_bytes_held") == 0
 
 
 def test_json_errors_and_other_content_types(live_server: ServiceProcess) -> None:
