@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -22,6 +24,7 @@ log = logging.getLogger(__name__)
 # check: 0 serving, 1 not serving, 2 usage or configuration error, 3 unreachable. serve, keys, precompile:
 # 0 done, 1 failed (a fatal start-up error, a failed compile), 2 usage or configuration error.
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
+EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE
 
 
 class UsageError(ValueError):
@@ -240,6 +243,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)
+    except BrokenPipeError:
+        # The reader went away (`keys | head`): not this command's failure. Quiet, and the exit a process
+        # killed by SIGPIPE has, as other command-line tools do; stdout goes to /dev/null so that the
+        # interpreter's final flush does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
     except (ConfigError, UsageError) as exc:
         print(f"indexer-service {args.command}: {exc}", file=sys.stderr)
         return EXIT_USAGE

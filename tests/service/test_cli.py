@@ -64,6 +64,21 @@ def key_ratios(stdout: str) -> list[int]:
     return [key["compress_ratio"] for key in keys]
 
 
+def test_a_reader_that_goes_away_ends_the_command_quietly() -> None:
+    """`indexer-service keys | head -0`: the pipe's reader is gone before the first line. The command exits as a
+    process killed by SIGPIPE does (141), with nothing on stderr: no traceback, no "Exception ignored"."""
+    process = subprocess.Popen(
+        [INDEXER_SERVICE, "keys", "--warmup-target", "none"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=clean_env(),
+    )
+    process.stdout.close()  # before the interpreter has even imported the service
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 141, stderr
+    assert stderr == b""
+
+
 def test_keys_prints_the_normalised_warmup_set(tmp_path: Path) -> None:
     out = run("keys", "--warmup-target", "none")
     assert out.returncode == 0, out.stderr
