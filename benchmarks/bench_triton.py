@@ -10,7 +10,10 @@ is the per-call median (and calls/s in all). Variants, measured in the same run:
   back synchronous): the baseline.
 * ``pooled-spin`` / ``pooled-block``: the service's builder (``kernels.triton_kernel.TritonChunkBuilder``): a stream,
   event and device buffers per thread, page-locked staging and pooled page-locked outputs viewed without a copy,
-  the wait on an event with the GIL released; spinning or sleeping in the driver while waiting.
+  the wait on an event with the GIL released; spinning or sleeping in the driver while waiting; concurrent
+  calls share launches (``LaunchCombiner``).
+* ``solo-block``: the same builder with ``combine=False``: every call launches alone (the design before the
+  combiner).
 * ``numpy``: the numpy backend (``chunk_arrays_numpy_many``).
 
 Each variant runs once per ``--switch-intervals`` value (``sys.setswitchinterval``: how long a thread that holds
@@ -106,6 +109,7 @@ def main() -> None:
         "before": before_arrays_many,
         "pooled-spin": TritonChunkBuilder("cuda", blocking_wait=False).arrays_many,
         "pooled-block": TritonChunkBuilder("cuda", blocking_wait=True).arrays_many,
+        "solo-block": TritonChunkBuilder("cuda", blocking_wait=True, combine=False).arrays_many,
         "numpy": chunk_arrays_numpy_many,
     }
     # The first interval keeps the plain names (the baseline figures); the others are suffixed "@seconds".
