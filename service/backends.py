@@ -75,6 +75,19 @@ def resolve_backend(choice: str) -> str:
     return "numpy"
 
 
+def below_crossover(fast_path: FastPathFn, selector: AutoSelector) -> FastPathFn:
+    """``auto``'s fast path: answers at or above the crossover step aside to the general path, which gives
+    them to Triton."""
+
+    def fast(
+        data: bytes, limits: tuple[int, ...], admitted: tuple[int, ...] | None, admit: Callable[[int], None]
+    ) -> tuple[bytes, int, int, float] | None:
+        bounded = (*limits[:4], selector.fast_path_bytes(limits[4]), *limits[5:])
+        return fast_path(data, bounded, admitted, admit)
+
+    return fast
+
+
 def make_backend(name: str, admit: Callable[[CompileKey], None] | None, native_fast_path: bool = False) -> Backend:
     """The numpy implementation (with service/fastpath.c for BuildChunk's common case when
     ``native_fast_path`` and it is built), or the Triton kernel on the current CUDA device (``admit`` sees each
@@ -93,12 +106,5 @@ def make_backend(name: str, admit: Callable[[CompileKey], None] | None, native_f
     if name == "triton":
         return triton_backend
     selector = AutoSelector(numpy_backend, triton_backend, numpy_backend.arrays_many, triton_backend.arrays_many)
-    fast = None
-    if fastpath is not None:
-
-        def fast(data: bytes, limits: tuple[int, ...], admitted: tuple[int, ...] | None):
-            # Answers at or above the crossover step aside to the general path, which gives them to Triton.
-            bounded = (*limits[:4], selector.fast_path_bytes(limits[4]), *limits[5:])
-            return fastpath.build_chunk(data, bounded, admitted)
-
+    fast = None if fastpath is None else below_crossover(fastpath.build_chunk, selector)
     return Backend("auto", numpy_backend.arrays_many, fast, selector)

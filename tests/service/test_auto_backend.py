@@ -11,6 +11,7 @@ from indexer_service.kernels.inputs import ChunkInputs, chunk_host_part
 from indexer_service.kernels.naive import chunk_arrays_numpy_many
 from indexer_service.kernels.specialization import CompileKey
 from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
+from indexer_service.service import _fastpath
 from indexer_service.service.auto_backend import (
     NOT_MEASURED,
     NUMPY_ALWAYS,
@@ -19,7 +20,7 @@ from indexer_service.service.auto_backend import (
     crossover_of,
     output_elements,
 )
-from indexer_service.service.backends import Backend, resolve_backend
+from indexer_service.service.backends import FAST_PATH_BACKEND, Backend, below_crossover, resolve_backend
 from indexer_service.service.codec import chunk_inputs_to_proto
 from indexer_service.service.config import load_config
 from testkit.planes import make_plane
@@ -90,6 +91,24 @@ def test_the_served_backend_is_the_metrics_label_and_the_crossover_is_in_the_sta
     assert labels == {"numpy": 1, "triton": 1}
     status = pb.GetWarmupStatusResponse.FromString(plane.call("GetWarmupStatus", b""))
     assert status.backend == "auto" and status.auto_crossover_elements == 1000
+
+
+def test_the_fast_path_serves_below_the_crossover_and_steps_aside_above_it() -> None:
+    """auto's fast path (service.backends.below_crossover over the compiled one), through a data plane: the
+    small answer is the fast path's (``native``), the large one Triton's, both admitted."""
+    config = replace(load_config(env={}), backend="auto")
+    selector = _selector(1000)
+    fast = below_crossover(_fastpath.build_chunk, selector)
+    plane = make_plane(config, backend=Backend("auto", selector.numpy.arrays_many, fast, selector), keys=[])
+    plane.readiness.refresh()
+    for queries, seq_len in ((2, 40), (200, 40_000)):
+        inputs = ChunkInputs(np.array([0, queries]), np.array([seq_len]), 4, 0, 1)
+        plane.call("BuildChunk", chunk_inputs_to_proto(inputs).SerializeToString())
+    served = plane.metrics.registry.get_sample_value
+    for backend in (FAST_PATH_BACKEND, "triton"):
+        labels = {"method": "BuildChunk", "backend": backend}
+        assert served("indexer_backend_duration_seconds_count", labels) == 1, backend
+    assert plane.admission.budget.held == 0
 
 
 def test_on_a_cpu_machine_auto_is_numpy() -> None:
