@@ -1,0 +1,32 @@
+"""The Go load generator (main.go) of benchmarks/bench_workers.py, and how it is built.
+
+    python -m benchmarks.loadgen
+
+builds a static linux/amd64 binary (CGO_ENABLED=0: it runs on any Linux x86-64 host, one without Go included)
+at benchmarks/loadgen/bin/loadgen, in GOPATH mode against Debian's Go libraries, with the helpers the Go
+client's build uses (tests/system/clients_support.py); prints the binary's path. Where Go or Debian's gRPC is
+missing it says so: scripts/install-client-tools.sh installs them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tests.system.clients_support import go_build, go_grpc_missing
+
+HERE = Path(__file__).resolve().parent
+BINARY = HERE / "bin" / "loadgen"
+
+
+def missing() -> str | None:
+    """Why the load generator cannot be built here, or None."""
+    return go_grpc_missing()
+
+
+def build() -> Path:
+    """Builds :data:`BINARY` (seconds once Go's build cache is warm); RuntimeError says why it cannot."""
+    why = missing()
+    if why:
+        raise RuntimeError(why)
+    go_build(HERE, ".", BINARY, CGO_ENABLED="0", GOOS="linux", GOARCH="amd64")
+    return BINARY

@@ -1,0 +1,55 @@
+"""bench_workers' Go load generator (benchmarks/loadgen), built with its documented command, against a real
+server: every call it counts reached the server and came back OK, and a bad flag is a usage error."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from testkit.harness import FAST_START, ServiceProcess, metric_total, scrape
+from testkit.paths import REPO
+from testkit.payloads import BUILD_CHUNK_PATH, SMALL_BUILD_CHUNK
+from tests.system.clients_support import go_grpc_missing
+
+pytestmark = pytest.mark.skipif(go_grpc_missing() is not None, reason=go_grpc_missing() or "")
+SERVED = "indexer_request_duration_seconds_count"
+
+
+@pytest.fixture(scope="module")
+def loadgen() -> Path:
+    # A subprocess, not an import: tests never import the benchmarks (test_layout.py).
+    build = subprocess.run(
+        [sys.executable, "-m", "benchmarks.loadgen"], cwd=REPO, capture_output=True, text=True, timeout=600
+    )
+    assert build.returncode == 0, build.stdout + build.stderr
+    return Path(build.stdout.splitlines()[-1])
+
+
+def test_loadgen_calls_all_reach_the_server(loadgen: Path, tmp_path: Path) -> None:
+    request = tmp_path / "small.request"
+    request.write_bytes(SMALL_BUILD_CHUNK.SerializeToString())
+    with ServiceProcess(*FAST_START) as server:
+        before = metric_total(scrape(server.http_url), SERVED, method="BuildChunk")
+        flags = f"-address {server.address} -method {BUILD_CHUNK_PATH} -request-file {request}"
+        flags += " -in-flight 4 -connections 2 -seconds 1"
+        run = subprocess.run([str(loadgen), *flags.split()], capture_output=True, text=True, timeout=60)
+        assert run.returncode == 0, run.stdout + run.stderr
+        result = json.loads(run.stdout)
+        served = metric_total(scrape(server.http_url), SERVED, method="BuildChunk") - before
+    assert result["calls"] > 0
+    assert result["errors"] == {}
+    assert len(result["per_connection_calls"]) == 2
+    assert sum(result["per_connection_calls"]) == result["calls"]
+    assert 0 < result["p50_us"] <= result["p99_us"]
+    assert 0.9 < result["elapsed"] < 5
+    assert served >= result["calls"]  # the warm-up calls (one per connection) are not in calls
+
+
+def test_loadgen_bad_flag_is_a_usage_error(loadgen: Path) -> None:
+    run = subprocess.run([str(loadgen), "-no-such-flag"], capture_output=True, text=True, timeout=10)
+    assert run.returncode != 0
+    assert "no-such-flag" in run.stderr
