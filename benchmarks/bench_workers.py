@@ -1,19 +1,23 @@
 """Throughput of one replica with N worker processes, against N times the 1-worker replica of the same run.
 
     python -m benchmarks.bench_workers [--workers 1,2] [--batches small-8,medium-64] [--seconds 2] [--rounds 3]
-        [--clients P] [--connections 8] [--out workers.json]
+        [--loadgen go|python] [--connections C] [--clients P] [--out workers.json]
 
 One server per N (``serve --workers N --backend numpy --warmup-target none``, bench_rpc's flags), all started
 up front and measured in turn, round after round (each figure is the median of its rounds). The load is the
-same for every N: ``--clients`` client processes (the client is Python too, and one would be the bottleneck),
-32 calls in flight in all, each process spreading its calls over ``--connections`` connections with the
-project's client pool (service.client.ChannelPool: fewest in flight first), raw request bytes out and response
-bytes back (no parsing: client CPU goes to calls). Also p50 with one client, one call at a time, and the CPU
-the replica used (supervisor and workers) while loaded, in cores: what the HPA sees.
+same for every N: 32 calls in flight in all over ``--connections`` connections (default 4 per largest N; the
+kernel's SO_REUSEPORT hands each to one worker), each call on the connection with the fewest in flight, raw
+request bytes out and response bytes back (no parsing: client CPU goes to calls). ``--loadgen go`` (default):
+one process of the Go load generator (benchmarks/loadgen, built with ``python -m benchmarks.loadgen``; where Go
+is missing, a binary built elsewhere and carried here; neither: a warning and the Python one). ``--loadgen
+python``: ``--clients`` Python client processes (one would be the bottleneck) sharing the connections, with the
+project's client pool (service.client.ChannelPool). Recorded per batch and N: calls/s, p50 at that load and
+with one client (one call at a time), the CPU the replica used (supervisor and workers) in cores, which is what
+the HPA sees, the load generator's CPU in cores, and each worker's CPU seconds (their spread is the imbalance).
 
 Pinning: where the machine has at least twice the largest N in CPUs, the server of N workers runs on CPUs
-0..N-1 (as a pod with N CPUs; ``workers`` = N) and the clients on the others; otherwise nothing is pinned and the
-clients share the servers' cores (this 2-core machine: the figures then include the client's CPU).
+0..N-1 (as a pod with N CPUs; ``workers`` = N) and the load generator on the others; otherwise nothing is pinned
+and it shares the servers' cores (this 2-core machine: the figures then include its CPU).
 Target: calls/s at 32 in flight with N workers >= 0.8 x N x one worker's.
 """
 
@@ -33,6 +37,7 @@ import grpc
 import numpy as np
 import psutil
 
+from benchmarks import loadgen
 from benchmarks.bench_rpc import METHOD, SERVICE_FLAGS
 from indexer_service.service.client import ChannelPool
 from indexer_service.service.codec import chunk_inputs_to_proto
@@ -45,7 +50,8 @@ TARGET = 0.8
 
 def client_main(address: str, request_file: str, threads: int, seconds: float, connections: int, start: float) -> None:
     """One client process: warm its connections, wait for ``start`` (epoch), then a closed loop of ``threads``
-    calls in flight for ``seconds``; prints its call count and elapsed seconds as JSON."""
+    calls in flight for ``seconds``; prints its call count, elapsed seconds, failed calls by code and the OK
+    calls' seconds as JSON."""
     request = Path(request_file).read_bytes()
     options = [("grpc.enable_retries", 0), ("grpc.max_receive_message_length", 64 * 2**20)]
     pool = ChannelPool(lambda extra: grpc.insecure_channel(address, options=options + extra), connections)
@@ -63,67 +69,88 @@ def client_main(address: str, request_file: str, threads: int, seconds: float, c
         call(request, timeout=60)
     time.sleep(max(0.0, start - time.time()))
     run = closed_loop(one, threads, max_calls=10**9, max_seconds=seconds)
-    problems = run.problems()
+    errors = {code: n for code, n in run.codes().items() if code != "OK"}
     print(
         json.dumps(
-            {
-                "calls": len(run.records),
-                "elapsed": run.elapsed,
-                "problems": len(problems),
-                "first_problem": problems[0].problem if problems else "",
-            }
+            {"calls": len(run.records), "elapsed": run.elapsed, "errors": errors, "latencies": run.latencies().tolist()}
         )
     )
 
 
-def pod_cpu_seconds(pid: int) -> float:
-    """CPU seconds of a process and its children (the supervisor and its workers)."""
-    total = 0.0
-    for process in [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]:
+def go_loadgen() -> Path | None:
+    """The Go load generator's binary: built here where Go is, else one built elsewhere and carried here (a host
+    without Go); None, with a warning, when neither."""
+    why = loadgen.missing()
+    if why and loadgen.BINARY.is_file():
+        print(f"Go load generator: {loadgen.BINARY} as it is ({why})", file=sys.stderr)
+        return loadgen.BINARY
+    try:
+        return loadgen.build()
+    except RuntimeError as exc:
+        print(f"warning: no Go load generator ({exc}); falling back to --loadgen python", file=sys.stderr)
+        return None
+
+
+def cpu_seconds(processes: list[psutil.Process]) -> dict[int, float]:
+    """User + system CPU seconds by pid, of those still running."""
+    seconds = {}
+    for process in processes:
         try:
             times = process.cpu_times()
-            total += times.user + times.system
+            seconds[process.pid] = times.user + times.system
         except psutil.Error:
             pass
-    return total
+    return seconds
 
 
-def load(address: str, request_file: Path, clients: int, seconds: float, connections: int, cpus, pid: int) -> dict:
-    threads = IN_FLIGHT // clients
+def load(
+    server: ServiceProcess, request_file: Path, seconds: float, connections: int, cpus, go: Path | None, clients: int
+) -> dict:
+    """One loaded phase: calls/s, p50, and the CPU of the replica, of each of its workers and of the load
+    generator over the phase."""
     start = time.time() + 2.0
-    command = [
-        sys.executable,
-        "-m",
-        "benchmarks.bench_workers",
-        "--client",
-        address,
-        str(request_file),
-        str(threads),
-        str(seconds),
-        str(connections),
-        str(start),
-    ]
+    if go:
+        flags = f"-address {server.address} -method {METHOD} -request-file {request_file} -in-flight {IN_FLIGHT}"
+        flags += f" -connections {connections} -seconds {seconds} -start-at {start}"
+        commands = [[str(go), *flags.split()]]
+    else:
+        each = [request_file, IN_FLIGHT // clients, seconds, max(1, connections // clients), start]
+        commands = [
+            [sys.executable, "-m", "benchmarks.bench_workers", "--client", server.address, *map(str, each)]
+        ] * clients
     pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
-    processes = [subprocess.Popen(command, stdout=subprocess.PIPE, text=True, preexec_fn=pin) for _ in range(clients)]
+    processes = [
+        subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=pin) for c in commands
+    ]
     cpu = {}
 
-    def sample() -> None:  # the replica's CPU over the clients' window
+    def sample() -> None:  # CPU over the load's window
         time.sleep(max(0.0, start - time.time()) + 0.1)
-        cpu["begin"], cpu["t0"] = pod_cpu_seconds(pid), time.monotonic()
+        replica = psutil.Process(server.pid)
+        workers = replica.children(recursive=True) or [replica]  # one worker: the server process serves
+        generators = [psutil.Process(p.pid) for p in processes]
+        begin, t0 = cpu_seconds([replica, *workers, *generators]), time.monotonic()
         time.sleep(seconds - 0.2)
-        cpu["end"], cpu["t1"] = pod_cpu_seconds(pid), time.monotonic()
+        end, t1 = cpu_seconds([replica, *workers, *generators]), time.monotonic()
+        used = {p: end[p] - begin[p] for p in begin.keys() & end.keys()}
+        cpu["pod_cpu_cores"] = sum(used.get(p, 0.0) for p in {replica.pid, *(w.pid for w in workers)}) / (t1 - t0)
+        cpu["loadgen_cpu_cores"] = sum(used.get(g.pid, 0.0) for g in generators) / (t1 - t0)
+        cpu["worker_cpu_s"] = [used.get(w.pid, 0.0) for w in workers]
 
     sampler = threading.Thread(target=sample)
     sampler.start()
-    results = [json.loads(p.communicate(timeout=seconds + 120)[0].strip().splitlines()[-1]) for p in processes]
+    results = []
+    for process in processes:
+        out, err = process.communicate(timeout=seconds + 120)
+        if process.returncode:
+            raise SystemExit(f"load generator exited {process.returncode}: {err.strip()[-2000:]}")
+        results.append(json.loads(out.strip().splitlines()[-1]))
     sampler.join()
-    bad = [r for r in results if r["problems"]]
-    if bad:
-        raise SystemExit(f"calls failed: {bad[0]['first_problem']}")
-    return {
-        "calls_per_s": sum(r["calls"] / r["elapsed"] for r in results),
-        "pod_cpu_cores": (cpu["end"] - cpu["begin"]) / (cpu["t1"] - cpu["t0"]),
-    }
+    errors = [r["errors"] for r in results if r["errors"]]
+    if errors:
+        raise SystemExit(f"calls failed: {errors[0]}")
+    loaded_p50 = results[0]["p50_us"] if go else percentile_us(np.concatenate([r["latencies"] for r in results]), 50)
+    return {"calls_per_s": sum(r["calls"] / r["elapsed"] for r in results), "loaded_p50_us": loaded_p50, **cpu}
 
 
 def p50_one_client(address: str, request: bytes, seconds: float) -> float:
@@ -144,8 +171,9 @@ def main() -> None:
     parser.add_argument("--batches", default="small-8,medium-64", help="bench_kernel batches, comma-separated")
     parser.add_argument("--seconds", type=float, default=2.0, help="length of each loaded phase")
     parser.add_argument("--rounds", type=int, default=3, help="rounds over every N; figures are medians")
-    parser.add_argument("--clients", type=int, default=0, help="client processes (0: 8 pinned, else 2)")
-    parser.add_argument("--connections", type=int, default=8, help="connections per client process")
+    parser.add_argument("--loadgen", choices=("go", "python"), default="go", help="the load generator")
+    parser.add_argument("--connections", type=int, default=0, help="connections in all (0: 4 per largest N)")
+    parser.add_argument("--clients", type=int, default=0, help="python client processes (0: 8 pinned, else 2)")
     parser.add_argument("--out", type=Path, help="write the figures as JSON here")
     parser.add_argument("--client", nargs=6, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -158,7 +186,9 @@ def main() -> None:
     cpus = sorted(os.sched_getaffinity(0))
     pin = len(cpus) >= 2 * max(counts)
     client_cpus = set(cpus[max(counts) :]) if pin else None
-    clients = args.clients or (min(8, len(client_cpus)) if pin else 2)
+    connections = args.connections or 4 * max(counts)
+    go = go_loadgen() if args.loadgen == "go" else None
+    clients = 1 if go else args.clients or (min(8, len(client_cpus)) if pin else 2)
     batches = args.batches.split(",")
     results: dict[str, dict] = {b: {n: [] for n in counts} for b in batches}
     with tempfile.TemporaryDirectory(prefix="bench-workers-") as scratch:
@@ -177,15 +207,7 @@ def main() -> None:
             for r in range(args.rounds):
                 for b in batches:
                     for n in counts:
-                        row = load(
-                            servers[n].address,
-                            requests[b],
-                            clients,
-                            args.seconds,
-                            args.connections,
-                            client_cpus,
-                            servers[n].pid,
-                        )
+                        row = load(servers[n], requests[b], args.seconds, connections, client_cpus, go, clients)
                         row["p50_us"] = p50_one_client(servers[n].address, requests[b].read_bytes(), 1.0)
                         results[b][n].append(row)
                 print(f"round {r + 1}/{args.rounds} done", file=sys.stderr)
@@ -193,15 +215,16 @@ def main() -> None:
             for server in servers.values():
                 server.kill()
 
+    generator = "the Go load generator" if go else f"{clients} Python client processes"
     where = (
-        f"servers on CPUs 0..N-1, {clients} client processes on the other {len(client_cpus)}"
+        f"servers on CPUs 0..N-1, {generator} on the other {len(client_cpus)}"
         if pin
-        else (f"unpinned, {clients} client processes sharing the servers' {len(cpus)} CPUs")
+        else f"unpinned, {generator} sharing the servers' {len(cpus)} CPUs"
     )
-    print(f"BuildChunk, numpy backend, {IN_FLIGHT} in flight, {args.connections} connections per client; {where}")
+    print(f"BuildChunk, numpy backend, {IN_FLIGHT} in flight over {connections} connections; {where}")
     print(
         f"{'batch':10} {'workers':>7} {'calls/s':>10} {'x 1 worker':>10} {'/ (N x 1)':>10} {'p50 us':>8} "
-        f"{'pod cores':>9} {'spread (min..max calls/s)':>28}"
+        f"{'p50 1 cl':>8} {'pod cores':>9} {'gen cores':>9} {'spread (min..max calls/s)':>26}  worker CPU s"
     )
     summary: dict[str, dict] = {}
     for b in batches:
@@ -212,8 +235,11 @@ def main() -> None:
             rows = results[b][n]
             rate = float(np.median([row["calls_per_s"] for row in rows]))
             p50 = float(np.median([row["p50_us"] for row in rows]))
+            loaded_p50 = float(np.median([row["loaded_p50_us"] for row in rows]))
             cores = float(np.median([row["pod_cpu_cores"] for row in rows]))
+            generator_cores = float(np.median([row["loadgen_cpu_cores"] for row in rows]))
             low, high = min(row["calls_per_s"] for row in rows), max(row["calls_per_s"] for row in rows)
+            workers_cpu = sorted(rows, key=lambda row: row["calls_per_s"])[len(rows) // 2]["worker_cpu_s"]
             efficiency = rate / (n * base)
             summary[b][n] = {
                 "calls_per_s": rate,
@@ -221,17 +247,23 @@ def main() -> None:
                 "efficiency": efficiency,
                 "p50_us": p50,
                 "p50_ratio": p50 / base_p50,
+                "loaded_p50_us": loaded_p50,
                 "pod_cpu_cores": cores,
+                "loadgen_cpu_cores": generator_cores,
+                "worker_cpu_s": workers_cpu,
                 "rounds": rows,
                 "target_met": efficiency >= TARGET,
             }
             verdict = "" if n == 1 else f"  target >= {TARGET}: {'met' if efficiency >= TARGET else 'MISSED'}"
             print(
-                f"{b:10} {n:>7} {rate:>10,.0f} {rate / base:>9.2f}x {efficiency:>9.2f}  {p50:>8,.0f} "
-                f"{cores:>9.2f} {f'{low:,.0f}..{high:,.0f}':>28}{verdict}"
+                f"{b:10} {n:>7} {rate:>10,.0f} {rate / base:>9.2f}x {efficiency:>9.2f}  {loaded_p50:>8,.0f} "
+                f"{p50:>8,.0f} {cores:>9.2f} {generator_cores:>9.2f} {f'{low:,.0f}..{high:,.0f}':>26}  "
+                f"{' '.join(f'{s:.2f}' for s in workers_cpu)}{verdict}"
             )
-    meta = {"pinned": pin, "clients": clients, "connections": args.connections, "seconds": args.seconds}
-    write_json(args.out, {**meta, "rounds": args.rounds, "cpus": len(cpus), "batches": summary})
+    meta = {"pinned": pin, "loadgen": "go" if go else "python", "clients": clients, "connections": connections}
+    write_json(
+        args.out, {**meta, "seconds": args.seconds, "rounds": args.rounds, "cpus": len(cpus), "batches": summary}
+    )
 
 
 if __name__ == "__main__":
