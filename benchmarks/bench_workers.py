@@ -1,7 +1,7 @@
 """Throughput of one replica with N worker processes, against N times the 1-worker replica of the same run.
 
     python -m benchmarks.bench_workers [--workers 1,2] [--batches small-8,medium-64] [--seconds 2] [--rounds 3]
-        [--loadgen go|python] [--connections C] [--clients P] [--out workers.json]
+        [--loadgen go|python] [--pin-workers on|off] [--in-flight 32] [--connections C] [--clients P] [--out workers.json]
 
 One server per N (``serve --workers N --backend numpy --warmup-target none``, bench_rpc's flags), all started
 up front and measured in turn, round after round (each figure is the median of its rounds). The load is the
@@ -17,7 +17,8 @@ the HPA sees, the load generator's CPU in cores, and each worker's CPU seconds (
 
 Pinning: where the machine has at least twice the largest N in CPUs, the server of N workers runs on CPUs
 0..N-1 (as a pod with N CPUs; ``workers`` = N) and the load generator on the others; otherwise nothing is pinned
-and it shares the servers' cores (this 2-core machine: the figures then include its CPU).
+and it shares the servers' cores (this 2-core machine: the figures then include its CPU). Inside a replica each
+worker has a CPU of its own (the service's ``pin_workers on``; ``--pin-workers off`` lets them share).
 Target: calls/s at 32 in flight with N workers >= 0.8 x N x one worker's.
 """
 
@@ -44,7 +45,7 @@ from indexer_service.service.codec import chunk_inputs_to_proto
 from testkit.batches import make_inputs
 from testkit.harness import ServiceProcess, channel, closed_loop, percentile_us, write_json
 
-IN_FLIGHT = 32
+IN_FLIGHT = 32  # the target's load
 TARGET = 0.8
 
 
@@ -104,17 +105,24 @@ def cpu_seconds(processes: list[psutil.Process]) -> dict[int, float]:
 
 
 def load(
-    server: ServiceProcess, request_file: Path, seconds: float, connections: int, cpus, go: Path | None, clients: int
+    server: ServiceProcess,
+    request_file: Path,
+    seconds: float,
+    connections: int,
+    cpus,
+    go: Path | None,
+    clients: int,
+    in_flight: int = IN_FLIGHT,
 ) -> dict:
     """One loaded phase: calls/s, p50, and the CPU of the replica, of each of its workers and of the load
     generator over the phase."""
     start = time.time() + 2.0
     if go:
-        flags = f"-address {server.address} -method {METHOD} -request-file {request_file} -in-flight {IN_FLIGHT}"
+        flags = f"-address {server.address} -method {METHOD} -request-file {request_file} -in-flight {in_flight}"
         flags += f" -connections {connections} -seconds {seconds} -start-at {start}"
         commands = [[str(go), *flags.split()]]
     else:
-        each = [request_file, IN_FLIGHT // clients, seconds, max(1, connections // clients), start]
+        each = [request_file, in_flight // clients, seconds, max(1, connections // clients), start]
         commands = [
             [sys.executable, "-m", "benchmarks.bench_workers", "--client", server.address, *map(str, each)]
         ] * clients
@@ -172,6 +180,10 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=2.0, help="length of each loaded phase")
     parser.add_argument("--rounds", type=int, default=3, help="rounds over every N; figures are medians")
     parser.add_argument("--loadgen", choices=("go", "python"), default="go", help="the load generator")
+    parser.add_argument(
+        "--pin-workers", choices=("on", "off"), default="on", help="the servers' pin_workers (on: a CPU per worker)"
+    )
+    parser.add_argument("--in-flight", type=int, default=IN_FLIGHT, help="calls in flight in all (the target: 32)")
     parser.add_argument("--connections", type=int, default=0, help="connections in all (0: 4 per largest N)")
     parser.add_argument("--clients", type=int, default=0, help="python client processes (0: 8 pinned, else 2)")
     parser.add_argument("--out", type=Path, help="write the figures as JSON here")
@@ -196,7 +208,7 @@ def main() -> None:
         for b in batches:
             requests[b] = Path(scratch) / f"{b}.request"
             requests[b].write_bytes(chunk_inputs_to_proto(make_inputs(b)).SerializeToString())
-        flags = (*SERVICE_FLAGS, "--backend", "numpy")
+        flags = (*SERVICE_FLAGS, "--backend", "numpy", "--pin-workers", args.pin_workers)
         servers = {n: ServiceProcess(*flags, "--workers", str(n), cpus=set(cpus[:n]) if pin else None) for n in counts}
         try:
             for server in servers.values():
@@ -207,7 +219,9 @@ def main() -> None:
             for r in range(args.rounds):
                 for b in batches:
                     for n in counts:
-                        row = load(servers[n], requests[b], args.seconds, connections, client_cpus, go, clients)
+                        row = load(
+                            servers[n], requests[b], args.seconds, connections, client_cpus, go, clients, args.in_flight
+                        )
                         row["p50_us"] = p50_one_client(servers[n].address, requests[b].read_bytes(), 1.0)
                         results[b][n].append(row)
                 print(f"round {r + 1}/{args.rounds} done", file=sys.stderr)
@@ -221,7 +235,7 @@ def main() -> None:
         if pin
         else f"unpinned, {generator} sharing the servers' {len(cpus)} CPUs"
     )
-    print(f"BuildChunk, numpy backend, {IN_FLIGHT} in flight over {connections} connections; {where}")
+    print(f"BuildChunk, numpy backend, {args.in_flight} in flight over {connections} connections; {where}")
     print(
         f"{'batch':10} {'workers':>7} {'calls/s':>10} {'x 1 worker':>10} {'/ (N x 1)':>10} {'p50 us':>8} "
         f"{'p50 1 cl':>8} {'pod cores':>9} {'gen cores':>9} {'spread (min..max calls/s)':>26}  worker CPU s"

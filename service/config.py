@@ -30,6 +30,7 @@ CONFIG_FILE_ENV = ENV_PREFIX + "CONFIG"
 BACKENDS = ("auto", "numpy", "triton")
 NO_WARMUP = "none"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+PIN_WORKERS = ("auto", "on", "off")
 
 
 def _setting(help_text: str) -> object:
@@ -45,6 +46,10 @@ class ServiceConfig:
     grpc_workers: int = _setting("threads of the gRPC server")
     workers: int = _setting(
         "serving processes sharing the ports (0: the CPUs the container may use, from its cgroup quota and affinity)"
+    )
+    pin_workers: str = _setting(
+        "each worker on a CPU of its own: auto (when the CPU quota equals the CPU set and there is a worker per "
+        "CPU, as in a Guaranteed pod with exclusive CPUs), on (whenever the CPU set has a CPU per worker) or off"
     )
     max_message_bytes: int = _setting("largest gRPC message or HTTP body, either way, in bytes")
     max_concurrent_rpcs: int = _setting("most RPCs handled at once; more get RESOURCE_EXHAUSTED")
@@ -201,6 +206,7 @@ RULES: dict[str, Rule] = {
     "http_port": _PORT,
     "grpc_workers": _COUNT32,
     "workers": Rule(1, MAX_WORKERS, zero="the CPUs the container may use"),
+    "pin_workers": Rule(choices=PIN_WORKERS, fold_case=True),
     "max_message_bytes": Rule(4096, _INT32_MAX),  # gRPC takes message limits as a C int
     "max_concurrent_rpcs": _COUNT32,
     "max_connection_age_seconds": Rule(0.001, MAX_SECONDS, zero="never"),  # int32 milliseconds in gRPC

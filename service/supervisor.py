@@ -106,6 +106,22 @@ def available_cpus() -> tuple[int, str]:
     return max(1, affinity), f"cpu affinity {affinity}"
 
 
+def worker_cpus(workers: int, mode: str) -> tuple[list[int] | None, str]:
+    """Each worker's CPU when they are pinned (``pin_workers``), else None; and why. A pinned worker's threads
+    stay on its CPU instead of wandering over the others' (8 workers on 8 CPUs of the H200 host served 1.5x the
+    calls pinned: benchmarks/RESULTS.md). ``auto`` pins only where the CPUs are the replica's own: a CPU quota
+    equal to the CPU set, one worker per CPU (a Guaranteed pod under the static CPU manager); a CPU set shared
+    with other pods is left to the scheduler."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if mode == "off" or len(cpus) < workers:
+        return None, f"pin_workers {mode}, {len(cpus)} CPUs for {workers} workers"
+    if mode == "auto":
+        quota = cgroup_cpu_quota()
+        if quota is None or math.ceil(quota) != len(cpus) or workers != len(cpus):
+            return None, f"pin_workers auto: cpu quota {quota}, {len(cpus)} CPUs, {workers} workers (not exclusive)"
+    return cpus[:workers], f"pin_workers {mode}"
+
+
 def resolve_workers(setting: int) -> tuple[int, str]:
     """``workers`` as configured, or for 0 the container's CPUs; and why."""
     if setting > 0:
@@ -200,6 +216,7 @@ class Supervisor:
         self.source = source
         self.signals = signals
         self.slots = [Slot(n) for n in range(workers)]
+        self.cpus, self.pinning = worker_cpus(workers, config.pin_workers.lower())
         self.draining = False
         self.pod_ready = False
         self.runtime = Path(tempfile.mkdtemp(prefix="indexer-workers-"))
@@ -231,9 +248,11 @@ class Supervisor:
         (self.runtime / CONFIG_FILE).write_text(json.dumps(asdict(self.config)))
         self.health_server.start()
         log.info(
-            "workers n=%d from=%s grpc=%s (shared, SO_REUSEPORT) health=%s http=%s runtime=%s",
+            "workers n=%d from=%s cpus=%s (%s) grpc=%s (shared, SO_REUSEPORT) health=%s http=%s runtime=%s",
             self.workers,
             self.source,
+            ",".join(map(str, self.cpus)) if self.cpus else "shared",
+            self.pinning,
             host_port(config.grpc_host, grpc_port),
             host_port(config.grpc_host, health_port),
             host_port(config.http_host, self.config.http_port),
@@ -245,7 +264,8 @@ class Supervisor:
     def _spawn(self, slot: Slot) -> None:
         read, write = os.pipe()
         http_fd = self._http.fileno()
-        worker_args = (self.runtime, slot.label, write, http_fd, os.getpid())  # service/worker.py's argv
+        cpu = self.cpus[slot.number] if self.cpus else -1
+        worker_args = (self.runtime, slot.label, write, http_fd, os.getpid(), cpu)  # service/worker.py's argv
         command = [sys.executable, "-m", "indexer_service.service.worker", *map(str, worker_args)]
         try:
             slot.process = subprocess.Popen(command, pass_fds=(write, http_fd))

@@ -1,5 +1,5 @@
 """One worker process of several, started by service/supervisor.py, never by hand:
-``python -m indexer_service.service.worker RUNTIME_DIR SLOT STATUS_FD HTTP_FD PARENT_PID``.
+``python -m indexer_service.service.worker RUNTIME_DIR SLOT STATUS_FD HTTP_FD PARENT_PID CPU``.
 
 A worker is the single-process server (:class:`service.server.IndexerServer`) with a :class:`WorkerLink` to its
 supervisor: the gRPC port is shared with the other workers (SO_REUSEPORT, reserved by the supervisor), HTTP
@@ -8,6 +8,7 @@ readiness goes up the status pipe (``STATUS_FD``: ``listening``, ``ready 0``/``r
 also asks the supervisor whether the whole replica is ready (a file in ``RUNTIME_DIR``), and the warmup takes the
 replica's compile lock, so the first worker compiles into the shared Triton cache and the others load from it.
 The worker dies with its supervisor (``PR_SET_PDEATHSIG``), and drains on SIGTERM as the single process does.
+``CPU`` is the CPU its every thread runs on (``pin_workers``), or -1 for the replica's whole CPU set.
 """
 
 from __future__ import annotations
@@ -113,9 +114,18 @@ def run_worker(link: WorkerLink, signals: object) -> int:
     return 0
 
 
+def pin_to_cpu(cpu: int) -> None:
+    """Every thread of this process on ``cpu``; threads started later inherit it."""
+    for task in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError):  # a thread that has just ended
+            os.sched_setaffinity(int(task), {cpu})
+
+
 def main(argv: list[str]) -> None:
-    runtime_dir, slot, status_fd, http_fd, parent = argv
+    runtime_dir, slot, status_fd, http_fd, parent, cpu = argv
     die_with_parent(int(parent))
+    if int(cpu) >= 0:
+        pin_to_cpu(int(cpu))
     from indexer_service.service.lifecycle import ShutdownSignals, end_process
 
     signals = ShutdownSignals()

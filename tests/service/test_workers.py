@@ -6,6 +6,7 @@ the CPU count from cgroup files, the client's choice of connection."""
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import socket
@@ -192,6 +193,40 @@ def test_workers_warm_up_one_at_a_time_and_compile_once(start_server: StartServe
     compiled, loaded = sorted(keys.values(), key=max, reverse=True)
     # Compiling a key takes a few hundred ms here; loading it from the cache a few ms.
     assert min(compiled) > 0.1 and max(loaded) < 0.05, keys
+
+
+def test_pinned_workers_each_run_every_thread_on_a_cpu_of_their_own(start_server: StartServer) -> None:
+    """``pin_workers on`` with two workers: worker n and all its threads (the gRPC pool's, started after the
+    pin, included) on the n-th CPU of the replica's set; the start-up log says so."""
+    if len(psutil.Process().cpu_affinity()) < 2:
+        pytest.skip("needs 2 CPUs")
+    server = start_server(*FAST, "--pin-workers", "on")
+    calls_in_parallel(server.address)  # the gRPC pool's threads exist now
+    cpus = sorted(psutil.Process().cpu_affinity())[:2]
+    pinned = {}
+    for worker in workers_of(server):
+        slot = int(worker.cmdline()[-5])  # argv: RUNTIME_DIR SLOT STATUS_FD HTTP_FD PARENT_PID CPU
+        assert len(worker.threads()) > 4
+        pinned[slot] = {frozenset(os.sched_getaffinity(thread.id)) for thread in worker.threads()}
+    assert pinned == {0: {frozenset({cpus[0]})}, 1: {frozenset({cpus[1]})}}
+    assert f"cpus={cpus[0]},{cpus[1]} (pin_workers on)" in server.log()
+
+
+def test_workers_are_pinned_only_on_cpus_of_their_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``auto`` pins where the CPU quota equals the CPU set and there is a worker per CPU; not where the set is
+    shared (no quota, a smaller quota) or larger than the workers."""
+    monkeypatch.setattr(supervisor.os, "sched_getaffinity", lambda pid: {4, 5, 6, 7})
+    for quota, workers, mode, expected in (
+        (4.0, 4, "auto", [4, 5, 6, 7]),
+        (None, 4, "auto", None),
+        (2.0, 4, "auto", None),
+        (4.0, 2, "auto", None),
+        (None, 2, "on", [4, 5]),
+        (None, 8, "on", None),
+        (4.0, 4, "off", None),
+    ):
+        monkeypatch.setattr(supervisor, "cgroup_cpu_quota", lambda q=quota: q)
+        assert supervisor.worker_cpus(workers, mode)[0] == expected, (quota, workers, mode)
 
 
 def test_one_worker_is_the_single_process(start_server: StartServer) -> None:
