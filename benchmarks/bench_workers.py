@@ -1,7 +1,8 @@
 """Throughput of one replica with N worker processes, against N times the 1-worker replica of the same run.
 
     python -m benchmarks.bench_workers [--workers 1,2] [--batches small-8,medium-64] [--seconds 2] [--rounds 3]
-        [--loadgen go|python] [--pin-workers on|off] [--in-flight 32] [--connections C] [--clients P] [--out workers.json]
+        [--loadgen go|python] [--pin-workers on|off] [--in-flight 32] [--connections C]
+        [--clients P] [--out workers.json]
 
 One server per N (``serve --workers N --backend numpy --warmup-target none``, bench_rpc's flags), all started
 up front and measured in turn, round after round (each figure is the median of its rounds). The load is the
