@@ -27,6 +27,7 @@ from indexer_service.service.dataplane import DataPlane
 from indexer_service.service.errors import ServiceError
 from indexer_service.service.grpc_server import GRPC_STATUS
 from indexer_service.service.metrics import Metrics
+from testkit.payloads import AMPLIFIER_PLAN_BATCH, one_row_chunks_plan_batch
 from testkit.planes import make_plane
 
 
@@ -159,15 +160,8 @@ def call_code(plane: DataPlane, method: str, request) -> tuple[grpc.StatusCode, 
 
 
 def test_cpu_amplifying_plan_is_refused_as_work_limit_and_counted(plane: DataPlane) -> None:
-    request = pb.PlanBatchRequest(
-        query_start_loc=codec.encode_int32([0, 8192]),
-        seq_lens=codec.encode_int32([2**20]),
-        compress_ratio=1,
-        max_logits_bytes=4,
-        omit_token_to_seq=True,
-    )
     start = time.perf_counter()
-    code, message = call_code(plane, "PlanBatch", request)
+    code, message = call_code(plane, "PlanBatch", AMPLIFIER_PLAN_BATCH)
     assert time.perf_counter() - start < 1.0  # it was 1.2 s of CPU before the limit
     assert code is grpc.StatusCode.RESOURCE_EXHAUSTED and message.startswith("max_logits_bytes:")
     assert plane.metrics.requests_shed_total.labels("PlanBatch", "work_limit")._value.get() == 1
@@ -180,15 +174,8 @@ def test_a_plan_of_many_chunks_takes_the_heavy_lane_before_its_per_chunk_work(mo
     plane.readiness.refresh()
     per_chunk_work = []
     monkeypatch.setattr(dataplane, "chunk_host_parts", lambda *a: per_chunk_work.append(a) or [])
-    request = pb.PlanBatchRequest(
-        query_start_loc=codec.encode_int32([0, 4096]),
-        seq_lens=codec.encode_int32([2**20]),
-        compress_ratio=1,
-        max_logits_bytes=4,
-        omit_token_to_seq=True,
-    )
     with plane.admission.lane.slot(Caller()):
-        code, message = call_code(plane, "PlanBatch", request)
+        code, message = call_code(plane, "PlanBatch", one_row_chunks_plan_batch(4096))
     assert code is grpc.StatusCode.RESOURCE_EXHAUSTED and "heavy" in message
     assert per_chunk_work == []
     assert plane.metrics.requests_shed_total.labels("PlanBatch", "heavy_lane")._value.get() == 1
