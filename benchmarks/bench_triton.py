@@ -136,7 +136,11 @@ def main() -> None:
 
             run_threads(call, 1, 0.1)
             one = run_threads(call, 1, args.seconds)
+            combiner = getattr(getattr(arrays_many, "__self__", None), "combiner", None)
+            launched = combiner.launches if combiner else 0
             many = run_threads(call, args.threads, args.seconds)
+            if combiner:  # how many calls a launch carried at once
+                many["calls_per_launch"] = many["calls"] / max(1, combiner.launches - launched)
             row[variant] = {"one": one, "many": many, "many_vs_one": many["median_us"] / one["median_us"]}
         results[name] = row
     sys.setswitchinterval(intervals[0])
@@ -149,9 +153,11 @@ def main() -> None:
     verdicts = {}
     for name, row in results.items():
         for variant, r in row.items():
+            per_launch = r["many"].get("calls_per_launch")
             print(
                 f"{name:10} {variant:20} {r['one']['median_us']:>11.1f} {r['many']['median_us']:>13.1f} "
                 f"{r['many_vs_one']:>5.2f}x {r['one']['calls_per_s']:>10,.0f} {r['many']['calls_per_s']:>10,.0f}"
+                + (f"  {per_launch:.1f} calls a launch" if per_launch else "")
             )
         best = min(pooled, key=lambda v: row[v]["many_vs_one"])
         verdicts[f"{name} {best} {args.threads} threads <= {CONCURRENCY_TARGET}x one"] = (

@@ -162,6 +162,36 @@ def load(
     return {"calls_per_s": sum(r["calls"] / r["elapsed"] for r in results), "loaded_p50_us": loaded_p50, **cpu}
 
 
+def load_separate(
+    servers: list[ServiceProcess],
+    request_file: Path,
+    seconds: float,
+    connections: int,
+    cpus,
+    go,
+    clients: int,
+    in_flight: int,
+) -> dict:
+    """The issue's baseline layout, in the same run: N single-process servers, one CPU each, each loaded by its own
+    load generator with its share of the calls in flight and of the connections; calls/s and CPU summed."""
+    rows: list[dict] = [{} for _ in servers]
+
+    def one(i: int) -> None:
+        share = max(1, connections // len(servers))
+        rows[i] = load(servers[i], request_file, seconds, share, cpus, go, clients, max(1, in_flight // len(servers)))
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(servers))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return {
+        "calls_per_s": sum(row["calls_per_s"] for row in rows),
+        "pod_cpu_cores": sum(row["pod_cpu_cores"] for row in rows),
+        "loadgen_cpu_cores": sum(row["loadgen_cpu_cores"] for row in rows),
+    }
+
+
 def p50_one_client(address: str, request: bytes, seconds: float) -> float:
     with channel(address) as chan:
         call = chan.unary_unary(METHOD, request_serializer=None, response_deserializer=None)
@@ -183,6 +213,9 @@ def main() -> None:
     parser.add_argument("--loadgen", choices=("go", "python"), default="go", help="the load generator")
     parser.add_argument(
         "--pin-workers", choices=("on", "off"), default="on", help="the servers' pin_workers (on: a CPU per worker)"
+    )
+    parser.add_argument(
+        "--separate", action="store_true", help="also N single-process servers, a CPU and a load generator each"
     )
     parser.add_argument("--in-flight", type=int, default=IN_FLIGHT, help="calls in flight in all (the target: 32)")
     parser.add_argument("--connections", type=int, default=0, help="connections in all (0: 4 per largest N)")
@@ -211,10 +244,15 @@ def main() -> None:
             requests[b].write_bytes(chunk_inputs_to_proto(make_inputs(b)).SerializeToString())
         flags = (*SERVICE_FLAGS, "--backend", "numpy", "--pin-workers", args.pin_workers)
         servers = {n: ServiceProcess(*flags, "--workers", str(n), cpus=set(cpus[:n]) if pin else None) for n in counts}
+        separate = {
+            n: [ServiceProcess(*flags, "--workers", "1", cpus={cpus[i]} if pin else None) for i in range(n)]
+            for n in (counts[1:] if args.separate else [])
+        }
+        every = [*servers.values(), *(s for group in separate.values() for s in group)]
         try:
-            for server in servers.values():
+            for server in every:
                 server.start()
-            for server in servers.values():
+            for server in every:
                 server.wait_listening()
                 server.wait_ready()
             for r in range(args.rounds):
@@ -224,10 +262,21 @@ def main() -> None:
                             servers[n], requests[b], args.seconds, connections, client_cpus, go, clients, args.in_flight
                         )
                         row["p50_us"] = p50_one_client(servers[n].address, requests[b].read_bytes(), 1.0)
+                        if n in separate:
+                            row["separate"] = load_separate(
+                                separate[n],
+                                requests[b],
+                                args.seconds,
+                                connections,
+                                client_cpus,
+                                go,
+                                clients,
+                                args.in_flight,
+                            )
                         results[b][n].append(row)
                 print(f"round {r + 1}/{args.rounds} done", file=sys.stderr)
         finally:
-            for server in servers.values():
+            for server in every:
                 server.kill()
 
     generator = "the Go load generator" if go else f"{clients} Python client processes"
@@ -256,6 +305,9 @@ def main() -> None:
             low, high = min(row["calls_per_s"] for row in rows), max(row["calls_per_s"] for row in rows)
             workers_cpu = sorted(rows, key=lambda row: row["calls_per_s"])[len(rows) // 2]["worker_cpu_s"]
             efficiency = rate / (n * base)
+            separate_rate = (
+                float(np.median([row["separate"]["calls_per_s"] for row in rows])) if n in separate else None
+            )
             summary[b][n] = {
                 "calls_per_s": rate,
                 "ratio": rate / base,
@@ -268,8 +320,13 @@ def main() -> None:
                 "worker_cpu_s": workers_cpu,
                 "rounds": rows,
                 "target_met": efficiency >= TARGET,
+                "separate_calls_per_s": separate_rate,
             }
             verdict = "" if n == 1 else f"  target >= {TARGET}: {'met' if efficiency >= TARGET else 'MISSED'}"
+            if separate_rate:
+                verdict += (
+                    f"; {n} separate servers {separate_rate:,.0f} calls/s ({separate_rate / (n * base):.2f} of Nx)"
+                )
             print(
                 f"{b:10} {n:>7} {rate:>10,.0f} {rate / base:>9.2f}x {efficiency:>9.2f}  {loaded_p50:>8,.0f} "
                 f"{p50:>8,.0f} {cores:>9.2f} {generator_cores:>9.2f} {f'{low:,.0f}..{high:,.0f}':>26}  "
