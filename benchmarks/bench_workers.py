@@ -155,9 +155,11 @@ def load(
             raise SystemExit(f"load generator exited {process.returncode}: {err.strip()[-2000:]}")
         results.append(json.loads(out.strip().splitlines()[-1]))
     sampler.join()
-    errors = [r["errors"] for r in results if r["errors"]]
-    if errors:
-        raise SystemExit(f"calls failed: {errors[0]}")
+    failed = [r for r in results if r["errors"]]
+    if failed:
+        why = failed[0].get("error_messages") or failed[0].get("first_problem")
+        errors = [line for line in server.log().splitlines() if " ERROR " in line or "Traceback" in line]
+        raise SystemExit(f"calls failed: {failed[0]['errors']} {why}; the server's errors:\n" + "\n".join(errors[-40:]))
     loaded_p50 = results[0]["p50_us"] if go else percentile_us(np.concatenate([r["latencies"] for r in results]), 50)
     return {"calls_per_s": sum(r["calls"] / r["elapsed"] for r in results), "loaded_p50_us": loaded_p50, **cpu}
 

@@ -156,12 +156,14 @@ func main() {
 	p := &pool{inFlight: make([]int, *connections), calls: make([]int, *connections)}
 	latencies := make([][]time.Duration, *inFlight) // OK calls, one slice per caller
 	errors := make([]map[string]int, *inFlight)
+	firstErrors := make([]map[string]string, *inFlight) // each code's first message, per caller
 	begin := time.Now()
 	deadline := begin.Add(time.Duration(*seconds * float64(time.Second)))
 	var wg sync.WaitGroup
 	for g := 0; g < *inFlight; g++ {
 		wg.Add(1)
 		errors[g] = map[string]int{}
+		firstErrors[g] = map[string]string{}
 		go func(g int) {
 			defer wg.Done()
 			for started := time.Now(); started.Before(deadline); started = time.Now() {
@@ -169,7 +171,11 @@ func main() {
 				err := call(conns[i])
 				p.release(i)
 				if err != nil {
-					errors[g][status.Code(err).String()]++
+					code := status.Code(err).String()
+					if errors[g][code] == 0 {
+						firstErrors[g][code] = status.Convert(err).Message()
+					}
+					errors[g][code]++
 				} else {
 					latencies[g] = append(latencies[g], time.Since(started))
 				}
@@ -181,10 +187,14 @@ func main() {
 
 	var ok []time.Duration
 	allErrors := map[string]int{}
+	errorMessages := map[string]string{}
 	for g := range latencies {
 		ok = append(ok, latencies[g]...)
 		for code, n := range errors[g] {
 			allErrors[code] += n
+			if _, seen := errorMessages[code]; !seen {
+				errorMessages[code] = firstErrors[g][code]
+			}
 		}
 	}
 	sort.Slice(ok, func(a, b int) bool { return ok[a] < ok[b] })
@@ -196,6 +206,7 @@ func main() {
 		"calls":                calls,
 		"elapsed":              elapsed,
 		"errors":               allErrors,
+		"error_messages":       errorMessages,
 		"p50_us":               percentileUs(ok, 50),
 		"p99_us":               percentileUs(ok, 99),
 		"per_connection_calls": p.calls,
