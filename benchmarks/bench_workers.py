@@ -156,12 +156,18 @@ def load(
         results.append(json.loads(out.strip().splitlines()[-1]))
     sampler.join()
     failed = [r for r in results if r["errors"]]
-    if failed:
+    errors = sum(n for r in failed for n in r["errors"].values())
+    calls = sum(r["calls"] for r in results)
+    if errors:
         why = failed[0].get("error_messages") or failed[0].get("first_problem")
-        errors = [line for line in server.log().splitlines() if " ERROR " in line or "Traceback" in line]
-        raise SystemExit(f"calls failed: {failed[0]['errors']} {why}; the server's errors:\n" + "\n".join(errors[-40:]))
+        logged = [line for line in server.log().splitlines() if " ERROR " in line or "Traceback" in line]
+        print(f"{errors} of {calls} calls failed: {failed[0]['errors']} {why}; the server logged:", file=sys.stderr)
+        print("\n".join(logged[-40:]) or "(no error)", file=sys.stderr)
+        if errors > calls / 1000:  # more than a stray failure: the figures would not measure serving
+            raise SystemExit("too many calls failed")
     loaded_p50 = results[0]["p50_us"] if go else percentile_us(np.concatenate([r["latencies"] for r in results]), 50)
-    return {"calls_per_s": sum(r["calls"] / r["elapsed"] for r in results), "loaded_p50_us": loaded_p50, **cpu}
+    rate = sum(r["calls"] / r["elapsed"] for r in results)
+    return {"calls_per_s": rate, "loaded_p50_us": loaded_p50, "failed_calls": errors, **cpu}
 
 
 def load_separate(
@@ -191,7 +197,13 @@ def load_separate(
         "calls_per_s": sum(row["calls_per_s"] for row in rows),
         "pod_cpu_cores": sum(row["pod_cpu_cores"] for row in rows),
         "loadgen_cpu_cores": sum(row["loadgen_cpu_cores"] for row in rows),
+        "failed_calls": sum(row["failed_calls"] for row in rows),
     }
+
+
+def failed_calls(row: dict) -> int:
+    """Calls of a measured phase that failed, the separate servers' included."""
+    return row["failed_calls"] + row.get("separate", {}).get("failed_calls", 0)
 
 
 def p50_one_client(address: str, request: bytes, seconds: float) -> float:
@@ -323,6 +335,7 @@ def main() -> None:
                 "rounds": rows,
                 "target_met": efficiency >= TARGET,
                 "separate_calls_per_s": separate_rate,
+                "failed_calls": sum(failed_calls(row) for row in rows),
             }
             verdict = "" if n == 1 else f"  target >= {TARGET}: {'met' if efficiency >= TARGET else 'MISSED'}"
             if separate_rate:
