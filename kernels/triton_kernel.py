@@ -372,15 +372,19 @@ class LaunchCombiner:
             call.ready.wait()
             if not call.lead:
                 return call.result()
-        while call.outputs is None and call.error is None:
-            self._launch_batch(self._take_batch())
-        with self._lock:
-            if self._queue:
-                successor = self._queue[0]
-                successor.lead = True
-                successor.ready.set()
-            else:
-                self._leading = False
+        try:
+            while call.outputs is None and call.error is None:
+                self._launch_batch(self._take_batch())
+        finally:  # whatever happened here, the lead passes on: a lead kept by nobody would stall every call
+            with self._lock:
+                if call in self._queue:  # failed before its own call was taken: it leaves with the error
+                    self._queue.remove(call)
+                if self._queue:
+                    successor = self._queue[0]
+                    successor.lead = True
+                    successor.ready.set()
+                else:
+                    self._leading = False
         return call.result()
 
     def _take_batch(self) -> list[_Call]:
@@ -397,18 +401,21 @@ class LaunchCombiner:
         return batch
 
     def _launch_batch(self, batch: list[_Call]) -> None:
+        """One launch for ``batch``; each of its calls gets its outputs, or the error of any step."""
         ratio, dcp = batch[0].group
-        tables, kv_at, row_at = [], [0], [0]
+        kv_at, row_at = [0], [0]
         for queued in batch:
-            shifted = queued.table.copy() if len(batch) > 1 else queued.table
-            shifted[:, _KV_COLUMNS] += kv_at[-1]
-            shifted[:, _ROW_COLUMNS] += row_at[-1]
-            tables.append(shifted)
             kv_at.append(kv_at[-1] + queued.tokens)
             row_at.append(row_at[-1] + queued.rows)
         try:
             self.launches += 1
-            table = tables[0] if len(tables) == 1 else np.concatenate(tables)
+            if len(batch) == 1:
+                table = batch[0].table
+            else:
+                table = np.concatenate([queued.table for queued in batch])
+                starts = np.repeat(np.arange(len(batch)), [queued.table.shape[0] for queued in batch])
+                table[:, _KV_COLUMNS] += np.asarray(kv_at[:-1], dtype=table.dtype)[starts, None]
+                table[:, _ROW_COLUMNS] += np.asarray(row_at[:-1], dtype=table.dtype)[starts, None]
             host_out = self._launch(table, kv_at[-1], row_at[-1], dcp, ratio)
             all_tokens, all_ks, all_ke = (host_out[where] for where in _output_segments(kv_at[-1], row_at[-1])[1])
         except BaseException as exc:  # every call of the batch gets the launch's error

@@ -65,7 +65,8 @@ def in_threads(builder: TritonChunkBuilder, calls: list) -> list:
     for t in threads[1:]:
         t.start()
     for t in threads:
-        t.join(timeout=120)
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads), "a call never returned: the combiner stalled"
     return results
 
 
@@ -123,6 +124,31 @@ def test_a_failed_launch_fails_every_call_it_carried_and_the_next_calls_are_serv
     assert_each_equals_numpy(calls[1:], results[1:])
     assert builder.combiner.launches == 2
     assert_each_equals_numpy(calls[:1], [builder.arrays_many(*calls[0])])
+
+
+def test_the_lead_passes_on_when_the_leader_fails_outside_a_launch(triton_cpu) -> None:
+    """A leader that fails before launching (here: taking its batch) still hands the lead to the oldest waiting
+    call, so the calls queued behind it are served instead of waiting for ever."""
+    calls = random_calls(5, [4, 4, 4])
+    builder, gate = gated_builder(triton_cpu, queued=2)
+    combiner = builder.combiner
+    take_batch = combiner._take_batch
+    taken = []
+
+    def failing_once():
+        taken.append(1)
+        if len(taken) == 2:  # the second lead, before it takes its own call
+            raise RuntimeError("batch")
+        return take_batch()
+
+    combiner._take_batch = failing_once
+    results = in_threads(builder, calls)
+    failed = [r for r in results if isinstance(r, RuntimeError)]
+    assert len(failed) == 1 and str(failed[0]) == "batch"
+    served = [(call, r) for call, r in zip(calls, results, strict=True) if not isinstance(r, Exception)]
+    assert len(served) == 2
+    assert_each_equals_numpy([c for c, _ in served], [r for _, r in served])
+    assert not combiner._leading and combiner._queue == []
 
 
 def test_one_thread_launches_each_call_at_once(triton_cpu) -> None:
