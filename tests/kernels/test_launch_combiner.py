@@ -130,7 +130,7 @@ def test_the_lead_passes_on_when_the_leader_fails_outside_a_launch(triton_cpu) -
     """A leader that fails before launching (here: taking its batch) still hands the lead to the oldest waiting
     call, so the calls queued behind it are served instead of waiting for ever."""
     calls = random_calls(5, [4, 4, 4])
-    builder, gate = gated_builder(triton_cpu, queued=2)
+    builder, _ = gated_builder(triton_cpu, queued=2)
     combiner = builder.combiner
     take_batch = combiner._take_batch
     taken = []
