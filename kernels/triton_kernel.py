@@ -14,6 +14,7 @@ specialization axis.
 
 from __future__ import annotations
 
+import copy
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -335,7 +336,9 @@ class _Call:
 
     def result(self) -> ChunkOutputs:
         if self.error is not None:
-            raise self.error
+            # Each thread raises its own copy: one exception object raised in several threads would gather
+            # all their frames in one traceback (and keep them alive); the launch's own error is the cause.
+            raise copy.copy(self.error).with_traceback(None) from self.error
         assert self.outputs is not None
         return self.outputs
 

@@ -242,7 +242,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return args.run(args)
+        code = args.run(args)
+        sys.stdout.flush()  # a pipe's buffered output fails here, inside the handler, not at interpreter exit
+        return code
     except BrokenPipeError:
         # The reader went away (`keys | head`): not this command's failure. Quiet, and the exit a process
         # killed by SIGPIPE has, as other command-line tools do; stdout goes to /dev/null so that the

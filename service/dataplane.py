@@ -89,14 +89,15 @@ _CALL: ContextVar[_CallState | None] = ContextVar("call", default=None)
 
 
 @contextmanager
-def _refusals_as_errors(caller: Caller) -> Iterator[None]:
-    """Admission's refusals as the data plane's errors: Shed, or CallerGone when the caller left while waiting."""
+def _refusals_as_errors(caller: Caller, hint: str = "") -> Iterator[None]:
+    """Admission's refusals as the data plane's errors: Shed (its message ending in ``hint``), or CallerGone when
+    the caller left while waiting."""
     try:
         yield
     except Refused as exc:
         if exc.gone:
             raise CallerGone(caller.gone() or Code.CANCELLED, exc.message, exc.reason) from None
-        raise Shed(exc.reason, exc.message) from None
+        raise Shed(exc.reason, exc.message + hint) from None
 
 
 def stop_if_abandoned() -> None:
@@ -257,9 +258,16 @@ class DataPlane:
         if state is None:  # a handler called outside DataPlane.call (tests): nothing to hold
             return
         self._admit_heavy(response_bytes + CHUNK_COST_BYTES * num_chunks)
-        with _refusals_as_errors(state.caller):
-            held = state.caller.held_bytes(response_bytes)
-            state.caller.ticket = self.admission.budget.reserve(state.caller.peer, held, state.caller)
+        caller = state.caller
+        held = caller.held_bytes(response_bytes)
+        hint = (
+            f" (a JSON answer holds {caller.held_per_answer_byte:g}x its {response_bytes} protobuf bytes while it is "
+            "encoded: send application/x-protobuf)"
+            if held != response_bytes
+            else ""
+        )
+        with _refusals_as_errors(caller, hint):
+            caller.ticket = self.admission.budget.reserve(caller.peer, held, caller)
 
     def _build(
         self, method: str, chunks: Sequence[ChunkInputs], valid: ValidBatch, omit_token_to_seq: bool

@@ -150,7 +150,12 @@ class HttpApp:
         response = self.plane.call(method, request, "body", caller)
         if not as_json:
             return response
-        text = _to_json(method, response)
+        try:
+            text = _to_json(method, response)
+        except BaseException:  # out of memory at the encoding's peak, say: nothing will be sent
+            if caller.ticket is not None:
+                caller.ticket.release()
+            raise
         if caller.ticket is not None:
             caller.ticket.shrink(len(text))  # from the peak of the encoding down to the text that is sent
         return text

@@ -117,7 +117,7 @@ def worker_cpus(workers: int, mode: str) -> tuple[list[int] | None, str]:
         return None, f"pin_workers {mode}, {len(cpus)} CPUs for {workers} workers"
     if mode == "auto":
         quota = cgroup_cpu_quota()
-        if quota is None or math.ceil(quota) != len(cpus) or workers != len(cpus):
+        if quota is None or abs(quota - len(cpus)) > 1e-6 or workers != len(cpus):
             return None, f"pin_workers auto: cpu quota {quota}, {len(cpus)} CPUs, {workers} workers (not exclusive)"
     return cpus[:workers], f"pin_workers {mode}"
 

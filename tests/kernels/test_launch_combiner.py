@@ -52,9 +52,8 @@ def in_threads(builder: TritonChunkBuilder, calls: list) -> list:
     results: list = [None] * len(calls)
 
     def one(n: int) -> None:
-        hosts, dcp = calls[n]
         try:
-            results[n] = builder.arrays_many(hosts, dcp)
+            results[n] = builder.arrays_many(*calls[n])
         except Exception as exc:
             results[n] = exc
 
@@ -81,8 +80,9 @@ def random_calls(seed: int, ratios: list[int]) -> list:
 
 
 def assert_each_equals_numpy(calls: list, results: list) -> None:
-    for (hosts, dcp), got in zip(calls, results, strict=True):
-        expected = chunk_arrays_numpy_many(hosts, dcp)
+    """Each call ``(hosts, dcp[, with_token_to_seq])``'s arrays are numpy's."""
+    for call, got in zip(calls, results, strict=True):
+        expected = chunk_arrays_numpy_many(*call)
         assert len(got) == len(expected)
         for got_chunk, expected_chunk in zip(got, expected, strict=True):
             for g, e in zip(got_chunk, expected_chunk, strict=True):
@@ -102,6 +102,18 @@ def test_queued_calls_of_one_group_share_a_launch_and_each_gets_its_own_outputs(
 
 def output_elements(hosts) -> int:
     return sum(int(h.cu_seq_lens[-1]) + 2 * (h.query_slice[1] - h.query_slice[0]) for h in hosts)
+
+
+def test_calls_without_token_to_seq_share_a_launch_with_calls_that_have_it(triton_cpu) -> None:
+    """Omitting token_to_seq empties a call's token ranges; combined with calls that keep theirs, every call
+    still gets exactly its own arrays (an empty token_to_seq where omitted)."""
+    with_tokens = random_calls(6, [4, 4, 4, 4])
+    calls = [(*call, n % 2 == 0) for n, call in enumerate(with_tokens)]
+    builder, _ = gated_builder(triton_cpu, queued=3)
+    results = in_threads(builder, calls)
+    assert_each_equals_numpy(calls, results)
+    assert builder.combiner.launches == 2
+    assert all(chunk[0].size == 0 for call, got in zip(calls, results, strict=True) if not call[2] for chunk in got)
 
 
 def test_calls_that_together_pass_max_elements_launch_apart(triton_cpu) -> None:

@@ -67,11 +67,10 @@ def key_ratios(stdout: str) -> list[int]:
 def test_a_reader_that_goes_away_ends_the_command_quietly() -> None:
     """`indexer-service keys | head -0`: the pipe's reader is gone before the first line. The command exits as a
     process killed by SIGPIPE does (141), with nothing on stderr: no traceback, no "Exception ignored"."""
+    env = clean_env()
+    env.pop("PYTHONUNBUFFERED", None)  # a pipe's stdout is block-buffered, as under a shell
     process = subprocess.Popen(
-        [INDEXER_SERVICE, "keys", "--warmup-target", "none"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        env=clean_env(),
+        [INDEXER_SERVICE, "keys", "--warmup-target", "none"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env
     )
     process.stdout.close()  # before the interpreter has even imported the service
     _, stderr = process.communicate(timeout=120)

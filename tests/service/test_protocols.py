@@ -115,7 +115,8 @@ def test_a_json_answer_is_admitted_for_what_its_encoding_holds() -> None:
         status, _, body = post(url, request.SerializeToString(), "application/x-protobuf")
         assert status == 200 and len(body) > 1_000_000
         status, _, body = post(url, json_format.MessageToJson(request).encode(), "application/json")
-        assert status == 429 and "response_budget_bytes" in json.loads(body)["message"]
+        message = json.loads(body)["message"]
+        assert status == 429 and "response_budget_bytes" in message and "send application/x-protobuf" in message
         shed = metric_total(scrape(server.http_url), "indexer_requests_shed_total", reason="memory")
         assert shed == 1 and metric_total(scrape(server.http_url), "indexer_response_bytes_held") == 0
 
