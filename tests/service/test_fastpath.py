@@ -454,6 +454,19 @@ def test_fast_path_is_admitted_with_the_general_paths_estimate_and_its_heavy_lan
     assert plane.admission.budget.held == 0
 
 
+def test_a_large_answer_is_built_by_the_fast_path() -> None:
+    """A 16 MB answer (above heavy_request_bytes) is the fast path's, which writes its arrays without the GIL,
+    not the general numpy path's (64 MB answers built there stalled every probe for 0.6 s: issue 10)."""
+    from testkit.payloads import big_answer_build_chunk
+
+    plane = Paths(BASE).fast
+    answer = plane.call("BuildChunk", big_answer_build_chunk(16 << 20).SerializeToString())
+    assert len(answer) > 15 << 20
+    served = {"method": "BuildChunk", "backend": FAST_PATH_BACKEND}
+    assert plane.metrics.registry.get_sample_value("indexer_backend_duration_seconds_count", served) == 1
+    assert plane.admission.budget.held == 0
+
+
 # --- the wire contract comes from the proto; the size pass is checked against the write pass ------------------
 
 
