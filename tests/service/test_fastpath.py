@@ -34,6 +34,7 @@ from indexer_service.service.warmup import Warmup, WarmupState
 from testkit.batches import BatchShape, random_chunk_inputs
 from testkit.fuzzing import FUZZ_LIMITS, chunk_request, rng_draw
 from testkit.paths import REPO
+from testkit.payloads import big_answer_build_chunk
 from testkit.planes import make_plane
 from tests.golden import GOLDEN, case_id, chunk_inputs, metadata_as_dict
 
@@ -457,8 +458,6 @@ def test_fast_path_is_admitted_with_the_general_paths_estimate_and_its_heavy_lan
 def test_a_large_answer_is_built_by_the_fast_path() -> None:
     """A 16 MB answer (above heavy_request_bytes) is the fast path's, which writes its arrays without the GIL,
     not the general numpy path's (64 MB answers built there stalled every probe for 0.6 s: issue 10)."""
-    from testkit.payloads import big_answer_build_chunk
-
     plane = Paths(BASE).fast
     answer = plane.call("BuildChunk", big_answer_build_chunk(16 << 20).SerializeToString())
     assert len(answer) > 15 << 20
