@@ -142,9 +142,10 @@ PROGRAM_SPAN = 8 * BLOCK_SIZE
 def _split_long_requests(table: np.ndarray) -> np.ndarray:
     """Each row of the table cut into pieces of at most PROGRAM_SPAN tokens and PROGRAM_SPAN rows."""
     kv_lo, kv_hi, row_lo, row_hi = table[:, 1], table[:, 2], table[:, 3], table[:, 4]
-    pieces = np.maximum(1, -(-np.maximum(kv_hi - kv_lo, row_hi - row_lo) // PROGRAM_SPAN))
-    if (pieces == 1).all():
+    longest = np.maximum(kv_hi - kv_lo, row_hi - row_lo)
+    if table.shape[0] == 0 or longest.max() <= PROGRAM_SPAN:  # the common case, in two array operations
         return table
+    pieces = np.maximum(1, -(-longest // PROGRAM_SPAN))
     split = np.repeat(table, pieces, axis=0)
     step = (np.arange(split.shape[0]) - np.repeat(np.cumsum(pieces) - pieces, pieces)) * PROGRAM_SPAN
     new_kv_lo = np.minimum(split[:, 1] + step, split[:, 2])
@@ -164,32 +165,36 @@ def program_table(
     Without ``token_to_seq`` every program's token range is empty: a caller that omits it (often the largest
     output) neither computes nor holds it.
     """
-    parts, kv_bases, row_bases = [], [], []
+    kv_bases, row_bases = [], []
     kv_base = row_base = 0
+    # Every chunk's rows written into one table in place: per chunk a handful of array operations, no
+    # stacking or concatenation (this is per-call host work under the GIL, which concurrent calls queue on).
+    table = np.empty((sum(host.cu_seq_lens.size - 1 for host in hosts), len(TABLE_COLUMNS)), dtype=np.int64)
+    at = 0
     for host in hosts:
         starts = host.query_start
         a, b = host.query_slice
-        row_lo = np.clip(starts[:-1], a, b)
-        row_hi = np.clip(starts[1:], a, b)
-        query_lens = starts[1:] - starts[:-1]
-        cu = host.cu_seq_lens if with_token_to_seq else np.zeros_like(host.cu_seq_lens)
-        column_values = (
-            np.arange(cu.size - 1),
-            kv_base + cu[:-1],
-            kv_base + cu[1:],
-            row_base + row_lo - a,
-            row_base + row_hi - a,
-            causal_position(host.seq_lens, query_lens, row_lo - starts[:-1]),
-            host.local_cu_seq_lens[:-1],
-        )
-        parts.append(np.stack(column_values, axis=1))
+        rows = table[at : at + starts.size - 1]
+        at += starts.size - 1
+        # row_lo and row_hi: the request's query rows clipped to the slice [a, b)
+        np.minimum(np.maximum(starts[:-1], a), b, out=rows[:, 3])
+        np.minimum(np.maximum(starts[1:], a), b, out=rows[:, 4])
+        rows[:, 5] = causal_position(host.seq_lens, starts[1:] - starts[:-1], rows[:, 3] - starts[:-1])
+        rows[:, 3:5] += row_base - a
+        rows[:, 0] = np.arange(rows.shape[0])
+        if with_token_to_seq:
+            rows[:, 1] = host.cu_seq_lens[:-1]
+            rows[:, 2] = host.cu_seq_lens[1:]
+            rows[:, 1:3] += kv_base
+        else:
+            rows[:, 1:3] = kv_base
+        rows[:, 6] = host.local_cu_seq_lens[:-1]
         kv_bases.append(kv_base)
         row_bases.append(row_base)
-        kv_base += int(cu[-1])
+        kv_base += int(host.cu_seq_lens[-1]) if with_token_to_seq else 0
         row_base += b - a
     if max(kv_base, row_base) > INT32_MAX:
         raise ValueError(f"outputs of {len(hosts)} chunks exceed int32 indexing ({kv_base} tokens, {row_base} rows)")
-    table = np.concatenate(parts) if parts else np.zeros((0, len(TABLE_COLUMNS)), dtype=np.int64)
     return _split_long_requests(table).astype(np.int32), [*kv_bases, kv_base], [*row_bases, row_base]
 
 
