@@ -63,9 +63,10 @@ def host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def listen_flags(grpc_host: str = LOOPBACK, http_host: str = LOOPBACK) -> list[str]:
-    """``serve``'s flags for listening on these hosts at ports the OS picks (gRPC, HTTP and the health port)."""
-    return ["--grpc-host", grpc_host, "--http-host", http_host, "--grpc-port", "0", "--http-port", "0",
+def listen_flags(grpc_host: str = LOOPBACK, http_host: str = LOOPBACK, grpc_port: int = 0) -> list[str]:
+    """``serve``'s flags for listening on these hosts at ports the OS picks (gRPC, HTTP and the health port), or
+    at ``grpc_port`` for gRPC when given."""
+    return ["--grpc-host", grpc_host, "--http-host", http_host, "--grpc-port", str(grpc_port), "--http-port", "0",
             "--health-port", "0"]  # fmt: skip
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from indexer_service.kernels.specialization import CompileKey
-from testkit.harness import INDEXER_SERVICE, LOOPBACK, ServiceProcess, clean_env
+from testkit.harness import INDEXER_SERVICE, LOOPBACK, ServiceProcess, clean_env, listen_flags
 from tests.conftest import cuda_available
 from tests.service.conftest import FAILING_WARMUP, StartServer, default_backend_and_target
 
@@ -269,16 +269,7 @@ def test_serve_refuses_a_port_in_use() -> None:
             "numpy",
             "--warmup-target",
             "none",
-            "--grpc-host",
-            LOOPBACK,
-            "--grpc-port",
-            str(port),
-            "--http-host",
-            LOOPBACK,
-            "--http-port",
-            "0",
-            "--health-port",
-            "0",
+            *listen_flags(grpc_port=port),
             timeout=60,
         )
     assert out.returncode == 1 and f"cannot bind gRPC to {LOOPBACK}:{port}" in out.stderr

@@ -26,7 +26,7 @@ from indexer_service.kernels.inputs import ChunkInputs
 from indexer_service.service import supervisor
 from indexer_service.service.client import ChannelPool, IndexerClient
 from indexer_service.service.codec import SERVICE_NAME
-from testkit.harness import INDEXER_SERVICE, LOOPBACK, ServiceProcess, clean_env, http_get
+from testkit.harness import INDEXER_SERVICE, LOOPBACK, ServiceProcess, clean_env, http_get, listen_flags
 from tests.service.conftest import StartServer, scrape
 
 pytestmark = pytest.mark.slow
@@ -98,16 +98,7 @@ def test_two_workers_share_the_port_both_serve_and_metrics_add_up(start_server: 
             INDEXER_SERVICE,
             "serve",
             *FAST,
-            "--grpc-host",
-            LOOPBACK,
-            "--grpc-port",
-            str(server.grpc_port),
-            "--http-host",
-            LOOPBACK,
-            "--http-port",
-            "0",
-            "--health-port",
-            "0",
+            *listen_flags(grpc_port=server.grpc_port),
         ],
         capture_output=True,
         text=True,
