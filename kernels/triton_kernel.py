@@ -14,7 +14,9 @@ specialization axis.
 
 from __future__ import annotations
 
+import ast
 import copy
+import functools
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -40,6 +42,36 @@ from indexer_service.kernels.specialization import BLOCK_SIZE, SCALAR_ARGS, Comp
 # The DCP scalars only pick a branch and bound a min/max: specializing them on ==1 / %16 would multiply the
 # compiled variants for no speed (kernel times with and without: benchmarks/bench_kernel.py).
 KERNEL_JIT_OPTIONS = {"do_not_specialize": list(SCALAR_ARGS)}
+
+# ast.parse takes this lock in every thread (see serialise_ast_parse). Re-entrant: a finalizer run by the
+# garbage collector in the middle of a parse may itself parse.
+_AST_PARSE_LOCK = threading.RLock()
+
+
+def serialise_ast_parse() -> None:
+    """Make ``ast.parse`` take one process-wide lock; installed once, on importing this module.
+
+    Why: CPython 3.11 keeps the AST constructor's recursion depth in interpreter-wide state. When two threads
+    parse at once and the garbage collector switches threads in the middle of one, the other's count is
+    corrupted and its parse fails with ``SystemError: AST constructor recursion depth mismatch`` (CPython
+    gh-106905). Triton parses the kernel's source in every thread that compiles it (the parallel warmup) or
+    first interprets it; a parallel ahead-of-time compile in CI lost a key this way. A kernel parses in about
+    a millisecond, so the lock costs nothing a warmup can measure.
+    """
+    if getattr(ast.parse, "serialised", False):
+        return
+    unlocked_parse = ast.parse
+
+    @functools.wraps(unlocked_parse)
+    def parse(*args, **kwargs):
+        with _AST_PARSE_LOCK:
+            return unlocked_parse(*args, **kwargs)
+
+    parse.serialised = True
+    ast.parse = parse
+
+
+serialise_ast_parse()
 
 # Columns of the program table, one row per (chunk, request).
 TABLE_COLUMNS = ("owner", "kv_lo", "kv_hi", "row_lo", "row_hi", "first_position", "row_start")

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import gc
+import threading
+import time
 
 import pytest
 
@@ -31,6 +35,42 @@ def test_aot_compiles_the_default_warmup_set_for_cuda90(cache_dir, workers):
     assert {o.key for _, _, o in seen} == set(keys)
     cubins = list(cache_dir.rglob("*.cubin"))
     assert len(cubins) == len(keys)
+
+
+class _FinalizerThatYields:
+    def __del__(self):
+        time.sleep(0)  # lets another thread run while the collector frees this in the middle of a parse
+
+
+def test_ast_parse_is_safe_from_many_threads_once_the_kernel_module_is_loaded():
+    """CPython 3.11 fails concurrent parses with SystemError 'AST constructor recursion depth mismatch' when the
+    collector switches threads mid-parse (a parallel compile lost a key to it in CI). Without the lock this
+    stress fails on the first or second of every run here; with it, no parse may fail."""
+    assert getattr(ast.parse, "serialised", False)  # installed by kernels.triton_kernel, which compile_engine imports
+    source = "\n".join(f"def f{i}(a, b):\n    return [x * b for x in range({i})]" for i in range(20))
+    errors = []
+
+    def parse_with_cyclic_garbage():
+        for _ in range(300):
+            garbage = _FinalizerThatYields()
+            garbage.cycle = garbage
+            del garbage
+            try:
+                ast.parse(source)
+            except SystemError as exc:
+                errors.append(str(exc))
+
+    thresholds = gc.get_threshold()
+    gc.set_threshold(50, 1, 1)  # collect often, so collections land inside parses
+    try:
+        threads = [threading.Thread(target=parse_with_cyclic_garbage) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        gc.set_threshold(*thresholds)
+    assert errors == []
 
 
 def test_aot_for_amd_gfx942(cache_dir):
