@@ -64,6 +64,20 @@ def trim_heap() -> bool | None:
     return None if malloc_trim is None else bool(malloc_trim(0))
 
 
+def idle_trim_caveat(arena_max: int) -> str | None:
+    """What the idle trim cannot hand back under this arena setting (an operator's MALLOC_ARENA_MAX wins), or
+    None. glibc's malloc_trim returns the free top of the main arena only: memory freed at the top of any other
+    arena stays resident, so with more than one arena a burst can keep RSS high for good."""
+    arenas = os.environ.get("MALLOC_ARENA_MAX", str(arena_max))
+    if arenas == "1" or _malloc_trim() is None:
+        return None
+    shown = "glibc's default" if arenas == "0" else arenas
+    return (
+        f"malloc arenas: {shown}; the idle trim returns free memory of the main arena only, so a burst's memory "
+        "freed on the others stays resident (malloc_arena_max = 1 avoids it)"
+    )
+
+
 def configure_malloc(arena_max: int, retain_bytes: int) -> dict[str, str]:
     """At most ``arena_max`` arenas (0: glibc's default); keep up to ``retain_bytes`` of freed memory per arena
     for reuse, and serve blocks up to that size (at most 32 MiB) from the heap (0: glibc's defaults). Call once,

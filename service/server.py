@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import uvicorn
 
 from indexer_service.kernels.specialization import warmup_keys
-from indexer_service.service.allocator import configure_malloc, trim_heap
+from indexer_service.service.allocator import configure_malloc, idle_trim_caveat, trim_heap
 from indexer_service.service.backends import make_backend, resolve_backend
 from indexer_service.service.config import ServiceConfig
 from indexer_service.service.dataplane import DataPlane
@@ -153,6 +153,9 @@ class IndexerServer:
             host_port(self.config.http_host, self.http_port),
         )
         if self.config.idle_trim_seconds > 0:
+            caveat = idle_trim_caveat(self.config.malloc_arena_max)
+            if caveat is not None:
+                log.warning("%s", caveat)
             self._trim_thread.start()
         if self.backend != "numpy":
             # Only a GPU backend launches kernels after ready; numpy never compiles.
