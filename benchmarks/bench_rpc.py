@@ -184,15 +184,16 @@ def _plot(results: dict, path: Path, backends: list[str]) -> None:
 def service_flags(backend: str) -> tuple[str, ...]:
     # A heavy-lane slot per gRPC thread (8): the large batch is a heavy request, and with the default 2 slots the
     # calls beyond 2 + 4 waiting would be shed (issue 10, by design); this benchmark measures the compute paths.
-    # The response budget as on a machine without a memory limit, whatever this one's: one client connection
-    # carries every phase, and a connection may hold a quarter of the budget.
+    # A response budget no phase can reach, whatever this machine's memory limit: one client connection carries
+    # every phase, a connection may hold a quarter of the budget, and the large batch at 32 in flight holds up to
+    # 32 x 8.8 MB of answers (past a quarter of 1 GiB: the calls beyond it were shed, by design).
     streams = (
         "--max-streams-per-connection",
         str(STREAMS_PER_CONNECTION),
         "--heavy-lane-slots",
         "8",
         "--response-budget-bytes",
-        str(1 << 30),
+        str(4 << 30),
         "--backend",
         backend,
     )
