@@ -351,15 +351,20 @@ class DrainWatchdog:
 
     def _run(self) -> None:
         while not self._stop.wait(self.scan_seconds):
-            now = time.monotonic()
-            with self._lock:
-                expired = [e for e in self._watched.values() if e[1].released or e[0] <= now]
-                for _, ticket, _ in expired:
-                    del self._watched[id(ticket)]
-            for _, ticket, on_unread in expired:
-                if ticket.released:
-                    continue
-                try:
-                    on_unread()
-                except Exception:
-                    log.exception("cancelling an unread response failed")
+            self._scan(time.monotonic())
+
+    def _scan(self, now: float) -> None:
+        """Drop released entries, act on expired ones. A function of its own so that nothing it handled outlives
+        it: a loop variable left in ``_run``'s frame kept the last cancelled call, and gRPC core kept that call's
+        unsent answer (64 MiB resident until the next cancel)."""
+        with self._lock:
+            expired = [e for e in self._watched.values() if e[1].released or e[0] <= now]
+            for _, ticket, _ in expired:
+                del self._watched[id(ticket)]
+        for _, ticket, on_unread in expired:
+            if ticket.released:
+                continue
+            try:
+                on_unread()
+            except Exception:
+                log.exception("cancelling an unread response failed")

@@ -98,11 +98,15 @@ def wait_for(predicate, timeout: float, interval: float = 0.1) -> bool:
 def test_stalled_window_zero_streams_hold_at_most_the_budget(serve) -> None:
     """Issue 10 #1: 5 streams asking for ~64 MB each with flow-control windows of 0 (before the defence:
     +640 MiB held until the sockets close). The server holds at most its budget, cuts what is not read
-    within response_drain_seconds, counts it, and keeps serving others."""
-    server = serve(*MEMORY_FLAGS)
+    within response_drain_seconds, counts it, and keeps serving others; once the attacker is gone its memory comes
+    back (the watchdog's thread once kept the last call it cancelled, and gRPC core that call's 64 MB answer)."""
+    server = serve(*MEMORY_FLAGS, "--idle-trim-seconds", "1")
+    idle_before = server.rss_bytes()
     with Siege(server) as siege, StalledStreams(LOOPBACK, server.grpc_port, BUILD_CHUNK_PATH, BIG_ANSWER, 5, 2) as st:
         ended = wait_for(lambda: st.snapshot().still_open == 0, DRAIN_SECONDS + 6.0)
         report = st.snapshot()
+    came_back = wait_for(lambda: server.rss_bytes() <= 1.2 * idle_before, 15.0, interval=0.5)
+    assert came_back, f"idle {mib(idle_before):.0f} MiB, now {mib(server.rss_bytes()):.0f} MiB after the attack"
     assert report.opened == 5, report
     assert ended, f"streams the server never ended: {report.statuses()}"
     assert siege.rss_peak_growth < RSS_ALLOWANCE, f"RSS grew {mib(siege.rss_peak_growth):.0f} MiB: {describe(siege)}"
