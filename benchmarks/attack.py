@@ -4,9 +4,10 @@ watched by probes, a well-behaved victim and RSS sampling (testkit.siege):
     python -m benchmarks.attack [--out FILE] [--only NAME ...] [--server-pythonpath DIR]
 
 Prints per attack what was tried, the RSS before and after, the victim's success, the probes answered within
-1 s and what the server's metrics counted; ``--out`` writes the same as JSON. ``--server-pythonpath`` serves
-from another source tree, for "before" figures: ``git archive <commit> | tar -x -C /tmp/before`` (copy the
-built service/_fastpath*.so too), then ``--server-pythonpath /tmp/before``.
+1 s, what the server's metrics counted, and for each server still running how long its RSS took to come back
+within 1.2x of its idle value (``memory_back``, at most 60 s); ``--out`` writes the same as JSON.
+``--server-pythonpath`` serves from another source tree, for "before" figures: ``git archive <commit> | tar -x
+-C /tmp/before`` (copy the built service/_fastpath*.so too), then ``--server-pythonpath /tmp/before``.
 
 Loopback only; every loop is bounded in count and time; every server and attacker process is killed at the end.
 The bounded versions of the same attacks are tests/system/test_hardening_abuse.py.
@@ -54,6 +55,7 @@ DEFAULT_IDLE_SECONDS = 15.0  # http_idle_timeout_seconds' default
 BIG_ANSWER = big_answer_build_chunk().SerializeToString()  # 140 bytes in, ~64 MB out
 # A heavy call that every limit allows (under max_plan_chunks' default of 1,024).
 HEAVY_PLAN = one_row_chunks_plan_batch(1000).SerializeToString()
+MEMORY_BACK_SECONDS = 60.0  # issue 10: idle RSS back within 1.2x of its value before, within 60 s of the end
 
 
 class Bench:
@@ -62,16 +64,42 @@ class Bench:
     def __init__(self, pythonpath: str | None) -> None:
         self.pythonpath = pythonpath
         self.servers: list[ServiceProcess] = []
+        self.idle_rss: dict[ServiceProcess, int] = {}
 
     def serve(self, *flags: str) -> ServiceProcess:
         env = clean_env(PYTHONPATH=self.pythonpath) if self.pythonpath else None
         server = ServiceProcess(*FAST_START, *flags, env=env)
         self.servers.append(server)
-        return server.__enter__()
+        server.__enter__()
+        self.idle_rss[server] = server.rss_bytes()
+        return server
+
+    def memory_back(self) -> list[dict]:
+        """Issue 10's "memory comes back": for each server still running after its attack, how many seconds until
+        its RSS was within 1.2x of its idle RSS when it was ready (polled each second, at most 60 s)."""
+        figures = []
+        for server in self.servers:
+            if server.process.poll() is not None:  # the attack ended it (drain-watchers)
+                continue
+            idle, start = self.idle_rss[server], time.monotonic()
+            while (rss := server.rss_bytes()) > 1.2 * idle and time.monotonic() - start < MEMORY_BACK_SECONDS:
+                time.sleep(1.0)
+            waited = time.monotonic() - start
+            figures.append(
+                {
+                    "idle_mib": round(mib(idle), 1),
+                    "rss_mib": round(mib(rss), 1),
+                    "ratio": round(rss / idle, 2),
+                    "seconds": round(waited, 1),
+                    "back_within_60s": rss <= 1.2 * idle,
+                }
+            )
+        return figures
 
     def kill_all(self) -> None:
         for server in self.servers:
             server.kill()
+        self.servers, self.idle_rss = [], {}
 
 
 def _wait_rss(server: ServiceProcess, seconds: float) -> float:
@@ -326,6 +354,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"== {name}", flush=True)
             try:
                 results[name] = ATTACKS[name](bench)
+                results[name]["memory_back"] = bench.memory_back()
             except Exception as exc:  # one attack's failure (a server that died) must not hide the others'
                 results[name] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
             finally:
