@@ -143,8 +143,8 @@ def cpu_amplification(bench: Bench) -> dict:
         server = bench.serve(*flags)
         with Siege(server) as siege, Callers(server.address, PLAN_BATCH_PATH, amplifier, 30.0, 10, 0.0) as amp:
             time.sleep(30.0)
-        figures[name] = siege.figures() | {"attacker_codes": amp.run().codes()}
-        server.kill()
+        figures[name] = siege.figures() | {"attacker_codes": amp.run().codes(), "memory_back": bench.memory_back()}
+        server.kill()  # the next configuration gets the CPU to itself
     figures["tried"] = "10 callers x 22-byte PlanBatch for 30 s, default settings and max_plan_chunks 8192"
     return figures
 
