@@ -34,7 +34,7 @@ class PlanTooLargeError(Exception):
         self.max_chunks = max_chunks
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # slots: a plan can hold thousands (max_plan_chunks), each without a dict
 class ChunkSpec:
     """Requests ``[req_start, req_end)`` (absolute) and chunk-local query rows ``[query_start, query_stop)``."""
 
@@ -57,10 +57,15 @@ def plan_prefill_chunks(
     max_logits_elems: int,
     request_offset: int = 0,
     max_chunks: int | None = None,
+    admit: Callable[[int], None] | None = None,
 ) -> list[ChunkSpec]:
     """Greedy plan over contiguous requests (spec section 2); ``request_offset`` is added to request indices.
-    With ``max_chunks``, a plan that would pass it raises :class:`PlanTooLargeError` as soon as its size is
-    known, before the chunks are made: each costs fixed time downstream."""
+
+    The chunk count is known before any chunk is made: with ``max_chunks``, a plan that would pass it raises
+    :class:`PlanTooLargeError`; then ``admit(count)`` is called, and may raise to refuse the plan (the service
+    admits the work there). Either way a refused plan has made no chunk: each costs fixed time downstream, and
+    thousands of small objects made and dropped per refused call fragment the allocator's arenas.
+    """
     seq = [int(x) for x in compressed_seq_lens]
     queries = [int(x) for x in query_lens]
     if len(seq) != len(queries):
@@ -70,7 +75,8 @@ def plan_prefill_chunks(
     if max_logits_elems < 1:
         raise InvalidInputError("max_logits_elems", f"must be >= 1, got {max_logits_elems}")
 
-    plan: list[ChunkSpec] = []
+    groups: list[tuple[int, int, int, int]] = []  # requests [start, end) planned together, their rows, rows a chunk
+    chunks = 0
     start, count = 0, len(seq)
     while start < count:
         total_q, total_kv = 0, 0
@@ -85,12 +91,18 @@ def plan_prefill_chunks(
             if not fits:  # the first request of a chunk is taken alone even when it does not fit
                 break
         max_q = max(1, max_logits_elems // total_kv) if total_kv > 0 else max(1, total_q)
-        if max_chunks is not None and len(plan) + -(-total_q // max_q) > max_chunks:
+        chunks += -(-total_q // max_q)
+        if max_chunks is not None and chunks > max_chunks:
             raise PlanTooLargeError(max_chunks)
-        for offset in range(0, total_q, max_q):
-            plan.append(ChunkSpec(start + request_offset, end + request_offset, offset, min(offset + max_q, total_q)))
+        groups.append((start + request_offset, end + request_offset, total_q, max_q))
         start = end
-    return plan
+    if admit is not None:
+        admit(chunks)
+    return [
+        ChunkSpec(first, end, offset, min(offset + max_q, total_q))
+        for first, end, total_q, max_q in groups
+        for offset in range(0, total_q, max_q)
+    ]
 
 
 @dataclass(frozen=True)
@@ -117,10 +129,14 @@ ChunkBuilder = Callable[[ChunkInputs], "ChunkMetadata | None"]
 
 
 def plan_prefill_batch(
-    batch: BatchInputs, max_chunks: int | None = None, valid: ValidBatch | None = None
+    batch: BatchInputs,
+    max_chunks: int | None = None,
+    valid: ValidBatch | None = None,
+    admit: Callable[[int], None] | None = None,
 ) -> list[ChunkSpec]:
     """Validate a batch (unless ``valid``: its request has been, see :func:`~kernels.inputs.validate_request`)
-    and plan its prefill requests into chunks (at most ``max_chunks``, see :func:`plan_prefill_chunks`)."""
+    and plan its prefill requests into chunks (at most ``max_chunks``; ``admit`` sees the chunk count before
+    any chunk is made, see :func:`plan_prefill_chunks`)."""
     if valid is None:
         valid = validate_request(batch.query_start_loc, batch.seq_lens, batch.compress_ratio, batch.dcp)
     qsl, seq, ratio = valid.query_start_loc, valid.seq_lens, valid.ratio
@@ -138,6 +154,7 @@ def plan_prefill_batch(
         batch.max_logits_bytes // 4,
         request_offset=nd,
         max_chunks=max_chunks,
+        admit=admit,
     )
 
 

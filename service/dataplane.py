@@ -251,6 +251,11 @@ class DataPlane:
             state.held.enter_context(self.admission.lane.slot(state.caller))
         state.in_heavy_lane = True
 
+    def _admit_plan(self, num_chunks: int) -> None:
+        """The chunk count is a plan's first known cost: a plan of many small chunks is heavy before its answer's
+        size is (the per-chunk host work is most of such a call). Called by the planner before any chunk exists."""
+        self._admit_heavy(CHUNK_COST_BYTES * num_chunks)
+
     def _admit_work(self, response_bytes: int, num_chunks: int) -> None:
         """The heavy lane when the work is heavy, then the answer's bytes in the response budget until the
         transport releases them; or refuse (Shed, or CallerGone when the caller left while waiting)."""
@@ -340,7 +345,7 @@ class DataPlane:
         valid = self.limits.check_request(batch)
         self.limits.check_plan_model_len(batch)
         try:
-            chunks = plan_prefill_batch(batch, config.max_plan_chunks, valid)
+            chunks = plan_prefill_batch(batch, config.max_plan_chunks, valid, self._admit_plan)
         except PlanTooLargeError:
             raise Shed(
                 "work_limit",
@@ -348,9 +353,6 @@ class DataPlane:
                 f"more than max_plan_chunks {config.max_plan_chunks} chunks; raise max_logits_bytes or send fewer "
                 "query tokens",
             ) from None
-        # The chunk count is the cost known first: a plan of many small chunks is heavy before its answer's
-        # size is (the per-chunk host work is most of such a call).
-        self._admit_heavy(CHUNK_COST_BYTES * len(chunks))
         built = self._build("PlanBatch", chunk_inputs_of_plan(batch, chunks), valid, request.omit_token_to_seq)
         plan = PrefillPlan(chunks, [meta for meta in built if meta is not None], max_prefill_seq_len(batch))
         decodes = batch.num_decodes  # validated by the planner
