@@ -24,6 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import grpc
+import psutil
 
 from testkit.h2raw import StalledStreams, rapid_reset_parallel
 from testkit.harness import (
@@ -82,8 +83,12 @@ class Bench:
             if server.process.poll() is not None:  # the attack ended it (drain-watchers)
                 continue
             idle, start = self.idle_rss[server], time.monotonic()
-            while (rss := server.rss_bytes()) > 1.2 * idle and time.monotonic() - start < MEMORY_BACK_SECONDS:
-                time.sleep(1.0)
+            try:
+                while (rss := server.rss_bytes()) > 1.2 * idle and time.monotonic() - start < MEMORY_BACK_SECONDS:
+                    time.sleep(1.0)
+            except psutil.Error as exc:  # it died while watched: that is the finding
+                figures.append({"error": f"{type(exc).__name__}: {exc}", "exit_code": server.process.poll()})
+                continue
             waited = time.monotonic() - start
             figures.append(
                 {
@@ -354,7 +359,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"== {name}", flush=True)
             try:
                 results[name] = ATTACKS[name](bench)
-                results[name]["memory_back"] = bench.memory_back()
+                back = bench.memory_back()
+                if back:  # empty where the attack ended its servers itself (it records its own)
+                    results[name]["memory_back"] = back
             except Exception as exc:  # one attack's failure (a server that died) must not hide the others'
                 results[name] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
             finally:

@@ -91,7 +91,7 @@ def plan_prefill_chunks(
             if not fits:  # the first request of a chunk is taken alone even when it does not fit
                 break
         max_q = max(1, max_logits_elems // total_kv) if total_kv > 0 else max(1, total_q)
-        chunks += -(-total_q // max_q)
+        chunks += len(range(0, total_q, max_q))  # the chunks made below (none for total_q <= 0)
         if max_chunks is not None and chunks > max_chunks:
             raise PlanTooLargeError(max_chunks)
         groups.append((start + request_offset, end + request_offset, total_q, max_q))

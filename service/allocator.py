@@ -68,10 +68,15 @@ def idle_trim_caveat(arena_max: int) -> str | None:
     """What the idle trim cannot hand back under this arena setting (an operator's MALLOC_ARENA_MAX wins), or
     None. glibc's malloc_trim returns the free top of the main arena only: memory freed at the top of any other
     arena stays resident, so with more than one arena a burst can keep RSS high for good."""
-    arenas = os.environ.get("MALLOC_ARENA_MAX", str(arena_max))
-    if arenas == "1" or _malloc_trim() is None:
+    arenas = arena_max
+    if "MALLOC_ARENA_MAX" in os.environ:
+        try:
+            arenas = int(os.environ["MALLOC_ARENA_MAX"])
+        except ValueError:  # glibc ignores what is not a number
+            arenas = 0
+    if arenas == 1 or _malloc_trim() is None:
         return None
-    shown = "glibc's default" if arenas == "0" else arenas
+    shown = "glibc's default" if arenas <= 0 else str(arenas)
     return (
         f"malloc arenas: {shown}; the idle trim returns free memory of the main arena only, so a burst's memory "
         "freed on the others stays resident (malloc_arena_max = 1 avoids it)"

@@ -10,6 +10,7 @@ from indexer_service.kernels.naive import build_chunk_metadata_numpy
 from indexer_service.kernels.planner import (
     BatchInputs,
     ChunkSpec,
+    PlanTooLargeError,
     build_prefill_batch,
     plan_prefill_batch,
     plan_prefill_chunks,
@@ -52,6 +53,37 @@ def test_at_scale_default_budget_splits_one_request_in_four():
 
 def test_zero_query_requests_emit_nothing():
     assert plan_prefill_chunks([5, 9], [0, 0], 100, 1000) == []
+
+
+@pytest.mark.parametrize(
+    ("seq", "queries", "workspace", "logits", "max_chunks"),
+    [
+        ([1, 1], [-3, 5], 1, 1, 4),  # one request per chunk: -3 rows make none, 5 rows five
+        ([1, 1], [-3, 5], 1, 1, 5),
+        ([1], [-5], 1, 1, 0),
+        ([5, 9], [0, 0], 1000, 100, 0),
+        ([100], [4096], 1000, 100, 4096),
+        ([100], [4096], 1000, 100, 4095),
+    ],
+    ids=["negative-query-over", "negative-query-at", "negative-only", "no-queries", "at-limit", "one-over-limit"],
+)
+def test_admit_sees_the_plans_chunk_count_before_any_chunk(seq, queries, workspace, logits, max_chunks, monkeypatch):
+    """The count admission sees is the plan's length, and the limit applies to that same count; a plan the
+    limit or admission refuses has made no chunk. (The planner itself does not reject negative lengths: the
+    service validates a request first.)"""
+    import indexer_service.kernels.planner as planner
+
+    made, seen = [], []
+    monkeypatch.setattr(planner, "ChunkSpec", lambda *a: made.append(a) or ChunkSpec(*a))
+    unlimited = plan_prefill_chunks(seq, queries, workspace, logits)
+    made.clear()
+    if len(unlimited) > max_chunks:
+        with pytest.raises(PlanTooLargeError):
+            plan_prefill_chunks(seq, queries, workspace, logits, max_chunks=max_chunks, admit=seen.append)
+        assert seen == [] and made == []
+    else:
+        plan = plan_prefill_chunks(seq, queries, workspace, logits, max_chunks=max_chunks, admit=seen.append)
+        assert seen == [len(plan)] and plan == unlimited
 
 
 def test_oversize_request_is_emitted_alone():

@@ -105,10 +105,10 @@ def test_stalled_window_zero_streams_hold_at_most_the_budget(serve) -> None:
     with Siege(server) as siege, StalledStreams(LOOPBACK, server.grpc_port, BUILD_CHUNK_PATH, BIG_ANSWER, 5, 2) as st:
         ended = wait_for(lambda: st.snapshot().still_open == 0, DRAIN_SECONDS + 6.0)
         report = st.snapshot()
-    came_back = wait_for(lambda: server.rss_bytes() <= 1.2 * idle_before, 15.0, interval=0.5)
-    assert came_back, f"idle {mib(idle_before):.0f} MiB, now {mib(server.rss_bytes()):.0f} MiB after the attack"
     assert report.opened == 5, report
     assert ended, f"streams the server never ended: {report.statuses()}"
+    came_back = wait_for(lambda: server.rss_bytes() <= 1.2 * idle_before, 15.0, interval=0.5)
+    assert came_back, f"idle {mib(idle_before):.0f} MiB, now {mib(server.rss_bytes()):.0f} MiB after the attack"
     assert siege.rss_peak_growth < RSS_ALLOWANCE, f"RSS grew {mib(siege.rss_peak_growth):.0f} MiB: {describe(siege)}"
     shed = siege.shed()
     assert shed.get("unread_response", 0) + shed.get("memory", 0) >= 1, describe(siege)
