@@ -27,9 +27,10 @@ M_ARENA_MAX = -8
 # glibc refuses a larger mmap threshold on 64-bit (HEAP_MAX_SIZE / 2); larger blocks stay mmaps.
 MAX_MMAP_THRESHOLD = 32 * 2**20
 
+_ARENA_MAX_ENV = "MALLOC_ARENA_MAX"  # read by glibc at start, and by idle_trim_caveat
 # Each setting with the environment variables that, when the operator sets them, leave it to glibc.
 _ENV_OVERRIDES = {
-    "arena_max": ("MALLOC_ARENA_MAX",),
+    "arena_max": (_ARENA_MAX_ENV,),
     "retain_bytes": ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_"),
 }
 
@@ -69,9 +70,9 @@ def idle_trim_caveat(arena_max: int) -> str | None:
     None. glibc's malloc_trim returns the free top of the main arena only: memory freed at the top of any other
     arena stays resident, so with more than one arena a burst can keep RSS high for good."""
     arenas = arena_max
-    if "MALLOC_ARENA_MAX" in os.environ:
+    if _ARENA_MAX_ENV in os.environ:
         try:
-            arenas = int(os.environ["MALLOC_ARENA_MAX"])
+            arenas = int(os.environ[_ARENA_MAX_ENV])
         except ValueError:  # glibc ignores what is not a number
             arenas = 0
     if arenas == 1 or _malloc_trim() is None:

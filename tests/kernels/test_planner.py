@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from indexer_service.kernels import planner
 from indexer_service.kernels.inputs import ChunkInputs
 from indexer_service.kernels.naive import build_chunk_metadata_numpy
 from indexer_service.kernels.planner import (
@@ -71,8 +72,6 @@ def test_admit_sees_the_plans_chunk_count_before_any_chunk(seq, queries, workspa
     """The count admission sees is the plan's length, and the limit applies to that same count; a plan the
     limit or admission refuses has made no chunk. (The planner itself does not reject negative lengths: the
     service validates a request first.)"""
-    import indexer_service.kernels.planner as planner
-
     made, seen = [], []
     monkeypatch.setattr(planner, "ChunkSpec", lambda *a: made.append(a) or ChunkSpec(*a))
     unlimited = plan_prefill_chunks(seq, queries, workspace, logits)
