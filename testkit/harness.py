@@ -59,6 +59,23 @@ def http_get(url: str, timeout: float = 5.0) -> tuple[int, str]:
         return exc.code, exc.read().decode()
 
 
+def poll(predicate: Callable[[], object], timeout: float, interval: float = 0.05) -> object:
+    """Calls ``predicate`` until it returns a truthy value, and returns that value; returns the last (falsy)
+    value once ``timeout`` seconds have passed. Tests wait on state this way, never on a fixed sleep: a loaded
+    2-core CI machine may take far longer than this one to get there."""
+    deadline = time.monotonic() + timeout
+    while not (result := predicate()) and time.monotonic() < deadline:
+        time.sleep(interval)
+    return result
+
+
+def wait_for(predicate: Callable[[], object], timeout: float, what: str, interval: float = 0.05) -> object:
+    """:func:`poll`, failing with ``what`` when ``predicate`` has not come true within ``timeout`` seconds."""
+    result = poll(predicate, timeout, interval)
+    assert result, f"timed out after {timeout} s waiting for {what}"
+    return result
+
+
 def host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 

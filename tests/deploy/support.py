@@ -16,7 +16,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import tomllib
 import urllib.error
 import urllib.parse
@@ -30,6 +29,7 @@ import numpy as np
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from testkit.harness import poll
 from testkit.paths import REPO
 
 ROOT = REPO
@@ -315,20 +315,23 @@ def http_get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
 
 
 def wait_for(predicate, timeout: float, what: str, interval: float = 0.1, process: subprocess.Popen | None = None):
-    """Polls until ``predicate()`` returns a truthy value; fails with ``what`` after ``timeout`` seconds or as
+    """:func:`testkit.harness.poll` on a predicate that may fail while a service starts (connection refused, a
+    half-written file): such errors count as "not yet"; fails with ``what`` after ``timeout`` seconds or as
     soon as ``process`` has exited."""
-    deadline = time.monotonic() + timeout
-    last_error: Exception | None = None
-    while time.monotonic() < deadline:
+    last_error: list[Exception] = []
+
+    def attempt():
         if process is not None and process.poll() is not None:
             raise AssertionError(f"{what}: process exited with {process.returncode}")
         try:
-            if result := predicate():
-                return result
+            return predicate()
         except (OSError, urllib.error.URLError, ValueError) as exc:
-            last_error = exc
-        time.sleep(interval)
-    raise AssertionError(f"{what}: not within {timeout} s (last error: {last_error})")
+            last_error[:] = [exc]
+            return None
+
+    if result := poll(attempt, timeout, interval):
+        return result
+    raise AssertionError(f"{what}: not within {timeout} s (last error: {last_error[0] if last_error else None})")
 
 
 class LoggedProcess:

@@ -30,6 +30,7 @@ from indexer_service.service.dataplane import DataPlane
 from indexer_service.service.errors import ServiceError
 from indexer_service.service.grpc_server import GRPC_STATUS
 from indexer_service.service.metrics import Metrics
+from testkit.harness import wait_for
 from testkit.payloads import AMPLIFIER_PLAN_BATCH, one_row_chunks_plan_batch
 from testkit.planes import make_plane
 
@@ -103,7 +104,7 @@ def test_a_caller_that_leaves_while_waiting_is_shed_as_queue_deadline() -> None:
 
 
 def test_heavy_lane_runs_slots_at_a_time_and_bounds_its_waiters() -> None:
-    gate = admission(slots=1, wait=0.1, max_waiting=1)
+    gate = admission(slots=1, wait=1.0, max_waiting=1)
     with gate.lane.slot(Caller()):
         results: list[str] = []
 
@@ -116,7 +117,7 @@ def test_heavy_lane_runs_slots_at_a_time_and_bounds_its_waiters() -> None:
 
         waiting = threading.Thread(target=wait_for_slot)
         waiting.start()
-        time.sleep(0.03)
+        wait_for(lambda: gate.lane._waiting.count == 1, 5, "the first caller in the waiting room")
         with pytest.raises(Refused, match="already wait for admission"), gate.lane.slot(Caller()):
             pass  # the waiting room (1) is full
         waiting.join()
@@ -144,7 +145,8 @@ def test_drain_watchdog_acts_on_unreleased_tickets_only() -> None:
     watchdog.watch(unread, lambda: fired.append("unread"))
     watchdog.watch(read, lambda: fired.append("read"))
     read.release()
-    time.sleep(0.4)
+    wait_for(lambda: fired, 5, "the watchdog to act")
+    time.sleep(0.3)  # three more scans: the released ticket must not fire in any of them
     watchdog.stop()
     assert fired == ["unread"]
 

@@ -20,7 +20,7 @@ from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
 from indexer_service.protos.indexer.v1 import indexer_pb2_grpc as pb_grpc
 from indexer_service.service.client import IndexerClient, channel_target, service_config
 from indexer_service.service.codec import SERVICE_NAME, encode_int32
-from testkit.harness import FAST_START, ServiceProcess
+from testkit.harness import FAST_START, ServiceProcess, wait_for
 from tests.service.conftest import FAILING_WARMUP, StartServer, scrape
 
 pytestmark = pytest.mark.slow
@@ -36,11 +36,15 @@ def test_round_robin_spreads_calls_over_every_replica(start_server: StartServer)
     servers = [start_server(*FAST_START) for _ in range(3)]
     expected = build_chunk_metadata_numpy(E1)
     with IndexerClient([s.address for s in servers]) as client:
+        # Each connection puts a replica in its rotation once that replica's health watch says SERVING, one
+        # after another: count the calls made once every replica is in.
+        wait_for(lambda: client.build_chunk(E1) is not None and all(map(served, servers)), 20, "every replica served")
+        before = [served(s) for s in servers]
         for _ in range(60):
             got = client.build_chunk(E1)
             assert got.cu_seqlen_ke.tolist() == expected.cu_seqlen_ke.tolist()
             assert got.cu_seqlen_ke.dtype == np.int32
-    counts = [served(s) for s in servers]
+    counts = [served(s) - b for s, b in zip(servers, before, strict=True)]
     assert sum(counts) == 60 and all(c >= 10 for c in counts), counts
 
 
@@ -63,13 +67,12 @@ def test_no_call_fails_while_one_replica_drains_and_another_dies(start_server: S
         try:
             for thread in threads:
                 thread.start()
-            time.sleep(0.5)
+            wait_for(lambda: ok[0] >= 20, 20, "calls before the replicas leave")
             draining.process.send_signal(signal.SIGTERM)
             time.sleep(0.3)
             dying.process.kill()
             before = ok[0]
-            time.sleep(1.0)
-            assert ok[0] > before, "calls stopped after the two replicas left"
+            wait_for(lambda: ok[0] >= before + 20, 20, "calls after the two replicas left")
         finally:
             stop.set()
             for thread in threads:

@@ -25,6 +25,7 @@ from testkit.harness import (
     http_get,
     metric_total,
     mib,
+    poll,
     scrape,
 )
 from testkit.http1raw import IdleConnections, UnreadAnswers, huge_header
@@ -86,15 +87,6 @@ def probe_report(siege: Siege) -> str:
     )
 
 
-def wait_for(predicate, timeout: float, interval: float = 0.1) -> bool:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(interval)
-    return True
-
-
 def test_stalled_window_zero_streams_hold_at_most_the_budget(serve) -> None:
     """Issue 10 #1: 5 streams asking for ~64 MB each with flow-control windows of 0 (before the defence:
     +640 MiB held until the sockets close). The server holds at most its budget, cuts what is not read
@@ -103,17 +95,17 @@ def test_stalled_window_zero_streams_hold_at_most_the_budget(serve) -> None:
     server = serve(*MEMORY_FLAGS, "--idle-trim-seconds", "1")
     idle_before = server.rss_bytes()
     with Siege(server) as siege, StalledStreams(LOOPBACK, server.grpc_port, BUILD_CHUNK_PATH, BIG_ANSWER, 5, 2) as st:
-        ended = wait_for(lambda: st.snapshot().still_open == 0, DRAIN_SECONDS + 6.0)
+        ended = poll(lambda: st.snapshot().still_open == 0, DRAIN_SECONDS + 6.0)
         report = st.snapshot()
     assert report.opened == 5, report
     assert ended, f"streams the server never ended: {report.statuses()}"
-    came_back = wait_for(lambda: server.rss_bytes() <= 1.2 * idle_before, 15.0, interval=0.5)
+    came_back = poll(lambda: server.rss_bytes() <= 1.2 * idle_before, 15.0, interval=0.5)
     assert came_back, f"idle {mib(idle_before):.0f} MiB, now {mib(server.rss_bytes()):.0f} MiB after the attack"
     assert siege.rss_peak_growth < RSS_ALLOWANCE, f"RSS grew {mib(siege.rss_peak_growth):.0f} MiB: {describe(siege)}"
     shed = siege.shed()
     assert shed.get("unread_response", 0) + shed.get("memory", 0) >= 1, describe(siege)
     assert siege.victim_ok_ratio() >= 0.95, describe(siege)
-    assert wait_for(lambda: metric_total(scrape(server.http_url), BYTES_HELD) == 0, 5.0), "bytes still held"
+    assert poll(lambda: metric_total(scrape(server.http_url), BYTES_HELD) == 0, 5.0), "bytes still held"
 
 
 def test_cpu_amplifier_refused_and_heavy_callers_do_not_starve_light_ones(serve) -> None:
@@ -173,9 +165,9 @@ def test_http_idle_connections_closed_and_capped(serve) -> None:
     http_max_connections are refused (before: 24 of 24 still open)."""
     server = serve("--http-idle-timeout-seconds", "1", "--http-max-connections", "16")
     with IdleConnections(LOOPBACK, server.http_port, 24) as idle:
-        capped = wait_for(lambda: idle.still_open() <= 16, 2.0)
+        capped = poll(lambda: idle.still_open() <= 16, 2.0)
         open_after_cap = idle.still_open()
-        closed = wait_for(lambda: idle.still_open() == 0, 5.0)
+        closed = poll(lambda: idle.still_open() == 0, 5.0)
         open_at_end = idle.still_open()
     assert capped, f"{open_after_cap} of 24 idle connections open, above http_max_connections 16"
     assert closed, f"{open_at_end} of 24 idle connections still open after the 1 s idle timeout"
@@ -259,7 +251,7 @@ def test_memory_comes_back_after_a_burst(serve) -> None:
     peak = server.peak_rss_bytes()
     assert run.codes().get("OK", 0) >= 16, run.codes()
     assert peak > idle_before + 64 * MiB, "the burst did not grow RSS: nothing to check"
-    came_back = wait_for(lambda: server.rss_bytes() <= 1.2 * idle_before, 15.0, interval=0.5)
+    came_back = poll(lambda: server.rss_bytes() <= 1.2 * idle_before, 15.0, interval=0.5)
     assert came_back, (
         f"idle {mib(idle_before):.0f} MiB, peak {mib(peak):.0f} MiB, now {mib(server.rss_bytes()):.0f} MiB"
     )
