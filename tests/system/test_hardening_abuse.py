@@ -87,13 +87,24 @@ def probe_report(siege: Siege) -> str:
     )
 
 
+def idle_rss(server: ServiceProcess) -> int:
+    """RSS of a server that has answered a few small calls (what a first call sets up once is not what an attack
+    leaves) and then been idle past its idle trim (``--idle-trim-seconds 1`` in these tests)."""
+    with channel(server.address) as chan:
+        call = chan.unary_unary(BUILD_CHUNK_PATH)
+        for _ in range(20):
+            call(SMALL_BUILD_CHUNK.SerializeToString(), timeout=10.0)
+    time.sleep(2.0)
+    return server.rss_bytes()
+
+
 def test_stalled_window_zero_streams_hold_at_most_the_budget(serve) -> None:
     """Issue 10 #1: 5 streams asking for ~64 MB each with flow-control windows of 0 (before the defence:
     +640 MiB held until the sockets close). The server holds at most its budget, cuts what is not read
     within response_drain_seconds, counts it, and keeps serving others; once the attacker is gone its memory comes
     back (the watchdog's thread once kept the last call it cancelled, and gRPC core that call's 64 MB answer)."""
     server = serve(*MEMORY_FLAGS, "--idle-trim-seconds", "1")
-    idle_before = server.rss_bytes()
+    idle_before = idle_rss(server)
     with Siege(server) as siege, StalledStreams(LOOPBACK, server.grpc_port, BUILD_CHUNK_PATH, BIG_ANSWER, 5, 2) as st:
         ended = poll(lambda: st.snapshot().still_open == 0, DRAIN_SECONDS + 6.0)
         report = st.snapshot()
@@ -186,7 +197,13 @@ def test_http_never_read_answers_are_cut(serve) -> None:
     read within response_drain_seconds, and counts it."""
     server = serve(*MEMORY_FLAGS)
     with Siege(server) as siege, UnreadAnswers(LOOPBACK, server.http_port, BUILD_CHUNK_PATH, BIG_ANSWER, 8) as unread:
-        time.sleep(DRAIN_SECONDS + 3.0)
+        time.sleep(DRAIN_SECONDS)
+
+        def settled() -> bool:  # no call computing or waiting for admission, no answer held unsent
+            samples = scrape(server.http_url)
+            return metric_total(samples, BYTES_HELD) == 0 and metric_total(samples, "indexer_requests_in_flight") == 0
+
+        assert poll(settled, 30.0, interval=0.2), f"the unread answers are still held: {describe(siege)}"
         answers = unread.collect(timeout=5.0)
     # A refusal (429 before any work) is fine; a 200 must have been cut, not kept for the reader.
     kept = [a for a in answers if a.status == 200 and not a.cut]
@@ -236,9 +253,8 @@ def test_shedding_is_counted_and_logged(serve) -> None:
 def test_memory_comes_back_after_a_burst(serve) -> None:
     """Issue 10 #7: after a burst of large answers ends, idle RSS returns within 1.2x of its idle value before
     (the issue allows 60 s; idle_trim_seconds 1 makes it seconds here)."""
-    server = serve("--idle-trim-seconds", "1")
-    time.sleep(1.0)
-    idle_before = server.rss_bytes()
+    server = serve("--idle-trim-seconds", "1", "--heavy-lane-slots", "16", "--grpc-workers", "16")
+    idle_before = idle_rss(server)
     request = big_answer_build_chunk(8 * MiB).SerializeToString()
     with channel(server.address) as burst:
         call = burst.unary_unary(BUILD_CHUNK_PATH)
@@ -259,8 +275,8 @@ def test_memory_comes_back_after_a_burst(serve) -> None:
 
 def test_drain_does_not_wait_on_watchers(serve) -> None:
     """Issue 10 #8: with health Watch streams open, SIGTERM gets them NOT_SERVING and then ends them, and the
-    process exits in well under the 5 s grace (before: it waited the whole grace)."""
-    server = serve("--shutdown-grace-seconds", "5")
+    process exits in well under the 20 s grace (before: it waited the whole grace)."""
+    server = serve("--shutdown-grace-seconds", "20")
     watchers = [HealthWatch(server.address), HealthWatch(health_address(server) or server.address)]
     try:
         assert all(w.wait_status("SERVING") for w in watchers), [w.statuses for w in watchers]
@@ -271,7 +287,8 @@ def test_drain_does_not_wait_on_watchers(serve) -> None:
         for watcher in watchers:
             watcher.wait_end(5.0)
         assert exit_code == 0
-        assert exit_seconds < 2.0, f"exit took {exit_seconds:.1f} s with Watch streams open"
+        # Well under the grace (the attack benchmark: 0.22 s).
+        assert exit_seconds < 5.0, f"exit took {exit_seconds:.1f} s with Watch streams open"
         for watcher in watchers:
             assert watcher.statuses[-1] == "NOT_SERVING", watcher.statuses
             assert watcher.ended_at is not None
