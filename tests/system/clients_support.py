@@ -4,6 +4,7 @@ helpers also build the benchmarks' Go load generator (benchmarks/loadgen, tests/
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -24,6 +25,28 @@ GO_MODULE = "github.com/indexer-service/indexer-service/clients/go"
 DEBIAN_GOPATH = Path("/usr/share/gocode")
 BUF = REPO / "tools" / "buf" / "node_modules" / ".bin" / "buf"
 VENV_BIN = Path(sys.executable).parent
+
+
+def check_summary(run: subprocess.CompletedProcess, code_names: dict[str, str]) -> dict:
+    """The JSON summary a client's check program printed, once the parts every client shares hold: every golden
+    case ok (E1, E2 and E3 among them), a bad request's code and message, and health SERVING for the server and
+    the service and not found for another. ``code_names`` spells INVALID_ARGUMENT and NOT_FOUND as that
+    client's library does."""
+    assert run.returncode == 0, run.stdout + run.stderr
+    summary = json.loads(run.stdout)
+    assert summary["problems"] == []
+    cases = summary["cases"]
+    for example in ("E1", "E2", "E3"):
+        assert any(name.startswith(example) for name in cases), cases
+    assert set(cases.values()) == {"ok"}, cases
+    assert summary["bad_request"] == {
+        "code": code_names["INVALID_ARGUMENT"],
+        "message": "seq_lens: byte length 3 is not a multiple of 4 (little-endian int32)",
+    }
+    assert summary["health"][""] == "SERVING"
+    assert summary["health"]["indexer.v1.PrefillMetadata"] == "SERVING"
+    assert summary["health"]["no.such.Service"] == code_names["NOT_FOUND"]
+    return summary
 
 
 def node_missing() -> str | None:
