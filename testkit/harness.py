@@ -61,8 +61,8 @@ def http_get(url: str, timeout: float = 5.0) -> tuple[int, str]:
 
 def poll(predicate: Callable[[], object], timeout: float, interval: float = 0.05) -> object:
     """Calls ``predicate`` until it returns a truthy value, and returns that value; returns the last (falsy)
-    value once ``timeout`` seconds have passed. Tests wait on state this way, never on a fixed sleep: a loaded
-    2-core CI machine may take far longer than this one to get there."""
+    value once ``timeout`` seconds have passed. Tests wait this way for any state they can observe, not for a
+    fixed time: a loaded 2-core CI machine may take far longer than this one to get there."""
     deadline = time.monotonic() + timeout
     while not (result := predicate()) and time.monotonic() < deadline:
         time.sleep(interval)

@@ -210,9 +210,13 @@ class Callers(_Paced):
         run.records = records
         return run
 
+    def calls_in(self, start: float = 0.0, stop: float = float("inf")) -> list[CallRecord]:
+        """The calls started in ``[start, stop)`` (seconds since :meth:`start`)."""
+        return [r for r in self.run().records if start <= r.start < stop]
+
     def ok_ratio(self, start: float = 0.0, stop: float = float("inf")) -> float:
         """OK calls among those started in ``[start, stop)`` (seconds since :meth:`start`)."""
-        codes = [r.code for r in self.run().records if start <= r.start < stop]
+        codes = [r.code for r in self.calls_in(start, stop)]
         return codes.count(grpc.StatusCode.OK) / len(codes) if codes else float("nan")
 
 

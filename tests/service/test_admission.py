@@ -30,7 +30,7 @@ from indexer_service.service.dataplane import DataPlane
 from indexer_service.service.errors import ServiceError
 from indexer_service.service.grpc_server import GRPC_STATUS
 from indexer_service.service.metrics import Metrics
-from testkit.harness import wait_for
+from testkit.harness import poll, wait_for
 from testkit.payloads import AMPLIFIER_PLAN_BATCH, one_row_chunks_plan_batch
 from testkit.planes import make_plane
 
@@ -170,9 +170,8 @@ def test_drain_watchdog_keeps_nothing_it_acted_on() -> None:
         assert cancel.done.wait(5.0)
         gone = weakref.ref(cancel)
         del cancel, ticket
-        deadline = time.monotonic() + 5.0  # the watchdog's thread lets go once its scan returns
-        while gc.collect() >= 0 and gone() is not None and time.monotonic() < deadline:
-            time.sleep(watchdog.scan_seconds)
+        # The watchdog's thread lets go once its scan returns.
+        poll(lambda: gc.collect() >= 0 and gone() is None, 5.0, watchdog.scan_seconds)
         assert gone() is None, [type(r).__name__ for r in gc.get_referrers(gone())]
     finally:
         watchdog.stop()
