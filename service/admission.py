@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from indexer_service.service.logs import LineLimiter
 from indexer_service.service.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -79,21 +80,13 @@ class ShedLog:
 
     def __init__(self, metrics: Metrics, interval: float = SHED_LOG_INTERVAL_SECONDS) -> None:
         self.metrics = metrics
-        self.interval = interval
-        self._lock = threading.Lock()
-        self._pending: dict[str, int] = {}
-        self._last_logged: dict[str, float] = {}
+        self.limiter = LineLimiter(interval)
 
     def record(self, method: str, reason: str, detail: str) -> None:
         self.metrics.child(self.metrics.requests_shed_total, method, reason).inc()
-        now = time.monotonic()
-        with self._lock:
-            count = self._pending.get(reason, 0) + 1
-            if now - self._last_logged.get(reason, -self.interval) < self.interval:
-                self._pending[reason] = count
-                return
-            self._pending[reason] = 0
-            self._last_logged[reason] = now
+        count = self.limiter.due(reason)
+        if count is None:
+            return
         log.warning("shed reason=%s count=%d method=%s last=%r", reason, count, method, detail)
 
 

@@ -11,8 +11,8 @@ parsed at load time, so nothing invalid reaches the server.
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
-import logging
 import math
 import os
 import re
@@ -30,6 +30,7 @@ CONFIG_FILE_ENV = ENV_PREFIX + "CONFIG"
 BACKENDS = ("auto", "numpy", "triton")
 NO_WARMUP = "none"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+LOG_FORMATS = ("text", "json")
 PIN_WORKERS = ("auto", "on", "off")
 
 
@@ -89,6 +90,7 @@ class ServiceConfig:
     malloc_arena_max: int = _setting("most glibc malloc arenas (0: glibc's default)")
     malloc_retain_bytes: int = _setting("freed memory glibc keeps per arena for reuse (0: glibc's default)")
     log_level: str = _setting("DEBUG, INFO, WARNING or ERROR")
+    log_format: str = _setting("log lines as text (time level logger event key=value ...) or json (one object a line)")
 
     @property
     def model(self) -> ModelConfig:
@@ -243,6 +245,7 @@ RULES: dict[str, Rule] = {
     "malloc_arena_max": Rule(0, _INT32_MAX),  # mallopt takes a C int; 0: glibc's default
     "malloc_retain_bytes": Rule(0, _INT32_MAX),
     "log_level": Rule(choices=LOG_LEVELS, fold_case=True),
+    "log_format": Rule(choices=LOG_FORMATS),
 }
 
 
@@ -547,10 +550,10 @@ def config_from_arguments(args: argparse.Namespace, needs_warmup: str = "") -> S
     )
 
 
-def configure_logging(level: str) -> None:
-    """One line per event: time, level, logger, then ``event key=value ...``."""
-    logging.basicConfig(
-        level=level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s %(message)s",
-        force=True,
-    )
+def unknown_environment(env: Mapping[str, str] | None = None) -> dict[str, str | None]:
+    """``INDEXER_*`` variables that name no setting (a typo is otherwise silently ignored), each with the
+    closest real variable (None when none is close)."""
+    env = os.environ if env is None else env
+    known = [CONFIG_FILE_ENV, *(ENV_PREFIX + name.upper() for name in SETTINGS)]
+    unknown = sorted(name for name in env if name.startswith(ENV_PREFIX) and name not in known)
+    return {name: next(iter(difflib.get_close_matches(name, known, n=1, cutoff=0.6)), None) for name in unknown}

@@ -20,6 +20,7 @@ its connection, and the answer's memory comes back.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
 import logging
 import time
@@ -34,9 +35,10 @@ from indexer_service.service.admission import Caller
 from indexer_service.service.codec import SERVICE_NAME
 from indexer_service.service.config import ServiceConfig
 from indexer_service.service.dataplane import DataPlane
-from indexer_service.service.errors import Code, InvalidArgument, LimitExceeded, ServiceError, Shed
+from indexer_service.service.errors import Code, InvalidArgument, LimitExceeded, ServiceError, Shed, UnknownMethod
 from indexer_service.service.limits import max_request_bytes
-from indexer_service.service.metrics import Metrics, exposition_registry
+from indexer_service.service.logs import REQUEST_ID, REQUEST_ID_HEADER, request_id_from
+from indexer_service.service.metrics import UNKNOWN_METHOD, Metrics, exposition_registry
 from indexer_service.service.rpcs import REQUEST_TYPES, RESPONSE_TYPES
 
 log = logging.getLogger(__name__)
@@ -52,6 +54,7 @@ HTTP_STATUS: dict[Code, int] = {
     Code.DEADLINE_EXCEEDED: 504,
     Code.RESOURCE_EXHAUSTED: 429,
     Code.FAILED_PRECONDITION: 400,
+    Code.UNIMPLEMENTED: 501,
     Code.INTERNAL: 500,
     Code.UNAVAILABLE: 503,
 }
@@ -99,16 +102,43 @@ class HttpApp:
                 await _reply(send, 405, b"POST a request message\n", [(b"allow", b"POST")])
             else:
                 await self._rpc(path.rsplit("/", 1)[1], scope, receive, send)
+        elif verb == "POST":  # an RPC the service does not have
+            await self._rpc(UNKNOWN_METHOD, scope, receive, send)
         else:
             await _reply(send, 404, b"not found\n")
 
     async def _rpc(self, method: str, scope, receive, send) -> None:
-        content_type = _content_type(scope)
+        """One call: its request id (the caller's ``x-request-id`` when it is a safe one, else a new one) in its
+        log lines and its answer's headers, its span when tracing is on, a failure in the rate-limited log."""
+        start = time.perf_counter()
+        headers = {name.decode("latin-1"): value.decode("latin-1") for name, value in scope["headers"]}
+        request_id = request_id_from(headers.get(REQUEST_ID_HEADER))
+        REQUEST_ID.set(request_id)  # this request's task has a context of its own
+        tracer = self.plane.tracer
+        span = None if tracer is None else tracer.start("http", method, request_id, headers)
+        reply_headers = [(REQUEST_ID_HEADER.encode(), request_id.encode())]
+        error = await self._serve_rpc(method, scope, receive, send, headers, reply_headers)
+        if error is not None:
+            milliseconds = (time.perf_counter() - start) * 1e3
+            self.plane.failed_calls.record("http", method, error.code.name, error.message, _peer(scope), milliseconds)
+        if span is not None:
+            tracer.end(span, "OK" if error is None else error.code.name, error.message if error else "")
+
+    async def _serve_rpc(
+        self, method: str, scope, receive, send, headers: dict[str, str], reply_headers: list[tuple[bytes, bytes]]
+    ) -> ServiceError | None:
+        """The call's answer or error sent; the error returned."""
+        if method == UNKNOWN_METHOD:
+            self.plane.unknown_method()
+            error = UnknownMethod(f"unknown method {scope['path'][:200]!r}: POST /{SERVICE_NAME}/<Method>")
+            await _reply(send, HTTP_STATUS[error.code], _error_body(error), reply_headers, content_type=JSON)
+            return error
+        content_type = _content_type(headers)
         if content_type not in ACCEPTED_TYPES:
             accepted = b", ".join(ACCEPTED_TYPES)
             text = f"content type {content_type.decode(errors='replace')!r} is not accepted; send {accepted.decode()}\n"
-            await _reply(send, 415, text.encode(), [(b"accept", accepted)])
-            return
+            await _reply(send, 415, text.encode(), [(b"accept", accepted), *reply_headers])
+            return None
         caller = Caller(_peer(scope), held_per_answer_byte=JSON_HELD_PER_ANSWER_BYTE if content_type == JSON else 1.0)
         close: list[tuple[bytes, bytes]] = []
         try:
@@ -128,21 +158,27 @@ class HttpApp:
             self.in_flight += 1
             try:
                 loop = asyncio.get_running_loop()
+                # The executor's thread runs it in this task's context: the request id in its log lines.
                 response = await loop.run_in_executor(
-                    self.executor, self._answer, method, request, caller, content_type == JSON
+                    self.executor,
+                    contextvars.copy_context().run,
+                    self._answer,
+                    method,
+                    request,
+                    caller,
+                    content_type == JSON,
                 )
             finally:
                 self.in_flight -= 1
         except ServiceError as exc:
-            log.info("http method=%s code=%s details=%r", method, exc.code.name, exc.message)
-            payload = json.dumps({"code": exc.code.name, "message": exc.message}).encode()
-            await _reply(send, HTTP_STATUS[exc.code], payload, close, content_type=JSON)
-            return
+            await _reply(send, HTTP_STATUS[exc.code], _error_body(exc), [*close, *reply_headers], content_type=JSON)
+            return exc
         try:
-            await self._send_answer(method, scope, send, response, content_type, caller)
+            await self._send_answer(method, scope, send, response, content_type, caller, reply_headers)
         finally:
             if caller.ticket is not None:
                 caller.ticket.release()
+        return None
 
     def _answer(self, method: str, request: bytes, caller: Caller, as_json: bool) -> bytes:
         """The data plane's answer, as JSON where asked: on the executor, since encoding a large answer as JSON
@@ -161,13 +197,21 @@ class HttpApp:
         return text
 
     async def _send_answer(
-        self, method: str, scope, send, response: bytes, content_type: bytes, caller: Caller
+        self,
+        method: str,
+        scope,
+        send,
+        response: bytes,
+        content_type: bytes,
+        caller: Caller,
+        headers: list[tuple[bytes, bytes]],
     ) -> None:
         """The answer in pieces, each waiting for the reader; past ``response_drain_seconds`` the connection is
         dropped and the call counted as shed ``unread_response``."""
         give_up = time.monotonic() + self.drain_seconds
         try:
-            await asyncio.wait_for(_start(send, 200, len(response), content_type), give_up - time.monotonic())
+            start = _start(send, 200, len(response), content_type, headers)
+            await asyncio.wait_for(start, give_up - time.monotonic())
             view = memoryview(response)
             for offset in range(0, max(len(view), 1), SEND_PIECE_BYTES):  # an empty answer is one empty piece
                 piece = bytes(view[offset : offset + SEND_PIECE_BYTES])
@@ -182,11 +226,13 @@ class HttpApp:
                 await asyncio.sleep(0)  # let the connection close before the app returns
 
 
-def _content_type(scope) -> bytes:
-    for name, value in scope["headers"]:
-        if name == b"content-type":
-            return value.split(b";", 1)[0].strip().lower()
-    return PROTOBUF
+def _error_body(error: ServiceError) -> bytes:
+    return json.dumps({"code": error.code.name, "message": error.message}).encode()
+
+
+def _content_type(headers: dict[str, str]) -> bytes:
+    value = headers.get("content-type")
+    return PROTOBUF if value is None else value.encode("latin-1").split(b";", 1)[0].strip().lower()
 
 
 def _peer(scope) -> str:

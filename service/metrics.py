@@ -16,7 +16,9 @@ from __future__ import annotations
 import os
 from typing import TypeVar
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
+
+from indexer_service.service.version import build_labels
 
 M = TypeVar("M", Counter, Gauge, Histogram)
 
@@ -40,14 +42,27 @@ SHED_REASONS = (
     "unread_response",  # the caller did not read its response within response_drain_seconds
 )
 HTTP_REFUSALS = ("header_too_large", "idle_timeout", "too_many_connections", "body_too_large")
+# The method label of calls to a method the service does not have (gRPC and HTTP), counted with code UNIMPLEMENTED.
+UNKNOWN_METHOD = "unknown"
 
 
 class Metrics:
-    """The service's metrics on their own registry (tests start several servers in one process)."""
+    """The service's metrics on their own registry (tests start several servers in one process), with the
+    process's own ``process_*`` (prometheus_client's ProcessCollector; in worker mode see
+    :class:`_ReplicaCollector`)."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         r = self.registry
+        if multiprocess_dir() is None:
+            ProcessCollector(registry=r)
+        self.build_info = Gauge(
+            "indexer_build_info",
+            "1, labelled with the server's version and those of Python, grpcio, protobuf, numpy, torch and triton.",
+            list(build_labels()),
+            registry=r,
+            multiprocess_mode="max",  # every worker writes the same series: the replica shows it once
+        )
         self.warmup_keys = Gauge(
             "indexer_warmup_keys",
             "Compile keys of the warmup set, by state (planned = size of the set).",
@@ -155,6 +170,8 @@ class Metrics:
             registry=r,
         )
         self._children: dict[tuple[int, tuple[str, ...]], object] = {}
+        self.build_info.labels(**build_labels()).set(1)
+        self.request_errors_total.labels(method=UNKNOWN_METHOD, code="UNIMPLEMENTED")
         for state in WARMUP_STATES:
             self.warmup_keys.labels(state=state).set(0)
         self.ready.set(0)
@@ -189,13 +206,17 @@ def exposition_registry(registry: CollectorRegistry) -> CollectorRegistry:
 
 class _ReplicaCollector:
     """Every worker's metrics from the multiprocess files, and, as in a single process, the families no process
-    has a sample of yet (shed calls, by reason) declared empty: the multiprocess files hold only samples."""
+    has a sample of yet (shed calls, by reason) declared empty: the multiprocess files hold only samples. Then
+    ``process_*`` of every live process of the replica (each writes its files under its pid: the supervisor and
+    the workers), read from /proc at scrape time and labelled ``pid`` and ``process`` (``supervisor`` or
+    ``worker``): one series per process, so a restarted worker's are new series."""
 
     def __init__(self, own: CollectorRegistry, path: str) -> None:
         from prometheus_client import multiprocess
 
         self.files = multiprocess.MultiProcessCollector(None, path)
         self.own = own
+        self.path = path
 
     def collect(self):
         from prometheus_client.metrics_core import Metric
@@ -207,6 +228,30 @@ class _ReplicaCollector:
         for family in self.own.collect():
             if family.name not in seen and not family.samples:
                 yield Metric(family.name, family.documentation, family.type)
+        yield from self._process_families()
+
+    def _process_families(self):
+        from prometheus_client.metrics_core import Metric
+
+        families: dict[str, Metric] = {}
+        supervisor = os.getppid()
+        for pid in _live_pids(self.path):
+            labels = {"pid": str(pid), "process": "supervisor" if pid == supervisor else "worker"}
+            for family in ProcessCollector(pid=lambda pid=pid: pid, registry=None).collect():
+                merged = families.setdefault(family.name, Metric(family.name, family.documentation, family.type))
+                for sample in family.samples:
+                    merged.add_sample(sample.name, {**sample.labels, **labels}, sample.value)
+        yield from families.values()
+
+
+def _live_pids(path: str) -> list[int]:
+    """The processes with multiprocess files in ``path`` (``<kind>_<pid>.db``) that still run."""
+    pids = set()
+    for name in os.listdir(path):
+        pid = name.removesuffix(".db").rpartition("_")[2]
+        if name.endswith(".db") and pid.isdigit() and os.path.exists(f"/proc/{pid}"):
+            pids.add(int(pid))
+    return sorted(pids)
 
 
 class SupervisorMetrics:

@@ -34,6 +34,8 @@ from indexer_service.service.http_app import HttpApp, limited_protocol
 from indexer_service.service.lifecycle import ShutdownSignals
 from indexer_service.service.limits import launch_admission
 from indexer_service.service.metrics import Metrics
+from indexer_service.service.tracing import start_tracing
+from indexer_service.service.version import VERSION
 from indexer_service.service.warmup import Warmup, use_triton_cache_dir
 
 if TYPE_CHECKING:
@@ -122,7 +124,8 @@ class IndexerServer:
             self.warmup.target_name,
             cache_dir or "(Triton's default)",
         )
-        self.plane = DataPlane(config, self.metrics, self.warmup, backend)
+        self.tracer = start_tracing()
+        self.plane = DataPlane(config, self.metrics, self.warmup, backend, self.tracer)
         self.health = HealthServicer(HEALTH_NAMES)
         self.plane.readiness.add_listener(self.health.set_serving)
         if worker is not None:
@@ -209,6 +212,8 @@ class IndexerServer:
         self._stopping.set()
         if self._unwatch is not None:
             self._unwatch()
+        if self.tracer is not None:
+            self.tracer.shutdown()  # the spans still batched
         log.info("stopped drain_seconds=%.3f", time.monotonic() - start)
 
 
@@ -252,7 +257,7 @@ def tls_mode(config: ServiceConfig) -> str:
 def announce_start(config: ServiceConfig, port_file: Path | None) -> None:
     """The start-up log lines (every setting, the TLS mode), then the port file's check: a process that could
     not report its ports fails before anything listens. Shared by the one process and the supervisor."""
-    log.info("start pid=%d config: %s", os.getpid(), config.summary())
+    log.info("start version=%s pid=%d config: %s", VERSION, os.getpid(), config.summary())
     log.info(
         "tls mode=%s cert=%s client_ca=%s",
         tls_mode(config),

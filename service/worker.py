@@ -90,17 +90,15 @@ def run_worker(link: WorkerLink, signals: object) -> int:
     with a link instead of a port file."""
     from indexer_service.service.allocator import configure_malloc
     from indexer_service.service.config import ServiceConfig
+    from indexer_service.service.logs import configure_logging
     from indexer_service.service.server import IndexerServer
+    from indexer_service.service.version import VERSION
 
     values = json.loads((link.runtime_dir / CONFIG_FILE).read_text())
     values["compress_ratios"] = tuple(values["compress_ratios"])
     config = ServiceConfig(**values)
-    logging.basicConfig(
-        level=config.log_level.upper(),
-        force=True,
-        format=f"%(asctime)s %(levelname)s %(name)s %(message)s worker={link.slot}",
-    )
-    log.info("start pid=%d", os.getpid())
+    configure_logging(config.log_level, config.log_format, link.slot)
+    log.info("start version=%s pid=%d", VERSION, os.getpid())
     configure_malloc(config.malloc_arena_max, config.malloc_retain_bytes)
     server = IndexerServer(config, link) if signals.pending() is None else None
     if server is None or signals.pending() is not None:

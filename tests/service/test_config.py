@@ -250,6 +250,7 @@ INVALID: dict[str, tuple[list[str], dict[str, str]]] = {
     "malloc_arena_max": (["-1", TOO_BIG_INT32], {}),
     "malloc_retain_bytes": ([TOO_BIG_INT32], {}),
     "log_level": (["loud"], {}),
+    "log_format": (["yaml", "JSON"], {}),
     "pin_workers": (["always", "ON "], {}),
 }
 LAYERS = ("flag", "env", "file")
