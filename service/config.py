@@ -552,8 +552,11 @@ def config_from_arguments(args: argparse.Namespace, needs_warmup: str = "") -> S
 
 def unknown_environment(env: Mapping[str, str] | None = None) -> dict[str, str | None]:
     """``INDEXER_*`` variables that name no setting (a typo is otherwise silently ignored), each with the
-    closest real variable (None when none is close)."""
+    closest real variable (None when none is close; the names are compared without their common prefix)."""
     env = os.environ if env is None else env
-    known = [CONFIG_FILE_ENV, *(ENV_PREFIX + name.upper() for name in SETTINGS)]
-    unknown = sorted(name for name in env if name.startswith(ENV_PREFIX) and name not in known)
-    return {name: next(iter(difflib.get_close_matches(name, known, n=1, cutoff=0.6)), None) for name in unknown}
+    known = [CONFIG_FILE_ENV.removeprefix(ENV_PREFIX), *(name.upper() for name in SETTINGS)]
+    unknown = sorted(name for name in env if name.startswith(ENV_PREFIX) and name.removeprefix(ENV_PREFIX) not in known)
+    closest = {
+        name: difflib.get_close_matches(name.removeprefix(ENV_PREFIX), known, n=1, cutoff=0.6) for name in unknown
+    }
+    return {name: ENV_PREFIX + found[0] if found else None for name, found in closest.items()}
