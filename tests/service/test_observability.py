@@ -275,6 +275,8 @@ def test_the_version_is_served_and_the_build_info_and_process_metrics_exported(j
     with grpc.insecure_channel(json_server.address) as channel:
         answer = channel.unary_unary(f"/{SERVICE_NAME}/GetWarmupStatus")(b"", timeout=10)
     assert pb.GetWarmupStatusResponse.FromString(answer).server_version == VERSION
+    check = subprocess.run([INDEXER_SERVICE, "check", json_server.address], capture_output=True, text=True, timeout=60)
+    assert check.returncode == 0 and f" server_version={VERSION}\n" in check.stdout, check.stdout
     metrics = scrape(json_server)
     [info] = metrics.samples("indexer_build_info")
     assert info.value == 1 and info.labels["version"] == VERSION
