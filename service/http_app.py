@@ -117,17 +117,21 @@ class HttpApp:
         tracer = self.plane.tracer
         span = None if tracer is None else tracer.start("http", method, request_id, headers)
         reply_headers = [(REQUEST_ID_HEADER.encode(), request_id.encode())]
-        error = await self._serve_rpc(method, scope, receive, send, headers, reply_headers)
-        if error is not None:
-            milliseconds = (time.perf_counter() - start) * 1e3
-            self.plane.failed_calls.record("http", method, error.code.name, error.message, _peer(scope), milliseconds)
-        if span is not None:
-            tracer.end(span, "OK" if error is None else error.code.name, error.message if error else "")
+        code, details = "UNKNOWN", "the connection ended before the answer was sent"
+        try:
+            error = await self._serve_rpc(method, scope, receive, send, headers, reply_headers)
+            code, details = ("OK", "") if error is None else (error.code.name, error.message)
+            if error is not None:
+                milliseconds = (time.perf_counter() - start) * 1e3
+                self.plane.failed_calls.record("http", method, code, details, _peer(scope), milliseconds)
+        finally:
+            if span is not None:
+                tracer.end(span, code, details)
 
     async def _serve_rpc(
         self, method: str, scope, receive, send, headers: dict[str, str], reply_headers: list[tuple[bytes, bytes]]
     ) -> ServiceError | None:
-        """The call's answer or error sent; the error returned."""
+        """The call's answer or error sent; the error returned (None: answered)."""
         if method == UNKNOWN_METHOD:
             self.plane.unknown_method()
             error = UnknownMethod(f"unknown method {scope['path'][:200]!r}: POST /{SERVICE_NAME}/<Method>")
@@ -136,9 +140,9 @@ class HttpApp:
         content_type = _content_type(headers)
         if content_type not in ACCEPTED_TYPES:
             accepted = b", ".join(ACCEPTED_TYPES)
-            text = f"content type {content_type.decode(errors='replace')!r} is not accepted; send {accepted.decode()}\n"
-            await _reply(send, 415, text.encode(), [(b"accept", accepted), *reply_headers])
-            return None
+            text = f"content type {content_type.decode(errors='replace')!r} is not accepted; send {accepted.decode()}"
+            await _reply(send, 415, f"{text}\n".encode(), [(b"accept", accepted), *reply_headers])
+            return InvalidArgument(text)  # for the log and the span: the call failed, as a 415
         caller = Caller(_peer(scope), held_per_answer_byte=JSON_HELD_PER_ANSWER_BYTE if content_type == JSON else 1.0)
         close: list[tuple[bytes, bytes]] = []
         try:

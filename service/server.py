@@ -257,7 +257,7 @@ def tls_mode(config: ServiceConfig) -> str:
 def announce_start(config: ServiceConfig, port_file: Path | None) -> None:
     """The start-up log lines (every setting, the TLS mode), then the port file's check: a process that could
     not report its ports fails before anything listens. Shared by the one process and the supervisor."""
-    log.info("start version=%s pid=%d config: %s", VERSION, os.getpid(), config.summary())
+    log.info("start pid=%d version=%s config: %s", os.getpid(), VERSION, config.summary())
     log.info(
         "tls mode=%s cert=%s client_ca=%s",
         tls_mode(config),

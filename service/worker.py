@@ -98,7 +98,7 @@ def run_worker(link: WorkerLink, signals: object) -> int:
     values["compress_ratios"] = tuple(values["compress_ratios"])
     config = ServiceConfig(**values)
     configure_logging(config.log_level, config.log_format, link.slot)
-    log.info("start version=%s pid=%d", VERSION, os.getpid())
+    log.info("start pid=%d version=%s", os.getpid(), VERSION)
     configure_malloc(config.malloc_arena_max, config.malloc_retain_bytes)
     server = IndexerServer(config, link) if signals.pending() is None else None
     if server is None or signals.pending() is not None:

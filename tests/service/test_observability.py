@@ -214,6 +214,8 @@ def test_http_calls_return_their_request_id_and_failures_log_it(json_server) -> 
     [line] = [line for line in json_lines(json_server) if line.get("request_id") == "http-bad-1"]
     assert line["event"] == "http" and line["code"] == "INVALID_ARGUMENT" and line["details"] in body.decode()
 
+    status, answer_headers, _ = http_post(json_server, path, GOOD_REQUEST, {**headers, "content-type": "text/plain"})
+    assert status == 415 and answer_headers["x-request-id"] == "http-bad-1"
     # A refusal before the data plane (a body above any valid request) carries it too.
     too_large = b"\0" * (max_request_bytes(load_config(env={})) + 1)
     status, answer_headers, _ = http_post(json_server, path, too_large, {"x-request-id": "http-big-1"})
