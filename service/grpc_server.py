@@ -199,7 +199,12 @@ def access_logged(plane: DataPlane, method: str, behavior: Behavior) -> Behavior
     def logged(request: bytes, context: grpc.ServicerContext) -> object:
         start = time.perf_counter()
         metadata = context.invocation_metadata()
-        request_id = request_id_from(next((v for k, v in metadata if k == REQUEST_ID_HEADER), None))
+        supplied = None
+        for key, value in metadata:  # a loop, not next() over a generator: half the cost
+            if key == REQUEST_ID_HEADER:
+                supplied = value
+                break
+        request_id = request_id_from(supplied)
         context.set_trailing_metadata(((REQUEST_ID_HEADER, request_id),))
         token = REQUEST_ID.set(request_id)
         span = None if tracer is None else tracer.start("grpc", method, request_id, dict(metadata))
