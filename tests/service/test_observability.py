@@ -29,6 +29,7 @@ from indexer_service.service.limits import max_request_bytes
 from indexer_service.service.logs import (
     MAX_REQUEST_ID_CHARS,
     REQUEST_ID,
+    FailedCallLog,
     JsonFormatter,
     LineLimiter,
     TextFormatter,
@@ -114,6 +115,18 @@ def test_the_line_limiter_writes_one_line_per_key_and_interval_with_the_count() 
     assert limiter.due("b") == 1
     limiter._last["a"] -= 3600.0  # the interval has passed
     assert limiter.due("a") == 4  # three held back and this one
+
+
+def test_failed_calls_are_rate_limited_per_method_and_code_but_internal_never(caplog) -> None:
+    failed = FailedCallLog(interval=3600.0)
+    with caplog.at_level(logging.INFO, logger="indexer_service.service.calls"):
+        for n in range(5):
+            failed.record("rpc", "BuildChunk", "INVALID_ARGUMENT", f"bad {n}", "peer", 1.0)
+            failed.record("rpc", "PlanBatch", "INVALID_ARGUMENT", f"bad {n}", "peer", 1.0)
+            failed.record("rpc", "BuildChunk", "INTERNAL", f"broken {n}", "peer", 1.0)
+    lines = [(r.levelname, r.getMessage()) for r in caplog.records]
+    assert sum("code=INVALID_ARGUMENT" in m for _, m in lines) == 2  # one per method
+    assert [level for level, m in lines if "code=INTERNAL" in m] == ["ERROR"] * 5
 
 
 def test_unknown_indexer_variables_are_named_with_the_closest_setting() -> None:
