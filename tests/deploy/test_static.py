@@ -210,15 +210,16 @@ def test_probes_and_termination_fit_together(overlay: str) -> None:
 
 @requires_kustomize
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_workers_follow_the_cpu_request_so_the_hpa_can_trigger(overlay: str) -> None:
-    """One worker per requested CPU (the request rounded up, by the downward API): a saturated pod then uses about
-    all of its request, above the HPA's target; one process per pod used under half of a 2-CPU request."""
+def test_one_worker_and_one_cpu_per_pod_so_every_cpu_is_reached_and_the_hpa_can_trigger(overlay: str) -> None:
+    """The deployed shape (docs/clients.md, "Load balancing"): one worker process per pod and one requested CPU,
+    so a client's one connection per pod address reaches every CPU paid for, and a saturated pod uses about all
+    of its request, above the HPA's target. No CPU limit: it would throttle the worker below its request."""
     objects = render(overlay)
     c = container(one(objects, "Deployment"))
     (workers,) = [e for e in c["env"] if e["name"] == "INDEXER_WORKERS"]
-    field = workers["valueFrom"]["resourceFieldRef"]
-    assert (field["containerName"], field["resource"], str(field["divisor"])) == (c["name"], "requests.cpu", "1")
-    assert "cpu" not in c["resources"].get("limits", {}), "a CPU limit would throttle the workers below the request"
+    assert workers["value"] == "1"
+    assert str(c["resources"]["requests"]["cpu"]) == "1"
+    assert "cpu" not in c["resources"].get("limits", {}), "a CPU limit would throttle the worker below the request"
     hpa = one(objects, "HorizontalPodAutoscaler")
     (metric,) = hpa["spec"]["metrics"]
     assert metric["resource"]["name"] == "cpu" and metric["resource"]["target"]["type"] == "Utilization"
