@@ -244,7 +244,14 @@ def docker_context_files(root: Path = ROOT) -> list[str]:
 # --- PromQL in rules and dashboard --------------------------------------------------------------------------
 
 # The values Grafana substitutes; in the live test, a window that holds several 1 s scrapes.
-GRAFANA_TEST_VALUES = {"job": ".*", "instance": ".*", "__rate_interval": "20s", "__range": "5m"}
+GRAFANA_TEST_VALUES = {
+    "cluster": ".*",
+    "namespace": ".*",
+    "job": ".*",
+    "instance": ".*",
+    "__rate_interval": "20s",
+    "__range": "5m",
+}
 
 
 def alert_rules() -> list[dict]:
@@ -272,6 +279,21 @@ def expand_grafana(expr: str) -> str:
 def metric_names(expr: str) -> set[str]:
     """Sample names a PromQL expression reads (every metric of the service starts with indexer_)."""
     return set(re.findall(r"\bindexer_[a-zA-Z0-9_]+", expr))
+
+
+def markdown_anchors(text: str) -> set[str]:
+    """The anchors GitHub gives a Markdown file's headings (lower case, punctuation but `-` and `_` dropped,
+    spaces to `-`, a repeat suffixed -1, -2...); headings inside code fences are none."""
+    text = re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+    anchors: set[str] = set()
+    for heading in re.findall(r"^#{1,6}\s+(.+?)\s*#*$", text, re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        candidate, n = slug, 0
+        while candidate in anchors:
+            n += 1
+            candidate = f"{slug}-{n}"
+        anchors.add(candidate)
+    return anchors
 
 
 def free_ports(count: int) -> list[int]:

@@ -342,6 +342,13 @@ def not_yet_defined(names: set[str]) -> set[str]:
     return {n for n in names if re.sub(r"_(total|bucket|count|sum)$", "", n) not in source}
 
 
+def counts_unknown_methods(server: Server) -> bool:
+    """Whether this server build counts calls to unknown methods in a pre-created
+    indexer_request_errors_total{method="unknown"} series (issue 18, in the works beside the dashboard's panel):
+    until it does, that panel's query may have no data, and only that one."""
+    return any(labels["method"] == "unknown" for labels, _ in server.samples().get("indexer_request_errors_total", []))
+
+
 def declared_families(server: Server) -> set[str]:
     status, body = server.http("/metrics")
     assert status == 200
@@ -387,8 +394,11 @@ def test_prometheus_scrapes_the_server_and_answers_every_dashboard_query(pod: Se
     try:
         # Queries that can only have data once the server sheds something, or once it defines the metric.
         tolerated = EVENT_ONLY | not_yet_defined({n for _, e in dashboard_targets() for n in metric_names(e)})
+        unknown_counted = counts_unknown_methods(pod)
         queries = [
-            (title, expand_grafana(expr)) for title, expr in dashboard_targets() if not metric_names(expr) <= tolerated
+            (title, expand_grafana(expr))
+            for title, expr in dashboard_targets()
+            if not metric_names(expr) <= tolerated and (unknown_counted or 'method="unknown"' not in expr)
         ]
         pending = dict(enumerate(queries))
         deadline = time.monotonic() + 45

@@ -69,10 +69,16 @@ ISSUE_ALERTS = {
     "IndexerSheddingSustained",
     "IndexerTargetDown",
     "IndexerNoReadyReplica",
+    # Issue 18.
+    "IndexerWorkerRestarts",
+    "IndexerCallersRefused",
+    "IndexerUnknownMethodCalls",
 }
 # Codes the caller causes (issue 11): no alert that pages may count them as errors.
 CALLER_CODES = {"INVALID_ARGUMENT", "FAILED_PRECONDITION", "NOT_FOUND", "CANCELLED", "DEADLINE_EXCEEDED"}
 SERVICE_CODES = {"INTERNAL", "UNKNOWN", "DATA_LOSS", "UNIMPLEMENTED"}
+# critical pages, warning is a ticket, info (what callers do) goes to a channel: deploy/README.md, Monitoring.
+SEVERITIES = {"critical", "warning", "info"}
 LOCKS = {"cpu": ROOT / "requirements" / "image-cpu.txt", "gpu": ROOT / "requirements" / "image-gpu.txt"}
 
 
@@ -161,8 +167,8 @@ def test_operator_objects() -> None:
         assert group["name"] and group["rules"]
         for r in group["rules"]:
             assert set(r) <= {"alert", "record", "expr", "for", "labels", "annotations"}, r
-            assert r["labels"]["severity"] in {"warning", "critical"}
-            assert r["annotations"]["summary"] and r["annotations"]["description"]
+            assert r["labels"]["severity"] in SEVERITIES
+            assert r["annotations"]["summary"] and r["annotations"]["description"] and r["annotations"]["runbook_url"]
 
 
 def test_prometheusrule_is_generated_from_the_rules_file() -> None:
