@@ -27,6 +27,8 @@ from pathlib import Path
 import grpc
 import numpy as np
 import yaml
+from packaging.utils import canonicalize_name
+from packaging.version import Version
 from prometheus_client.parser import text_string_to_metric_families
 
 from testkit.harness import poll
@@ -182,6 +184,35 @@ def requirement_args(argv: list[str]) -> list[str]:
         elif not token.startswith("-"):
             result.append(token)
     return result
+
+
+LOCKS = {"cpu": ROOT / "requirements" / "image-cpu.txt", "gpu": ROOT / "requirements" / "image-gpu.txt"}
+
+
+@dataclass(frozen=True)
+class Lock:
+    """A hashed requirements file as scripts/lock-image-deps.py writes it."""
+
+    options: tuple[str, ...]  # option lines, e.g. "--find-links URL"
+    pins: dict[str, Version]  # canonical name -> the exact version
+    hashes: dict[str, tuple[str, ...]]  # canonical name -> its sha256 hashes
+
+
+def read_lock(path: Path) -> Lock:
+    options, pins, hashes = [], {}, {}
+    for line in path.read_text().replace("\\\n", " ").splitlines():
+        line = line.split(" #", 1)[0].strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.startswith("-"):
+            options.append(line)
+            continue
+        requirement, *tail = line.split()
+        name, _, version = requirement.partition("==")
+        assert version and all(t.startswith("--hash=") for t in tail), f"{path.name}: not an exact, hashed pin: {line}"
+        pins[canonicalize_name(name)] = Version(version)
+        hashes[canonicalize_name(name)] = tuple(t.removeprefix("--hash=") for t in tail)
+    return Lock(tuple(options), pins, hashes)
 
 
 # --- .dockerignore ------------------------------------------------------------------------------------------

@@ -47,6 +47,13 @@ def test_every_alert_links_its_own_runbook_section() -> None:
         assert anchor in anchors, f"{name}: deploy/README.md has no section #{anchor}"
 
 
+def test_deploy_readme_links_to_its_own_sections_resolve() -> None:
+    text = (DEPLOY / "README.md").read_text()
+    anchors = markdown_anchors(text)
+    links = re.findall(r"\]\(#([^)]+)\)", text)
+    assert links and not [link for link in links if link not in anchors]
+
+
 def test_anchor_check_catches_a_missing_section() -> None:
     """The check above is worth something only if an anchor that is not a heading fails it."""
     anchors = markdown_anchors("# Top\n\n### IndexerNoReadyReplica\n\ntext `### IndexerTargetDown`\n")
