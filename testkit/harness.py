@@ -190,6 +190,11 @@ class ServiceProcess:
     def __exit__(self, *exc_info: object) -> None:
         self.kill()
 
+    def connections_on(self, port: int) -> int:
+        """Established TCP connections the server holds on its ``port``: how many connections its callers use."""
+        held = psutil.Process(self.pid).net_connections(kind="tcp")
+        return sum(c.status == psutil.CONN_ESTABLISHED and c.laddr.port == port for c in held)
+
     def rss_bytes(self) -> int:
         return psutil.Process(self.pid).memory_info().rss
 
