@@ -190,6 +190,11 @@ class ServiceProcess:
     def __exit__(self, *exc_info: object) -> None:
         self.kill()
 
+    def connections_on(self, port: int) -> int:
+        """Established TCP connections the server holds on its ``port``: how many connections its callers use."""
+        held = psutil.Process(self.pid).net_connections(kind="tcp")
+        return sum(c.status == psutil.CONN_ESTABLISHED and c.laddr.port == port for c in held)
+
     def rss_bytes(self) -> int:
         return psutil.Process(self.pid).memory_info().rss
 
@@ -216,11 +221,19 @@ class ServiceProcess:
             self._scratch = None
 
 
+# gRPC shares one connection between the channels of a process that have the same target and options (its
+# global subchannel pool): ten callers and a victim made with the same arguments were one HTTP/2 connection, so
+# the server's per-connection stream limit refused the victim's calls along with the flooders' (issue 19).
+OWN_CONNECTION = ("grpc.use_local_subchannel_pool", 1)
+
+
 def channel(address: str, max_message_bytes: int = 64 * 2**20) -> grpc.Channel:
-    """A plain channel: no retries, so every refusal reaches the caller as it happened."""
+    """A plain channel on a connection of its own (:data:`OWN_CONNECTION`), without retries, so every refusal
+    reaches the caller as it happened."""
     return grpc.insecure_channel(
         address,
         options=[
+            OWN_CONNECTION,
             ("grpc.enable_retries", 0),
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
