@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, fields
 from importlib import resources
 from pathlib import Path
 
-from indexer_service.kernels.specialization import ModelConfig
+from indexer_service.kernels.specialization import ModelConfig, parse_target
 
 ENV_PREFIX = "INDEXER_"
 CONFIG_FILE_ENV = ENV_PREFIX + "CONFIG"
@@ -421,9 +421,6 @@ def _validate(config: ServiceConfig, sources: Mapping[str, str], needs_warmup: s
         except ConfigError as exc:
             fail("backend", exc.message)
     if config.warmup_enabled:
-        # Imported here: the compile engine pulls in torch and Triton, which only a real warmup needs.
-        from indexer_service.kernels.compile_engine import parse_target
-
         try:
             parse_target(config.warmup_target)
         except ValueError as exc:
