@@ -209,7 +209,7 @@ def test_blocks_run_as_written_against_a_server(
     assert run.returncode == 0, f"{block}:\n{run.stdout}{run.stderr}"
     expected = expected_output(block)
     if expected is not None:
-        assert run.stdout == expected, block
+        assert run.stdout == expected, str(block)
 
 
 def test_every_output_block_belongs_to_a_run_block() -> None:
