@@ -6,8 +6,9 @@ Every fenced code block carries a marker comment on the line above it:
   PATH, python with its interpreter) against a real server, whose ports are put in for 50051, 50052 and 8080;
   a ``<!-- doc: output -->`` block right after it is what it must print;
 - ``<!-- doc: static -->``: not run, and its first line says so visibly (``# not run by the tests: WHY``); every
-  ``indexer-service`` command line in it is parsed by the real command-line parser, every ``make`` target, ``-k``
-  kustomization and repository path it names exists;
+  ``indexer-service`` command line in it is parsed by the real command-line parser, every ``make`` target,
+  Docker build argument, pip extra and repository path it names exists, and each ``kubectl apply -k`` folder
+  renders with kustomize (where kustomize or kubectl is installed, as tests/deploy require);
 - docs/clients.md's ``<!-- run|output|file: NAME -->`` blocks: run by tests/system/test_clients_doc.py.
 
 And what the prose cites exists: Python module paths (importable), ``indexer-service`` flags, the ports of the
@@ -34,6 +35,7 @@ from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
 from indexer_service.service.cli import build_parser
 from indexer_service.service.config import SETTINGS
 from testkit.harness import FAST_START, ServiceProcess
+from tests.deploy.support import kustomize_command, render
 from tests.system.clients_support import REPO, VENV_BIN
 
 DOCUMENTS = sorted(
@@ -92,7 +94,8 @@ def prose(document: Path) -> str:
 
 
 def code_spans(document: Path) -> list[str]:
-    return re.findall(r"`([^`\n]+)`", prose(document))
+    """The inline code of the document's prose (a span may run over a line break, as Markdown allows)."""
+    return [" ".join(span.split()) for span in re.findall(r"`([^`]+)`", prose(document))]
 
 
 def command_lines(body: str) -> list[str]:
@@ -141,8 +144,10 @@ def test_static_blocks_name_only_what_exists(block: Block) -> None:
         if words[0] == "make":
             assert set(words[1:]) <= make_targets(), f"{block}: `{line}`: no such make target"
         if words[:2] == ["kubectl", "apply"] and "-k" in words:
-            folder = REPO / words[words.index("-k") + 1]
-            assert (folder / "kustomization.yaml").is_file(), f"{block}: `{line}`: no kustomization there"
+            folder = words[words.index("-k") + 1]
+            assert (REPO / folder / "kustomization.yaml").is_file(), f"{block}: `{line}`: no kustomization there"
+            if kustomize_command() is not None:  # where kustomize or kubectl is installed, it renders
+                assert any(o["kind"] == "Deployment" for o in render(folder)), f"{block}: `{line}`: no Deployment"
         if words[:2] == ["docker", "build"] and "--build-arg" in words:
             argument = words[words.index("--build-arg") + 1].partition("=")[0]
             assert re.search(rf"^ARG {argument}\b", (REPO / "Dockerfile").read_text(), re.MULTILINE), line
