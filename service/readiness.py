@@ -28,6 +28,9 @@ class Readiness:
         self._ready = False
         self._compiles_after_ready = 0
         self._listeners: list[Callable[[bool], None]] = []
+        # The addresses the server listens on (``grpc=... health=... http=...``), set once it does: the ready
+        # log line names them, so an operator reading only that line knows where to connect.
+        self.listening = ""
 
     @property
     def ready(self) -> bool:
@@ -57,7 +60,7 @@ class Readiness:
         if changed:
             self.metrics.ready.set(int(ready))
             if ready:
-                log.info("ready backend=%s warmup=%s", self.backend_name, self.warmup.state.value)
+                log.info("ready backend=%s warmup=%s %s", self.backend_name, self.warmup.state.value, self.listening)
             else:
                 log.info("not ready reason=%s", self.not_ready_reason())
         return ready

@@ -12,6 +12,7 @@ that many of these (service/worker.py), each given a :class:`service.worker.Work
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import json
 import logging
 import os
@@ -146,12 +147,9 @@ class IndexerServer:
         if self.health_server is not None:
             self.health_server.start()
         self.http.start()
-        log.info(
-            "listening grpc=%s health=%s http=%s",
-            host_port(self.config.grpc_host, self.grpc_port),
-            host_port(self.config.grpc_host, self.health_port),
-            host_port(self.config.http_host, self.http_port),
-        )
+        listening = listening_addresses(self.config, self.grpc_port, self.health_port, self.http_port)
+        self.plane.readiness.listening = listening
+        log.info("listening %s", listening)
         if self.config.idle_trim_seconds > 0:
             caveat = idle_trim_caveat(self.config.malloc_arena_max)
             if caveat is not None:
@@ -165,6 +163,7 @@ class IndexerServer:
         self._warmup_thread.start()
 
     def _run_warmup(self) -> None:
+        self.warmup.load_compiler()  # outside the replica's compile lock: the workers import torch at once
         with self.worker.warmup_lock() if self.worker is not None else contextlib.nullcontext():
             self.warmup.run()
         self.plane.readiness.refresh()
@@ -242,6 +241,23 @@ def _write_port_file(path: Path, server: IndexerServer) -> None:
         raise _port_file_error(path, exc) from None
 
 
+def package_version() -> str:
+    """The installed distribution's version (``pyproject.toml``), or ``unknown`` when run from an uninstalled
+    tree."""
+    try:
+        return importlib.metadata.version("indexer-service")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def listening_addresses(config: ServiceConfig, grpc_port: int, health_port: int, http_port: int) -> str:
+    """``grpc=HOST:PORT health=... http=...``: what the ``listening`` and ``ready`` log lines name."""
+    return (
+        f"grpc={host_port(config.grpc_host, grpc_port)} health={host_port(config.grpc_host, health_port)} "
+        f"http={host_port(config.http_host, http_port)}"
+    )
+
+
 def tls_mode(config: ServiceConfig) -> str:
     """``off``, ``tls`` or ``mutual`` (client certificates required), for the start-up log."""
     if not config.tls_enabled:
@@ -249,10 +265,20 @@ def tls_mode(config: ServiceConfig) -> str:
     return "mutual" if config.tls_client_ca_file else "tls"
 
 
-def announce_start(config: ServiceConfig, port_file: Path | None) -> None:
-    """The start-up log lines (every setting, the TLS mode), then the port file's check: a process that could
-    not report its ports fails before anything listens. Shared by the one process and the supervisor."""
-    log.info("start pid=%d config: %s", os.getpid(), config.summary())
+def announce_start(config: ServiceConfig, workers: int, port_file: Path | None) -> None:
+    """The start-up log lines (what is starting, every setting, the TLS mode), then the port file's check: a
+    process that could not report its ports fails before anything listens. Shared by the one process and the
+    supervisor."""
+    mode = "one process" if workers == 1 else f"supervisor of {workers} worker processes"
+    log.info(
+        "start pid=%d indexer-service %s mode=%s backend=%s warmup_target=%s",
+        os.getpid(),
+        package_version(),
+        mode,
+        config.backend,
+        config.warmup_target,
+    )
+    log.info("config: %s", config.summary())
     log.info(
         "tls mode=%s cert=%s client_ca=%s",
         tls_mode(config),
@@ -276,7 +302,7 @@ def serve(config: ServiceConfig, port_file: Path | None = None, signals: Shutdow
     own_signals = signals is None
     signals = signals or ShutdownSignals()
     try:
-        announce_start(config, port_file)
+        announce_start(config, 1, port_file)
         configure_malloc(config.malloc_arena_max, config.malloc_retain_bytes)
         server = IndexerServer(config) if signals.pending() is None else None
         if server is None or signals.pending() is not None:

@@ -231,9 +231,10 @@ class Supervisor:
     # -- start ----------------------------------------------------------------------------------------------
 
     def start(self) -> None:
-        from indexer_service.service.grpc_server import HEALTH_NAMES, create_health_server, host_port
+        from indexer_service.service.grpc_server import HEALTH_NAMES, create_health_server
         from indexer_service.service.health import HealthServicer
         from indexer_service.service.metrics import SupervisorMetrics
+        from indexer_service.service.server import listening_addresses
 
         config = self.config
         self.metrics = SupervisorMetrics(self.workers)
@@ -247,15 +248,14 @@ class Supervisor:
         self._write_status("starting")
         (self.runtime / CONFIG_FILE).write_text(json.dumps(asdict(self.config)))
         self.health_server.start()
+        self.listening = listening_addresses(self.config, grpc_port, health_port, self.config.http_port)
         log.info(
-            "workers n=%d from=%s cpus=%s (%s) grpc=%s (shared, SO_REUSEPORT) health=%s http=%s runtime=%s",
+            "workers n=%d from=%s cpus=%s (%s) %s (gRPC shared, SO_REUSEPORT) runtime=%s",
             self.workers,
             self.source,
             ",".join(map(str, self.cpus)) if self.cpus else "shared",
             self.pinning,
-            host_port(config.grpc_host, grpc_port),
-            host_port(config.grpc_host, health_port),
-            host_port(config.http_host, self.config.http_port),
+            self.listening,
             self.runtime,
         )
         for slot in self.slots:
@@ -373,7 +373,7 @@ class Supervisor:
             self.health.set_serving(ready)
             self.metrics.ready.set(int(ready))
             if ready:
-                log.info("ready workers=%d", self.workers)
+                log.info("ready workers=%d %s", self.workers, self.listening)
             else:
                 log.info("not ready reason=%s", reason)
         self._write_status(reason)
@@ -464,7 +464,7 @@ def supervise(
     """Run ``workers`` worker processes until SIGTERM or SIGINT, then drain them all; returns the exit code."""
     from indexer_service.service.server import announce_start
 
-    announce_start(config, port_file)
+    announce_start(config, workers, port_file)
     if signals.pending() is not None:
         log.info("shutdown signal=%s before the server started", signals.wait().name)
         return 0
