@@ -41,8 +41,13 @@ def _setting(help_text: str) -> object:
 class ServiceConfig:
     grpc_host: str = _setting("address the gRPC server binds")
     grpc_port: int = _setting("gRPC port (0: any free port)")
-    http_host: str = _setting("address the HTTP server (/metrics, /livez, /readyz) binds")
-    http_port: int = _setting("HTTP port (0: any free port)")
+    http_host: str = _setting("address both HTTP ports (http_port, http_rpc_port) bind")
+    http_port: int = _setting("plaintext HTTP port of GET /metrics, /livez and /readyz only (0: any free port)")
+    http_rpc_port: int = _setting(
+        "HTTP port of the RPCs (POST /indexer.v1.PrefillMetadata/<Method>), with the gRPC port's TLS settings "
+        "(0: any free port)"
+    )
+    http_rpcs: bool = _setting("serve the RPCs over HTTP on http_rpc_port (false: that port is not bound)")
     grpc_workers: int = _setting("threads of the gRPC server")
     workers: int = _setting(
         "serving processes sharing the ports (0: the CPUs the container may use, from its cgroup quota and affinity)"
@@ -204,6 +209,8 @@ RULES: dict[str, Rule] = {
     "grpc_port": _PORT,
     "http_host": Rule(nonempty=True),
     "http_port": _PORT,
+    "http_rpc_port": _PORT,
+    "http_rpcs": Rule(),
     "grpc_workers": _COUNT32,
     "workers": Rule(1, MAX_WORKERS, zero="the CPUs the container may use"),
     "pin_workers": Rule(choices=PIN_WORKERS, fold_case=True),
