@@ -40,14 +40,14 @@ from google.protobuf import json_format
 from prometheus_client import make_asgi_app
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from indexer_service.service.admission import Caller
+from indexer_service.service.admission import Caller, RateLimitedLog
 from indexer_service.service.codec import SERVICE_NAME
 from indexer_service.service.config import ServiceConfig
 from indexer_service.service.dataplane import DataPlane
 from indexer_service.service.errors import Code, LimitExceeded, ServiceError, Shed
 from indexer_service.service.json_mapping import parse_request
 from indexer_service.service.limits import max_request_bytes
-from indexer_service.service.metrics import Metrics, exposition_registry
+from indexer_service.service.metrics import HTTP_REFUSALS, Metrics, exposition_registry
 from indexer_service.service.rpcs import REQUEST_TYPES, RESPONSE_TYPES
 
 log = logging.getLogger(__name__)
@@ -92,16 +92,39 @@ def error_body(code: str, message: str) -> bytes:
     return json.dumps({"code": code, "message": message}).encode()
 
 
+class HttpRefusals:
+    """What the HTTP ports refuse, by reason (metrics.HTTP_REFUSALS): counted in ``indexer_http_refused_total`` and
+    logged rate-limited (``http refused reason=... count=N last=...``). An idle connection closed after
+    ``http_idle_timeout_seconds`` is counted only: that is how every keep-alive connection (Prometheus', say) ends."""
+
+    UNLOGGED = frozenset({"idle_timeout"})
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._counters = {reason: metrics.http_refused_total.labels(reason=reason) for reason in HTTP_REFUSALS}
+        self._log = RateLimitedLog("http refused")
+
+    def record(self, reason: str, detail: str) -> None:
+        self._counters[reason].inc()
+        if reason not in self.UNLOGGED:
+            self._log.note(reason, detail)
+
+
 class ProbeApp:
     """``http_port``: ``/metrics``, ``/livez``, ``/readyz``, nothing else. ``rpc_port``: where the RPCs over HTTP are
     (None: not served), for the 404 an RPC posted here gets."""
 
-    def __init__(self, plane: DataPlane, rpc_port: int | None, pod_not_ready: Callable[[], str] | None = None) -> None:
+    def __init__(
+        self,
+        plane: DataPlane,
+        rpc_port: int | None,
+        refusals: HttpRefusals,
+        pod_not_ready: Callable[[], str] | None = None,
+    ) -> None:
         self.plane = plane
+        self.refusals = refusals
         # Worker mode: why the replica is not ready ("" when every worker is), read from the supervisor.
         self.pod_not_ready = pod_not_ready
         self.metrics_app = make_asgi_app(registry=exposition_registry(plane.metrics.registry))
-        self.rpc_on_metrics_port = plane.metrics.http_refused_total.labels(reason="rpc_on_metrics_port")
         if rpc_port is None:
             self.wrong_port = (
                 "the RPCs over HTTP are off on this server (http_rpcs = false): call them over gRPC (grpc_port); "
@@ -127,7 +150,7 @@ class ProbeApp:
             reason = self.plane.readiness.not_ready_reason() or (self.pod_not_ready() if self.pod_not_ready else "")
             await _reply(send, 503 if reason else 200, f"{reason or 'ready'}\n".encode())
         elif path.startswith(RPC_PATH_PREFIX):
-            self.rpc_on_metrics_port.inc()
+            self.refusals.record("rpc_on_metrics_port", f"{verb} {path} from {_peer(scope)}")
             await reply_error(send, 404, self.wrong_port)
         else:
             await reply_error(
@@ -139,8 +162,9 @@ class RpcApp:
     """``http_rpc_port``: the RPCs as protobuf or JSON over HTTP, over one data plane. ``probe_port``: where
     ``/metrics`` and the probes are, for the 404 they get here."""
 
-    def __init__(self, plane: DataPlane, probe_port: int) -> None:
+    def __init__(self, plane: DataPlane, probe_port: int, refusals: HttpRefusals) -> None:
         self.plane = plane
+        self.refusals = refusals
         config = plane.config
         self.probe_port = probe_port
         self.max_body = max_request_bytes(config)
@@ -186,10 +210,9 @@ class RpcApp:
             if not reusable:
                 close.append((b"connection", b"close"))
             if body is None:
-                self.plane.metrics.http_refused_total.labels(reason="body_too_large").inc()
-                raise LimitExceeded(
-                    f"body: above {self.max_body} bytes, more than a request at this server's limits can be"
-                )
+                message = f"body: above {self.max_body} bytes, more than a request at this server's limits can be"
+                self.refusals.record("body_too_large", f"{method} from {caller.peer}: {message}")
+                raise LimitExceeded(message)
             request = parse_request(REQUEST_TYPES[method], body).SerializeToString() if content_type == JSON else body
             if self.in_flight >= self.max_in_flight:
                 message = f"busy: {self.in_flight} HTTP calls in the server (max_concurrent_rpcs)"
@@ -312,13 +335,11 @@ async def reply_error(send, status: int, message: str, extra_headers: list[tuple
     await _reply(send, status, error_body(TRANSPORT_ERROR_CODES[status], message), extra_headers, JSON)
 
 
-def limited_protocol(config: ServiceConfig, metrics: Metrics) -> type[HttpToolsProtocol]:
+def limited_protocol(config: ServiceConfig, metrics: Metrics, refusals: HttpRefusals) -> type[HttpToolsProtocol]:
     """uvicorn's httptools protocol with this server's limits on heads, idle time and connections."""
     max_head = config.http_max_header_bytes
     idle_seconds = config.http_idle_timeout_seconds
     max_connections = config.http_max_connections
-    reasons = ("header_too_large", "idle_timeout", "too_many_connections")
-    refused = {reason: metrics.http_refused_total.labels(reason=reason) for reason in reasons}
 
     class LimitedHttpToolsProtocol(HttpToolsProtocol):
         """Counts a request's head bytes before httptools buffers them (it would take any size, and a 128 MiB
@@ -330,14 +351,9 @@ def limited_protocol(config: ServiceConfig, metrics: Metrics) -> type[HttpToolsP
         def connection_made(self, transport) -> None:
             if len(self.connections) >= max_connections:
                 self._refused = True
-                refused["too_many_connections"].inc()
-                transport.write(
-                    _status_only(
-                        503,
-                        "Service Unavailable",
-                        f"too many connections: {max_connections} open on this port (http_max_connections)",
-                    )
-                )
+                message = f"too many connections: {max_connections} open on this port (http_max_connections)"
+                refusals.record("too_many_connections", f"{_transport_peer(transport)}: {message}")
+                transport.write(_status_only(503, "Service Unavailable", message))
                 transport.close()
                 return
             super().connection_made(transport)
@@ -360,7 +376,7 @@ def limited_protocol(config: ServiceConfig, metrics: Metrics) -> type[HttpToolsP
 
         def _close_idle(self) -> None:
             if not self.transport.is_closing():
-                refused["idle_timeout"].inc()
+                refusals.record("idle_timeout", f"{_transport_peer(self.transport)}: idle {idle_seconds} s")
                 self.transport.abort()
 
         def _cancel_request_timer(self) -> None:
@@ -377,14 +393,9 @@ def limited_protocol(config: ServiceConfig, metrics: Metrics) -> type[HttpToolsP
                 end = data.find(b"\r\n\r\n")
                 self._head_bytes += len(data) if end < 0 else end + 4
                 if self._head_bytes > max_head:
-                    refused["header_too_large"].inc()
-                    self.transport.write(
-                        _status_only(
-                            431,
-                            "Request Header Fields Too Large",
-                            f"request head above {max_head} bytes (http_max_header_bytes)",
-                        )
-                    )
+                    message = f"request head above {max_head} bytes (http_max_header_bytes)"
+                    refusals.record("header_too_large", f"{_transport_peer(self.transport)}: {message}")
+                    self.transport.write(_status_only(431, "Request Header Fields Too Large", message))
                     self.transport.close()
                     self._in_head = False
                     return
@@ -410,6 +421,11 @@ def limited_protocol(config: ServiceConfig, metrics: Metrics) -> type[HttpToolsP
                 self._arm_idle()
 
     return LimitedHttpToolsProtocol
+
+
+def _transport_peer(transport) -> str:
+    peer = transport.get_extra_info("peername")
+    return f"http:{peer[0]}:{peer[1]}" if peer else "http:unknown"
 
 
 def _status_only(status: int, reason: str, message: str) -> bytes:

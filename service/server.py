@@ -31,7 +31,7 @@ from indexer_service.service.config import ServiceConfig
 from indexer_service.service.dataplane import DataPlane
 from indexer_service.service.grpc_server import HEALTH_NAMES, create_grpc_server, create_health_server, host_port
 from indexer_service.service.health import HealthServicer
-from indexer_service.service.http_app import ProbeApp, RpcApp, limited_protocol
+from indexer_service.service.http_app import HttpRefusals, ProbeApp, RpcApp, limited_protocol
 from indexer_service.service.lifecycle import ShutdownSignals
 from indexer_service.service.limits import launch_admission
 from indexer_service.service.listeners import listen_tcp
@@ -61,14 +61,21 @@ class _HttpServer:
     when that is set (mutual TLS)."""
 
     def __init__(
-        self, app: object, service_config: ServiceConfig, metrics: Metrics, bound: socket.socket, name: str, tls: bool
+        self,
+        app: object,
+        service_config: ServiceConfig,
+        metrics: Metrics,
+        refusals: HttpRefusals,
+        bound: socket.socket,
+        name: str,
+        tls: bool,
     ) -> None:
         self.socket = bound
         self.port = bound.getsockname()[1]
         config = uvicorn.Config(
             app,
             loop="uvloop",
-            http=limited_protocol(service_config, metrics),
+            http=limited_protocol(service_config, metrics, refusals),
             lifespan="off",
             access_log=False,
             log_config=None,
@@ -143,12 +150,17 @@ class IndexerServer:
             http_socket, rpc_socket = worker.http_socket(), worker.http_rpc_socket()
         self.http_port = http_socket.getsockname()[1]
         self.http_rpc_port = rpc_socket.getsockname()[1] if rpc_socket is not None else None
-        probes = ProbeApp(self.plane, self.http_rpc_port, worker.pod_not_ready if worker is not None else None)
-        self.http = _HttpServer(probes, config, self.metrics, http_socket, "http", tls=False)
+        refusals = HttpRefusals(self.metrics)  # both ports', one log
+        probes = ProbeApp(
+            self.plane, self.http_rpc_port, refusals, worker.pod_not_ready if worker is not None else None
+        )
+        self.http = _HttpServer(probes, config, self.metrics, refusals, http_socket, "http", tls=False)
         self.http_rpc = None
         if rpc_socket is not None:
-            rpcs = RpcApp(self.plane, self.http_port)
-            self.http_rpc = _HttpServer(rpcs, config, self.metrics, rpc_socket, "http-rpc", tls=config.tls_enabled)
+            rpcs = RpcApp(self.plane, self.http_port, refusals)
+            self.http_rpc = _HttpServer(
+                rpcs, config, self.metrics, refusals, rpc_socket, "http-rpc", tls=config.tls_enabled
+            )
         self._unwatch = None
         self._warmup_thread = threading.Thread(target=self._run_warmup, name="warmup", daemon=True)
         self._stopping = threading.Event()

@@ -106,6 +106,9 @@ def test_the_metrics_port_answers_no_rpc_and_counts_what_it_refused(start_server
     assert served_calls(server) == 0
     samples = scrape(server.http_url)
     assert metric_total(samples, "indexer_http_refused_total", reason="rpc_on_metrics_port") == 3
+    # Logged once for the three (rate-limited), naming what came from where.
+    logged = [line for line in server.log().splitlines() if "http refused reason=rpc_on_metrics_port" in line]
+    assert len(logged) == 1 and f"POST /{SERVICE_NAME}/BuildChunk from http:127.0.0.1:" in logged[0], logged
     assert_answered(post(server.http_rpc_port))
     # ... and the RPC port serves no metrics or probes.
     status, body = http_get(f"{server.http_rpc_url}/metrics")
