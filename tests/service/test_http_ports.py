@@ -10,13 +10,14 @@ import http.client
 import json
 import socket
 import ssl
+import subprocess
 
 import pytest
 
 from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
 from indexer_service.service import codec
 from indexer_service.service.codec import SERVICE_NAME
-from testkit.harness import channel, http_get, metric_total, scrape
+from testkit.harness import INDEXER_SERVICE, LOOPBACK, channel, clean_env, http_get, listen_flags, metric_total, scrape
 from testkit.payloads import BUILD_CHUNK_PATH as BUILD_CHUNK
 from testkit.payloads import SMALL_BUILD_CHUNK
 
@@ -162,3 +163,15 @@ def test_the_start_log_and_port_file_name_the_rpc_port(start_server) -> None:
     assert f"http_rpc=127.0.0.1:{server.http_rpc_port}" in server.log()
     empty = pb.BuildChunkRequest(query_start_loc=codec.encode_int32([0])).SerializeToString()
     assert post(server.http_rpc_port, body=empty) == (200, b"")
+
+
+@pytest.mark.parametrize("workers", ["1", "2"], ids=["one-process", "two-workers"])
+def test_an_rpc_port_in_use_stops_the_start_naming_it(workers: str) -> None:
+    with socket.socket() as busy:
+        busy.bind((LOOPBACK, 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        argv = [INDEXER_SERVICE, "serve", *FAST, *listen_flags(), "--http-rpc-port", str(port), "--workers", workers]
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=clean_env())
+    assert out.returncode == 1, out.stderr
+    assert f"cannot bind HTTP RPCs to {LOOPBACK}:{port}" in out.stderr and "Traceback" not in out.stderr, out.stderr
