@@ -83,7 +83,7 @@ RUN CUDA_VISIBLE_DEVICES="" indexer-service precompile --target "${WARMUP_TARGET
 
 # gRPC (PrefillMetadata, grpc.health.v1, reflection), HTTP (/metrics, /livez, /readyz) and the health-only gRPC
 # port the Kubernetes probes use (health_port).
-EXPOSE 50051 8080 50052
+EXPOSE 50051 8080 8081 50052
 # For docker and compose; Kubernetes ignores this and uses the gRPC probes in deploy/base/deployment.yaml.
 # GET /readyz on the HTTP port, which is plaintext whatever the gRPC port's TLS: 200 is healthy (exit 0);
 # anything else (503 while warming or draining, refused, timed out, any error) is unhealthy (exit 1). Never

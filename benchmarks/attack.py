@@ -240,7 +240,7 @@ def http_big_header(bench: Bench) -> dict:
     """One request with a 64 MiB header, streamed in 64 KiB pieces."""
     server = bench.serve()
     with Siege(server, probe_interval=0.05) as siege:
-        report = huge_header(LOOPBACK, server.http_port, 64 * 2**20, max_seconds=120.0)
+        report = huge_header(LOOPBACK, server.http_rpc_port, 64 * 2**20, max_seconds=120.0)
         time.sleep(1.0)
     figures = siege.figures()
     figures.update(
@@ -257,7 +257,7 @@ def http_idle(bench: Bench) -> dict:
     """50 HTTP connections that never send, checked after http_idle_timeout_seconds + 5 s."""
     server = bench.serve()
     wait = DEFAULT_IDLE_SECONDS + 5.0
-    with Siege(server) as siege, IdleConnections(LOOPBACK, server.http_port, 50) as idle:
+    with Siege(server) as siege, IdleConnections(LOOPBACK, server.http_rpc_port, 50) as idle:
         time.sleep(wait)
         still_open = idle.still_open()
     figures = siege.figures()
@@ -271,7 +271,7 @@ def http_never_read(bench: Bench) -> dict:
     hold = DEFAULT_DRAIN_SECONDS + 5.0
     with (
         Siege(server) as siege,
-        UnreadAnswers(LOOPBACK, server.http_port, f"{BUILD_CHUNK_PATH}", BIG_ANSWER, 10) as unread,
+        UnreadAnswers(LOOPBACK, server.http_rpc_port, f"{BUILD_CHUNK_PATH}", BIG_ANSWER, 10) as unread,
     ):
         time.sleep(hold)
         answers = unread.collect(timeout=10.0)

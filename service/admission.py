@@ -73,19 +73,18 @@ class Refused(Exception):
         self.gone = gone
 
 
-class ShedLog:
-    """Counts every shed call in ``indexer_requests_shed_total`` and logs at most one line per reason every
-    :data:`SHED_LOG_INTERVAL_SECONDS`, with how many were shed since the last line."""
+class RateLimitedLog:
+    """At most one warning per reason every :data:`SHED_LOG_INTERVAL_SECONDS`, with how many times the reason came
+    up since the last line: ``<event> reason=<reason> count=<n> <fields> last=<detail>``."""
 
-    def __init__(self, metrics: Metrics, interval: float = SHED_LOG_INTERVAL_SECONDS) -> None:
-        self.metrics = metrics
+    def __init__(self, event: str, interval: float = SHED_LOG_INTERVAL_SECONDS) -> None:
+        self.event = event
         self.interval = interval
         self._lock = threading.Lock()
         self._pending: dict[str, int] = {}
         self._last_logged: dict[str, float] = {}
 
-    def record(self, method: str, reason: str, detail: str) -> None:
-        self.metrics.child(self.metrics.requests_shed_total, method, reason).inc()
+    def note(self, reason: str, detail: str, fields: str = "") -> None:
         now = time.monotonic()
         with self._lock:
             count = self._pending.get(reason, 0) + 1
@@ -94,7 +93,21 @@ class ShedLog:
                 return
             self._pending[reason] = 0
             self._last_logged[reason] = now
-        log.warning("shed reason=%s count=%d method=%s last=%r", reason, count, method, detail)
+        log.warning(
+            "%s reason=%s count=%d%s last=%r", self.event, reason, count, f" {fields}" if fields else "", detail
+        )
+
+
+class ShedLog:
+    """Counts every shed call in ``indexer_requests_shed_total`` and logs it, rate-limited (:class:`RateLimitedLog`)."""
+
+    def __init__(self, metrics: Metrics, interval: float = SHED_LOG_INTERVAL_SECONDS) -> None:
+        self.metrics = metrics
+        self.log = RateLimitedLog("shed", interval)
+
+    def record(self, method: str, reason: str, detail: str) -> None:
+        self.metrics.child(self.metrics.requests_shed_total, method, reason).inc()
+        self.log.note(reason, detail, f"method={method}")
 
 
 @dataclass(eq=False)

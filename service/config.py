@@ -52,8 +52,16 @@ def plain_help(help_text: str) -> str:
 class ServiceConfig:
     grpc_host: str = _setting("address the gRPC server binds")
     grpc_port: int = _setting("gRPC port (0: any free port)")
-    http_host: str = _setting("address the HTTP server (`/metrics`, `/livez`, `/readyz`) binds")
-    http_port: int = _setting("HTTP port (0: any free port)")
+    http_host: str = _setting("address both HTTP ports (`http_port`, `http_rpc_port`) bind")
+    http_port: int = _setting(
+        "plaintext HTTP port of GET `/metrics`, `/livez` and `/readyz` only, for Prometheus and probes (0: any "
+        "free port)"
+    )
+    http_rpc_port: int = _setting(
+        "HTTP port of the RPCs (POST `/indexer.v1.PrefillMetadata/<Method>`), with the gRPC port's TLS settings "
+        "(0: any free port)"
+    )
+    http_rpcs: bool = _setting("serve the RPCs over HTTP on `http_rpc_port` (false: that port is not bound)")
     grpc_workers: int = _setting("threads of the gRPC server (of each worker process)")
     workers: int = _setting(
         "serving processes sharing the ports (docs/service.md, [Workers](#workers)); 0: the CPUs the container "
@@ -85,7 +93,9 @@ class ServiceConfig:
         "plaintext gRPC port serving only `grpc.health.v1`, on its own threads, for probes (0: any free port;"
         " in the port file as `health_port`)"
     )
-    tls_cert_file: str = _setting("PEM certificate chain of the gRPC port; with `tls_key_file`, TLS is on")
+    tls_cert_file: str = _setting(
+        "PEM certificate chain of the gRPC port and `http_rpc_port`; with `tls_key_file`, TLS is on"
+    )
     tls_key_file: str = _setting("PEM private key of `tls_cert_file`")
     tls_client_ca_file: str = _setting(
         "PEM CA bundle client certificates must chain to: mutual TLS (needs the two above)"
@@ -275,6 +285,8 @@ RULES: dict[str, Rule] = {
     "grpc_port": _PORT,
     "http_host": Rule(nonempty=True),
     "http_port": _PORT,
+    "http_rpc_port": _PORT,
+    "http_rpcs": Rule(),
     "grpc_workers": _COUNT32,
     "workers": Rule(1, MAX_WORKERS, zero="the CPUs the container may use"),
     "pin_workers": Rule(choices=PIN_WORKERS, fold_case=True),

@@ -39,7 +39,13 @@ SHED_REASONS = (
     "shutdown",  # still running when the shutdown grace ended
     "unread_response",  # the caller did not read its response within response_drain_seconds
 )
-HTTP_REFUSALS = ("header_too_large", "idle_timeout", "too_many_connections", "body_too_large")
+HTTP_REFUSALS = (
+    "header_too_large",
+    "idle_timeout",
+    "too_many_connections",
+    "body_too_large",
+    "rpc_on_metrics_port",  # an RPC posted to http_port: a client still set up for the port before http_rpc_port
+)
 
 
 class Metrics:

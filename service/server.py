@@ -1,6 +1,6 @@
 """The serving process: start-up order, warmup-gated readiness, SIGTERM drain.
 
-Start-up: both listeners come up first (HTTP /readyz 503, gRPC health NOT_SERVING, RPCs UNAVAILABLE), then
+Start-up: every listener comes up first (HTTP /readyz 503, gRPC health NOT_SERVING, RPCs UNAVAILABLE), then
 the warmup compiles every key; only when all compiled does the server turn ready. SIGTERM: NOT_SERVING and
 /readyz 503 at once, keep serving for ``shutdown_delay_seconds``, then stop taking calls and give the
 in-flight ones ``shutdown_grace_seconds`` to finish; exit 0.
@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import socket
+import ssl
 import threading
 import time
 from pathlib import Path
@@ -31,9 +32,10 @@ from indexer_service.service.config import ServiceConfig
 from indexer_service.service.dataplane import DataPlane
 from indexer_service.service.grpc_server import HEALTH_NAMES, create_grpc_server, create_health_server, host_port
 from indexer_service.service.health import HealthServicer
-from indexer_service.service.http_app import HttpApp, limited_protocol
+from indexer_service.service.http_app import HttpRefusals, ProbeApp, RpcApp, limited_protocol
 from indexer_service.service.lifecycle import ShutdownSignals
 from indexer_service.service.limits import launch_admission
+from indexer_service.service.listeners import listen_tcp
 from indexer_service.service.metrics import Metrics
 from indexer_service.service.warmup import Warmup, use_triton_cache_dir
 
@@ -45,37 +47,45 @@ log = logging.getLogger(__name__)
 _HTTP_START_TIMEOUT_SECONDS = 10.0
 
 
+def uvicorn_tls(config: ServiceConfig) -> dict[str, object]:
+    """uvicorn's TLS settings for ``http_rpc_port``: the gRPC port's certificate and key, and under mutual TLS its
+    client CA with client certificates required, so HTTP refuses every caller gRPC would refuse."""
+    settings: dict[str, object] = {"ssl_certfile": config.tls_cert_file, "ssl_keyfile": config.tls_key_file}
+    if config.tls_client_ca_file:
+        settings |= {"ssl_ca_certs": config.tls_client_ca_file, "ssl_cert_reqs": ssl.CERT_REQUIRED}
+    return settings
+
+
 class _HttpServer:
-    """uvicorn (httptools + uvloop) on its own thread and event loop, on a socket bound up front."""
+    """uvicorn (httptools + uvloop) on its own thread and event loop, on a socket bound up front; HTTPS with the
+    gRPC port's certificate and key when ``tls``, requiring a client certificate chained to ``tls_client_ca_file``
+    when that is set (mutual TLS)."""
 
     def __init__(
-        self, app: HttpApp, service_config: ServiceConfig, metrics: Metrics, bound: socket.socket | None = None
+        self,
+        app: object,
+        service_config: ServiceConfig,
+        metrics: Metrics,
+        refusals: HttpRefusals,
+        bound: socket.socket,
+        name: str,
+        tls: bool,
     ) -> None:
-        host, port, grace = service_config.http_host, service_config.http_port, service_config.shutdown_grace_seconds
-        if bound is not None:  # a worker: the supervisor's listening socket, which every worker accepts on
-            self.socket = bound
-        else:
-            family = socket.AF_INET6 if ":" in host else socket.AF_INET
-            self.socket = socket.socket(family, socket.SOCK_STREAM)
-            self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                self.socket.bind((host, port))
-            except OSError as exc:
-                self.socket.close()
-                raise OSError(f"cannot bind HTTP to {host_port(host, port)}: {exc}") from None
-        self.port = self.socket.getsockname()[1]
+        self.socket = bound
+        self.port = bound.getsockname()[1]
         config = uvicorn.Config(
             app,
             loop="uvloop",
-            http=limited_protocol(service_config, metrics),
+            http=limited_protocol(service_config, metrics, refusals),
             lifespan="off",
             access_log=False,
             log_config=None,
-            timeout_graceful_shutdown=max(grace, 0.1),
+            timeout_graceful_shutdown=max(service_config.shutdown_grace_seconds, 0.1),
             timeout_keep_alive=service_config.http_idle_timeout_seconds,
+            **(uvicorn_tls(service_config) if tls else {}),
         )
         self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]}, name="http")
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]}, name=name)
 
     def start(self) -> None:
         self.thread.start()
@@ -92,12 +102,12 @@ class _HttpServer:
 
 
 class IndexerServer:
-    """Everything one serving process runs; :meth:`start` returns once both listeners are up.
+    """Everything one serving process runs; :meth:`start` returns once every listener is up.
 
     ``worker``: this process is one worker of several (service/supervisor.py): the gRPC port is shared
-    (SO_REUSEPORT), HTTP accepts on the supervisor's socket, the supervisor serves the health port, readiness is
-    reported to it, and the warmup takes the replica's compile lock (the first worker compiles into the shared
-    Triton cache, the others load from it)."""
+    (SO_REUSEPORT), both HTTP ports accept on the supervisor's sockets, the supervisor serves the health port,
+    readiness is reported to it, and the warmup takes the replica's compile lock (the first worker compiles into
+    the shared Triton cache, the others load from it)."""
 
     def __init__(self, config: ServiceConfig, worker: WorkerLink | None = None) -> None:
         self.config = config
@@ -134,9 +144,24 @@ class IndexerServer:
             self.health_server, self.health_port = create_health_server(config, self.health)
         else:  # the supervisor serves the health port, for the whole replica
             self.health_server, self.health_port = None, config.health_port
-        app = HttpApp(self.plane, worker.pod_not_ready if worker is not None else None)
-        self.http = _HttpServer(app, config, self.metrics, worker.http_socket() if worker is not None else None)
-        self.http_port = self.http.port
+        if worker is None:
+            http_socket = listen_tcp(config.http_host, config.http_port, "HTTP")
+            rpc_socket = listen_tcp(config.http_host, config.http_rpc_port, "HTTP RPCs") if config.http_rpcs else None
+        else:
+            http_socket, rpc_socket = worker.http_socket(), worker.http_rpc_socket()
+        self.http_port = http_socket.getsockname()[1]
+        self.http_rpc_port = rpc_socket.getsockname()[1] if rpc_socket is not None else None
+        refusals = HttpRefusals(self.metrics)  # both ports', one log
+        probes = ProbeApp(
+            self.plane, self.http_rpc_port, refusals, worker.pod_not_ready if worker is not None else None
+        )
+        self.http = _HttpServer(probes, config, self.metrics, refusals, http_socket, "http", tls=False)
+        self.http_rpc = None
+        if rpc_socket is not None:
+            rpcs = RpcApp(self.plane, self.http_port, refusals)
+            self.http_rpc = _HttpServer(
+                rpcs, config, self.metrics, refusals, rpc_socket, "http-rpc", tls=config.tls_enabled
+            )
         self._unwatch = None
         self._warmup_thread = threading.Thread(target=self._run_warmup, name="warmup", daemon=True)
         self._stopping = threading.Event()
@@ -147,7 +172,11 @@ class IndexerServer:
         if self.health_server is not None:
             self.health_server.start()
         self.http.start()
-        listening = listening_addresses(self.config, self.grpc_port, self.health_port, self.http_port)
+        if self.http_rpc is not None:
+            self.http_rpc.start()
+        listening = listening_addresses(
+            self.config, self.grpc_port, self.health_port, self.http_port, self.http_rpc_port
+        )
         self.plane.readiness.listening = listening
         log.info("listening %s", listening)
         if self.config.idle_trim_seconds > 0:
@@ -201,6 +230,8 @@ class IndexerServer:
         cut.start()
         self.grpc.stop(config.shutdown_grace_seconds)
         cut.cancel()
+        if self.http_rpc is not None:
+            self.http_rpc.stop(timeout=config.shutdown_grace_seconds + 1.0)
         self.http.stop(timeout=config.shutdown_grace_seconds + 1.0)
         if self.health_server is not None:
             self.health_server.stop(0).wait()
@@ -230,6 +261,7 @@ def _write_port_file(path: Path, server: IndexerServer) -> None:
     payload = {
         "grpc_port": server.grpc_port,
         "http_port": server.http_port,
+        "http_rpc_port": server.http_rpc_port,
         "health_port": server.health_port,
         "pid": os.getpid(),
     }
@@ -250,11 +282,15 @@ def package_version() -> str:
         return "unknown"
 
 
-def listening_addresses(config: ServiceConfig, grpc_port: int, health_port: int, http_port: int) -> str:
-    """``grpc=HOST:PORT health=... http=...``: what the ``listening`` and ``ready`` log lines name."""
+def listening_addresses(
+    config: ServiceConfig, grpc_port: int, health_port: int, http_port: int, http_rpc_port: int | None
+) -> str:
+    """``grpc=HOST:PORT health=... http=... http_rpc=...`` (``http_rpc=off`` when the HTTP RPCs are off): what the
+    ``listening`` and ``ready`` log lines name."""
+    http_rpc = host_port(config.http_host, http_rpc_port) if http_rpc_port is not None else "off"
     return (
         f"grpc={host_port(config.grpc_host, grpc_port)} health={host_port(config.grpc_host, health_port)} "
-        f"http={host_port(config.http_host, http_port)}"
+        f"http={host_port(config.http_host, http_port)} http_rpc={http_rpc}"
     )
 
 

@@ -9,8 +9,10 @@ One Python process serves about one core (the GIL), so a replica with N CPUs run
   SO_REUSEPORT socket that never listens (it reserves the port and receives no connection) for the workers to
   join. Left open: a process of the same user that sets SO_REUSEPORT itself can still join the group; the kernel
   refuses one of another user.
-- **The HTTP port**: one listening socket, inherited by every worker, which all accept on (``/metrics``,
-  ``/livez``, ``/readyz`` and the RPCs over HTTP are answered by whichever worker accepts).
+- **The HTTP ports**: one listening socket each (``http_port``: ``/metrics``, ``/livez``, ``/readyz``;
+  ``http_rpc_port``: the RPCs over HTTP, unless ``http_rpcs`` is false), bound here by
+  :func:`service.listeners.listen_tcp` and inherited by every worker, which all accept on them: whichever worker
+  accepts answers.
 - **The health port** (grpc.health.v1 for the kubelet): served here, SERVING only while every worker is ready.
   ``/readyz`` says the same (each worker reads the supervisor's verdict). The gRPC port's own health service is
   per worker, i.e. per connection, which is what a client's health checking needs.
@@ -46,13 +48,13 @@ from pathlib import Path
 
 from indexer_service.service.config import ServiceConfig
 from indexer_service.service.lifecycle import ShutdownSignals
+from indexer_service.service.listeners import listen_tcp, socket_address
 from indexer_service.service.worker import CONFIG_FILE, POD_STATUS_FILE
 
 log = logging.getLogger(__name__)
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 BACKOFF_FIRST_SECONDS, BACKOFF_MAX_SECONDS, STABLE_SECONDS = 0.5, 10.0, 30.0
-HTTP_BACKLOG = 1024
 _POLL_SECONDS = 0.2
 
 
@@ -132,24 +134,19 @@ def resolve_workers(setting: int) -> tuple[int, str]:
 # --- the shared ports --------------------------------------------------------------------------------------
 
 
-def _address(host: str, port: int) -> tuple:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    return family, ((host, port, 0, 0) if family == socket.AF_INET6 else (host, port))
-
-
 def reserve_grpc_port(host: str, port: int) -> tuple[socket.socket, int]:
     """Own ``host:port`` for this replica's workers: refused if anyone holds it (bound without SO_REUSEPORT
     first), then held by an SO_REUSEPORT socket that never listens, which the workers' listeners join."""
     from indexer_service.service.grpc_server import host_port
 
-    family, address = _address(host, port)
+    family, address = socket_address(host, port)
     with socket.socket(family, socket.SOCK_STREAM) as probe:
         try:
             probe.bind(address)
         except OSError as exc:
             raise OSError(f"cannot bind gRPC to {host_port(host, port)}: {exc}") from None
         port = probe.getsockname()[1]
-    family, address = _address(host, port)
+    family, address = socket_address(host, port)
     held = socket.socket(family, socket.SOCK_STREAM)
     held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
@@ -158,21 +155,6 @@ def reserve_grpc_port(host: str, port: int) -> tuple[socket.socket, int]:
         held.close()
         raise OSError(f"cannot bind gRPC to {host_port(host, port)}: {exc}") from None
     return held, port
-
-
-def listen_http(host: str, port: int) -> socket.socket:
-    from indexer_service.service.grpc_server import host_port
-
-    family, address = _address(host, port)
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind(address)
-    except OSError as exc:
-        sock.close()
-        raise OSError(f"cannot bind HTTP to {host_port(host, port)}: {exc}") from None
-    sock.listen(HTTP_BACKLOG)
-    return sock
 
 
 # --- the workers -------------------------------------------------------------------------------------------
@@ -225,6 +207,7 @@ class Supervisor:
         _use_multiprocess_metrics(self.metrics_dir)
         self._grpc_hold: socket.socket | None = None
         self._http: socket.socket | None = None
+        self._http_rpc: socket.socket | None = None
         self.health = self.health_server = None
         self.metrics = None
 
@@ -239,16 +222,29 @@ class Supervisor:
         config = self.config
         self.metrics = SupervisorMetrics(self.workers)
         self._grpc_hold, grpc_port = reserve_grpc_port(config.grpc_host, config.grpc_port)
-        self._http = listen_http(config.http_host, config.http_port)
+        self._http = listen_tcp(config.http_host, config.http_port, "HTTP")
+        if config.http_rpcs:
+            self._http_rpc = listen_tcp(config.http_host, config.http_rpc_port, "HTTP RPCs")
         self.health = HealthServicer(HEALTH_NAMES)
         self.health_server, health_port = create_health_server(config, self.health)
         self.config = replace(
-            config, grpc_port=grpc_port, http_port=self._http.getsockname()[1], health_port=health_port, workers=1
+            config,
+            grpc_port=grpc_port,
+            http_port=self._http.getsockname()[1],
+            http_rpc_port=self._http_rpc.getsockname()[1] if self._http_rpc is not None else 0,
+            health_port=health_port,
+            workers=1,
         )
         self._write_status("starting")
         (self.runtime / CONFIG_FILE).write_text(json.dumps(asdict(self.config)))
         self.health_server.start()
-        self.listening = listening_addresses(self.config, grpc_port, health_port, self.config.http_port)
+        self.listening = listening_addresses(
+            self.config,
+            grpc_port,
+            health_port,
+            self.config.http_port,
+            self.config.http_rpc_port if self._http_rpc is not None else None,
+        )
         log.info(
             "workers n=%d from=%s cpus=%s (%s) %s (gRPC shared, SO_REUSEPORT) runtime=%s",
             self.workers,
@@ -264,11 +260,14 @@ class Supervisor:
     def _spawn(self, slot: Slot) -> None:
         read, write = os.pipe()
         http_fd = self._http.fileno()
+        http_rpc_fd = self._http_rpc.fileno() if self._http_rpc is not None else -1
         cpu = self.cpus[slot.number] if self.cpus else -1
-        worker_args = (self.runtime, slot.label, write, http_fd, os.getpid(), cpu)  # service/worker.py's argv
+        # service/worker.py's argv
+        worker_args = (self.runtime, slot.label, write, http_fd, http_rpc_fd, os.getpid(), cpu)
         command = [sys.executable, "-m", "indexer_service.service.worker", *map(str, worker_args)]
         try:
-            slot.process = subprocess.Popen(command, pass_fds=(write, http_fd))
+            inherited = (write, http_fd) if http_rpc_fd < 0 else (write, http_fd, http_rpc_fd)
+            slot.process = subprocess.Popen(command, pass_fds=inherited)
         finally:
             os.close(write)
         os.set_blocking(read, False)
@@ -442,7 +441,7 @@ class Supervisor:
             self.health_server.stop(0).wait()
             self.health.close()
             self.health_server = None
-        for sock in (self._grpc_hold, self._http):
+        for sock in (self._grpc_hold, self._http, self._http_rpc):
             if sock is not None:
                 sock.close()
         shutil.rmtree(self.runtime, ignore_errors=True)
@@ -489,6 +488,7 @@ def _write_ports(path: Path, supervisor: Supervisor) -> None:
     payload = {
         "grpc_port": config.grpc_port,
         "http_port": config.http_port,
+        "http_rpc_port": config.http_rpc_port if config.http_rpcs else None,
         "health_port": config.health_port,
         "pid": os.getpid(),
         "workers": supervisor.workers,

@@ -1,9 +1,10 @@
 """One worker process of several, started by service/supervisor.py, never by hand:
-``python -m indexer_service.service.worker RUNTIME_DIR SLOT STATUS_FD HTTP_FD PARENT_PID CPU``.
+``python -m indexer_service.service.worker RUNTIME_DIR SLOT STATUS_FD HTTP_FD HTTP_RPC_FD PARENT_PID CPU``.
 
 A worker is the single-process server (:class:`service.server.IndexerServer`) with a :class:`WorkerLink` to its
-supervisor: the gRPC port is shared with the other workers (SO_REUSEPORT, reserved by the supervisor), HTTP
-accepts on the supervisor's listening socket (inherited as ``HTTP_FD``), the health port is the supervisor's,
+supervisor: the gRPC port is shared with the other workers (SO_REUSEPORT, reserved by the supervisor), both HTTP
+ports accept on the supervisor's listening sockets (inherited as ``HTTP_FD`` and ``HTTP_RPC_FD``, -1 when
+``http_rpcs`` is off), the health port is the supervisor's,
 readiness goes up the status pipe (``STATUS_FD``: ``listening``, ``ready 0``/``ready 1``, one a line), ``/readyz``
 also asks the supervisor whether the whole replica is ready (a file in ``RUNTIME_DIR``), and the warmup takes the
 replica's compile lock, so the first worker compiles into the shared Triton cache and the others load from it.
@@ -45,10 +46,11 @@ def die_with_parent(parent: int) -> None:
 class WorkerLink:
     """What a worker shares with its supervisor."""
 
-    def __init__(self, runtime_dir: Path, slot: int, status_fd: int, http_fd: int) -> None:
+    def __init__(self, runtime_dir: Path, slot: int, status_fd: int, http_fd: int, http_rpc_fd: int) -> None:
         self.runtime_dir = runtime_dir
         self.slot = slot
         self.http_fd = http_fd
+        self.http_rpc_fd = http_rpc_fd
         self._status = os.fdopen(status_fd, "w", buffering=1)
         self._lock = threading.Lock()
 
@@ -72,6 +74,9 @@ class WorkerLink:
 
     def http_socket(self) -> socket.socket:
         return socket.socket(fileno=self.http_fd)
+
+    def http_rpc_socket(self) -> socket.socket | None:
+        return socket.socket(fileno=self.http_rpc_fd) if self.http_rpc_fd >= 0 else None
 
     @contextlib.contextmanager
     def warmup_lock(self) -> Iterator[None]:
@@ -122,14 +127,14 @@ def pin_to_cpu(cpu: int) -> None:
 
 
 def main(argv: list[str]) -> None:
-    runtime_dir, slot, status_fd, http_fd, parent, cpu = argv
+    runtime_dir, slot, status_fd, http_fd, http_rpc_fd, parent, cpu = argv
     die_with_parent(int(parent))
     if int(cpu) >= 0:
         pin_to_cpu(int(cpu))
     from indexer_service.service.lifecycle import ShutdownSignals, end_process
 
     signals = ShutdownSignals()
-    link = WorkerLink(Path(runtime_dir), int(slot), int(status_fd), int(http_fd))
+    link = WorkerLink(Path(runtime_dir), int(slot), int(status_fd), int(http_fd), int(http_rpc_fd))
     try:
         code = run_worker(link, signals)
     except OSError as exc:  # a fatal start-up error (bind): the supervisor stops the replica if none started

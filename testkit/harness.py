@@ -81,10 +81,10 @@ def host_port(host: str, port: int) -> str:
 
 
 def listen_flags(grpc_host: str = LOOPBACK, http_host: str = LOOPBACK, grpc_port: int = 0) -> list[str]:
-    """``serve``'s flags for listening on these hosts at ports the OS picks (gRPC, HTTP and the health port), or
-    at ``grpc_port`` for gRPC when given."""
+    """``serve``'s flags for listening on these hosts at ports the OS picks (gRPC, both HTTP ports and the health
+    port), or at ``grpc_port`` for gRPC when given."""
     return ["--grpc-host", grpc_host, "--http-host", http_host, "--grpc-port", str(grpc_port), "--http-port", "0",
-            "--health-port", "0"]  # fmt: skip
+            "--http-rpc-port", "0", "--health-port", "0"]  # fmt: skip
 
 
 class ServiceProcess:
@@ -120,6 +120,7 @@ class ServiceProcess:
         self.process: subprocess.Popen | None = None
         self.started_at = 0.0
         self.grpc_port = self.http_port = self.health_port = 0
+        self.http_rpc_port: int | None = None  # None: the server serves no RPCs over HTTP (http_rpcs = false)
         self.ports: dict[str, int] = {}
 
     def start(self) -> ServiceProcess:
@@ -147,7 +148,14 @@ class ServiceProcess:
 
     @property
     def http_url(self) -> str:
+        """``/metrics``, ``/livez``, ``/readyz`` (``http_port``)."""
         return f"http://{host_port(self.http_host, self.http_port)}"
+
+    @property
+    def http_rpc_url(self) -> str:
+        """The RPCs over HTTP (``http_rpc_port``), plaintext: a server with TLS answers ``https://`` there."""
+        assert self.http_rpc_port, "this server serves no RPCs over HTTP"
+        return f"http://{host_port(self.http_host, self.http_rpc_port)}"
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
@@ -166,6 +174,7 @@ class ServiceProcess:
         self.ports = ports = json.loads(self.port_file.read_text())
         self.grpc_port, self.http_port = ports["grpc_port"], ports.get("http_port", 0)
         self.health_port = ports.get("health_port", 0)  # servers before issue 10 have no health listener
+        self.http_rpc_port = ports.get("http_rpc_port")
         return self
 
     def wait_ready(self, timeout: float = 180.0, poll: float = 0.01) -> float:

@@ -484,6 +484,7 @@ class Server(LoggedProcess):
         # Loopback only, ports chosen by the kernel: these override whatever the caller's (pod's) env says.
         listen = {"INDEXER_GRPC_HOST": "127.0.0.1", "INDEXER_HTTP_HOST": "127.0.0.1"}
         listen |= {"INDEXER_GRPC_PORT": "0", "INDEXER_HTTP_PORT": "0", "INDEXER_HEALTH_PORT": "0"}
+        listen |= {"INDEXER_HTTP_RPC_PORT": "0"}
         env = base_env(**{**env, **listen})
         super().__init__(argv, workdir / f"{name}.log", env)
         self.grpc_port = self.http_port = 0

@@ -232,9 +232,10 @@ def test_pod_config_matches_its_ports_and_shutdown(workdir: Path) -> None:
     c = container(one(render(OVERLAY), "Deployment"))
     assert config.grpc_port == container_port(c, "grpc")
     assert config.http_port == container_port(c, "http-metrics")
+    assert config.http_rpc_port == container_port(c, "http-rpc") and config.http_rpcs
     assert config.health_port == container_port(c, "grpc-health")
     _, final = final_stage()
-    assert {config.grpc_port, config.http_port, config.health_port} == {
+    assert {config.grpc_port, config.http_port, config.http_rpc_port, config.health_port} == {
         int(p) for i in final if i.keyword == "EXPOSE" for p in i.args.split()
     }
     # The static timing test (preStop + drain < terminationGracePeriodSeconds) reads the drain from the TOML

@@ -507,7 +507,7 @@ def test_image_entrypoint_ports_and_healthcheck() -> None:
     final = [i for i in instructions if i.stage == max(j.stage for j in instructions)]
     by_keyword = {i.keyword: i.args for i in final}
     assert exec_form(by_keyword["ENTRYPOINT"]) + exec_form(by_keyword["CMD"]) == ["indexer-service", "serve"]
-    assert sorted(int(p) for p in by_keyword["EXPOSE"].split()) == [8080, 50051, 50052]
+    assert sorted(int(p) for p in by_keyword["EXPOSE"].split()) == [8080, 8081, 50051, 50052]
     healthcheck = by_keyword["HEALTHCHECK"]
     assert "--start-period=5m" in healthcheck, "docker must not count a cold warmup as unhealthy"
     # The plaintext HTTP port's /readyz: works with TLS on the gRPC port (tests/deploy/test_live.py runs it).

@@ -212,6 +212,8 @@ INVALID: dict[str, tuple[list[str], dict[str, str]]] = {
     "grpc_port": (["70000", "-1", "eighty", "1.5"], {}),
     "http_host": ([""], {}),
     "http_port": (["65536"], {}),
+    "http_rpc_port": (["65536", "-1"], {}),
+    "http_rpcs": (["maybe"], {}),
     "grpc_workers": (["0", TOO_BIG_INT32], {}),
     "workers": (["-1", "257", "two", "1.5"], {}),
     "max_message_bytes": (["100", TOO_BIG_INT32], {}),

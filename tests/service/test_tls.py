@@ -1,4 +1,5 @@
-"""TLS and mutual TLS on the gRPC port, with certificates made by trustme; the HTTP port stays plain."""
+"""TLS and mutual TLS on the gRPC port, with certificates made by trustme (conftest.py's ``pki``); the HTTP port of
+metrics and probes stays plain. The HTTP RPC port's TLS: tests/service/test_http_ports.py."""
 
 from __future__ import annotations
 
@@ -7,7 +8,6 @@ import subprocess
 import grpc
 import numpy as np
 import pytest
-import trustme
 
 from indexer_service.kernels.inputs import ChunkInputs
 from indexer_service.kernels.naive import build_chunk_metadata_numpy
@@ -17,25 +17,6 @@ from indexer_service.service.config import ConfigError, load_config
 from testkit.harness import INDEXER_SERVICE, clean_env, http_get
 
 INPUTS = ChunkInputs(np.array([0, 1, 4, 9]), np.array([20, 10, 5]), 4, 1, 3)
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory):
-    """A CA, a server certificate for 127.0.0.1, and a client certificate, as PEM files."""
-    folder = tmp_path_factory.mktemp("pki")
-    ca = trustme.CA()
-    server = ca.issue_cert("127.0.0.1", "localhost")
-    client = ca.issue_cert("scheduler@example.org")
-    files = {
-        "ca": ca.cert_pem,
-        "server_cert": server.cert_chain_pems[0],
-        "server_key": server.private_key_pem,
-        "client_cert": client.cert_chain_pems[0],
-        "client_key": client.private_key_pem,
-    }
-    for name, blob in files.items():
-        blob.write_to_path(str(folder / f"{name}.pem"))
-    return {name: str(folder / f"{name}.pem") for name in files}
 
 
 def tls_server(start_server, pki, *extra: str):

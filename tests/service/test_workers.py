@@ -192,7 +192,7 @@ def test_pinned_workers_each_run_every_thread_on_a_cpu_of_their_own(start_server
     cpus = sorted(psutil.Process().cpu_affinity())[:2]
     pinned = {}
     for worker in workers_of(server):
-        slot = int(worker.cmdline()[-5])  # argv: RUNTIME_DIR SLOT STATUS_FD HTTP_FD PARENT_PID CPU
+        slot = int(worker.cmdline()[-6])  # argv: RUNTIME_DIR SLOT STATUS_FD HTTP_FD HTTP_RPC_FD PARENT_PID CPU
         assert len(worker.threads()) > 4
         pinned[slot] = set()
         for thread in worker.threads():
