@@ -24,7 +24,10 @@ def maps_torch(pid: int) -> bool:
 
 
 def addresses(server: ServiceProcess) -> str:
-    return f"grpc={server.address} health=127.0.0.1:{server.health_port} http=127.0.0.1:{server.http_port}"
+    return (
+        f"grpc={server.address} health=127.0.0.1:{server.health_port} http=127.0.0.1:{server.http_port} "
+        f"http_rpc=127.0.0.1:{server.http_rpc_port}"
+    )
 
 
 @pytest.mark.parametrize(
