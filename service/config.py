@@ -51,6 +51,12 @@ class ServiceConfig:
         "each worker on a CPU of its own: auto (when the CPU quota equals the CPU set and there is a worker per "
         "CPU, as in a Guaranteed pod with exclusive CPUs), on (whenever the CPU set has a CPU per worker) or off"
     )
+    min_ready_workers: int = _setting(
+        "with workers: the replica is ready while at least this many are (0: a majority); the first time, all"
+    )
+    worker_hang_seconds: float = _setting(
+        "with workers: a worker that answers no health probe for this long is killed and restarted (0: never)"
+    )
     max_message_bytes: int = _setting("largest gRPC message or HTTP body, either way, in bytes")
     max_concurrent_rpcs: int = _setting("most RPCs handled at once; more get RESOURCE_EXHAUSTED")
     max_connection_age_seconds: float = _setting("seconds before a client is asked to reconnect (0: never)")
@@ -207,6 +213,8 @@ RULES: dict[str, Rule] = {
     "grpc_workers": _COUNT32,
     "workers": Rule(1, MAX_WORKERS, zero="the CPUs the container may use"),
     "pin_workers": Rule(choices=PIN_WORKERS, fold_case=True),
+    "min_ready_workers": Rule(1, MAX_WORKERS, zero="a majority of the workers"),  # above workers: all of them
+    "worker_hang_seconds": Rule(0.5, MAX_SECONDS, zero="never"),  # probes go every quarter of it
     "max_message_bytes": Rule(4096, _INT32_MAX),  # gRPC takes message limits as a C int
     "max_concurrent_rpcs": _COUNT32,
     "max_connection_age_seconds": Rule(0.001, MAX_SECONDS, zero="never"),  # int32 milliseconds in gRPC

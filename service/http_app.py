@@ -2,7 +2,8 @@
 
 - ``GET /livez``: 200 while the process runs.
 - ``GET /readyz``: 200 once warmup has finished, 503 with the reason before that and while draining. With
-  several workers, 200 only when every worker of the replica is ready (the supervisor says, ``pod_not_ready``).
+  several workers, the replica's readiness, whichever worker answers (the supervisor's verdict, ``pod_not_ready``:
+  enough workers ready, service/supervisor.py), so a worker warming up after a restart does not flip it.
 - ``GET /metrics``: Prometheus exposition of the service's registry (with several workers: every worker's).
 - ``POST /indexer.v1.PrefillMetadata/<Method>``: the gRPC method's request message as the body, binary
   protobuf (``application/x-protobuf``, also the default without a content type) or the proto3 JSON mapping
@@ -70,7 +71,7 @@ class HttpApp:
 
     def __init__(self, plane: DataPlane, pod_not_ready: Callable[[], str] | None = None) -> None:
         self.plane = plane
-        # Worker mode: why the replica is not ready ("" when every worker is), read from the supervisor.
+        # Worker mode: why the replica is not ready ("" when it is), read from the supervisor.
         self.pod_not_ready = pod_not_ready
         config = plane.config
         self.metrics_app = make_asgi_app(registry=exposition_registry(plane.metrics.registry))
@@ -92,7 +93,8 @@ class HttpApp:
         elif path == "/livez" and verb in ("GET", "HEAD"):
             await _reply(send, 200, b"ok\n")
         elif path == "/readyz" and verb in ("GET", "HEAD"):
-            reason = self.plane.readiness.not_ready_reason() or (self.pod_not_ready() if self.pod_not_ready else "")
+            pod = self.pod_not_ready
+            reason = pod() if pod is not None else self.plane.readiness.not_ready_reason()
             await _reply(send, 503 if reason else 200, f"{reason or 'ready'}\n".encode())
         elif path.startswith(f"/{SERVICE_NAME}/") and path.rsplit("/", 1)[1] in REQUEST_TYPES:
             if verb != "POST":
