@@ -296,7 +296,7 @@ def announce_start(config: ServiceConfig, port_file: Path | None) -> None:
 
 
 def serve(config: ServiceConfig, port_file: Path | None = None, signals: ShutdownSignals | None = None) -> int:
-    """Run until SIGTERM or SIGINT, then drain; returns the exit code.
+    """Run until SIGTERM, SIGINT or SIGHUP, then drain; returns the exit code.
 
     ``signals``: the process's :class:`ShutdownSignals`, installed as early as possible (the CLI does it before
     reading the configuration); without, serve() installs its own. A signal at any moment ends the run with 0:
