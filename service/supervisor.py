@@ -61,7 +61,8 @@ from indexer_service.service.lifecycle import ShutdownSignals
 from indexer_service.service.metrics import retire_process
 from indexer_service.service.workerproto import (
     CONFIG_FILE,
-    MAX_RUNTIME_DIR_CHARS,
+    MAX_PID,
+    MAX_SOCKET_PATH_CHARS,
     METRICS_DIR,
     OWNER_LOCK_FILE,
     POD_STATUS_FILE,
@@ -173,7 +174,7 @@ class RuntimeDir:
         self._lock = open(partial, "w")  # noqa: SIM115 - held open (and locked) until remove()
         fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         partial.rename(self.path / OWNER_LOCK_FILE)
-        if len(str(probe_socket(self.path, 2**22))) > MAX_RUNTIME_DIR_CHARS + 10:
+        if len(str(probe_socket(self.path, MAX_PID))) > MAX_SOCKET_PATH_CHARS:
             self.remove()
             raise OSError(f"the runtime directory {self.path} is too long for a unix socket: set a shorter TMPDIR")
 

@@ -32,8 +32,9 @@ POD_STATUS_FILE = "pod-status"  # "" while the replica is ready, else why not
 WARMUP_LOCK_FILE = "warmup.lock"
 OWNER_LOCK_FILE = "supervisor.lock"  # flock-ed by the supervisor for its whole life
 METRICS_DIR = "metrics"  # PROMETHEUS_MULTIPROC_DIR
-# A unix socket's path must fit sun_path (108 bytes with its NUL): the runtime directory may be at most this long.
-MAX_RUNTIME_DIR_CHARS = 90
+# A unix socket's path must fit sun_path: 108 bytes with its NUL.
+MAX_SOCKET_PATH_CHARS = 107
+MAX_PID = 2**22  # Linux's largest pid_max: the longest probe socket name
 
 # Listening sockets the supervisor binds and every worker inherits and accepts on: name -> (host setting, port
 # setting) of ServiceConfig. The supervisor writes the port it bound back into the port setting.

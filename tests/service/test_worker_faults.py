@@ -254,3 +254,14 @@ def test_the_config_and_the_handoff_survive_their_json_round_trip() -> None:
     assert config_from_json(config_to_json(config)) == config
     handoff = Handoff("/tmp/x", 1, 5, {"http": 3}, 42, -1)
     assert Handoff.from_argv(handoff.command()[-1:]) == handoff
+
+
+def test_a_runtime_directory_too_long_for_the_probe_sockets_is_refused_and_removed(
+    short_tmpdir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    deep = short_tmpdir / ("d" * 90)
+    deep.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(deep))
+    with pytest.raises(OSError, match="too long for a unix socket: set a shorter TMPDIR"):
+        RuntimeDir()
+    assert list(deep.iterdir()) == []
