@@ -42,7 +42,7 @@ def _configure(args: argparse.Namespace, needs_warmup: str = "") -> ServiceConfi
 def _serve(args: argparse.Namespace) -> int:
     from indexer_service.service.lifecycle import ShutdownSignals, end_process
 
-    # Signals first: from here on SIGTERM or SIGINT ends the process with 0, whatever it is doing.
+    # Signals first: from here on SIGTERM, SIGINT or SIGHUP ends the process with 0, whatever it is doing.
     signals = ShutdownSignals()
     try:
         config = _configure(args)

@@ -100,6 +100,12 @@ class ServiceConfig:
     tls_client_ca_file: str = _setting(
         "PEM CA bundle client certificates must chain to: mutual TLS (needs the two above)"
     )
+    min_ready_workers: int = _setting(
+        "with workers: the replica is ready while at least this many are (0: a majority); the first time, all"
+    )
+    worker_hang_seconds: float = _setting(
+        "with workers: a worker that answers no health probe for this long is killed and restarted (0: never)"
+    )
     shutdown_grace_seconds: float = _setting("seconds in-flight calls get to finish on SIGTERM")
     shutdown_delay_seconds: float = _setting("seconds to keep serving while `NOT_SERVING` before refusing new calls")
     compress_ratios: tuple[int, ...] = _setting(
@@ -290,6 +296,8 @@ RULES: dict[str, Rule] = {
     "grpc_workers": _COUNT32,
     "workers": Rule(1, MAX_WORKERS, zero="the CPUs the container may use"),
     "pin_workers": Rule(choices=PIN_WORKERS, fold_case=True),
+    "min_ready_workers": Rule(1, MAX_WORKERS, zero="a majority of the workers"),  # above workers: all of them
+    "worker_hang_seconds": Rule(0.5, MAX_SECONDS, zero="never"),  # probes go every quarter of it
     "max_message_bytes": Rule(4096, _INT32_MAX),  # gRPC takes message limits as a C int
     "max_concurrent_rpcs": _COUNT32,
     "max_connection_age_seconds": Rule(0.001, MAX_SECONDS, zero="never"),  # int32 milliseconds in gRPC

@@ -4,7 +4,8 @@
 
 - ``GET /livez``: 200 while the process runs.
 - ``GET /readyz``: 200 once warmup has finished, 503 with the reason before that and while draining. With
-  several workers, 200 only when every worker of the replica is ready (the supervisor says, ``pod_not_ready``).
+  several workers, the replica's readiness, whichever worker answers (the supervisor's verdict, ``pod_not_ready``:
+  enough workers ready, service/supervisor.py), so a worker warming up after a restart does not flip it.
 - ``GET /metrics``: Prometheus exposition of the service's registry (with several workers: every worker's).
 - Nothing else: an RPC posted here is 404 naming ``http_rpc_port`` (counted, ``rpc_on_metrics_port``).
 
@@ -122,7 +123,7 @@ class ProbeApp:
     ) -> None:
         self.plane = plane
         self.refusals = refusals
-        # Worker mode: why the replica is not ready ("" when every worker is), read from the supervisor.
+        # Worker mode: why the replica is not ready ("" when it is), read from the supervisor.
         self.pod_not_ready = pod_not_ready
         self.metrics_app = make_asgi_app(registry=exposition_registry(plane.metrics.registry))
         if rpc_port is None:
@@ -147,7 +148,8 @@ class ProbeApp:
         elif path == "/livez":
             await _reply(send, 200, b"ok\n")
         elif path == "/readyz":
-            reason = self.plane.readiness.not_ready_reason() or (self.pod_not_ready() if self.pod_not_ready else "")
+            pod = self.pod_not_ready  # worker mode: the replica's readiness is the supervisor's verdict
+            reason = pod() if pod is not None else self.plane.readiness.not_ready_reason()
             await _reply(send, 503 if reason else 200, f"{reason or 'ready'}\n".encode())
         elif path.startswith(RPC_PATH_PREFIX):
             self.refusals.record("rpc_on_metrics_port", f"{verb} {path} from {_peer(scope)}")

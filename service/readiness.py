@@ -58,7 +58,8 @@ class Readiness:
         for listener in listeners:
             listener(ready)
         if changed:
-            self.metrics.ready.set(int(ready))
+            if self.metrics.ready is not None:  # a worker's: its supervisor writes the replica's
+                self.metrics.ready.set(int(ready))
             if ready:
                 log.info("ready backend=%s warmup=%s %s", self.backend_name, self.warmup.state.value, self.listening)
             else:

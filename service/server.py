@@ -30,7 +30,13 @@ from indexer_service.service.allocator import configure_malloc, idle_trim_caveat
 from indexer_service.service.backends import make_backend, resolve_backend
 from indexer_service.service.config import ServiceConfig
 from indexer_service.service.dataplane import DataPlane
-from indexer_service.service.grpc_server import HEALTH_NAMES, create_grpc_server, create_health_server, host_port
+from indexer_service.service.grpc_server import (
+    HEALTH_NAMES,
+    GrpcServer,
+    create_grpc_server,
+    create_health_server,
+    host_port,
+)
 from indexer_service.service.health import HealthServicer
 from indexer_service.service.http_app import HttpRefusals, ProbeApp, RpcApp, limited_protocol
 from indexer_service.service.lifecycle import ShutdownSignals
@@ -97,24 +103,25 @@ class _HttpServer:
 
     def stop(self, timeout: float) -> None:
         self.server.should_exit = True
-        self.thread.join(timeout)
+        if self.thread.is_alive():  # a worker that never joined never started its RPC port
+            self.thread.join(timeout)
         self.socket.close()
 
 
 class IndexerServer:
     """Everything one serving process runs; :meth:`start` returns once every listener is up.
 
-    ``worker``: this process is one worker of several (service/supervisor.py): the gRPC port is shared
-    (SO_REUSEPORT), both HTTP ports accept on the supervisor's sockets, the supervisor serves the health port,
-    readiness is reported to it, and the warmup takes the replica's compile lock (the first worker compiles into
-    the shared Triton cache, the others load from it)."""
+    ``worker``: this process is one worker of several (service/supervisor.py): both HTTP ports accept on the supervisor's
+    socket, the warmup takes the replica's compile lock (the first worker compiles into the shared Triton cache,
+    the others load from it), the gRPC port is shared (SO_REUSEPORT) and joined only once warmed up
+    (:meth:`join_rpc_port`), readiness is reported to the supervisor, which serves the health port."""
 
     def __init__(self, config: ServiceConfig, worker: WorkerLink | None = None) -> None:
         self.config = config
         self.worker = worker
         cache_dir = use_triton_cache_dir(config.triton_cache_dir)
         self.backend = resolve_backend(config.backend)
-        self.metrics = Metrics()
+        self.metrics = Metrics(worker=worker is not None)
         self.warmup = Warmup(
             warmup_keys(config.model),
             target=None if self.backend != "numpy" else config.warmup_target,
@@ -138,17 +145,20 @@ class IndexerServer:
         self.plane.readiness.add_listener(self.health.set_serving)
         if worker is not None:
             self.plane.readiness.add_listener(worker.report_ready)
-        self.grpc = create_grpc_server(config, self.plane, self.health, share_port=worker is not None)
-        self.grpc_port = self.grpc.port
+        self.grpc: GrpcServer | None = None
+        self.grpc_port = config.grpc_port
         if worker is None:
+            self.grpc = create_grpc_server(config, self.plane, self.health)
+            self.grpc_port = self.grpc.port
             self.health_server, self.health_port = create_health_server(config, self.health)
-        else:  # the supervisor serves the health port, for the whole replica
+        else:  # the gRPC server comes once warmed up (join_rpc_port); the supervisor serves the health port
             self.health_server, self.health_port = None, config.health_port
         if worker is None:
             http_socket = listen_tcp(config.http_host, config.http_port, "HTTP")
             rpc_socket = listen_tcp(config.http_host, config.http_rpc_port, "HTTP RPCs") if config.http_rpcs else None
         else:
-            http_socket, rpc_socket = worker.http_socket(), worker.http_rpc_socket()
+            http_socket = worker.inherited_socket("http")
+            rpc_socket = worker.inherited_socket("http_rpc") if config.http_rpcs else None
         self.http_port = http_socket.getsockname()[1]
         self.http_rpc_port = rpc_socket.getsockname()[1] if rpc_socket is not None else None
         refusals = HttpRefusals(self.metrics)  # both ports', one log
@@ -164,15 +174,17 @@ class IndexerServer:
             )
         self._unwatch = None
         self._warmup_thread = threading.Thread(target=self._run_warmup, name="warmup", daemon=True)
+        self.warmup_done = threading.Event()
         self._stopping = threading.Event()
         self._trim_thread = threading.Thread(target=self._trim_when_idle, name="idle-trim", daemon=True)
 
     def start(self) -> None:
-        self.grpc.server.start()
+        if self.grpc is not None:
+            self.grpc.server.start()
         if self.health_server is not None:
             self.health_server.start()
         self.http.start()
-        if self.http_rpc is not None:
+        if self.http_rpc is not None and self.worker is None:  # a worker's starts in join_rpc_port
             self.http_rpc.start()
         listening = listening_addresses(
             self.config, self.grpc_port, self.health_port, self.http_port, self.http_rpc_port
@@ -192,9 +204,30 @@ class IndexerServer:
         self._warmup_thread.start()
 
     def _run_warmup(self) -> None:
-        self.warmup.load_compiler()  # outside the replica's compile lock: the workers import torch at once
-        with self.worker.warmup_lock() if self.worker is not None else contextlib.nullcontext():
-            self.warmup.run()
+        try:
+            self.warmup.load_compiler()  # outside the replica's compile lock: the workers import torch at once
+            with self.worker.warmup_lock() if self.worker is not None else contextlib.nullcontext():
+                self.warmup.run()
+            if self.worker is None:  # a worker turns ready in join_rpc_port
+                self.plane.readiness.refresh()
+        finally:
+            self.warmup_done.set()
+
+    def join_rpc_port(self) -> None:
+        """A worker, once its warmup is over: if it went well, bind the shared gRPC port (SO_REUSEPORT) and the
+        private probe socket, start serving them, then turn ready (which tells the supervisor). The kernel hands
+        a worker connections only from here on, so no gRPC connection lands on one still starting or warming up.
+        A failed warmup leaves the worker off the port and not ready, as a single process stays."""
+        if not self.warmup.finished_ok:
+            return
+        self.grpc = create_grpc_server(
+            self.config, self.plane, self.health, share_port=True, probe_socket=self.worker.probe_socket()
+        )
+        self.grpc.server.start()
+        address = host_port(self.config.grpc_host, self.grpc.port)
+        if self.http_rpc is not None:  # the RPCs over HTTP too: the shared socket's connections go to ready workers
+            self.http_rpc.start()
+        log.info("joined grpc=%s probe=%s", address, self.worker.probe_socket())
         self.plane.readiness.refresh()
 
     def _trim_when_idle(self) -> None:
@@ -228,7 +261,8 @@ class IndexerServer:
         cut = threading.Timer(config.shutdown_grace_seconds, self.plane.shutdown_cut.set)
         cut.daemon = True
         cut.start()
-        self.grpc.stop(config.shutdown_grace_seconds)
+        if self.grpc is not None:
+            self.grpc.stop(config.shutdown_grace_seconds)
         cut.cancel()
         if self.http_rpc is not None:
             self.http_rpc.stop(timeout=config.shutdown_grace_seconds + 1.0)
@@ -326,7 +360,7 @@ def announce_start(config: ServiceConfig, workers: int, port_file: Path | None) 
 
 
 def serve(config: ServiceConfig, port_file: Path | None = None, signals: ShutdownSignals | None = None) -> int:
-    """Run until SIGTERM or SIGINT, then drain; returns the exit code.
+    """Run until SIGTERM, SIGINT or SIGHUP, then drain; returns the exit code.
 
     ``signals``: the process's :class:`ShutdownSignals`, installed as early as possible (the CLI does it before
     reading the configuration); without, serve() installs its own. A signal at any moment ends the run with 0:

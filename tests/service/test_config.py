@@ -253,6 +253,8 @@ INVALID: dict[str, tuple[list[str], dict[str, str]]] = {
     "malloc_retain_bytes": ([TOO_BIG_INT32], {}),
     "log_level": (["loud"], {}),
     "pin_workers": (["always", "ON "], {}),
+    "min_ready_workers": (["-1", "257"], {}),
+    "worker_hang_seconds": (["0.1", "-1", "inf"], {}),
 }
 LAYERS = ("flag", "env", "file")
 
