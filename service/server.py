@@ -111,10 +111,11 @@ class _HttpServer:
 class IndexerServer:
     """Everything one serving process runs; :meth:`start` returns once every listener is up.
 
-    ``worker``: this process is one worker of several (service/supervisor.py): both HTTP ports accept on the supervisor's
-    socket, the warmup takes the replica's compile lock (the first worker compiles into the shared Triton cache,
-    the others load from it), the gRPC port is shared (SO_REUSEPORT) and joined only once warmed up
-    (:meth:`join_rpc_port`), readiness is reported to the supervisor, which serves the health port."""
+    ``worker``: this process is one worker of several (service/supervisor.py): both HTTP ports accept on the
+    supervisor's sockets (the RPC port once joined), the warmup takes the replica's compile lock (the first worker
+    compiles into the shared Triton cache, the others load from it), the gRPC port is shared (SO_REUSEPORT) and
+    joined only once warmed up (:meth:`join_rpc_port`), readiness is reported to the supervisor, which serves the
+    health port."""
 
     def __init__(self, config: ServiceConfig, worker: WorkerLink | None = None) -> None:
         self.config = config

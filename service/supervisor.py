@@ -287,9 +287,9 @@ class Supervisor:
 
     def start(self) -> None:
         from indexer_service.service.grpc_server import HEALTH_NAMES, create_health_server
-        from indexer_service.service.server import listening_addresses
         from indexer_service.service.health import HealthServicer
         from indexer_service.service.metrics import SupervisorMetrics
+        from indexer_service.service.server import listening_addresses
 
         for leftover in remove_leftovers(Path(tempfile.gettempdir())):
             log.warning("removed the runtime directory of a supervisor that is gone path=%s", leftover)

@@ -20,10 +20,10 @@ from __future__ import annotations
 import json
 import sys
 import typing
-from typing import NamedTuple
 from dataclasses import asdict, dataclass, fields
 from enum import StrEnum
 from pathlib import Path
+from typing import NamedTuple
 
 from indexer_service.service.config import ServiceConfig
 
