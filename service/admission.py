@@ -23,10 +23,9 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Protocol
 
-from indexer_service.service.logs import LineLimiter
+from indexer_service.service.logs import RateLimitedLog
 from indexer_service.service.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -41,23 +40,10 @@ _WAIT_SLICE_SECONDS = 0.05
 # One log line per reason at most this often; the count covers everything shed in between.
 SHED_LOG_INTERVAL_SECONDS = 10.0
 
-_CGROUP_LIMIT_FILES = (Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"))
-
-
-def container_memory_limit() -> int | None:
-    """The memory limit of this process's cgroup (v2, else v1), or None where there is none."""
-    for path in _CGROUP_LIMIT_FILES:
-        try:
-            text = path.read_text().strip()
-        except OSError:
-            continue
-        if text.isdigit() and int(text) < 2**60:  # v1 says "no limit" with a huge number, v2 with "max"
-            return int(text)
-    return None
-
 
 def default_response_budget(memory_limit: int | None) -> int:
-    """``response_budget_bytes = 0``: an eighth of the memory limit, at most 256 MiB."""
+    """``response_budget_bytes = 0``: an eighth of the memory limit (the container's: service/cgroups.py), at most
+    256 MiB."""
     if memory_limit is None:
         return DEFAULT_BUDGET_BYTES
     return max(1, min(DEFAULT_BUDGET_BYTES, memory_limit // _LIMIT_FRACTION))
@@ -75,19 +61,16 @@ class Refused(Exception):
 
 
 class ShedLog:
-    """Counts every shed call in ``indexer_requests_shed_total`` and logs at most one line per reason every
-    :data:`SHED_LOG_INTERVAL_SECONDS`, with how many were shed since the last line."""
+    """Counts every shed call in ``indexer_requests_shed_total`` and logs it, rate-limited per reason
+    (:class:`~indexer_service.service.logs.RateLimitedLog`): ``shed reason=R count=N method=M last=DETAIL``."""
 
     def __init__(self, metrics: Metrics, interval: float = SHED_LOG_INTERVAL_SECONDS) -> None:
         self.metrics = metrics
-        self.limiter = LineLimiter(interval)
+        self.log = RateLimitedLog(log, interval)
 
     def record(self, method: str, reason: str, detail: str) -> None:
         self.metrics.child(self.metrics.requests_shed_total, method, reason).inc()
-        count = self.limiter.due(reason)
-        if count is None:
-            return
-        log.warning("shed reason=%s count=%d method=%s last=%r", reason, count, method, detail)
+        self.log.note("shed", reason, detail, f"method={method}")
 
 
 @dataclass(eq=False)

@@ -146,11 +146,14 @@ def configure_logging(level: str, log_format: str = "text", worker: int | None =
     logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
 
 
-class LineLimiter:
-    """At most one line per key every ``interval`` seconds: :meth:`due` says when a line is due, with how many
-    events (this one included) it covers."""
+class RateLimitedLog:
+    """At most one line per key every ``interval`` seconds on ``logger``, with how many times the key came up since
+    the last line (this one included). :meth:`note` writes the refusal lines of shed calls and HTTP refusals,
+    ``<event> reason=<reason> count=<n> <fields> last=<detail>`` (a warning per event and reason);
+    :class:`FailedCallLog` asks :meth:`due` and writes lines of its own shape."""
 
-    def __init__(self, interval: float) -> None:
+    def __init__(self, logger: logging.Logger, interval: float) -> None:
+        self.logger = logger
         self.interval = interval
         self._lock = threading.Lock()
         self._pending: dict[Hashable, int] = {}
@@ -168,6 +171,14 @@ class LineLimiter:
             self._last[key] = now
         return count
 
+    def note(self, event: str, reason: str, detail: str, fields: str = "") -> None:
+        """One more ``reason`` for ``event``; its line when one is due."""
+        count = self.due((event, reason))
+        if count is None:
+            return
+        more = f" {fields}" if fields else ""
+        self.logger.warning("%s reason=%s count=%d%s last=%r", event, reason, count, more, detail)
+
 
 # One line per (method, code) at most this often; the line counts every failure in between.
 FAILED_CALL_LOG_INTERVAL_SECONDS = 10.0
@@ -181,14 +192,14 @@ class FailedCallLog:
     logs its traceback)."""
 
     def __init__(self, interval: float = FAILED_CALL_LOG_INTERVAL_SECONDS) -> None:
-        self.limiter = LineLimiter(interval)
+        self.log = RateLimitedLog(_failed_log, interval)
 
     def record(self, transport: str, method: str, code: str, details: str, peer: str, milliseconds: float) -> None:
         internal = code == "INTERNAL"
-        count = 1 if internal else self.limiter.due((transport, method, code))
+        count = 1 if internal else self.log.due((transport, method, code))
         if count is None:
             return
-        _failed_log.log(
+        self.log.logger.log(
             logging.ERROR if internal else logging.INFO,
             "%s method=%s code=%s count=%d ms=%.3f peer=%s details=%s",
             transport,

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from importlib import metadata
 
 import grpc
@@ -31,12 +32,12 @@ from indexer_service.service.logs import (
     REQUEST_ID,
     FailedCallLog,
     JsonFormatter,
-    LineLimiter,
+    RateLimitedLog,
     TextFormatter,
     message_fields,
     request_id_from,
 )
-from testkit.harness import FAST_START, INDEXER_SERVICE, ServiceProcess, clean_env
+from testkit.harness import FAST_START, INDEXER_SERVICE, ServiceProcess, clean_env, wait_for
 from tests.service.conftest import StartServer, scrape
 
 VERSION = metadata.version("indexer-service")
@@ -109,12 +110,18 @@ def test_request_ids_from_callers_are_kept_only_when_safe() -> None:
     assert request_id_from(None) != request_id_from(None)
 
 
-def test_the_line_limiter_writes_one_line_per_key_and_interval_with_the_count() -> None:
-    limiter = LineLimiter(interval=3600.0)
-    assert [limiter.due("a") for _ in range(4)] == [1, None, None, None]
-    assert limiter.due("b") == 1
-    limiter._last["a"] -= 3600.0  # the interval has passed
-    assert limiter.due("a") == 4  # three held back and this one
+def test_the_rate_limited_log_writes_one_line_per_key_and_interval_with_the_count(caplog) -> None:
+    limited = RateLimitedLog(logging.getLogger("indexer_service.test"), interval=3600.0)
+    assert [limited.due("a") for _ in range(4)] == [1, None, None, None]
+    assert limited.due("b") == 1
+    limited._last["a"] -= 3600.0  # the interval has passed
+    assert limited.due("a") == 4  # three held back and this one
+    with caplog.at_level(logging.WARNING, logger="indexer_service.test"):
+        for n in range(3):
+            limited.note("http refused", "body_too_large", f"call {n}", "port=8081")
+    assert [r.getMessage() for r in caplog.records] == [
+        "http refused reason=body_too_large count=1 port=8081 last='call 0'"
+    ]
 
 
 def test_failed_calls_are_rate_limited_per_method_and_code_but_internal_never(caplog) -> None:
@@ -157,6 +164,12 @@ def json_lines(server: ServiceProcess) -> list[dict]:
     return [json.loads(line) for line in server.log().splitlines() if line.startswith("{")]
 
 
+def logged(server: ServiceProcess, keep: Callable[[list[dict]], bool], what: str) -> list[dict]:
+    """The server's JSON lines once ``keep`` accepts them: the HTTP transport logs a failed call after its answer
+    has gone out, so the caller can look before the line is written."""
+    return wait_for(lambda: (lines := json_lines(server)) and keep(lines) and lines, 10, what)
+
+
 def grpc_call(server: ServiceProcess, method: str, request: bytes, request_id: str | None = None):
     """(code, details, trailing metadata as a dict) of one unary call."""
     metadata = (("x-request-id", request_id),) if request_id is not None else None
@@ -172,7 +185,7 @@ def grpc_call(server: ServiceProcess, method: str, request: bytes, request_id: s
 def http_post(server: ServiceProcess, path: str, body: bytes, headers: dict[str, str] | None = None):
     """(status, headers, body) of one POST, binary protobuf unless ``headers`` say otherwise."""
     headers = {"content-type": "application/x-protobuf", **(headers or {})}
-    request = urllib.request.Request(f"{server.http_url}{path}", data=body, headers=headers, method="POST")
+    request = urllib.request.Request(f"{server.http_rpc_url}{path}", data=body, headers=headers, method="POST")
     try:
         with urllib.request.urlopen(request, timeout=10) as response:
             return response.status, response.headers, response.read()
@@ -193,9 +206,10 @@ def json_server(tmp_path_factory: pytest.TempPathFactory):
 
 def test_every_line_of_a_json_server_is_an_object_and_the_first_names_the_version(json_server) -> None:
     lines = [line for line in json_server.log().splitlines() if line.strip()]
-    start = json.loads(lines[0])
-    assert start["event"] == "start" and start["version"] == VERSION and re.fullmatch(UTC_ISO, start["ts"])
-    assert start["log_format"] == "json"
+    start, config = json.loads(lines[0]), json.loads(lines[1])
+    assert start["event"] == "start" and f" indexer-service {VERSION} " in start["msg"]
+    assert re.fullmatch(UTC_ISO, start["ts"]) and start["backend"] == "numpy"
+    assert config["event"] == "config:" and config["log_format"] == "json"
     assert all(line.startswith("{") for line in lines if not re.match(r"[EWI]\d{4} ", line)), lines
 
 
@@ -224,7 +238,10 @@ def test_http_calls_return_their_request_id_and_failures_log_it(json_server) -> 
     headers = {"x-request-id": "http-bad-1", "content-type": "application/json"}
     status, answer_headers, body = http_post(json_server, path, b"{not json", headers)
     assert status == 400 and answer_headers["x-request-id"] == "http-bad-1"
-    [line] = [line for line in json_lines(json_server) if line.get("request_id") == "http-bad-1"]
+    lines = logged(
+        json_server, lambda lines: any(line.get("request_id") == "http-bad-1" for line in lines), "http-bad-1"
+    )
+    [line] = [line for line in lines if line.get("request_id") == "http-bad-1"]
     assert line["event"] == "http" and line["code"] == "INVALID_ARGUMENT" and line["details"] in body.decode()
 
     status, answer_headers, _ = http_post(json_server, path, GOOD_REQUEST, {**headers, "content-type": "text/plain"})
@@ -247,9 +264,9 @@ def test_failed_calls_are_logged_once_per_interval_with_their_count(start_server
     for _ in range(40):
         assert http_post(server, f"/{SERVICE_NAME}/GetWarmupStatus", b"\xff\xff")[0] == 400
     # 80 failures within the 10 s interval: one line per transport, the first call's (the count is 1).
-    lines = re.findall(
-        r"^.* (rpc|http) method=GetWarmupStatus code=INVALID_ARGUMENT count=(\d+) .*$", server.log(), re.M
-    )
+    line = re.compile(r"^.* (rpc|http) method=GetWarmupStatus code=INVALID_ARGUMENT count=(\d+) .*$", re.M)
+    wait_for(lambda: len(line.findall(server.log())) >= 2, 10, "the http line")
+    lines = line.findall(server.log())
     assert sorted(lines) == [("http", "1"), ("rpc", "1")], server.log()
     assert "request_id=flood-0" in server.log() and "request_id=flood-1 " not in server.log()
     after = scrape(server)
@@ -281,9 +298,13 @@ def test_unknown_methods_are_counted_and_logged_and_health_and_reflection_still_
 
     after = scrape(json_server).value("indexer_request_errors_total", method="unknown", code="UNIMPLEMENTED")
     assert after - before == 4
-    logged = [line for line in json_lines(json_server) if line.get("code") == "UNIMPLEMENTED"]
-    assert {line["event"] for line in logged} == {"rpc", "http"}
-    assert any("/no.Such/Method" in line["details"] for line in logged)
+
+    def unimplemented(lines: list[dict]) -> list[dict]:
+        return [line for line in lines if line.get("code") == "UNIMPLEMENTED"]
+
+    lines = logged(json_server, lambda lines: len({x["event"] for x in unimplemented(lines)}) == 2, "both lines")
+    assert {line["event"] for line in unimplemented(lines)} == {"rpc", "http"}
+    assert any("/no.Such/Method" in line["details"] for line in unimplemented(lines))
 
 
 def test_the_version_is_served_and_the_build_info_and_process_metrics_exported(json_server) -> None:
@@ -310,7 +331,8 @@ def test_workers_log_json_with_their_slot_and_export_process_metrics_per_process
     lines = json_lines(server)
     assert {line.get("worker") for line in lines} >= {0, 1, None}  # None: the supervisor's own lines
     assert all(re.fullmatch(UTC_ISO, line["ts"]) for line in lines)
-    assert [line["version"] for line in lines if line["event"] == "start"] == [VERSION] * 3
+    starts = [line["msg"] for line in lines if line["event"] == "start"]
+    assert len(starts) == 3 and all(f" indexer-service {VERSION}" in msg for msg in starts), starts
     failed = [line for line in lines if line.get("request_id") == "worker-bad-1"]
     assert failed and all(line["worker"] in (0, 1) for line in failed)
 

@@ -106,7 +106,7 @@ def test_each_rpc_is_a_server_span_child_of_the_caller_s_trace(start_server: Sta
         with pytest.raises(grpc.RpcError):
             channel.unary_unary(f"/{SERVICE_NAME}/PlanBatch")(b"\xff", metadata=metadata, timeout=10)
     http = urllib.request.Request(
-        f"{server.http_url}/{SERVICE_NAME}/GetWarmupStatus",
+        f"{server.http_rpc_url}/{SERVICE_NAME}/GetWarmupStatus",
         data=b"",
         headers={"content-type": "application/x-protobuf", "traceparent": TRACEPARENT, "x-request-id": "traced-http"},
     )
@@ -140,8 +140,8 @@ def test_without_tracing_nothing_is_imported_or_exported(receiver) -> None:
 import json, sys, grpc
 from indexer_service.service.config import load_config
 from indexer_service.service.server import IndexerServer
-config = load_config({"grpc_port": 0, "http_port": 0, "health_port": 0, "backend": "numpy", "warmup_target": "none",
-                      "workers": 1})
+config = load_config({"grpc_port": 0, "http_port": 0, "http_rpc_port": 0, "health_port": 0, "backend": "numpy",
+                      "warmup_target": "none", "workers": 1})
 server = IndexerServer(config)
 server.start()
 with grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
@@ -173,7 +173,7 @@ def test_the_exporters_come_from_the_standard_variables() -> None:
 def test_an_exporter_that_is_not_installed_stops_the_start() -> None:
     done = subprocess.run(
         [sys.executable, "-m", "indexer_service.service.cli", "serve", *FAST_START, "--grpc-port", "0",
-         "--http-port", "0", "--health-port", "0"],
+         "--http-port", "0", "--http-rpc-port", "0", "--health-port", "0"],
         env=clean_env(OTEL_TRACES_EXPORTER="zipkin_json"),
         capture_output=True,
         text=True,
