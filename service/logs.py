@@ -5,7 +5,9 @@ Every line is one event: ``event key=value ...`` in the message. ``log_format = 
 ``2026-12-04T15:48:36.123Z INFO logger event key=value ... request_id=... worker=N`` (``request_id`` while a call
 is served, ``worker`` in a worker process); ``"json"`` writes one object a line with ``ts``, ``level``,
 ``logger``, ``event``, ``msg`` (the whole message), each ``key=value`` of the message as a key of its own (numbers
-as numbers, quoted values unquoted), ``request_id``, ``worker`` and ``exc`` (a traceback) where they apply.
+as numbers, quoted values unquoted), ``request_id``, ``worker`` and ``exc`` (a traceback) where they apply:
+``worker`` is a worker process's own slot on each of its lines, and in the supervisor's lines about a worker
+(``worker exited worker=1 ...``) that worker's, from the message.
 """
 
 from __future__ import annotations
@@ -74,7 +76,9 @@ class TextFormatter(logging.Formatter):
 _FIELD = re.compile(r"(?:^|(?<=\s))([A-Za-z_][\w.]*)=(\"(?:[^\"\\]|\\.)*\"|'(?:[^'\\]|\\.)*'|\S*)")
 _INT = re.compile(r"-?\d+").fullmatch
 _FLOAT = re.compile(r"-?\d+\.\d*(?:e[-+]?\d+)?").fullmatch
-_RESERVED = frozenset(("ts", "level", "logger", "event", "msg", "request_id", "worker", "exc"))
+# The line's own keys: a message's field of one of these names stays in msg only. Not "worker": the supervisor's
+# lines name the worker they are about, and a worker process's own slot overrides it on its lines.
+_RESERVED = frozenset(("ts", "level", "logger", "event", "msg", "request_id", "exc"))
 
 
 def message_fields(message: str) -> tuple[str, dict[str, object]]:

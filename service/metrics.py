@@ -235,8 +235,9 @@ class _ReplicaCollector:
     """Every worker's metrics from the multiprocess files, and, as in a single process, the families no process
     has a sample of yet (shed calls, by reason) declared empty: the multiprocess files hold only samples. Then
     ``process_*`` of every live process of the replica (each writes its files under its pid: the supervisor and
-    the workers), read from /proc at scrape time and labelled ``pid`` and ``process`` (``supervisor`` or
-    ``worker``): one series per process, so a restarted worker's are new series."""
+    the workers), read from /proc at scrape time and labelled ``process`` (``supervisor`` or ``worker``) and, for
+    a worker, ``worker`` (its slot, as in ``indexer_worker_up``): a restarted worker continues its slot's series,
+    so the series stay the same however often workers restart."""
 
     def __init__(self, own: CollectorRegistry, path: str) -> None:
         from prometheus_client import multiprocess
@@ -262,10 +263,17 @@ class _ReplicaCollector:
     def _process_families(self):
         from prometheus_client.metrics_core import Metric
 
+        from indexer_service.service.workerproto import worker_slot
+
         families: dict[str, Metric] = {}
         supervisor = os.getppid()
-        for pid in _live_pids(self.path):
-            labels = {"pid": str(pid), "process": "supervisor" if pid == supervisor else "worker"}
+        for pid in _file_pids(self.path):
+            if pid == supervisor:
+                labels = {"process": "supervisor"}
+            elif (slot := worker_slot(pid)) is not None:
+                labels = {"process": "worker", "worker": str(slot)}
+            else:
+                continue  # dead (its files not yet retired), or gone since they were listed
             for family in ProcessCollector(pid=lambda pid=pid: pid, registry=None).collect():
                 merged = families.setdefault(family.name, Metric(family.name, family.documentation, family.type))
                 for sample in family.samples:
@@ -273,12 +281,13 @@ class _ReplicaCollector:
         yield from families.values()
 
 
-def _live_pids(path: str) -> list[int]:
-    """The processes with multiprocess files in ``path`` (``<kind>_<pid>.db``) that still run."""
+def _file_pids(path: str) -> list[int]:
+    """The processes with multiprocess files in ``path`` (``<kind>_<pid>.db``; a dead one's until they are
+    retired)."""
     pids = set()
     for name in os.listdir(path):
         pid = name.removesuffix(".db").rpartition("_")[2]
-        if name.endswith(".db") and pid.isdigit() and os.path.exists(f"/proc/{pid}"):
+        if name.endswith(".db") and pid.isdigit():
             pids.add(int(pid))
     return sorted(pids)
 

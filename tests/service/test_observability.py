@@ -18,6 +18,7 @@ from importlib import metadata
 
 import grpc
 import numpy as np
+import psutil
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
@@ -100,6 +101,10 @@ def test_message_fields_keep_the_line_s_own_keys_and_odd_text() -> None:
     assert message_fields("no fields here") == ("no fields here", {})
     event, fields = message_fields("x level=DEBUG ts=1 msg=hi version=1.2.3 empty= bad='unclosed")
     assert event == "x" and fields == {"version": "1.2.3", "empty": "", "bad": "'unclosed"}
+    # The supervisor's line about a worker keeps that worker's slot; a worker's own lines carry its own.
+    about = record("worker exited worker=%d pid=%d", 1, 42)
+    assert json.loads(JsonFormatter().format(about))["worker"] == 1
+    assert json.loads(JsonFormatter(worker=0).format(about))["worker"] == 0
 
 
 def test_request_ids_from_callers_are_kept_only_when_safe() -> None:
@@ -340,7 +345,10 @@ def test_workers_log_json_with_their_slot_and_export_process_metrics_per_process
     [info] = metrics.samples("indexer_build_info")  # once for the replica, not per worker
     assert info.labels["version"] == VERSION
     cpu = metrics.samples("process_cpu_seconds_total")
-    roles = sorted(sample.labels["process"] for sample in cpu)
-    assert roles == ["supervisor", "worker", "worker"], cpu
-    supervisor = next(s for s in cpu if s.labels["process"] == "supervisor")
-    assert supervisor.labels["pid"] == str(server.pid)
+    processes = sorted((sample.labels["process"], sample.labels.get("worker")) for sample in cpu)
+    assert processes == [("supervisor", None), ("worker", "0"), ("worker", "1")], cpu
+    # Each series is its process's own: the start times are the supervisor's and its two children's.
+    started = sorted(s.value for s in metrics.samples("process_start_time_seconds"))
+    supervisor = psutil.Process(server.pid)
+    created = sorted(p.create_time() for p in (supervisor, *supervisor.children()))
+    assert len(created) == 3 and all(abs(a - b) < 0.1 for a, b in zip(started, created, strict=True)), started
