@@ -56,6 +56,20 @@ class ServiceConfig:
     max_connection_age_seconds: float = _setting("seconds before a client is asked to reconnect (0: never)")
     max_streams_per_connection: int = _setting("most concurrent HTTP/2 streams (calls) on one gRPC connection")
     health_port: int = _setting("plaintext gRPC port serving only grpc.health.v1, for probes (0: any free port)")
+    grpc_max_connections: int = _setting(
+        "most open connections on the gRPC port (handshakes included), per worker; more are closed at accept"
+    )
+    health_max_connections: int = _setting("most open connections on the health port; more are closed at accept")
+    connection_idle_seconds: float = _setting(
+        "seconds a gRPC connection (either gRPC port) may carry no call before it is closed (0: never)"
+    )
+    handshake_timeout_seconds: float = _setting(
+        "seconds a new gRPC connection has to finish its TLS handshake and HTTP/2 settings before it is closed"
+    )
+    reflection_max_streams: int = _setting(
+        "most server reflection streams open at once, per worker (each holds a thread of its own); more are refused"
+    )
+    reflection_idle_seconds: float = _setting("seconds a reflection stream may wait for a request before it is cut")
     tls_cert_file: str = _setting("PEM certificate chain of the gRPC port (with tls_key_file: TLS on)")
     tls_key_file: str = _setting("PEM private key of tls_cert_file")
     tls_client_ca_file: str = _setting("PEM CA bundle that client certificates must chain to (mutual TLS)")
@@ -212,6 +226,12 @@ RULES: dict[str, Rule] = {
     "max_connection_age_seconds": Rule(0.001, MAX_SECONDS, zero="never"),  # int32 milliseconds in gRPC
     "max_streams_per_connection": _COUNT32,  # HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS, a C int in gRPC
     "health_port": _PORT,
+    "grpc_max_connections": _COUNT32,  # grpc.max_allowed_incoming_connections, a C int
+    "health_max_connections": _COUNT32,
+    "connection_idle_seconds": Rule(0.001, MAX_SECONDS, zero="never"),  # int32 milliseconds in gRPC
+    "handshake_timeout_seconds": Rule(0.001, MAX_SECONDS),  # int32 milliseconds in gRPC
+    "reflection_max_streams": _COUNT32,
+    "reflection_idle_seconds": Rule(above=0, high=MAX_SECONDS),
     "tls_cert_file": _PATH,
     "tls_key_file": _PATH,
     "tls_client_ca_file": _PATH,

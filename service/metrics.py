@@ -37,7 +37,9 @@ SHED_REASONS = (
     "work_limit",  # the request's work is above a limit (max_plan_chunks)
     "queue_deadline",  # the caller's deadline passed, or it cancelled, while the call waited to start
     "shutdown",  # still running when the shutdown grace ended
-    "unread_response",  # the caller did not read its response within response_drain_seconds
+    "unread_response",  # the caller did not read its response (or a health watcher its status) in time
+    "stream_limit",  # a Watch or reflection stream over its per-connection or total cap (service/streams.py)
+    "idle_stream",  # a reflection stream that waited reflection_idle_seconds for a request
 )
 HTTP_REFUSALS = ("header_too_large", "idle_timeout", "too_many_connections", "body_too_large")
 
