@@ -24,14 +24,14 @@ from typing import TYPE_CHECKING
 import uvicorn
 
 from indexer_service.kernels.specialization import warmup_keys
-from indexer_service.service.allocator import configure_malloc, idle_trim_caveat, trim_heap
+from indexer_service.service.allocator import IdleTrim, configure_malloc, idle_trim_caveat
 from indexer_service.service.backends import make_backend, resolve_backend
 from indexer_service.service.config import ServiceConfig
 from indexer_service.service.dataplane import DataPlane
 from indexer_service.service.grpc_server import HEALTH_NAMES, create_grpc_server, create_health_server, host_port
 from indexer_service.service.health import HealthServicer
 from indexer_service.service.http_app import HttpApp, limited_protocol
-from indexer_service.service.lifecycle import ShutdownSignals
+from indexer_service.service.lifecycle import ShutdownSignals, raise_open_files_limit
 from indexer_service.service.limits import launch_admission
 from indexer_service.service.metrics import Metrics
 from indexer_service.service.warmup import Warmup, use_triton_cache_dir
@@ -138,8 +138,9 @@ class IndexerServer:
         self.http_port = self.http.port
         self._unwatch = None
         self._warmup_thread = threading.Thread(target=self._run_warmup, name="warmup", daemon=True)
-        self._stopping = threading.Event()
-        self._trim_thread = threading.Thread(target=self._trim_when_idle, name="idle-trim", daemon=True)
+        # Free heap back to the OS once no call has ended and no connection closed for idle_trim_seconds: a
+        # burst's peak does not stay as idle RSS (glibc keeps freed memory for reuse, see service/allocator.py).
+        self._idle_trim = IdleTrim(config.idle_trim_seconds, lambda: self.plane.last_call_end)
 
     def start(self) -> None:
         self.grpc.server.start()
@@ -156,7 +157,7 @@ class IndexerServer:
             caveat = idle_trim_caveat(self.config.malloc_arena_max)
             if caveat is not None:
                 log.warning("%s", caveat)
-            self._trim_thread.start()
+            self._idle_trim.start()
         if self.backend != "numpy":
             # Only a GPU backend launches kernels after ready; numpy never compiles.
             from indexer_service.kernels.compile_engine import watch_compiles
@@ -168,18 +169,6 @@ class IndexerServer:
         with self.worker.warmup_lock() if self.worker is not None else contextlib.nullcontext():
             self.warmup.run()
         self.plane.readiness.refresh()
-
-    def _trim_when_idle(self) -> None:
-        """Hand free heap back to the OS once no call has ended for ``idle_trim_seconds``: a burst's peak then
-        does not stay as idle RSS (glibc keeps freed memory for reuse, see service/allocator.py)."""
-        idle = self.config.idle_trim_seconds
-        trimmed_at = self.plane.last_call_end
-        while not self._stopping.wait(min(1.0, idle / 2)):
-            last = self.plane.last_call_end
-            if last != trimmed_at and time.monotonic() - last >= idle:
-                trimmed_at = last
-                released = trim_heap()
-                log.debug("idle trim released=%s", released)
 
     def shutdown(self) -> None:
         """Drain: NOT_SERVING (Watch streams told, then ended), optional delay, stop taking calls, let in-flight
@@ -206,7 +195,7 @@ class IndexerServer:
         if self.health_server is not None:
             self.health_server.stop(0).wait()
         self.health.close()
-        self._stopping.set()
+        self._idle_trim.stop()
         if self._unwatch is not None:
             self._unwatch()
         log.info("stopped drain_seconds=%.3f", time.monotonic() - start)
@@ -253,6 +242,7 @@ def announce_start(config: ServiceConfig, port_file: Path | None) -> None:
     """The start-up log lines (every setting, the TLS mode), then the port file's check: a process that could
     not report its ports fails before anything listens. Shared by the one process and the supervisor."""
     log.info("start pid=%d config: %s", os.getpid(), config.summary())
+    raise_open_files_limit()
     log.info(
         "tls mode=%s cert=%s client_ca=%s",
         tls_mode(config),

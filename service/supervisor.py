@@ -44,6 +44,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from indexer_service.service.allocator import IdleTrim, configure_malloc
 from indexer_service.service.config import ServiceConfig
 from indexer_service.service.lifecycle import ShutdownSignals
 from indexer_service.service.worker import CONFIG_FILE, POD_STATUS_FILE
@@ -227,6 +228,7 @@ class Supervisor:
         self._http: socket.socket | None = None
         self.health = self.health_server = None
         self.metrics = None
+        self._idle_trim: IdleTrim | None = None
 
     # -- start ----------------------------------------------------------------------------------------------
 
@@ -247,6 +249,9 @@ class Supervisor:
         self._write_status("starting")
         (self.runtime / CONFIG_FILE).write_text(json.dumps(asdict(self.config)))
         self.health_server.start()
+        if config.idle_trim_seconds > 0:  # the health port's connections come and go here too
+            self._idle_trim = IdleTrim(config.idle_trim_seconds)
+            self._idle_trim.start()
         log.info(
             "workers n=%d from=%s cpus=%s (%s) grpc=%s (shared, SO_REUSEPORT) health=%s http=%s runtime=%s",
             self.workers,
@@ -442,6 +447,8 @@ class Supervisor:
             self.health_server.stop(0).wait()
             self.health.close()
             self.health_server = None
+        if self._idle_trim is not None:
+            self._idle_trim.stop()
         for sock in (self._grpc_hold, self._http):
             if sock is not None:
                 sock.close()
@@ -465,6 +472,7 @@ def supervise(
     from indexer_service.service.server import announce_start
 
     announce_start(config, port_file)
+    configure_malloc(config.malloc_arena_max, config.malloc_retain_bytes)  # one arena: the idle trim returns all
     if signals.pending() is not None:
         log.info("shutdown signal=%s before the server started", signals.wait().name)
         return 0
