@@ -17,6 +17,7 @@ import trustme
 from testkit.harness import FAST_START, LOOPBACK, ServiceProcess, mib, poll
 from testkit.http1raw import IdleConnections
 from testkit.observe import FreshClients
+from testkit.payloads import CLIENT_HELLO_START, H2_PREFACE
 from testkit.siege import Siege
 from testkit.streams import BlockedWatchers, IdleReflectionStreams
 from tests.system.test_hardening_abuse import describe, idle_rss, probe_report
@@ -24,10 +25,6 @@ from tests.system.test_hardening_abuse import describe, idle_rss, probe_report
 pytestmark = pytest.mark.timeout(180)
 
 TARGET = 0.99  # the issue's: the victim's calls and a fresh client's, and the probes, in time
-# The first bytes a gRPC client sends: the HTTP/2 preface and an empty SETTINGS frame. Then nothing.
-H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
-# 11 bytes of a TLS ClientHello (record header and the start of the handshake message), never finished.
-CLIENT_HELLO_START = b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03"
 
 
 @pytest.fixture
