@@ -150,6 +150,7 @@ class Metrics:
         self.http_connections = Gauge(
             "indexer_http_connections", "Open HTTP connections.", registry=r, multiprocess_mode="livesum"
         )
+        self.open_fds = _open_fds_gauge(r)
         self.http_refused_total = Counter(
             "indexer_http_refused_total",
             "HTTP connections or requests refused by a limit, by reason.",
@@ -172,6 +173,17 @@ class Metrics:
         if found is None:
             found = self._children[key] = metric.labels(*label_values)
         return found
+
+
+def _open_fds_gauge(registry: CollectorRegistry) -> Gauge:
+    """Each connection is a file descriptor: this shows a port at its connection cap, where gRPC core refuses
+    new connections without a count (docs/overload.md, "Connections"). The replica's sum over its processes."""
+    return Gauge(
+        "indexer_open_fds",
+        "Open file descriptors of the serving processes (each connection is one).",
+        registry=registry,
+        multiprocess_mode="livesum",
+    )
 
 
 def multiprocess_dir() -> str | None:
@@ -244,6 +256,7 @@ class SupervisorMetrics:
             multiprocess_mode="livemin",
         )
         self.ready.set(0)
+        self.open_fds = _open_fds_gauge(r)
         for n in range(workers):
             slot = str(n)
             self.worker_up.labels(worker=slot).set(0)

@@ -140,7 +140,9 @@ class IndexerServer:
         self._warmup_thread = threading.Thread(target=self._run_warmup, name="warmup", daemon=True)
         # Free heap back to the OS once no call has ended and no connection closed for idle_trim_seconds: a
         # burst's peak does not stay as idle RSS (glibc keeps freed memory for reuse, see service/allocator.py).
-        self._idle_trim = IdleTrim(config.idle_trim_seconds, lambda: self.plane.last_call_end)
+        self._idle_trim = IdleTrim(
+            config.idle_trim_seconds, lambda: self.plane.last_call_end, self.metrics.open_fds.set
+        )
 
     def start(self) -> None:
         self.grpc.server.start()
@@ -157,7 +159,7 @@ class IndexerServer:
             caveat = idle_trim_caveat(self.config.malloc_arena_max)
             if caveat is not None:
                 log.warning("%s", caveat)
-            self._idle_trim.start()
+        self._idle_trim.start()
         if self.backend != "numpy":
             # Only a GPU backend launches kernels after ready; numpy never compiles.
             from indexer_service.kernels.compile_engine import watch_compiles

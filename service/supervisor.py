@@ -249,9 +249,9 @@ class Supervisor:
         self._write_status("starting")
         (self.runtime / CONFIG_FILE).write_text(json.dumps(asdict(self.config)))
         self.health_server.start()
-        if config.idle_trim_seconds > 0:  # the health port's connections come and go here too
-            self._idle_trim = IdleTrim(config.idle_trim_seconds)
-            self._idle_trim.start()
+        # The health port's connections come and go here too: counted, and their memory handed back.
+        self._idle_trim = IdleTrim(config.idle_trim_seconds, on_fds=self.metrics.open_fds.set)
+        self._idle_trim.start()
         log.info(
             "workers n=%d from=%s cpus=%s (%s) grpc=%s (shared, SO_REUSEPORT) health=%s http=%s runtime=%s",
             self.workers,
