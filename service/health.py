@@ -99,11 +99,9 @@ class _Delivery:
 class HealthServicer(health_pb2_grpc.HealthServicer):
     """Health of ``names`` ("" is the whole server); NOT_SERVING until :meth:`set_serving` says otherwise."""
 
-    def __init__(
-        self, names: Sequence[str], shed: Shed | None = None, send_timeout: float = SEND_TIMEOUT_SECONDS
-    ) -> None:
+    def __init__(self, names: Sequence[str], shed: Shed, send_timeout: float = SEND_TIMEOUT_SECONDS) -> None:
         self._lock = threading.Lock()
-        self._shed = shed or _log_only
+        self._shed = shed
         self._slots = StreamSlots("health Watch streams", WATCH_STREAMS_PER_CONNECTION)
         self._status = dict.fromkeys(names, NOT_SERVING)
         self._watchers: dict[str, set[_Watcher]] = {name: set() for name in names}
@@ -256,8 +254,3 @@ def _on_pool(method: Callable, pool: ThreadPoolExecutor, non_blocking: bool) -> 
     behaviour.experimental_thread_pool = pool
     behaviour.experimental_non_blocking = non_blocking
     return behaviour
-
-
-def _log_only(method: str, reason: str, detail: str) -> None:
-    """Where no metrics exist to count in (the supervisor's health port): a debug line."""
-    log.debug("shed reason=%s method=%s last=%r", reason, method, detail)

@@ -129,12 +129,7 @@ class Metrics:
             registry=r,
             multiprocess_mode="livesum",
         )
-        self.requests_shed_total = Counter(
-            "indexer_requests_shed_total",
-            "Calls the server refused or cut to protect itself (overload or abuse), by method and reason.",
-            ["method", "reason"],
-            registry=r,
-        )
+        self.requests_shed_total = _shed_counter(r)
         self.response_bytes_held = Gauge(
             "indexer_response_bytes_held",
             "Bytes of responses being built, queued or not yet read.",
@@ -173,6 +168,15 @@ class Metrics:
         if found is None:
             found = self._children[key] = metric.labels(*label_values)
         return found
+
+
+def _shed_counter(registry: CollectorRegistry) -> Counter:
+    return Counter(
+        "indexer_requests_shed_total",
+        "Calls the server refused or cut to protect itself (overload or abuse), by method and reason.",
+        ["method", "reason"],
+        registry=registry,
+    )
 
 
 def _open_fds_gauge(registry: CollectorRegistry) -> Gauge:
@@ -257,8 +261,14 @@ class SupervisorMetrics:
         )
         self.ready.set(0)
         self.open_fds = _open_fds_gauge(r)
+        # The health port's refusals (Watch streams over their cap, watchers that do not read): admission.ShedLog.
+        self.requests_shed_total = _shed_counter(r)
         for n in range(workers):
             slot = str(n)
             self.worker_up.labels(worker=slot).set(0)
             self.worker_ready.labels(worker=slot).set(0)
             self.worker_restarts_total.labels(worker=slot)
+
+    def child(self, metric: M, *label_values: str) -> M:
+        """``metric.labels(*label_values)`` (admission.ShedLog's interface; the supervisor's sheds are rare)."""
+        return metric.labels(*label_values)

@@ -123,7 +123,7 @@ class IndexerServer:
             cache_dir or "(Triton's default)",
         )
         self.plane = DataPlane(config, self.metrics, self.warmup, backend)
-        self.health = HealthServicer(HEALTH_NAMES, shed=self.plane.shed)
+        self.health = HealthServicer(HEALTH_NAMES, self.plane.shed)
         self.plane.readiness.add_listener(self.health.set_serving)
         if worker is not None:
             self.plane.readiness.add_listener(worker.report_ready)

@@ -233,6 +233,7 @@ class Supervisor:
     # -- start ----------------------------------------------------------------------------------------------
 
     def start(self) -> None:
+        from indexer_service.service.admission import ShedLog
         from indexer_service.service.grpc_server import HEALTH_NAMES, create_health_server, host_port
         from indexer_service.service.health import HealthServicer
         from indexer_service.service.metrics import SupervisorMetrics
@@ -241,7 +242,7 @@ class Supervisor:
         self.metrics = SupervisorMetrics(self.workers)
         self._grpc_hold, grpc_port = reserve_grpc_port(config.grpc_host, config.grpc_port)
         self._http = listen_http(config.http_host, config.http_port)
-        self.health = HealthServicer(HEALTH_NAMES)
+        self.health = HealthServicer(HEALTH_NAMES, ShedLog(self.metrics).record)
         self.health_server, health_port = create_health_server(config, self.health)
         self.config = replace(
             config, grpc_port=grpc_port, http_port=self._http.getsockname()[1], health_port=health_port, workers=1
