@@ -93,7 +93,9 @@ class ServiceConfig:
     http_max_header_bytes: int = _setting("largest HTTP request head (request line and headers), in bytes")
     http_idle_timeout_seconds: float = _setting("seconds an HTTP connection may sit with no request in progress")
     http_max_connections: int = _setting("most open HTTP connections; more are refused")
-    idle_trim_seconds: float = _setting("seconds with no call in flight before free heap returns to the OS (0: never)")
+    idle_trim_seconds: float = _setting(
+        "seconds with no call ending and no connection closing before free heap returns to the OS (0: never)"
+    )
     backend: str = _setting("compute backend: auto (Triton on a CUDA GPU, else numpy), numpy or triton")
     warmup_target: str = _setting("ahead-of-time warmup target without GPU (cuda:90, hip:gfx942) or none")
     warmup_workers: int = _setting("parallel compiles during warmup")
