@@ -32,9 +32,9 @@ log = logging.getLogger(__name__)
 
 def raise_open_files_limit() -> int:
     """Raise this process's soft RLIMIT_NOFILE to its hard limit (children, the workers, inherit it) and log
-    both; returns the soft limit now. Every connection is a file descriptor, and container runtimes often start
-    a process with a soft limit (1,024) far below the hard one (containerd and Docker: 1,048,576 hard), which
-    would cap connections long before the server's own caps (docs/overload.md, "Connections")."""
+    it; returns the soft limit now. Every connection is a file descriptor, and some container runtimes start a
+    process with a soft limit of 1,024 under a far higher hard one, which would cap connections long before the
+    server's own caps (docs/overload.md, "Connections")."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard != soft:
         try:
