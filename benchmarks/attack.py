@@ -358,10 +358,10 @@ def _with_fresh_clients(server: ServiceProcess, seconds: float, flood: object, v
 
 
 def reflection_streams(bench: Bench) -> dict:
-    """6 connections x 10 reflection streams that never send a request, reopened as they end, for 30 s."""
+    """6 connections x 10 reflection streams that never send a request, each reopened 0.05 s after it ended, 30 s."""
     server = bench.serve()
     connections = _scaled(6)
-    flood = IdleReflectionStreams(server.address, connections=connections, streams_each=10)
+    flood = IdleReflectionStreams(server.address, connections=connections, streams_each=10, reopen_pause=0.05)
     figures = _with_fresh_clients(server, 30.0, flood)
     figures.update(tried=f"{connections} connections x 10 idle reflection streams, 30 s", opened=flood.opened)
     figures["ended"] = flood.ended

@@ -18,10 +18,15 @@ WATCH_PATH = "/grpc.health.v1.Health/Watch"
 
 class IdleReflectionStreams:
     """``connections`` connections, each opening ``streams_each`` reflection streams that send nothing (a
-    client that asked for reflection and walked away), reopened as the server ends them, until :meth:`close`."""
+    client that asked for reflection and walked away), each reopened ``reopen_pause`` seconds after the server
+    ended it, until :meth:`close`. (The pause keeps this a flood of held streams: with none, the refusals
+    become a flood of calls of their own, the rapid-reset test's subject, on the test's own 2 cores.)"""
 
-    def __init__(self, address: str, connections: int, streams_each: int, max_seconds: float = 120.0) -> None:
+    def __init__(
+        self, address: str, connections: int, streams_each: int, reopen_pause: float = 0.5, max_seconds: float = 120.0
+    ) -> None:
         self.address, self.connections, self.streams_each = address, connections, streams_each
+        self.reopen_pause = reopen_pause
         self.max_seconds = max_seconds
         self.opened = 0
         self.ended: dict[str, int] = {}  # how the server ended streams: status code names
@@ -52,7 +57,7 @@ class IdleReflectionStreams:
                 code = exc.code().name
             with self._lock:
                 self.ended[code] = self.ended.get(code, 0) + 1
-            self._stop.wait(0.05)  # the attacker comes back at once
+            self._stop.wait(self.reopen_pause)
 
     def __enter__(self) -> IdleReflectionStreams:
         self._channels = [
