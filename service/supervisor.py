@@ -592,7 +592,7 @@ def supervise(
     returns the exit code. The runtime directory is removed on every way out of here (a drain, an error)."""
     from indexer_service.service.server import announce_start
 
-    announce_start(config, port_file)
+    announce_start(config, workers, port_file)
     if signals.pending() is not None:
         log.info("shutdown signal=%s before the server started", signals.wait().name)
         return 0
