@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test lint protos bench clean
+.PHONY: serve test lint protos docs bench clean
 
 # torch is pinned to the CPU build that lies on local disk (PIP_FIND_LINKS); a bare `torch` requirement
 # would make pip fetch a multi-GB CUDA build. The GPU image brings its own torch and skips this step.
@@ -29,6 +29,10 @@ lint: $(STAMP)
 
 protos: $(STAMP)
 	$(PY) -m indexer_service.protos.generate
+
+# docs/service.md's settings table, from the settings' help texts in service/config.py.
+docs: $(STAMP)
+	$(PY) -m indexer_service.service.settings_table
 
 clean:
 	rm -rf $(VENV)

@@ -14,8 +14,8 @@ within 1.2x of its idle value (``memory_back``, at most 60 s); ``--out`` writes 
 check that they run on a shared machine.
 
 Loopback only; every loop is bounded in count and time; every server and attacker process is killed at the end.
-The bounded versions of the same attacks are tests/system/test_hardening_abuse.py and
-tests/system/test_floods_streams_connections.py.
+The bounded versions of the same attacks are tests/system/test_hardening_abuse.py and, for issue 19's floods,
+tests/system/test_floods_refusals.py and tests/system/test_floods_streams_connections.py.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from pathlib import Path
 import grpc
 import psutil
 
-from testkit.h2raw import StalledStreams, rapid_reset_parallel
+from testkit.h2raw import CallLoopReport, StalledStreams, call_loop_parallel, rapid_reset_parallel
 from testkit.harness import (
     FAST_START,
     LOOPBACK,
@@ -64,6 +64,9 @@ DEFAULT_IDLE_SECONDS = 15.0  # http_idle_timeout_seconds' default
 BIG_ANSWER = big_answer_build_chunk().SerializeToString()  # 140 bytes in, ~64 MB out
 # A heavy call that every limit allows (under max_plan_chunks' default of 1,024).
 HEAVY_PLAN = one_row_chunks_plan_batch(1000).SerializeToString()
+FLOOD_CONNECTIONS = 10  # issue 19's floods: connections, one call in flight each
+FLOOD_SECONDS = 15.0
+FLOOD_VICTIM_PAUSE = 0.05  # issue 19's victim: one small call every 50 ms, 1 s deadline
 MEMORY_BACK_SECONDS = 60.0  # issue 10: idle RSS back within 1.2x of its value before, within 60 s of the end
 DEFAULT_IDLE_CONNECTION_SECONDS = 120.0  # connection_idle_seconds' default
 SCALE = {"factor": 1.0}  # --scale: the issue 19 floods' sizes
@@ -193,11 +196,60 @@ def rapid_reset(bench: Bench) -> dict:
     return figures
 
 
+def _flood(bench: Bench, path: str, message: bytes, grpc_timeout: str | None) -> dict:
+    """Issue 19's floods: FLOOD_CONNECTIONS processes, one connection each, each sending ``message`` again as
+    soon as the last call ended, for FLOOD_SECONDS; the victim's success counts its calls during the flood."""
+    server = bench.serve()
+    with Siege(server, victim_pause=FLOOD_VICTIM_PAUSE) as siege:
+        reports = call_loop_parallel(
+            LOOPBACK, server.grpc_port, path, message, FLOOD_CONNECTIONS, FLOOD_SECONDS, grpc_timeout
+        )
+        time.sleep(1.0)
+    figures = siege.figures()
+    figures.update(
+        flood_endings=_endings(reports),
+        flood_calls_per_second=round(sum(r.calls for r in reports) / FLOOD_SECONDS),
+        goaways=[r.goaway for r in reports if r.goaway],
+        victim_ok_ratio_during_attack=round(
+            siege.victim.ok_ratio(
+                min(r.started_wall for r in reports) - siege.victim.begin_wall,
+                max(r.ended_wall for r in reports) - siege.victim.begin_wall,
+            ),
+            4,
+        ),
+    )
+    return figures
+
+
+def _endings(reports: list[CallLoopReport]) -> dict[str, int]:
+    endings: dict[str, int] = {}
+    for report in reports:
+        for name, count in report.endings.items():
+            endings[name] = endings.get(name, 0) + count
+    return endings
+
+
+def refused_flood(bench: Bench) -> dict:
+    """10 connections looping the PlanBatch that max_plan_chunks refuses at once (work_limit)."""
+    figures = _flood(bench, PLAN_BATCH_PATH, AMPLIFIER_PLAN_BATCH.SerializeToString(), None)
+    figures["tried"] = f"{FLOOD_CONNECTIONS} connections x refused PlanBatch, one in flight each, {FLOOD_SECONDS:.0f} s"
+    return figures
+
+
+def expiring_flood(bench: Bench) -> dict:
+    """10 connections looping a small BuildChunk sent with ``grpc-timeout: 1u`` (expired on arrival)."""
+    figures = _flood(bench, BUILD_CHUNK_PATH, SMALL_BUILD_CHUNK.SerializeToString(), "1u")
+    figures["tried"] = (
+        f"{FLOOD_CONNECTIONS} connections x calls with grpc-timeout 1u, one in flight each, {FLOOD_SECONDS:.0f} s"
+    )
+    return figures
+
+
 def http_big_header(bench: Bench) -> dict:
     """One request with a 64 MiB header, streamed in 64 KiB pieces."""
     server = bench.serve()
     with Siege(server, probe_interval=0.05) as siege:
-        report = huge_header(LOOPBACK, server.http_port, 64 * 2**20, max_seconds=120.0)
+        report = huge_header(LOOPBACK, server.http_rpc_port, 64 * 2**20, max_seconds=120.0)
         time.sleep(1.0)
     figures = siege.figures()
     figures.update(
@@ -214,7 +266,7 @@ def http_idle(bench: Bench) -> dict:
     """50 HTTP connections that never send, checked after http_idle_timeout_seconds + 5 s."""
     server = bench.serve()
     wait = DEFAULT_IDLE_SECONDS + 5.0
-    with Siege(server) as siege, IdleConnections(LOOPBACK, server.http_port, 50) as idle:
+    with Siege(server) as siege, IdleConnections(LOOPBACK, server.http_rpc_port, 50) as idle:
         time.sleep(wait)
         still_open = idle.still_open()
     figures = siege.figures()
@@ -228,7 +280,7 @@ def http_never_read(bench: Bench) -> dict:
     hold = DEFAULT_DRAIN_SECONDS + 5.0
     with (
         Siege(server) as siege,
-        UnreadAnswers(LOOPBACK, server.http_port, f"{BUILD_CHUNK_PATH}", BIG_ANSWER, 10) as unread,
+        UnreadAnswers(LOOPBACK, server.http_rpc_port, f"{BUILD_CHUNK_PATH}", BIG_ANSWER, 10) as unread,
     ):
         time.sleep(hold)
         answers = unread.collect(timeout=10.0)
@@ -449,6 +501,8 @@ ATTACKS: dict[str, Callable[[Bench], dict]] = {
     "stalled-streams": stalled_streams,
     "cpu-amplification": cpu_amplification,
     "rapid-reset": rapid_reset,
+    "refused-flood": refused_flood,
+    "expiring-flood": expiring_flood,
     "http-big-header": http_big_header,
     "http-idle": http_idle,
     "http-never-read": http_never_read,

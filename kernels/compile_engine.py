@@ -36,15 +36,13 @@ from triton.backends.compiler import GPUTarget
 from triton.backends.driver import DriverBase
 from triton.runtime.driver import driver
 
-from indexer_service.kernels import triton_kernel
+from indexer_service.kernels import specialization, triton_kernel
 from indexer_service.kernels.inputs import ChunkInputs, chunk_host_part
 from indexer_service.kernels.naive import chunk_arrays_numpy
 from indexer_service.kernels.specialization import BLOCK_SIZE, POINTER_ALIGNMENT, CompileKey
 from indexer_service.kernels.triton_kernel import KERNEL_JIT_OPTIONS
 
 log = logging.getLogger(__name__)
-
-_WARP_SIZE = {"cuda": 32, "hip": 64}
 
 
 class KeyRefusedError(ValueError):
@@ -60,15 +58,8 @@ class CompileOutcome:
 
 
 def parse_target(spec: str) -> GPUTarget:
-    """``cuda:90`` or ``hip:gfx942`` as Triton's target."""
-    backend, sep, arch = spec.partition(":")
-    if not sep or backend not in _WARP_SIZE or not arch:
-        raise ValueError(f"target must look like 'cuda:90' or 'hip:gfx942', got {spec!r}")
-    if backend == "cuda":
-        if not arch.isdigit():
-            raise ValueError(f"cuda target needs a numeric compute capability, got {spec!r}")
-        return GPUTarget("cuda", int(arch), _WARP_SIZE[backend])
-    return GPUTarget("hip", arch, _WARP_SIZE[backend])
+    """``cuda:90`` or ``hip:gfx942`` as Triton's target (checked by :func:`specialization.parse_target`)."""
+    return GPUTarget(*specialization.parse_target(spec))
 
 
 class _StandInDriver(DriverBase):

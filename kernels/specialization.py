@@ -30,6 +30,7 @@ import json
 import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
+from typing import NamedTuple
 
 BLOCK_SIZE = 1024
 POINTER_ALIGNMENT = 16
@@ -172,3 +173,27 @@ def key_for_launch(compress_ratio: int, pointers: Sequence[int], scalars: Sequen
         pointer_classes=tuple(pointer_class(p) for p in pointers),
         scalar_types=tuple(triton_int_type(int(s)) for s in scalars),
     )
+
+
+class TargetSpec(NamedTuple):
+    """An ahead-of-time compile target, ``cuda:90`` or ``hip:gfx942``: the fields of Triton's ``GPUTarget``."""
+
+    backend: str
+    arch: int | str
+    warp_size: int
+
+
+_WARP_SIZE = {"cuda": 32, "hip": 64}
+
+
+def parse_target(spec: str) -> TargetSpec:
+    """``cuda:90`` or ``hip:gfx942`` checked and split, without importing Triton or torch (the configuration
+    checks it in every process, the supervisor's and ``keys`` included); ``ValueError`` says what is wrong."""
+    backend, sep, arch = spec.partition(":")
+    if not sep or backend not in _WARP_SIZE or not arch:
+        raise ValueError(f"target must look like 'cuda:90' or 'hip:gfx942', got {spec!r}")
+    if backend == "cuda":
+        if not arch.isdigit():
+            raise ValueError(f"cuda target needs a numeric compute capability, got {spec!r}")
+        return TargetSpec("cuda", int(arch), _WARP_SIZE[backend])
+    return TargetSpec("hip", arch, _WARP_SIZE[backend])

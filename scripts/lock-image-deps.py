@@ -1,19 +1,26 @@
 #!/usr/bin/env python3
-"""Writes requirements/image-cpu.txt and requirements/image-gpu.txt: the exact versions the image installs.
+"""Writes requirements/image-cpu.txt and requirements/image-gpu.txt: the exact files the image installs, by hash.
 
-    python scripts/lock-image-deps.py            # needs uv (`pip install uv`) and PyPI; about a second
+    python scripts/lock-image-deps.py            # needs uv (`pip install uv`), PyPI and the PyTorch index
     python scripts/lock-image-deps.py --check    # offline: fails when an input changed since the last lock
 
-Inputs: pyproject.toml's [project] dependencies, requirements/image.in (the Triton pin) and the Dockerfile's
-TORCH_VERSION. Their hash is written into each lock's header, so --check (and tests/deploy/test_static.py) can
+Inputs: pyproject.toml's [project] dependencies and its build backend ([build-system] requires: the image builds
+the project with --no-build-isolation, so the backend comes from the lock too), and requirements/image.in (the
+torch and Triton pins). Their hash is written into each lock's header, so --check (and the deploy tests) can
 tell a stale lock without the network.
 
-- image-cpu.txt: everything of the CPU variant, torch's CPU build included (`torch==X+cpu`, from the PyTorch
-  CPU wheel index: TORCH_FIND_LINKS overrides where the resolver finds it, e.g. a local wheel directory).
-- image-gpu.txt: what `pip install .` adds to the GPU base image. torch and Triton are left out: the base
-  (pytorch/pytorch, pinned in the Dockerfile) brings the CUDA build of torch and the Triton it was built with,
-  and pip must never swap either.
-Both are for Python 3.11 on x86_64 Linux (glibc 2.28+), the two base images.
+Every requirement carries `--hash=sha256:` lines (uv's --generate-hashes: every file of that version the index
+has), and the Dockerfile installs the lock with `pip install --require-hashes --no-deps`: a file that is not
+byte for byte the one locked here fails the build, whichever index served it.
+
+- image-cpu.txt: everything of the CPU variant, torch's CPU build included (`torch==X+cpu`). Its first line
+  `--find-links https://download.pytorch.org/whl/torch/` tells pip in the image where that build is; this
+  script's resolver looks there too unless TORCH_FIND_LINKS names another place (a local wheel directory holding
+  the same files: the hash is of the file, so it is the published wheel's).
+- image-gpu.txt: what the GPU base image lacks. torch and Triton are left out: the base (pytorch/pytorch,
+  pinned by digest in the Dockerfile) brings the CUDA build of torch and the Triton it was built with, and pip
+  must never swap either.
+Resolved for x86_64 Linux (glibc 2.28+) and each base's Python (LOCK_PYTHON below).
 """
 
 from __future__ import annotations
@@ -32,20 +39,21 @@ ROOT = Path(__file__).resolve().parent.parent
 REQUIREMENTS = ROOT / "requirements"
 IMAGE_IN = REQUIREMENTS / "image.in"
 LOCKS = {"cpu": REQUIREMENTS / "image-cpu.txt", "gpu": REQUIREMENTS / "image-gpu.txt"}
-DEFAULT_TORCH_FIND_LINKS = "https://download.pytorch.org/whl/torch/"
+# Where the image's pip finds torch's CPU build (written into image-cpu.txt), and where this script's resolver
+# looks for it unless TORCH_FIND_LINKS says otherwise.
+TORCH_FIND_LINKS = "https://download.pytorch.org/whl/torch/"
 # Provided by the GPU base image, never by pip in it.
 GPU_BASE_PROVIDES = {"torch", "triton"}
+# The Python of each base image (the Dockerfile's CPU_BASE and GPU_BASE).
+LOCK_PYTHON = {"cpu": "3.11", "gpu": "3.12"}
 
 
 def project_dependencies() -> list[str]:
     return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
 
 
-def torch_version() -> str:
-    match = re.search(r"^ARG TORCH_VERSION=(\S+)$", (ROOT / "Dockerfile").read_text(), re.M)
-    if match is None:
-        raise SystemExit("Dockerfile has no ARG TORCH_VERSION=...")
-    return match.group(1).strip('"')
+def build_requirements() -> list[str]:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["build-system"]["requires"]
 
 
 def image_pins() -> list[str]:
@@ -58,36 +66,48 @@ def name_of(requirement: str) -> str:
 
 
 def inputs_digest() -> str:
-    text = "\n".join([*project_dependencies(), "--", *image_pins(), "--", f"torch=={torch_version()}"])
+    text = "\n".join([*project_dependencies(), "--", *build_requirements(), "--", *image_pins()])
     return hashlib.sha256(text.encode()).hexdigest()
 
 
 def header(variant: str) -> str:
     return (
-        f"# The {variant.upper()} image's Python dependencies, pinned. GENERATED: python scripts/lock-image-deps.py\n"
+        f"# The {variant.upper()} image's Python dependencies, pinned by hash.\n"
+        "# GENERATED: python scripts/lock-image-deps.py\n"
         f"# inputs-sha256: {inputs_digest()}\n"
     )
 
 
+def cpu_build(requirement: str) -> str:
+    """``torch==X`` as its CPU build, ``torch==X+cpu`` (PyPI's Linux torch X is the multi-GB CUDA build)."""
+    if name_of(requirement) == "torch" and "==" in requirement and "+" not in requirement:
+        return requirement + "+cpu"
+    return requirement
+
+
 def compile_lock(variant: str, uv: str) -> str:
+    requirements = [*project_dependencies(), *build_requirements(), *image_pins()]
     if variant == "cpu":
-        requirements = [*project_dependencies(), *image_pins(), f"torch=={torch_version()}+cpu"]
+        requirements = [cpu_build(r) for r in requirements]
     else:
-        requirements = [r for r in [*project_dependencies(), *image_pins()] if name_of(r) not in GPU_BASE_PROVIDES]
+        requirements = [r for r in requirements if name_of(r) not in GPU_BASE_PROVIDES]
     with tempfile.TemporaryDirectory() as tmp:
         source = Path(tmp) / f"image-{variant}.in"
         source.write_text("\n".join(requirements) + "\n")
         command = [
             uv, "pip", "compile", str(source), "--quiet", "--no-header", "--annotation-style", "line",
-            "--python-version", "3.11", "--python-platform", "x86_64-manylinux_2_28",
+            "--generate-hashes", "--python-version", LOCK_PYTHON[variant],
+            "--python-platform", "x86_64-manylinux_2_28",
         ]  # fmt: skip
         if variant == "cpu":
-            command += ["--find-links", os.environ.get("TORCH_FIND_LINKS", DEFAULT_TORCH_FIND_LINKS)]
+            command += ["--find-links", os.environ.get("TORCH_FIND_LINKS", TORCH_FIND_LINKS)]
         out = subprocess.run(command, capture_output=True, text=True, check=False)
         if out.returncode != 0:
             raise SystemExit(f"uv pip compile ({variant}) failed:\n{out.stderr}")
-    # The annotations name the temporary input file; "-r inputs" (the project, image.in, torch) is stable.
+    # The annotations name the temporary input file; "-r inputs" (the project, image.in, the build backend) is stable.
     body = re.sub(r"-r \S+image-(cpu|gpu)\.in", "-r inputs", out.stdout)
+    if variant == "cpu":
+        body = f"--find-links {TORCH_FIND_LINKS}\n" + body
     return header(variant) + body
 
 

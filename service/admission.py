@@ -23,7 +23,6 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Protocol
 
 from indexer_service.service.metrics import Metrics
@@ -40,23 +39,10 @@ _WAIT_SLICE_SECONDS = 0.05
 # One log line per reason at most this often; the count covers everything shed in between.
 SHED_LOG_INTERVAL_SECONDS = 10.0
 
-_CGROUP_LIMIT_FILES = (Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"))
-
-
-def container_memory_limit() -> int | None:
-    """The memory limit of this process's cgroup (v2, else v1), or None where there is none."""
-    for path in _CGROUP_LIMIT_FILES:
-        try:
-            text = path.read_text().strip()
-        except OSError:
-            continue
-        if text.isdigit() and int(text) < 2**60:  # v1 says "no limit" with a huge number, v2 with "max"
-            return int(text)
-    return None
-
 
 def default_response_budget(memory_limit: int | None) -> int:
-    """``response_budget_bytes = 0``: an eighth of the memory limit, at most 256 MiB."""
+    """``response_budget_bytes = 0``: an eighth of the memory limit (the container's: service/cgroups.py), at most
+    256 MiB."""
     if memory_limit is None:
         return DEFAULT_BUDGET_BYTES
     return max(1, min(DEFAULT_BUDGET_BYTES, memory_limit // _LIMIT_FRACTION))
@@ -73,19 +59,18 @@ class Refused(Exception):
         self.gone = gone
 
 
-class ShedLog:
-    """Counts every shed call in ``indexer_requests_shed_total`` and logs at most one line per reason every
-    :data:`SHED_LOG_INTERVAL_SECONDS`, with how many were shed since the last line."""
+class RateLimitedLog:
+    """At most one warning per reason every :data:`SHED_LOG_INTERVAL_SECONDS`, with how many times the reason came
+    up since the last line: ``<event> reason=<reason> count=<n> <fields> last=<detail>``."""
 
-    def __init__(self, metrics: Metrics, interval: float = SHED_LOG_INTERVAL_SECONDS) -> None:
-        self.metrics = metrics
+    def __init__(self, event: str, interval: float = SHED_LOG_INTERVAL_SECONDS) -> None:
+        self.event = event
         self.interval = interval
         self._lock = threading.Lock()
         self._pending: dict[str, int] = {}
         self._last_logged: dict[str, float] = {}
 
-    def record(self, method: str, reason: str, detail: str) -> None:
-        self.metrics.child(self.metrics.requests_shed_total, method, reason).inc()
+    def note(self, reason: str, detail: str, fields: str = "") -> None:
         now = time.monotonic()
         with self._lock:
             count = self._pending.get(reason, 0) + 1
@@ -94,7 +79,21 @@ class ShedLog:
                 return
             self._pending[reason] = 0
             self._last_logged[reason] = now
-        log.warning("shed reason=%s count=%d method=%s last=%r", reason, count, method, detail)
+        log.warning(
+            "%s reason=%s count=%d%s last=%r", self.event, reason, count, f" {fields}" if fields else "", detail
+        )
+
+
+class ShedLog:
+    """Counts every shed call in ``indexer_requests_shed_total`` and logs it, rate-limited (:class:`RateLimitedLog`)."""
+
+    def __init__(self, metrics: Metrics, interval: float = SHED_LOG_INTERVAL_SECONDS) -> None:
+        self.metrics = metrics
+        self.log = RateLimitedLog("shed", interval)
+
+    def record(self, method: str, reason: str, detail: str) -> None:
+        self.metrics.child(self.metrics.requests_shed_total, method, reason).inc()
+        self.log.note(reason, detail, f"method={method}")
 
 
 @dataclass(eq=False)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
@@ -61,12 +62,24 @@ class Backend:
         return None if self.selector is None else self.selector.calibrate
 
 
+# Device nodes through which a process reaches a GPU (NVIDIA's driver; AMD's for ROCm builds of torch): a
+# container is given its GPUs as these, so without any of them torch.cuda.is_available() cannot be true.
+GPU_DEVICE_NODES = ("/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd")
+
+
+def gpu_device_nodes() -> list[str]:
+    """The GPU device nodes this process can see."""
+    return [node for node in GPU_DEVICE_NODES if os.path.exists(node)]
+
+
 def resolve_backend(choice: str) -> str:
     """``auto`` stays ``auto`` on a CUDA machine (numpy or Triton per request) and becomes ``numpy`` elsewhere;
     ``triton`` needs CUDA."""
     if choice == "numpy":
         return "numpy"
-    import torch  # only when the Triton backend is possible: importing torch costs seconds
+    if choice == "auto" and not gpu_device_nodes():
+        return "numpy"  # no GPU is visible to this process: no need to pay seconds importing torch to be told so
+    import torch  # only when a GPU may be visible: importing torch costs seconds
 
     if torch.cuda.is_available():
         return choice

@@ -7,6 +7,8 @@ import logging
 import math
 import os
 import signal
+import socket
+import ssl
 import sys
 import time
 from pathlib import Path
@@ -40,7 +42,7 @@ def _configure(args: argparse.Namespace, needs_warmup: str = "") -> ServiceConfi
 def _serve(args: argparse.Namespace) -> int:
     from indexer_service.service.lifecycle import ShutdownSignals, end_process
 
-    # Signals first: from here on SIGTERM or SIGINT ends the process with 0, whatever it is doing.
+    # Signals first: from here on SIGTERM, SIGINT or SIGHUP ends the process with 0, whatever it is doing.
     signals = ShutdownSignals()
     try:
         config = _configure(args)
@@ -131,11 +133,72 @@ def _check_credentials(args: argparse.Namespace) -> object:
     return tls_credentials(args.tls_ca, args.tls_cert, args.tls_key)
 
 
+def _host_port(address: str) -> tuple[str, int] | None:
+    """``host:port`` or ``[v6]:port`` split, or None for any other gRPC target (``dns:///...``)."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or not host or "/" in host:
+        return None
+    return host.removeprefix("[").removesuffix("]"), int(port)
+
+
+def tls_diagnosis(args: argparse.Namespace, credentials: object) -> str | None:
+    """Why a connection failed, where a TLS handshake of this process's own can tell (gRPC says only "Socket
+    closed" or an OpenSSL code): TLS spoken to a plaintext port, plaintext to a TLS port, a server certificate
+    that does not chain to the CA given, a server that wants a client certificate. None when the handshake
+    tells nothing (the port is closed, say)."""
+    where = _host_port(args.address)
+    if where is None:
+        return None
+    use_tls = credentials is not None
+    if use_tls:
+        context = ssl.create_default_context(cafile=args.tls_ca)
+        if args.tls_cert:
+            context.load_cert_chain(args.tls_cert, args.tls_key)
+    else:  # only to learn whether the port speaks TLS: nothing is sent over this connection
+        context = ssl._create_unverified_context()
+    context.set_alpn_protocols(["h2"])
+    timeout = min(args.timeout, 3.0)
+    try:
+        with (
+            socket.create_connection(where, timeout=timeout) as raw,
+            context.wrap_socket(raw, server_hostname=where[0]) as tls,
+        ):
+            tls.settimeout(min(timeout, 1.0))
+            try:
+                # A gRPC server speaks first (its HTTP/2 settings); one that requires a client certificate
+                # closes the connection instead once the handshake is over (TLS 1.3 checks it last).
+                closed = tls.recv(1) == b""
+            except TimeoutError:
+                closed = False
+    except ssl.SSLCertVerificationError as exc:
+        trusted = f"--tls-ca {args.tls_ca}" if args.tls_ca else "the system's trusted roots (give --tls-ca PEM)"
+        return f"the server's certificate does not chain to {trusted}: {exc.verify_message}"
+    except ssl.SSLError as exc:
+        if exc.reason in ("WRONG_VERSION_NUMBER", "RECORD_LAYER_FAILURE", "PACKET_LENGTH_TOO_LONG"):
+            return "this port does not speak TLS (plaintext): drop the --tls* flags, or turn TLS on in the server"
+        return f"TLS handshake failed: {exc.reason or exc}"
+    except OSError:
+        return None
+    if not use_tls:
+        return "this port speaks TLS: connect with --tls-ca PEM (its certificate's CA), or --tls for the system's roots"
+    if closed and not args.tls_cert:
+        return (
+            "the server closed the connection after the TLS handshake, as one that requires a client certificate "
+            "(mutual TLS) does: give --tls-cert PEM --tls-key PEM"
+        )
+    if closed:
+        return "the server closed the connection after the TLS handshake: is the client certificate signed by its CA?"
+    return None
+
+
 def _check(args: argparse.Namespace) -> int:
     if not math.isfinite(args.timeout) or args.timeout <= 0:
         raise UsageError(f"--timeout: must be a finite number of seconds > 0, got {args.timeout}")
     if not args.address.strip():
         raise UsageError("address: must not be empty")
+    # gRPC core's own handshake log lines (INFO) would repeat, less clearly, what the diagnosis below says; set
+    # before grpc is first imported (the credentials import it).
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     credentials = _check_credentials(args)
 
     import grpc
@@ -157,15 +220,31 @@ def _check(args: argparse.Namespace) -> int:
     ) as client:
         try:
             overall, service = client.health(""), client.health(SERVICE_NAME)
-            status = client.warmup_status()
         except grpc.RpcError as exc:
             code = exc.code()
             if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 print(f"unreachable address={args.address} code={code.name} details={exc.details()!r}")
+                if code is grpc.StatusCode.UNAVAILABLE and (why := tls_diagnosis(args, credentials)) is not None:
+                    print(f"tls: {why}")
                 return EXIT_UNREACHABLE
-            # Answered, but not as a serving indexer (another service, refused credentials, ...).
-            print(f"not serving address={args.address} code={code.name} details={exc.details()!r}")
+            # Answered, but not as an indexer-service port (another service, refused credentials, ...).
+            print(f"not an indexer-service port address={args.address} code={code.name} details={exc.details()!r}")
             return EXIT_FAILED
+        try:
+            status = client.warmup_status()
+        except grpc.RpcError as exc:
+            if exc.code() is not grpc.StatusCode.UNIMPLEMENTED:
+                print(f"not serving address={args.address} code={exc.code().name} details={exc.details()!r}")
+                return EXIT_FAILED
+            status = None
+    if status is None:
+        print(
+            f"reached address={args.address} port=health-only: it serves grpc.health.v1 alone, for probes "
+            "(health_port, 50052 by default); the RPCs and the warmup status are on the RPC port (grpc_port, 50051)"
+        )
+        print(f"health overall={overall} {SERVICE_NAME}={service}")
+        return EXIT_OK if service == "SERVING" else EXIT_FAILED
+    print(f"reached address={args.address} port=rpc: {SERVICE_NAME}, grpc.health.v1 and reflection")
     print(f"health overall={overall} {SERVICE_NAME}={service}")
     states = [pb.KeyState.Name(k.state).removeprefix("KEY_STATE_") for k in status.keys]
     print(

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, fields
 from importlib import resources
 from pathlib import Path
 
-from indexer_service.kernels.specialization import ModelConfig
+from indexer_service.kernels.specialization import ModelConfig, parse_target
 
 ENV_PREFIX = "INDEXER_"
 CONFIG_FILE_ENV = ENV_PREFIX + "CONFIG"
@@ -34,77 +34,166 @@ PIN_WORKERS = ("auto", "on", "off")
 
 
 def _setting(help_text: str) -> object:
+    """A setting's field; ``help_text`` (Markdown) is its one description: ``--help`` shows it as plain text and
+    docs/service.md's settings table is generated from it (``python -m indexer_service.service.settings_table``)."""
     return field(metadata={"help": help_text})
+
+
+_MARKDOWN_LINK = re.compile(r"\[([^\]]+)\]\([^)]+\)")
+
+
+def plain_help(help_text: str) -> str:
+    """A setting's description as ``--help`` prints it: Markdown links become their text, code loses its
+    backticks, and ``%`` is escaped for argparse."""
+    return _MARKDOWN_LINK.sub(r"\1", help_text).replace("`", "").replace("%", "%%")
 
 
 @dataclass(frozen=True)
 class ServiceConfig:
     grpc_host: str = _setting("address the gRPC server binds")
     grpc_port: int = _setting("gRPC port (0: any free port)")
-    http_host: str = _setting("address the HTTP server (/metrics, /livez, /readyz) binds")
-    http_port: int = _setting("HTTP port (0: any free port)")
-    grpc_workers: int = _setting("threads of the gRPC server")
+    http_host: str = _setting("address both HTTP ports (`http_port`, `http_rpc_port`) bind")
+    http_port: int = _setting(
+        "plaintext HTTP port of GET `/metrics`, `/livez` and `/readyz` only, for Prometheus and probes (0: any "
+        "free port)"
+    )
+    http_rpc_port: int = _setting(
+        "HTTP port of the RPCs (POST `/indexer.v1.PrefillMetadata/<Method>`), with the gRPC port's TLS settings "
+        "(0: any free port)"
+    )
+    http_rpcs: bool = _setting("serve the RPCs over HTTP on `http_rpc_port` (false: that port is not bound)")
+    grpc_workers: int = _setting("threads of the gRPC server (of each worker process)")
     workers: int = _setting(
-        "serving processes sharing the ports (0: the CPUs the container may use, from its cgroup quota and affinity)"
+        "serving processes sharing the ports (docs/service.md, [Workers](#workers)); 0: the CPUs the container "
+        "may use (its cgroup CPU quota rounded up, or its CPU affinity, whichever is smaller); 1: one process, no "
+        "supervisor"
     )
     pin_workers: str = _setting(
-        "each worker on a CPU of its own: auto (when the CPU quota equals the CPU set and there is a worker per "
-        "CPU, as in a Guaranteed pod with exclusive CPUs), on (whenever the CPU set has a CPU per worker) or off"
+        "each worker, with all its threads, on a CPU of its own (docs/service.md, [Workers](#workers)): `auto` "
+        "where the CPU quota equals the CPU set and there is one worker per CPU (a Guaranteed pod with exclusive "
+        "CPUs under the static CPU manager), `on` whenever the CPU set has a CPU per worker, `off` never"
     )
-    max_message_bytes: int = _setting("largest gRPC message or HTTP body, either way, in bytes")
-    max_concurrent_rpcs: int = _setting("most RPCs handled at once; more get RESOURCE_EXHAUSTED")
-    max_connection_age_seconds: float = _setting("seconds before a client is asked to reconnect (0: never)")
-    max_streams_per_connection: int = _setting("most concurrent HTTP/2 streams (calls) on one gRPC connection")
-    health_port: int = _setting("plaintext gRPC port serving only grpc.health.v1, for probes (0: any free port)")
+    max_message_bytes: int = _setting(
+        "largest response message (64 MiB; gRPC's default is 4 MiB); requests are bounded tighter, by what a "
+        "valid request at `max_num_seqs` can be (64 KiB + 32 bytes a sequence)"
+    )
+    max_concurrent_rpcs: int = _setting(
+        "most RPCs handled at once; gRPC answers `RESOURCE_EXHAUSTED` to more at once, before spending a "
+        "thread or memory"
+    )
+    max_connection_age_seconds: float = _setting(
+        "seconds before the server asks a client to reconnect (GOAWAY), so clients re-resolve DNS and reach "
+        "replicas added since (0: never)"
+    )
+    max_streams_per_connection: int = _setting(
+        "most concurrent calls (HTTP/2 streams) on one gRPC connection; more are refused with REFUSED_STREAM,"
+        " which gRPC clients retry transparently"
+    )
+    health_port: int = _setting(
+        "plaintext gRPC port serving only `grpc.health.v1`, on its own threads, for probes (0: any free port;"
+        " in the port file as `health_port`)"
+    )
     grpc_max_connections: int = _setting(
-        "most open connections on the gRPC port (handshakes included), per worker; more are closed at accept"
+        "most open connections on the gRPC port per worker, TLS handshakes included; gRPC core closes more at "
+        "accept ([overload.md](overload.md#connections))"
     )
     health_max_connections: int = _setting("most open connections on the health port; more are closed at accept")
     connection_idle_seconds: float = _setting(
-        "seconds a gRPC connection (either gRPC port) may carry no call before it is closed (0: never)"
+        "seconds a connection to either gRPC port may carry no call before it is closed (GOAWAY) (0: never)"
     )
     handshake_timeout_seconds: float = _setting(
-        "seconds a new gRPC connection has to finish its TLS handshake and HTTP/2 settings before it is closed"
+        "seconds a new gRPC connection has to finish its TLS handshake and send its HTTP/2 settings"
     )
     reflection_max_streams: int = _setting(
-        "most server reflection streams open at once, per worker (each holds a thread of its own); more are refused"
+        "most server reflection streams open at once per worker, each on a thread of its own pool (never an RPC "
+        "thread), one per connection; more are `RESOURCE_EXHAUSTED`"
     )
-    reflection_idle_seconds: float = _setting("seconds a reflection stream may wait for a request before it is cut")
-    tls_cert_file: str = _setting("PEM certificate chain of the gRPC port (with tls_key_file: TLS on)")
-    tls_key_file: str = _setting("PEM private key of tls_cert_file")
-    tls_client_ca_file: str = _setting("PEM CA bundle that client certificates must chain to (mutual TLS)")
+    reflection_idle_seconds: float = _setting(
+        "seconds a reflection stream may wait for its next request before it is cancelled"
+    )
+    tls_cert_file: str = _setting(
+        "PEM certificate chain of the gRPC port and `http_rpc_port`; with `tls_key_file`, TLS is on"
+    )
+    tls_key_file: str = _setting("PEM private key of `tls_cert_file`")
+    tls_client_ca_file: str = _setting(
+        "PEM CA bundle client certificates must chain to: mutual TLS (needs the two above)"
+    )
+    min_ready_workers: int = _setting(
+        "with workers: the replica is ready while at least this many are (0: a majority); the first time, all"
+    )
+    worker_hang_seconds: float = _setting(
+        "with workers: a worker that answers no health probe for this long is killed and restarted (0: never)"
+    )
     shutdown_grace_seconds: float = _setting("seconds in-flight calls get to finish on SIGTERM")
-    shutdown_delay_seconds: float = _setting("seconds to keep serving while NOT_SERVING before refusing new calls")
-    compress_ratios: tuple[int, ...] = _setting("per-layer compress ratios, comma-separated (0 means 1)")
+    shutdown_delay_seconds: float = _setting("seconds to keep serving while `NOT_SERVING` before refusing new calls")
+    compress_ratios: tuple[int, ...] = _setting(
+        "per-layer compress ratios (DeepSeek-V4-Flash); comma-separated in env and flags"
+    )
     index_kpool: int = _setting("kpool indexer compress ratio (0: absent)")
-    model_config: str = _setting("Hugging Face config.json to read compress_ratios and index_kpool from")
+    model_config: str = _setting(
+        "a Hugging Face `config.json`: `compress_ratios` (required) and `index_kpool`, top level or under "
+        "`text_config` (conflicts with setting those two explicitly)"
+    )
     max_num_batched_tokens: int = _setting("most query tokens in one request's batch")
     max_num_seqs: int = _setting("most sequences in one request's batch")
     max_model_len: int = _setting("longest sequence; also sizes the chunk KV workspace")
-    max_logits_bytes: int = _setting("default logits budget of a planned chunk, in bytes")
-    max_plan_chunks: int = _setting("most chunks in one PlanBatch plan; more is RESOURCE_EXHAUSTED")
+    max_logits_bytes: int = _setting("default logits budget of a planned chunk (512 MiB, vLLM's default)")
+    max_plan_chunks: int = _setting(
+        "most chunks of one PlanBatch plan; more is `RESOURCE_EXHAUSTED` before the plan is made"
+    )
     response_budget_bytes: int = _setting(
-        "bytes of responses held at once (built, queued or unsent); 0: min(256 MiB, memory limit / 8)"
+        "bytes of responses held at once (built, queued or unread); one connection holds at most a quarter "
+        "once it holds anything (0: min(256 MiB, memory limit / 8))"
     )
-    response_drain_seconds: float = _setting("seconds a caller has to read its response before it is cancelled")
-    heavy_request_bytes: int = _setting("estimated cost in bytes above which a request takes the heavy lane")
+    response_drain_seconds: float = _setting(
+        "seconds a caller has to read its answer before the call is cancelled (gRPC) or the connection closed (HTTP)"
+    )
+    heavy_request_bytes: int = _setting(
+        "estimated cost (response bytes + 64 KiB per planned chunk) above which a request is heavy"
+    )
     heavy_lane_slots: int = _setting("heavy requests computed at once")
-    admission_wait_seconds: float = _setting("longest wait for the response budget or a heavy-lane slot")
-    http_max_header_bytes: int = _setting("largest HTTP request head (request line and headers), in bytes")
-    http_idle_timeout_seconds: float = _setting("seconds an HTTP connection may sit with no request in progress")
-    http_max_connections: int = _setting("most open HTTP connections; more are refused")
-    idle_trim_seconds: float = _setting(
-        "seconds with no call ending and no connection closing before free heap returns to the OS (0: never)"
+    admission_wait_seconds: float = _setting(
+        "longest wait for the response budget or a heavy-lane slot, never past the call's deadline"
     )
-    backend: str = _setting("compute backend: auto (Triton on a CUDA GPU, else numpy), numpy or triton")
-    warmup_target: str = _setting("ahead-of-time warmup target without GPU (cuda:90, hip:gfx942) or none")
-    warmup_workers: int = _setting("parallel compiles during warmup")
+    http_max_header_bytes: int = _setting("largest HTTP request head; more is 431 and close")
+    http_idle_timeout_seconds: float = _setting(
+        "seconds an HTTP connection may sit with no request in progress, or take to send one"
+    )
+    http_max_connections: int = _setting("most open HTTP connections; more get 503 and close")
+    idle_trim_seconds: float = _setting(
+        "seconds with no call ending and no connection closing before free heap is handed back to the OS (0: never)"
+    )
+    backend: str = _setting(
+        "`auto` (on a CUDA GPU each request on numpy or Triton, whichever the warmup measured faster for its "
+        "size; numpy without a GPU), `numpy`, `triton` (every request on the GPU). On the H200 host numpy's "
+        "fast path wins below about 2.2 million output elements and Triton above (`benchmarks/RESULTS.md`)"
+    )
+    warmup_target: str = _setting(
+        "ahead-of-time target of the warmup without a GPU (`cuda:90`, `hip:gfx942`), or `none`"
+    )
+    warmup_workers: int = _setting("parallel compiles during warmup (Triton's `AsyncCompileMode`)")
     strict: bool = _setting("refuse launches that need a kernel variant outside the warmed set")
-    native_fast_path: bool = _setting("serve plain BuildChunk requests in compiled C when the backend is numpy")
-    triton_cache_dir: str = _setting("Triton cache directory (an existing TRITON_CACHE_DIR wins)")
-    malloc_arena_max: int = _setting("most glibc malloc arenas (0: glibc's default)")
-    malloc_retain_bytes: int = _setting("freed memory glibc keeps per arena for reuse (0: glibc's default)")
-    log_level: str = _setting("DEBUG, INFO, WARNING or ERROR")
+    native_fast_path: bool = _setting(
+        "with the numpy backend, serve BuildChunk's common case (valid, within the limits, no DCP) in "
+        "compiled C (`service/fastpath.c`, built by `pip install`): the same response bytes as the Python "
+        "path for far less CPU; errors, DCP and PlanBatch always take the Python path. Such calls carry "
+        '`backend="native"` in `indexer_backend_duration_seconds`. Where the extension was not built (no C '
+        "compiler at install), the server logs once at start `serving without the compiled fast path "
+        "(service/_fastpath not built)`, reports `native_fast_path=False`, and numpy serves every call"
+    )
+    triton_cache_dir: str = _setting(
+        "Triton's cache directory; an existing `TRITON_CACHE_DIR` always wins and is never overwritten"
+    )
+    malloc_arena_max: int = _setting(
+        "most glibc malloc arenas (0: glibc's 8 per core): idle RSS stays flat across long runs, and the idle"
+        " trim can return a burst's memory (glibc's `malloc_trim` returns the main arena's free top only; "
+        "with more arenas the server warns at start)"
+    )
+    malloc_retain_bytes: int = _setting(
+        "freed memory glibc keeps per arena for reuse instead of returning it to the OS (0: glibc's default);"
+        " a large response then costs no page faults on the next call, and RSS stays at its busiest peak"
+    )
+    log_level: str = _setting("`DEBUG`, `INFO`, `WARNING`, `ERROR`")
 
     @property
     def model(self) -> ModelConfig:
@@ -220,9 +309,13 @@ RULES: dict[str, Rule] = {
     "grpc_port": _PORT,
     "http_host": Rule(nonempty=True),
     "http_port": _PORT,
+    "http_rpc_port": _PORT,
+    "http_rpcs": Rule(),
     "grpc_workers": _COUNT32,
     "workers": Rule(1, MAX_WORKERS, zero="the CPUs the container may use"),
     "pin_workers": Rule(choices=PIN_WORKERS, fold_case=True),
+    "min_ready_workers": Rule(1, MAX_WORKERS, zero="a majority of the workers"),  # above workers: all of them
+    "worker_hang_seconds": Rule(0.5, MAX_SECONDS, zero="never"),  # probes go every quarter of it
     "max_message_bytes": Rule(4096, _INT32_MAX),  # gRPC takes message limits as a C int
     "max_concurrent_rpcs": _COUNT32,
     "max_connection_age_seconds": Rule(0.001, MAX_SECONDS, zero="never"),  # int32 milliseconds in gRPC
@@ -443,9 +536,6 @@ def _validate(config: ServiceConfig, sources: Mapping[str, str], needs_warmup: s
         except ConfigError as exc:
             fail("backend", exc.message)
     if config.warmup_enabled:
-        # Imported here: the compile engine pulls in torch and Triton, which only a real warmup needs.
-        from indexer_service.kernels.compile_engine import parse_target
-
         try:
             parse_target(config.warmup_target)
         except ValueError as exc:
@@ -555,10 +645,12 @@ def add_config_arguments(parser: argparse.ArgumentParser, aliases: Mapping[str, 
     for name, f in SETTINGS.items():
         options = [f"--{name.replace('_', '-')}", *([aliases[name]] if aliases and name in aliases else [])]
         if f.type == "bool":
-            group.add_argument(*options, dest=name, action=_StoreBool, default=None, help=f.metadata["help"])
+            group.add_argument(
+                *options, dest=name, action=_StoreBool, default=None, help=plain_help(f.metadata["help"])
+            )
         else:
             group.add_argument(
-                *options, dest=name, action=_Store, default=None, metavar="VALUE", help=f.metadata["help"]
+                *options, dest=name, action=_Store, default=None, metavar="VALUE", help=plain_help(f.metadata["help"])
             )
 
 

@@ -45,10 +45,10 @@ from indexer_service.service.admission import (
     Admission,
     Caller,
     Refused,
-    container_memory_limit,
     default_response_budget,
 )
 from indexer_service.service.backends import FAST_PATH_BACKEND, Backend
+from indexer_service.service.cgroups import memory_limit
 from indexer_service.service.config import ServiceConfig
 from indexer_service.service.errors import (
     CallerGone,
@@ -151,7 +151,7 @@ class DataPlane:
         self.backend = backend
         self.readiness = Readiness(warmup, metrics, backend.name)
         self.limits = RequestLimits(config, launch_admission(warmup) if config.strict else None)
-        budget = config.response_budget_bytes or default_response_budget(container_memory_limit())
+        budget = config.response_budget_bytes or default_response_budget(memory_limit())
         # Waiters hold a gRPC thread each: at most a quarter of the pool waits, so with the heavy lane's own
         # slots at least half of it is always free for light calls (a full-size attack with half the pool
         # allowed to wait left the light callers 65 % of their calls).

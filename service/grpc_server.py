@@ -295,9 +295,15 @@ class GrpcServer:
 
 
 def create_grpc_server(
-    config: ServiceConfig, plane: DataPlane, health_servicer: HealthServicer, share_port: bool = False
+    config: ServiceConfig,
+    plane: DataPlane,
+    health_servicer: HealthServicer,
+    share_port: bool = False,
+    probe_socket: Path | None = None,
 ) -> GrpcServer:
-    """The RPC server, bound (not started); ``share_port``: SO_REUSEPORT, for a worker of several."""
+    """The RPC server, bound (and, as gRPC binds, listening: it takes connections into its backlog from here on)
+    but not started. ``share_port``: SO_REUSEPORT, for a worker of several; ``probe_socket``: a unix socket the
+    server also listens on, plaintext, for the supervisor's health probes (service/supervisor.py)."""
     pool = RpcThreadPool(config.grpc_workers)
     server = grpc.server(
         pool,
@@ -320,6 +326,11 @@ def create_grpc_server(
         raise OSError(f"cannot bind gRPC to {address}: {exc}") from None
     if port == 0:
         raise OSError(f"cannot bind gRPC to {address}")
+    if probe_socket is not None:
+        try:
+            server.add_insecure_port(f"unix:{probe_socket}")
+        except RuntimeError as exc:
+            raise OSError(f"cannot bind the probe socket {probe_socket}: {exc}") from None
     return GrpcServer(server, port, handler, reflection)
 
 

@@ -1,16 +1,27 @@
-"""The HTTP transport, plain ASGI on uvicorn: probes, metrics, and the RPCs as protobuf or JSON over HTTP.
+"""The HTTP transport, plain ASGI on uvicorn, on two ports that serve different callers.
+
+``http_port`` (:class:`ProbeApp`, always plaintext, for Prometheus and the probes):
 
 - ``GET /livez``: 200 while the process runs.
 - ``GET /readyz``: 200 once warmup has finished, 503 with the reason before that and while draining. With
-  several workers, 200 only when every worker of the replica is ready (the supervisor says, ``pod_not_ready``).
+  several workers, the replica's readiness, whichever worker answers (the supervisor's verdict, ``pod_not_ready``:
+  enough workers ready, service/supervisor.py), so a worker warming up after a restart does not flip it.
 - ``GET /metrics``: Prometheus exposition of the service's registry (with several workers: every worker's).
+- Nothing else: an RPC posted here is 404 naming ``http_rpc_port`` (counted, ``rpc_on_metrics_port``).
+
+``http_rpc_port`` (:class:`RpcApp`, with the gRPC port's TLS: HTTPS, and client certificates required under mutual
+TLS, so a caller the gRPC port would refuse is refused here too; not bound with ``http_rpcs = false``):
+
 - ``POST /indexer.v1.PrefillMetadata/<Method>``: the gRPC method's request message as the body, binary
   protobuf (``application/x-protobuf``, also the default without a content type) or the proto3 JSON mapping
-  (``application/json``: bytes fields as base64, int64 as strings or numbers); the response comes back in the
-  same format. Any other content type is 415 naming the accepted ones. Errors are JSON ``{"code", "message"}``
-  with the HTTP status gRPC's HTTP mapping gives the code. Same data plane, limits, metrics as gRPC.
+  (``application/json``, read by service/json_mapping.py); the response comes back in the same format. Any other
+  content type is 415 naming the accepted ones. Same data plane, limits, metrics as gRPC.
 
-Limits (docs/overload.md): :func:`limited_protocol` bounds the request head
+Every error on either port is JSON ``{"code", "message"}``: ``code`` is a google.rpc.Code name, the data plane's
+own for a call that reached it (with the HTTP status google/api/http.proto's mapping gives it), else the one
+:data:`TRANSPORT_ERROR_CODES` gives the HTTP status.
+
+Limits (docs/overload.md), each port on its own: :func:`limited_protocol` bounds the request head
 (``http_max_header_bytes``: 431 and close), the time a connection may sit without a request in progress or
 take to send one (``http_idle_timeout_seconds``), and open connections (``http_max_connections``: 503 and
 close). An answer is written in pieces; a caller that has not read it within ``response_drain_seconds`` loses
@@ -30,13 +41,14 @@ from google.protobuf import json_format
 from prometheus_client import make_asgi_app
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from indexer_service.service.admission import Caller
+from indexer_service.service.admission import Caller, RateLimitedLog
 from indexer_service.service.codec import SERVICE_NAME
 from indexer_service.service.config import ServiceConfig
 from indexer_service.service.dataplane import DataPlane
-from indexer_service.service.errors import Code, InvalidArgument, LimitExceeded, ServiceError, Shed
+from indexer_service.service.errors import Code, LimitExceeded, ServiceError, Shed
+from indexer_service.service.json_mapping import parse_request
 from indexer_service.service.limits import max_request_bytes
-from indexer_service.service.metrics import Metrics, exposition_registry
+from indexer_service.service.metrics import HTTP_REFUSALS, Metrics, exposition_registry
 from indexer_service.service.rpcs import REQUEST_TYPES, RESPONSE_TYPES
 
 log = logging.getLogger(__name__)
@@ -44,6 +56,8 @@ log = logging.getLogger(__name__)
 PROTOBUF = b"application/x-protobuf"
 JSON = b"application/json"
 ACCEPTED_TYPES = (PROTOBUF, JSON)
+RPC_PATH_PREFIX = f"/{SERVICE_NAME}/"
+PROBE_PATHS = ("/metrics", "/livez", "/readyz")
 # The data plane's outcomes as HTTP statuses, as in google/api/http.proto's mapping: the one place this transport
 # maps them. The error body's "code" is the outcome's name, the same the gRPC caller sees.
 HTTP_STATUS: dict[Code, int] = {
@@ -55,6 +69,15 @@ HTTP_STATUS: dict[Code, int] = {
     Code.INTERNAL: 500,
     Code.UNAVAILABLE: 503,
 }
+# The errors of the HTTP layer itself, before any call (no such path, wrong verb or content type, a head too large,
+# too many connections): the google.rpc.Code name of each status, as grpc-gateway answers them.
+TRANSPORT_ERROR_CODES: dict[int, str] = {
+    404: "NOT_FOUND",
+    405: "UNIMPLEMENTED",
+    415: "INVALID_ARGUMENT",
+    431: "RESOURCE_EXHAUSTED",
+    503: "UNAVAILABLE",
+}
 # Answers are written this much at a time: a reader that stops holds at most one piece in the socket buffer.
 SEND_PIECE_BYTES = 2**20
 # A JSON answer holds, at the peak of its encoding, the protobuf answer and 4x its size more (the parsed
@@ -65,49 +88,122 @@ JSON_HELD_PER_ANSWER_BYTE = 5.0
 ABORT_KEY = "indexer.abort"
 
 
-class HttpApp:
-    """ASGI application over one data plane."""
+def error_body(code: str, message: str) -> bytes:
+    """The one JSON shape of every HTTP error, on both ports."""
+    return json.dumps({"code": code, "message": message}).encode()
 
-    def __init__(self, plane: DataPlane, pod_not_ready: Callable[[], str] | None = None) -> None:
+
+class HttpRefusals:
+    """What the HTTP ports refuse, by reason (metrics.HTTP_REFUSALS): counted in ``indexer_http_refused_total`` and
+    logged rate-limited (``http refused reason=... count=N last=...``). An idle connection closed after
+    ``http_idle_timeout_seconds`` is counted only: that is how every keep-alive connection (Prometheus', say) ends."""
+
+    UNLOGGED = frozenset({"idle_timeout"})
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._counters = {reason: metrics.http_refused_total.labels(reason=reason) for reason in HTTP_REFUSALS}
+        self._log = RateLimitedLog("http refused")
+
+    def record(self, reason: str, detail: str) -> None:
+        self._counters[reason].inc()
+        if reason not in self.UNLOGGED:
+            self._log.note(reason, detail)
+
+
+class ProbeApp:
+    """``http_port``: ``/metrics``, ``/livez``, ``/readyz``, nothing else. ``rpc_port``: where the RPCs over HTTP are
+    (None: not served), for the 404 an RPC posted here gets."""
+
+    def __init__(
+        self,
+        plane: DataPlane,
+        rpc_port: int | None,
+        refusals: HttpRefusals,
+        pod_not_ready: Callable[[], str] | None = None,
+    ) -> None:
         self.plane = plane
-        # Worker mode: why the replica is not ready ("" when every worker is), read from the supervisor.
+        self.refusals = refusals
+        # Worker mode: why the replica is not ready ("" when it is), read from the supervisor.
         self.pod_not_ready = pod_not_ready
-        config = plane.config
         self.metrics_app = make_asgi_app(registry=exposition_registry(plane.metrics.registry))
+        if rpc_port is None:
+            self.wrong_port = (
+                "the RPCs over HTTP are off on this server (http_rpcs = false): call them over gRPC (grpc_port); "
+                "this port (http_port) serves only GET /metrics, /livez and /readyz"
+            )
+        else:
+            self.wrong_port = (
+                f"the RPCs over HTTP are served on http_rpc_port ({rpc_port}), not here: this port (http_port) "
+                "serves only GET /metrics, /livez and /readyz"
+            )
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return
+        path, verb = scope["path"], scope["method"]
+        if path in PROBE_PATHS and verb not in ("GET", "HEAD"):
+            await reply_error(send, 405, f"{path} answers GET and HEAD only", [(b"allow", b"GET, HEAD")])
+        elif path == "/metrics":
+            await self.metrics_app(scope, receive, send)
+        elif path == "/livez":
+            await _reply(send, 200, b"ok\n")
+        elif path == "/readyz":
+            pod = self.pod_not_ready  # worker mode: the replica's readiness is the supervisor's verdict
+            reason = pod() if pod is not None else self.plane.readiness.not_ready_reason()
+            await _reply(send, 503 if reason else 200, f"{reason or 'ready'}\n".encode())
+        elif path.startswith(RPC_PATH_PREFIX):
+            self.refusals.record("rpc_on_metrics_port", f"{verb} {path} from {_peer(scope)}")
+            await reply_error(send, 404, self.wrong_port)
+        else:
+            await reply_error(
+                send, 404, f"no {path} here: this port (http_port) serves only GET /metrics, /livez and /readyz"
+            )
+
+
+class RpcApp:
+    """``http_rpc_port``: the RPCs as protobuf or JSON over HTTP, over one data plane. ``probe_port``: where
+    ``/metrics`` and the probes are, for the 404 they get here."""
+
+    def __init__(self, plane: DataPlane, probe_port: int, refusals: HttpRefusals) -> None:
+        self.plane = plane
+        self.refusals = refusals
+        config = plane.config
+        self.probe_port = probe_port
         self.max_body = max_request_bytes(config)
         # How much of a refused body is read and thrown away so its sender gets the answer (no memory kept).
         self.max_discard = config.max_message_bytes
         self.drain_seconds = config.response_drain_seconds
         self.max_in_flight = config.max_concurrent_rpcs
         self.in_flight = 0
-        # The data plane is CPU-bound: it runs here, never on the event loop that answers probes and scrapes.
+        # The data plane is CPU-bound: it runs here, never on an event loop.
         self.executor = ThreadPoolExecutor(max_workers=config.grpc_workers, thread_name_prefix="http-rpc")
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return
         path, verb = scope["path"], scope["method"]
-        if path == "/metrics":
-            await self.metrics_app(scope, receive, send)
-        elif path == "/livez" and verb in ("GET", "HEAD"):
-            await _reply(send, 200, b"ok\n")
-        elif path == "/readyz" and verb in ("GET", "HEAD"):
-            reason = self.plane.readiness.not_ready_reason() or (self.pod_not_ready() if self.pod_not_ready else "")
-            await _reply(send, 503 if reason else 200, f"{reason or 'ready'}\n".encode())
-        elif path.startswith(f"/{SERVICE_NAME}/") and path.rsplit("/", 1)[1] in REQUEST_TYPES:
+        method = path[len(RPC_PATH_PREFIX) :] if path.startswith(RPC_PATH_PREFIX) else None
+        if method in REQUEST_TYPES:
             if verb != "POST":
-                await _reply(send, 405, b"POST a request message\n", [(b"allow", b"POST")])
+                await reply_error(send, 405, f"{path} takes POST of a request message", [(b"allow", b"POST")])
             else:
-                await self._rpc(path.rsplit("/", 1)[1], scope, receive, send)
+                await self._rpc(method, scope, receive, send)
+        elif method is not None:
+            methods = ", ".join(REQUEST_TYPES)
+            await reply_error(send, 404, f"{SERVICE_NAME} has no method {method!r}; its methods are {methods}")
+        elif path in PROBE_PATHS:
+            await reply_error(
+                send, 404, f"{path} is served on http_port ({self.probe_port}), plaintext; this port serves the RPCs"
+            )
         else:
-            await _reply(send, 404, b"not found\n")
+            await reply_error(send, 404, f"no {path} here: this port serves POST {RPC_PATH_PREFIX}<Method> only")
 
     async def _rpc(self, method: str, scope, receive, send) -> None:
         content_type = _content_type(scope)
         if content_type not in ACCEPTED_TYPES:
             accepted = b", ".join(ACCEPTED_TYPES)
-            text = f"content type {content_type.decode(errors='replace')!r} is not accepted; send {accepted.decode()}\n"
-            await _reply(send, 415, text.encode(), [(b"accept", accepted)])
+            text = f"content type {content_type.decode(errors='replace')!r} is not accepted; send {accepted.decode()}"
+            await reply_error(send, 415, text, [(b"accept", accepted)])
             return
         caller = Caller(_peer(scope), held_per_answer_byte=JSON_HELD_PER_ANSWER_BYTE if content_type == JSON else 1.0)
         close: list[tuple[bytes, bytes]] = []
@@ -116,11 +212,10 @@ class HttpApp:
             if not reusable:
                 close.append((b"connection", b"close"))
             if body is None:
-                self.plane.metrics.http_refused_total.labels(reason="body_too_large").inc()
-                raise LimitExceeded(
-                    f"body: above {self.max_body} bytes, more than a request at this server's limits can be"
-                )
-            request = _from_json(method, body) if content_type == JSON else body
+                message = f"body: above {self.max_body} bytes, more than a request at this server's limits can be"
+                self.refusals.record("body_too_large", f"{method} from {caller.peer}: {message}")
+                raise LimitExceeded(message)
+            request = parse_request(REQUEST_TYPES[method], body).SerializeToString() if content_type == JSON else body
             if self.in_flight >= self.max_in_flight:
                 message = f"busy: {self.in_flight} HTTP calls in the server (max_concurrent_rpcs)"
                 self.plane.shed(method, "concurrency", message)  # the data plane never sees this call
@@ -135,8 +230,7 @@ class HttpApp:
                 self.in_flight -= 1
         except ServiceError as exc:
             log.info("http method=%s code=%s details=%r", method, exc.code.name, exc.message)
-            payload = json.dumps({"code": exc.code.name, "message": exc.message}).encode()
-            await _reply(send, HTTP_STATUS[exc.code], payload, close, content_type=JSON)
+            await _reply(send, HTTP_STATUS[exc.code], error_body(exc.code.name, exc.message), close, JSON)
             return
         try:
             await self._send_answer(method, scope, send, response, content_type, caller)
@@ -146,7 +240,7 @@ class HttpApp:
 
     def _answer(self, method: str, request: bytes, caller: Caller, as_json: bool) -> bytes:
         """The data plane's answer, as JSON where asked: on the executor, since encoding a large answer as JSON
-        (base64 of every array) is CPU work the event loop answering probes must not do."""
+        (base64 of every array) is CPU work the event loop must not do."""
         response = self.plane.call(method, request, "body", caller)
         if not as_json:
             return response
@@ -194,14 +288,6 @@ def _peer(scope) -> str:
     return f"http:{client[0]}:{client[1]}" if client else "http:unknown"
 
 
-def _from_json(method: str, body: bytes) -> bytes:
-    try:
-        message = json_format.Parse(body, REQUEST_TYPES[method](), ignore_unknown_fields=False)
-    except (json_format.ParseError, UnicodeDecodeError) as exc:
-        raise InvalidArgument(f"body: not a {REQUEST_TYPES[method].__name__} in JSON: {exc}") from None
-    return message.SerializeToString()
-
-
 def _to_json(method: str, response: bytes) -> bytes:
     message = RESPONSE_TYPES[method].FromString(response)
     return json_format.MessageToJson(message, preserving_proto_field_name=False, indent=None).encode()
@@ -246,13 +332,16 @@ async def _reply(
     await send({"type": "http.response.body", "body": body})
 
 
-def limited_protocol(config: ServiceConfig, metrics: Metrics) -> type[HttpToolsProtocol]:
+async def reply_error(send, status: int, message: str, extra_headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    """An error of the HTTP layer itself (:data:`TRANSPORT_ERROR_CODES`), as JSON."""
+    await _reply(send, status, error_body(TRANSPORT_ERROR_CODES[status], message), extra_headers, JSON)
+
+
+def limited_protocol(config: ServiceConfig, metrics: Metrics, refusals: HttpRefusals) -> type[HttpToolsProtocol]:
     """uvicorn's httptools protocol with this server's limits on heads, idle time and connections."""
     max_head = config.http_max_header_bytes
     idle_seconds = config.http_idle_timeout_seconds
     max_connections = config.http_max_connections
-    reasons = ("header_too_large", "idle_timeout", "too_many_connections")
-    refused = {reason: metrics.http_refused_total.labels(reason=reason) for reason in reasons}
 
     class LimitedHttpToolsProtocol(HttpToolsProtocol):
         """Counts a request's head bytes before httptools buffers them (it would take any size, and a 128 MiB
@@ -264,12 +353,13 @@ def limited_protocol(config: ServiceConfig, metrics: Metrics) -> type[HttpToolsP
         def connection_made(self, transport) -> None:
             if len(self.connections) >= max_connections:
                 self._refused = True
-                refused["too_many_connections"].inc()
-                transport.write(_status_only(503, "too many connections"))
+                message = f"too many connections: {max_connections} open on this port (http_max_connections)"
+                refusals.record("too_many_connections", f"{_transport_peer(transport)}: {message}")
+                transport.write(_status_only(503, "Service Unavailable", message))
                 transport.close()
                 return
             super().connection_made(transport)
-            metrics.http_connections.set(len(self.connections))
+            metrics.http_connections.inc()  # both ports' connections: each port counts only its own against the limit
             self._head_bytes = 0
             self._in_head = True
             self._request_timer = None
@@ -280,7 +370,7 @@ def limited_protocol(config: ServiceConfig, metrics: Metrics) -> type[HttpToolsP
                 return
             self._cancel_request_timer()
             super().connection_lost(exc)
-            metrics.http_connections.set(len(self.connections))
+            metrics.http_connections.dec()
 
         def _arm_idle(self) -> None:
             self._unset_keepalive_if_required()
@@ -288,7 +378,7 @@ def limited_protocol(config: ServiceConfig, metrics: Metrics) -> type[HttpToolsP
 
         def _close_idle(self) -> None:
             if not self.transport.is_closing():
-                refused["idle_timeout"].inc()
+                refusals.record("idle_timeout", f"{_transport_peer(self.transport)}: idle {idle_seconds} s")
                 self.transport.abort()
 
         def _cancel_request_timer(self) -> None:
@@ -305,8 +395,9 @@ def limited_protocol(config: ServiceConfig, metrics: Metrics) -> type[HttpToolsP
                 end = data.find(b"\r\n\r\n")
                 self._head_bytes += len(data) if end < 0 else end + 4
                 if self._head_bytes > max_head:
-                    refused["header_too_large"].inc()
-                    self.transport.write(_status_only(431, f"request head above {max_head} bytes"))
+                    message = f"request head above {max_head} bytes (http_max_header_bytes)"
+                    refusals.record("header_too_large", f"{_transport_peer(self.transport)}: {message}")
+                    self.transport.write(_status_only(431, "Request Header Fields Too Large", message))
                     self.transport.close()
                     self._in_head = False
                     return
@@ -334,9 +425,15 @@ def limited_protocol(config: ServiceConfig, metrics: Metrics) -> type[HttpToolsP
     return LimitedHttpToolsProtocol
 
 
-def _status_only(status: int, reason: str) -> bytes:
-    body = f"{reason}\n".encode()
+def _transport_peer(transport) -> str:
+    peer = transport.get_extra_info("peername")
+    return f"http:{peer[0]}:{peer[1]}" if peer else "http:unknown"
+
+
+def _status_only(status: int, reason: str, message: str) -> bytes:
+    """A whole response written by the protocol itself, before any request reached the app: the same JSON error."""
+    body = error_body(TRANSPORT_ERROR_CODES[status], message)
     return (
-        f"HTTP/1.1 {status} {reason}\r\ncontent-type: text/plain; charset=utf-8\r\ncontent-length: {len(body)}\r\n"
+        f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
         "connection: close\r\n\r\n"
     ).encode() + body

@@ -1,8 +1,10 @@
 """How the serving process meets signals and ends.
 
-:class:`ShutdownSignals` takes SIGTERM and SIGINT from the first moment ``indexer-service serve`` runs (before
+:class:`ShutdownSignals` takes SIGTERM, SIGINT and SIGHUP from the first moment ``indexer-service serve`` runs (before
 the configuration is read, the heavy imports and the warmup), so a signal at any moment ends the process
-cleanly instead of killing it (-15) or raising KeyboardInterrupt somewhere.
+cleanly instead of killing it (-15) or raising KeyboardInterrupt somewhere. SIGHUP (a closed terminal, or
+an operator's "reload") drains the same way: the server has no configuration to reload, and SIGHUP's default
+action would kill it (exit 129) with no drain and, with workers, leave the supervisor's runtime directory.
 
 :func:`end_process` ends it with ``os._exit`` once the server has drained, after flushing the logs. Why not a
 normal interpreter exit: the warmup runs on a daemon thread that spends most of its time inside Triton's C++
@@ -26,7 +28,7 @@ import signal
 import socket
 import sys
 
-SHUTDOWN_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+SHUTDOWN_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 log = logging.getLogger(__name__)
 
 
@@ -51,7 +53,7 @@ def _record_only(signum: int, frame: object) -> None:
 
 
 class ShutdownSignals:
-    """SIGTERM and SIGINT, written by the C-level handler to a socket the main thread reads: no lock a handler
+    """SIGTERM, SIGINT and SIGHUP, written by the C-level handler to a socket the main thread reads: no lock a handler
     could re-enter, no polling, and nothing lost between installing and waiting. Main thread only."""
 
     def __init__(self) -> None:
@@ -80,11 +82,9 @@ class ShutdownSignals:
         """The shutdown signal received so far, if any, without waiting."""
         return self._take(0)
 
-    def wait(self) -> signal.Signals:
-        """Block until SIGTERM or SIGINT (at once if one came already)."""
-        received = self._take(None)
-        assert received is not None
-        return received
+    def wait(self, timeout: float | None = None) -> signal.Signals | None:
+        """Block until a shutdown signal (at once if one came already), or for ``timeout`` seconds (then None)."""
+        return self._take(timeout)
 
     def close(self) -> None:
         """Back to the handlers from before (a later signal is then not recorded)."""

@@ -7,13 +7,18 @@ suffixes, histograms rather than summaries. Every label set is bounded: ``method
 With several worker processes (``workers``, service/supervisor.py) every process writes its metrics to the files
 of prometheus_client's multiprocess mode, in a private directory the supervisor names in
 ``PROMETHEUS_MULTIPROC_DIR`` before any worker starts: counters and histograms add up over every worker that ever
-ran (a restarted worker's counts are kept), and each gauge says how its workers' values combine
-(``multiprocess_mode``, ignored in a single process). ``/metrics`` of any worker serves the whole replica.
+ran (a dead worker's counts are folded into one file of retired counts, :func:`retire_process`, so the directory,
+and a scrape's cost, stay the same size however often workers restart), and each gauge says how its workers'
+values combine (``multiprocess_mode``, ignored in a single process; a dead worker's gauges go with it).
+``/metrics`` of any worker serves the whole replica; ``indexer_ready`` there is the supervisor's verdict alone.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -41,13 +46,40 @@ SHED_REASONS = (
     "stream_limit",  # a Watch or reflection stream over its per-connection or total cap (service/streams.py)
     "idle_stream",  # a reflection stream that waited reflection_idle_seconds for a request
 )
-HTTP_REFUSALS = ("header_too_large", "idle_timeout", "too_many_connections", "body_too_large")
+HTTP_REFUSALS = (
+    "header_too_large",
+    "idle_timeout",
+    "too_many_connections",
+    "body_too_large",
+    "rpc_on_metrics_port",  # an RPC posted to http_port: a client still set up for the port before http_rpc_port
+)
+# Why a worker process was restarted (indexer_worker_restarts_total's reason label):
+RESTART_REASONS = (
+    "exit",  # it exited by itself (a fatal error, or a SIGTERM not from the supervisor)
+    "killed",  # a signal ended it (the OOM killer's SIGKILL, a segfault...)
+    "hung",  # it did not answer the supervisor's probes for worker_hang_seconds: the supervisor killed it
+)
+# Metric types whose values add up over processes: a dead process's are folded into one file of retired values.
+RETIRED_TYPES = ("counter", "histogram", "summary")
+_FILES_LOCK = "files.lock"  # scrapes read the multiprocess files under it shared; retiring a process, exclusive
+
+
+def _ready_gauge(registry: CollectorRegistry) -> Gauge:
+    """``indexer_ready``: a single process's own; with workers, the supervisor's verdict for the replica (only the
+    supervisor writes it; ``livemin`` over that one process)."""
+    return Gauge(
+        "indexer_ready",
+        "1 when warmup has finished and the server takes requests.",
+        registry=registry,
+        multiprocess_mode="livemin",
+    )
 
 
 class Metrics:
-    """The service's metrics on their own registry (tests start several servers in one process)."""
+    """The service's metrics on their own registry (tests start several servers in one process). ``worker``: one
+    worker of several, which leaves ``indexer_ready`` to its supervisor (``ready`` is None)."""
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, registry: CollectorRegistry | None = None, worker: bool = False) -> None:
         self.registry = registry or CollectorRegistry()
         r = self.registry
         self.warmup_keys = Gauge(
@@ -80,13 +112,7 @@ class Metrics:
         self.warmup_failures_total = Counter(
             "indexer_warmup_failures_total", "Keys whose warmup compile failed.", registry=r
         )
-        # Workers: the least ready live process; the supervisor writes the replica's own (0 while a worker is down).
-        self.ready = Gauge(
-            "indexer_ready",
-            "1 when warmup has finished and the server takes requests.",
-            registry=r,
-            multiprocess_mode="livemin",
-        )
+        self.ready = None if worker else _ready_gauge(r)
         self.compiles_after_ready_total = Counter(
             "indexer_compiles_after_ready_total",
             "Kernel compiles (including disk-cache loads) after the server turned ready; should stay 0.",
@@ -155,7 +181,8 @@ class Metrics:
         self._children: dict[tuple[int, tuple[str, ...]], object] = {}
         for state in WARMUP_STATES:
             self.warmup_keys.labels(state=state).set(0)
-        self.ready.set(0)
+        if self.ready is not None:
+            self.ready.set(0)
         for reason in HTTP_REFUSALS:
             self.http_refused_total.labels(reason=reason)
 
@@ -213,13 +240,16 @@ class _ReplicaCollector:
         from prometheus_client import multiprocess
 
         self.files = multiprocess.MultiProcessCollector(None, path)
+        self.path = path
         self.own = own
 
     def collect(self):
         from prometheus_client.metrics_core import Metric
 
         seen = set()
-        for family in self.files.collect():
+        with _files_locked(self.path, fcntl.LOCK_SH):  # not while a dead worker's files are retired
+            families = list(self.files.collect())
+        for family in families:
             seen.add(family.name)
             yield family
         for family in self.own.collect():
@@ -227,9 +257,44 @@ class _ReplicaCollector:
                 yield Metric(family.name, family.documentation, family.type)
 
 
+@contextmanager
+def _files_locked(path: str, operation: int) -> Iterator[None]:
+    with open(os.path.join(path, _FILES_LOCK), "a") as lock:
+        fcntl.flock(lock, operation)  # released when the file closes
+        yield
+
+
+def retire_process(pid: int, path: str) -> bool:
+    """The files of dead process ``pid`` in multiprocess directory ``path``: its live gauges removed
+    (prometheus_client's ``mark_process_dead``), its counters, histograms and summaries added into one file per type
+    (``counter_retired.db``...) and removed. Totals never go down, and the directory keeps one set of files per live
+    process plus the retired ones, however many processes died. Done under an exclusive lock, so a scrape never
+    sees a value twice or not at all; False (nothing done, try again) while a scrape holds the files."""
+    from prometheus_client import multiprocess
+    from prometheus_client.mmap_dict import MmapedDict
+
+    try:
+        with _files_locked(path, fcntl.LOCK_EX | fcntl.LOCK_NB):
+            multiprocess.mark_process_dead(pid, path)
+            for kind in RETIRED_TYPES:
+                dead = os.path.join(path, f"{kind}_{pid}.db")
+                if not os.path.exists(dead):
+                    continue
+                retired = MmapedDict(os.path.join(path, f"{kind}_retired.db"))
+                try:
+                    for key, value, _, _ in MmapedDict.read_all_values_from_file(dead):
+                        retired.write_value(key, retired.read_value(key)[0] + value, 0.0)
+                finally:
+                    retired.close()
+                os.remove(dead)
+    except BlockingIOError:
+        return False
+    return True
+
+
 class SupervisorMetrics:
     """What the supervisor of several workers writes into the shared multiprocess directory: each worker slot's
-    state, its restarts, and the replica's readiness (merged with the workers' ``indexer_ready`` by minimum)."""
+    state, its restarts by reason, and the replica's readiness (``indexer_ready``, which workers leave to it)."""
 
     def __init__(self, workers: int) -> None:
         r = CollectorRegistry()  # never served: the workers' /metrics read the files
@@ -249,16 +314,11 @@ class SupervisorMetrics:
         )
         self.worker_restarts_total = Counter(
             "indexer_worker_restarts_total",
-            "Worker processes restarted after they died, by slot.",
-            ["worker"],
+            "Worker processes restarted after they died, by slot and why (exit, killed, hung).",
+            ["worker", "reason"],
             registry=r,
         )
-        self.ready = Gauge(
-            "indexer_ready",
-            "1 when warmup has finished and the server takes requests.",
-            registry=r,
-            multiprocess_mode="livemin",
-        )
+        self.ready = _ready_gauge(r)
         self.ready.set(0)
         self.open_fds = _open_fds_gauge(r)
         # The health port's refusals (Watch streams over their cap, watchers that do not read): admission.ShedLog.
@@ -267,7 +327,8 @@ class SupervisorMetrics:
             slot = str(n)
             self.worker_up.labels(worker=slot).set(0)
             self.worker_ready.labels(worker=slot).set(0)
-            self.worker_restarts_total.labels(worker=slot)
+            for reason in RESTART_REASONS:
+                self.worker_restarts_total.labels(worker=slot, reason=reason)
 
     def child(self, metric: M, *label_values: str) -> M:
         """``metric.labels(*label_values)`` (admission.ShedLog's interface; the supervisor's sheds are rare)."""

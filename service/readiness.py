@@ -28,6 +28,9 @@ class Readiness:
         self._ready = False
         self._compiles_after_ready = 0
         self._listeners: list[Callable[[bool], None]] = []
+        # The addresses the server listens on (``grpc=... health=... http=...``), set once it does: the ready
+        # log line names them, so an operator reading only that line knows where to connect.
+        self.listening = ""
 
     @property
     def ready(self) -> bool:
@@ -55,9 +58,10 @@ class Readiness:
         for listener in listeners:
             listener(ready)
         if changed:
-            self.metrics.ready.set(int(ready))
+            if self.metrics.ready is not None:  # a worker's: its supervisor writes the replica's
+                self.metrics.ready.set(int(ready))
             if ready:
-                log.info("ready backend=%s warmup=%s", self.backend_name, self.warmup.state.value)
+                log.info("ready backend=%s warmup=%s %s", self.backend_name, self.warmup.state.value, self.listening)
             else:
                 log.info("not ready reason=%s", self.not_ready_reason())
         return ready

@@ -1,6 +1,6 @@
 """The serving process: start-up order, warmup-gated readiness, SIGTERM drain.
 
-Start-up: both listeners come up first (HTTP /readyz 503, gRPC health NOT_SERVING, RPCs UNAVAILABLE), then
+Start-up: every listener comes up first (HTTP /readyz 503, gRPC health NOT_SERVING, RPCs UNAVAILABLE), then
 the warmup compiles every key; only when all compiled does the server turn ready. SIGTERM: NOT_SERVING and
 /readyz 503 at once, keep serving for ``shutdown_delay_seconds``, then stop taking calls and give the
 in-flight ones ``shutdown_grace_seconds`` to finish; exit 0.
@@ -12,10 +12,12 @@ that many of these (service/worker.py), each given a :class:`service.worker.Work
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import json
 import logging
 import os
 import socket
+import ssl
 import threading
 import time
 from pathlib import Path
@@ -28,11 +30,18 @@ from indexer_service.service.allocator import IdleTrim, configure_malloc, idle_t
 from indexer_service.service.backends import make_backend, resolve_backend
 from indexer_service.service.config import ServiceConfig
 from indexer_service.service.dataplane import DataPlane
-from indexer_service.service.grpc_server import HEALTH_NAMES, create_grpc_server, create_health_server, host_port
+from indexer_service.service.grpc_server import (
+    HEALTH_NAMES,
+    GrpcServer,
+    create_grpc_server,
+    create_health_server,
+    host_port,
+)
 from indexer_service.service.health import HealthServicer
-from indexer_service.service.http_app import HttpApp, limited_protocol
+from indexer_service.service.http_app import HttpRefusals, ProbeApp, RpcApp, limited_protocol
 from indexer_service.service.lifecycle import ShutdownSignals, raise_open_files_limit
 from indexer_service.service.limits import launch_admission
+from indexer_service.service.listeners import listen_tcp
 from indexer_service.service.metrics import Metrics
 from indexer_service.service.warmup import Warmup, use_triton_cache_dir
 
@@ -44,37 +53,45 @@ log = logging.getLogger(__name__)
 _HTTP_START_TIMEOUT_SECONDS = 10.0
 
 
+def uvicorn_tls(config: ServiceConfig) -> dict[str, object]:
+    """uvicorn's TLS settings for ``http_rpc_port``: the gRPC port's certificate and key, and under mutual TLS its
+    client CA with client certificates required, so HTTP refuses every caller gRPC would refuse."""
+    settings: dict[str, object] = {"ssl_certfile": config.tls_cert_file, "ssl_keyfile": config.tls_key_file}
+    if config.tls_client_ca_file:
+        settings |= {"ssl_ca_certs": config.tls_client_ca_file, "ssl_cert_reqs": ssl.CERT_REQUIRED}
+    return settings
+
+
 class _HttpServer:
-    """uvicorn (httptools + uvloop) on its own thread and event loop, on a socket bound up front."""
+    """uvicorn (httptools + uvloop) on its own thread and event loop, on a socket bound up front; HTTPS with the
+    gRPC port's certificate and key when ``tls``, requiring a client certificate chained to ``tls_client_ca_file``
+    when that is set (mutual TLS)."""
 
     def __init__(
-        self, app: HttpApp, service_config: ServiceConfig, metrics: Metrics, bound: socket.socket | None = None
+        self,
+        app: object,
+        service_config: ServiceConfig,
+        metrics: Metrics,
+        refusals: HttpRefusals,
+        bound: socket.socket,
+        name: str,
+        tls: bool,
     ) -> None:
-        host, port, grace = service_config.http_host, service_config.http_port, service_config.shutdown_grace_seconds
-        if bound is not None:  # a worker: the supervisor's listening socket, which every worker accepts on
-            self.socket = bound
-        else:
-            family = socket.AF_INET6 if ":" in host else socket.AF_INET
-            self.socket = socket.socket(family, socket.SOCK_STREAM)
-            self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                self.socket.bind((host, port))
-            except OSError as exc:
-                self.socket.close()
-                raise OSError(f"cannot bind HTTP to {host_port(host, port)}: {exc}") from None
-        self.port = self.socket.getsockname()[1]
+        self.socket = bound
+        self.port = bound.getsockname()[1]
         config = uvicorn.Config(
             app,
             loop="uvloop",
-            http=limited_protocol(service_config, metrics),
+            http=limited_protocol(service_config, metrics, refusals),
             lifespan="off",
             access_log=False,
             log_config=None,
-            timeout_graceful_shutdown=max(grace, 0.1),
+            timeout_graceful_shutdown=max(service_config.shutdown_grace_seconds, 0.1),
             timeout_keep_alive=service_config.http_idle_timeout_seconds,
+            **(uvicorn_tls(service_config) if tls else {}),
         )
         self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]}, name="http")
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]}, name=name)
 
     def start(self) -> None:
         self.thread.start()
@@ -86,24 +103,26 @@ class _HttpServer:
 
     def stop(self, timeout: float) -> None:
         self.server.should_exit = True
-        self.thread.join(timeout)
+        if self.thread.is_alive():  # a worker that never joined never started its RPC port
+            self.thread.join(timeout)
         self.socket.close()
 
 
 class IndexerServer:
-    """Everything one serving process runs; :meth:`start` returns once both listeners are up.
+    """Everything one serving process runs; :meth:`start` returns once every listener is up.
 
-    ``worker``: this process is one worker of several (service/supervisor.py): the gRPC port is shared
-    (SO_REUSEPORT), HTTP accepts on the supervisor's socket, the supervisor serves the health port, readiness is
-    reported to it, and the warmup takes the replica's compile lock (the first worker compiles into the shared
-    Triton cache, the others load from it)."""
+    ``worker``: this process is one worker of several (service/supervisor.py): both HTTP ports accept on the
+    supervisor's sockets (the RPC port once joined), the warmup takes the replica's compile lock (the first worker
+    compiles into the shared Triton cache, the others load from it), the gRPC port is shared (SO_REUSEPORT) and
+    joined only once warmed up (:meth:`join_rpc_port`), readiness is reported to the supervisor, which serves the
+    health port."""
 
     def __init__(self, config: ServiceConfig, worker: WorkerLink | None = None) -> None:
         self.config = config
         self.worker = worker
         cache_dir = use_triton_cache_dir(config.triton_cache_dir)
         self.backend = resolve_backend(config.backend)
-        self.metrics = Metrics()
+        self.metrics = Metrics(worker=worker is not None)
         self.warmup = Warmup(
             warmup_keys(config.model),
             target=None if self.backend != "numpy" else config.warmup_target,
@@ -127,17 +146,36 @@ class IndexerServer:
         self.plane.readiness.add_listener(self.health.set_serving)
         if worker is not None:
             self.plane.readiness.add_listener(worker.report_ready)
-        self.grpc = create_grpc_server(config, self.plane, self.health, share_port=worker is not None)
-        self.grpc_port = self.grpc.port
+        self.grpc: GrpcServer | None = None
+        self.grpc_port = config.grpc_port
         if worker is None:
+            self.grpc = create_grpc_server(config, self.plane, self.health)
+            self.grpc_port = self.grpc.port
             self.health_server, self.health_port = create_health_server(config, self.health)
-        else:  # the supervisor serves the health port, for the whole replica
+        else:  # the gRPC server comes once warmed up (join_rpc_port); the supervisor serves the health port
             self.health_server, self.health_port = None, config.health_port
-        app = HttpApp(self.plane, worker.pod_not_ready if worker is not None else None)
-        self.http = _HttpServer(app, config, self.metrics, worker.http_socket() if worker is not None else None)
-        self.http_port = self.http.port
+        if worker is None:
+            http_socket = listen_tcp(config.http_host, config.http_port, "HTTP")
+            rpc_socket = listen_tcp(config.http_host, config.http_rpc_port, "HTTP RPCs") if config.http_rpcs else None
+        else:
+            http_socket = worker.inherited_socket("http")
+            rpc_socket = worker.inherited_socket("http_rpc") if config.http_rpcs else None
+        self.http_port = http_socket.getsockname()[1]
+        self.http_rpc_port = rpc_socket.getsockname()[1] if rpc_socket is not None else None
+        refusals = HttpRefusals(self.metrics)  # both ports', one log
+        probes = ProbeApp(
+            self.plane, self.http_rpc_port, refusals, worker.pod_not_ready if worker is not None else None
+        )
+        self.http = _HttpServer(probes, config, self.metrics, refusals, http_socket, "http", tls=False)
+        self.http_rpc = None
+        if rpc_socket is not None:
+            rpcs = RpcApp(self.plane, self.http_port, refusals)
+            self.http_rpc = _HttpServer(
+                rpcs, config, self.metrics, refusals, rpc_socket, "http-rpc", tls=config.tls_enabled
+            )
         self._unwatch = None
         self._warmup_thread = threading.Thread(target=self._run_warmup, name="warmup", daemon=True)
+        self.warmup_done = threading.Event()
         # Free heap back to the OS once no call has ended and no connection closed for idle_trim_seconds: a
         # burst's peak does not stay as idle RSS (glibc keeps freed memory for reuse, see service/allocator.py).
         self._idle_trim = IdleTrim(
@@ -145,16 +183,18 @@ class IndexerServer:
         )
 
     def start(self) -> None:
-        self.grpc.server.start()
+        if self.grpc is not None:
+            self.grpc.server.start()
         if self.health_server is not None:
             self.health_server.start()
         self.http.start()
-        log.info(
-            "listening grpc=%s health=%s http=%s",
-            host_port(self.config.grpc_host, self.grpc_port),
-            host_port(self.config.grpc_host, self.health_port),
-            host_port(self.config.http_host, self.http_port),
+        if self.http_rpc is not None and self.worker is None:  # a worker's starts in join_rpc_port
+            self.http_rpc.start()
+        listening = listening_addresses(
+            self.config, self.grpc_port, self.health_port, self.http_port, self.http_rpc_port
         )
+        self.plane.readiness.listening = listening
+        log.info("listening %s", listening)
         if self.config.idle_trim_seconds > 0:
             caveat = idle_trim_caveat(self.config.malloc_arena_max)
             if caveat is not None:
@@ -168,8 +208,30 @@ class IndexerServer:
         self._warmup_thread.start()
 
     def _run_warmup(self) -> None:
-        with self.worker.warmup_lock() if self.worker is not None else contextlib.nullcontext():
-            self.warmup.run()
+        try:
+            self.warmup.load_compiler()  # outside the replica's compile lock: the workers import torch at once
+            with self.worker.warmup_lock() if self.worker is not None else contextlib.nullcontext():
+                self.warmup.run()
+            if self.worker is None:  # a worker turns ready in join_rpc_port
+                self.plane.readiness.refresh()
+        finally:
+            self.warmup_done.set()
+
+    def join_rpc_port(self) -> None:
+        """A worker, once its warmup is over: if it went well, bind the shared gRPC port (SO_REUSEPORT) and the
+        private probe socket, start serving them, then turn ready (which tells the supervisor). The kernel hands
+        a worker connections only from here on, so no gRPC connection lands on one still starting or warming up.
+        A failed warmup leaves the worker off the port and not ready, as a single process stays."""
+        if not self.warmup.finished_ok:
+            return
+        self.grpc = create_grpc_server(
+            self.config, self.plane, self.health, share_port=True, probe_socket=self.worker.probe_socket()
+        )
+        self.grpc.server.start()
+        address = host_port(self.config.grpc_host, self.grpc.port)
+        if self.http_rpc is not None:  # the RPCs over HTTP too: the shared socket's connections go to ready workers
+            self.http_rpc.start()
+        log.info("joined grpc=%s probe=%s", address, self.worker.probe_socket())
         self.plane.readiness.refresh()
 
     def shutdown(self) -> None:
@@ -191,8 +253,11 @@ class IndexerServer:
         cut = threading.Timer(config.shutdown_grace_seconds, self.plane.shutdown_cut.set)
         cut.daemon = True
         cut.start()
-        self.grpc.stop(config.shutdown_grace_seconds)
+        if self.grpc is not None:
+            self.grpc.stop(config.shutdown_grace_seconds)
         cut.cancel()
+        if self.http_rpc is not None:
+            self.http_rpc.stop(timeout=config.shutdown_grace_seconds + 1.0)
         self.http.stop(timeout=config.shutdown_grace_seconds + 1.0)
         if self.health_server is not None:
             self.health_server.stop(0).wait()
@@ -222,6 +287,7 @@ def _write_port_file(path: Path, server: IndexerServer) -> None:
     payload = {
         "grpc_port": server.grpc_port,
         "http_port": server.http_port,
+        "http_rpc_port": server.http_rpc_port,
         "health_port": server.health_port,
         "pid": os.getpid(),
     }
@@ -233,6 +299,27 @@ def _write_port_file(path: Path, server: IndexerServer) -> None:
         raise _port_file_error(path, exc) from None
 
 
+def package_version() -> str:
+    """The installed distribution's version (``pyproject.toml``), or ``unknown`` when run from an uninstalled
+    tree."""
+    try:
+        return importlib.metadata.version("indexer-service")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def listening_addresses(
+    config: ServiceConfig, grpc_port: int, health_port: int, http_port: int, http_rpc_port: int | None
+) -> str:
+    """``grpc=HOST:PORT health=... http=... http_rpc=...`` (``http_rpc=off`` when the HTTP RPCs are off): what the
+    ``listening`` and ``ready`` log lines name."""
+    http_rpc = host_port(config.http_host, http_rpc_port) if http_rpc_port is not None else "off"
+    return (
+        f"grpc={host_port(config.grpc_host, grpc_port)} health={host_port(config.grpc_host, health_port)} "
+        f"http={host_port(config.http_host, http_port)} http_rpc={http_rpc}"
+    )
+
+
 def tls_mode(config: ServiceConfig) -> str:
     """``off``, ``tls`` or ``mutual`` (client certificates required), for the start-up log."""
     if not config.tls_enabled:
@@ -240,10 +327,20 @@ def tls_mode(config: ServiceConfig) -> str:
     return "mutual" if config.tls_client_ca_file else "tls"
 
 
-def announce_start(config: ServiceConfig, port_file: Path | None) -> None:
-    """The start-up log lines (every setting, the TLS mode), then the port file's check: a process that could
-    not report its ports fails before anything listens. Shared by the one process and the supervisor."""
-    log.info("start pid=%d config: %s", os.getpid(), config.summary())
+def announce_start(config: ServiceConfig, workers: int, port_file: Path | None) -> None:
+    """The start-up log lines (what is starting, every setting, the TLS mode), then the port file's check: a
+    process that could not report its ports fails before anything listens. Shared by the one process and the
+    supervisor."""
+    mode = "one process" if workers == 1 else f"supervisor of {workers} worker processes"
+    log.info(
+        "start pid=%d indexer-service %s mode=%s backend=%s warmup_target=%s",
+        os.getpid(),
+        package_version(),
+        mode,
+        config.backend,
+        config.warmup_target,
+    )
+    log.info("config: %s", config.summary())
     raise_open_files_limit()
     log.info(
         "tls mode=%s cert=%s client_ca=%s",
@@ -256,7 +353,7 @@ def announce_start(config: ServiceConfig, port_file: Path | None) -> None:
 
 
 def serve(config: ServiceConfig, port_file: Path | None = None, signals: ShutdownSignals | None = None) -> int:
-    """Run until SIGTERM or SIGINT, then drain; returns the exit code.
+    """Run until SIGTERM, SIGINT or SIGHUP, then drain; returns the exit code.
 
     ``signals``: the process's :class:`ShutdownSignals`, installed as early as possible (the CLI does it before
     reading the configuration); without, serve() installs its own. A signal at any moment ends the run with 0:
@@ -268,7 +365,7 @@ def serve(config: ServiceConfig, port_file: Path | None = None, signals: Shutdow
     own_signals = signals is None
     signals = signals or ShutdownSignals()
     try:
-        announce_start(config, port_file)
+        announce_start(config, 1, port_file)
         configure_malloc(config.malloc_arena_max, config.malloc_retain_bytes)
         server = IndexerServer(config) if signals.pending() is None else None
         if server is None or signals.pending() is not None:

@@ -1,37 +1,48 @@
 """Several worker processes behind one replica's ports: ``serve`` with ``workers`` above 1.
 
 One Python process serves about one core (the GIL), so a replica with N CPUs runs N workers
-(service/worker.py), each a whole single-process server. This supervisor owns what the replica shares:
+(service/worker.py), each a whole single-process server; service/workerproto.py is the protocol between them.
+This supervisor owns what the replica shares:
 
 - **The gRPC port**, shared by the workers with SO_REUSEPORT: the kernel hands each new connection to one of
   them. Before any worker binds, the supervisor binds the port *without* SO_REUSEPORT (so a port anybody else
   holds, another replica of this service included, is refused: ``cannot bind gRPC``), then holds it with an
   SO_REUSEPORT socket that never listens (it reserves the port and receives no connection) for the workers to
-  join. Left open: a process of the same user that sets SO_REUSEPORT itself can still join the group; the kernel
-  refuses one of another user.
-- **The HTTP port**: one listening socket, inherited by every worker, which all accept on (``/metrics``,
-  ``/livez``, ``/readyz`` and the RPCs over HTTP are answered by whichever worker accepts).
-- **The health port** (grpc.health.v1 for the kubelet): served here, SERVING only while every worker is ready.
-  ``/readyz`` says the same (each worker reads the supervisor's verdict). The gRPC port's own health service is
-  per worker, i.e. per connection, which is what a client's health checking needs.
-- **Metrics**: prometheus_client's multiprocess mode in a private directory (``PROMETHEUS_MULTIPROC_DIR``, made
-  fresh at start and removed at exit), so ``/metrics`` of any worker is the replica's; here
-  ``indexer_worker_up``, ``indexer_worker_ready`` and ``indexer_worker_restarts_total`` by ``worker`` slot.
+  join. A worker joins only once warmed up, so no connection lands on a worker that cannot serve it yet (after a
+  restart the Triton cache is warm: a restarted worker joins within its start-up time). Left open: a process of the
+  same user that sets SO_REUSEPORT itself can still join the group; the kernel refuses one of another user.
+- **The HTTP port** (and any other of workerproto.SHARED_LISTENERS): one listening socket, inherited by every
+  worker, which all accept on (``/metrics``, ``/livez``, ``/readyz`` are answered by whichever worker accepts).
+- **Readiness** (the health port's grpc.health.v1 for the kubelet, served here; ``/readyz``, each worker reading
+  the supervisor's verdict; ``indexer_ready``): ready the first time once every worker is, then while at least
+  ``min_ready_workers`` are (0: a majority) and not draining; so a replica that can serve says so while a worker
+  restarts or crash-loops. The gRPC port's own health service is per worker, i.e. per connection, which is what
+  a client's health checking needs.
+- **Hangs**: each ready worker's gRPC server also listens on a private unix socket, where the supervisor sends a
+  grpc.health.v1 Check every quarter of ``worker_hang_seconds`` (at most every second); a worker that has not
+  answered for ``worker_hang_seconds`` is killed (SIGKILL), logged (``worker hung``) and restarted.
+- **Metrics**: prometheus_client's multiprocess mode in the runtime directory (``PROMETHEUS_MULTIPROC_DIR``), so
+  ``/metrics`` of any worker is the replica's; here ``indexer_ready``, ``indexer_worker_up``,
+  ``indexer_worker_ready`` and ``indexer_worker_restarts_total{worker,reason}``. A dead worker's files are retired
+  (service/metrics.py :func:`retire_process`): the directory does not grow with restarts.
 - **The warmup**: workers warm up one at a time under a file lock; the first compiles into the Triton cache,
   the others load what it wrote.
+- **The runtime directory** (``$TMPDIR/indexer-workers-*``): removed on every exit the supervisor controls; one
+  left by a supervisor killed by SIGKILL (which cannot clean up) is removed by the next supervisor's start.
 
-A worker that dies is logged (``worker exited``), counted, takes the replica out of readiness, and is restarted
-after a backoff (0.5 s doubling to 10 s; back to 0.5 s once a worker has lived 30 s). A worker that fails before
-it ever listened on its first start (a bind error, say) stops the replica with exit 1. SIGTERM: the health port
-turns NOT_SERVING, every worker gets SIGTERM and drains as a single process does, and the supervisor exits 0 once
-all have ended (SIGKILL for any still running after delay + grace + 5 s).
+A worker that dies is logged (``worker exited``), counted by reason (``exit``, ``killed``, ``hung``), and
+restarted after a backoff (0.5 s doubling to 10 s; back to 0.5 s once a worker has lived 30 s). A worker that
+fails (exit 1) on its first start before it was ever ready (a bind error, say) stops the replica with exit 1.
+SIGTERM (or SIGINT, SIGHUP): the health port turns NOT_SERVING, every worker gets SIGTERM and drains as a single
+process does, and the supervisor exits 0 once all have ended (SIGKILL for any still running after delay + grace +
+5 s).
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
-import math
 import os
 import select
 import shutil
@@ -41,70 +52,40 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from indexer_service.service import cgroups
 from indexer_service.service.allocator import IdleTrim, configure_malloc
 from indexer_service.service.config import ServiceConfig
 from indexer_service.service.lifecycle import ShutdownSignals
-from indexer_service.service.worker import CONFIG_FILE, POD_STATUS_FILE
+from indexer_service.service.listeners import listen_tcp, socket_address
+from indexer_service.service.metrics import retire_process
+from indexer_service.service.workerproto import (
+    CONFIG_FILE,
+    MAX_PID,
+    MAX_SOCKET_PATH_CHARS,
+    METRICS_DIR,
+    OWNER_LOCK_FILE,
+    POD_STATUS_FILE,
+    RUNTIME_PREFIX,
+    SHARED_LISTENERS,
+    Handoff,
+    Status,
+    config_to_json,
+    probe_socket,
+)
 
 log = logging.getLogger(__name__)
 
-CGROUP_ROOT = Path("/sys/fs/cgroup")
 BACKOFF_FIRST_SECONDS, BACKOFF_MAX_SECONDS, STABLE_SECONDS = 0.5, 10.0, 30.0
-HTTP_BACKLOG = 1024
 _POLL_SECONDS = 0.2
+_PROBE_INTERVAL_SECONDS = 1.0  # the most time between two probes of a worker
+# A gap this long between two steps (which come every _POLL_SECONDS) means the supervisor itself did not run.
+_STALL_SECONDS = 1.0
 
 
 # --- how many ----------------------------------------------------------------------------------------------
-
-
-def cgroup_cpu_quota(root: Path = CGROUP_ROOT, proc_cgroup: Path = Path("/proc/self/cgroup")) -> float | None:
-    """CPUs this process's cgroup may use (its CFS quota over its period), or None where there is no quota.
-
-    cgroup v2: ``cpu.max`` (``"max 100000"`` or ``"200000 100000"``) of this process's cgroup and every parent up
-    to the root, the smallest; v1: ``cpu.cfs_quota_us`` over ``cpu.cfs_period_us`` (-1: none)."""
-    quotas: list[float] = []
-    try:
-        v2_path = next(
-            (line.split("::", 1)[1] for line in proc_cgroup.read_text().splitlines() if line.startswith("0::")), None
-        )
-    except OSError:
-        v2_path = None
-    if (root / "cgroup.controllers").exists():
-        here = root / (v2_path or "/").lstrip("/")
-        for directory in (here, *here.parents):
-            if not directory.is_relative_to(root):
-                break
-            try:
-                quota, period = (directory / "cpu.max").read_text().split()[:2]
-            except (OSError, ValueError):
-                continue
-            if quota != "max" and int(period) > 0:
-                quotas.append(int(quota) / int(period))
-    else:
-        for controller in ("cpu", "cpu,cpuacct"):
-            try:
-                quota_us = int((root / controller / "cpu.cfs_quota_us").read_text())
-                period_us = int((root / controller / "cpu.cfs_period_us").read_text())
-            except (OSError, ValueError):
-                continue
-            if quota_us > 0 and period_us > 0:
-                quotas.append(quota_us / period_us)
-            break
-    return min(quotas) if quotas else None
-
-
-def available_cpus() -> tuple[int, str]:
-    """The CPUs the container may use, and where the figure came from: the cgroup quota rounded up (1.5 CPUs
-    run 2 workers, which between them can use the whole quota) or the CPU affinity, whichever is smaller; at
-    least 1."""
-    affinity = len(os.sched_getaffinity(0))
-    quota = cgroup_cpu_quota()
-    if quota is not None and math.ceil(quota) < affinity:
-        return max(1, math.ceil(quota)), f"cgroup cpu quota {quota:g}"
-    return max(1, affinity), f"cpu affinity {affinity}"
 
 
 def worker_cpus(workers: int, mode: str) -> tuple[list[int] | None, str]:
@@ -113,11 +94,11 @@ def worker_cpus(workers: int, mode: str) -> tuple[list[int] | None, str]:
     calls pinned: benchmarks/RESULTS.md). ``auto`` pins only where the CPUs are the replica's own: a CPU quota
     equal to the CPU set, one worker per CPU (a Guaranteed pod under the static CPU manager); a CPU set shared
     with other pods is left to the scheduler."""
-    cpus = sorted(os.sched_getaffinity(0))
+    cpus = cgroups.cpu_set()
     if mode == "off" or len(cpus) < workers:
         return None, f"pin_workers {mode}, {len(cpus)} CPUs for {workers} workers"
     if mode == "auto":
-        quota = cgroup_cpu_quota()
+        quota = cgroups.cpu_quota()
         if quota is None or abs(quota - len(cpus)) > 1e-6 or workers != len(cpus):
             return None, f"pin_workers auto: cpu quota {quota}, {len(cpus)} CPUs, {workers} workers (not exclusive)"
     return cpus[:workers], f"pin_workers {mode}"
@@ -127,15 +108,10 @@ def resolve_workers(setting: int) -> tuple[int, str]:
     """``workers`` as configured, or for 0 the container's CPUs; and why."""
     if setting > 0:
         return setting, "setting"
-    return available_cpus()
+    return cgroups.available_cpus()
 
 
 # --- the shared ports --------------------------------------------------------------------------------------
-
-
-def _address(host: str, port: int) -> tuple:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    return family, ((host, port, 0, 0) if family == socket.AF_INET6 else (host, port))
 
 
 def reserve_grpc_port(host: str, port: int) -> tuple[socket.socket, int]:
@@ -143,14 +119,14 @@ def reserve_grpc_port(host: str, port: int) -> tuple[socket.socket, int]:
     first), then held by an SO_REUSEPORT socket that never listens, which the workers' listeners join."""
     from indexer_service.service.grpc_server import host_port
 
-    family, address = _address(host, port)
+    family, address = socket_address(host, port)
     with socket.socket(family, socket.SOCK_STREAM) as probe:
         try:
             probe.bind(address)
         except OSError as exc:
             raise OSError(f"cannot bind gRPC to {host_port(host, port)}: {exc}") from None
         port = probe.getsockname()[1]
-    family, address = _address(host, port)
+    family, address = socket_address(host, port)
     held = socket.socket(family, socket.SOCK_STREAM)
     held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
@@ -161,19 +137,49 @@ def reserve_grpc_port(host: str, port: int) -> tuple[socket.socket, int]:
     return held, port
 
 
-def listen_http(host: str, port: int) -> socket.socket:
-    from indexer_service.service.grpc_server import host_port
+# --- the runtime directory ---------------------------------------------------------------------------------
 
-    family, address = _address(host, port)
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind(address)
-    except OSError as exc:
-        sock.close()
-        raise OSError(f"cannot bind HTTP to {host_port(host, port)}: {exc}") from None
-    sock.listen(HTTP_BACKLOG)
-    return sock
+
+class RuntimeDir:
+    """The supervisor's private directory (``$TMPDIR/indexer-workers-*``, mode 0700): the workers' configuration,
+    the replica's readiness, the warmup lock, the metrics files and the probe sockets. Its ``supervisor.lock`` is
+    flock-ed for the supervisor's life, so a later supervisor removes the directories whose lock nobody holds
+    (:func:`remove_leftovers`): those of supervisors killed by SIGKILL (or OOM-killed), which could not remove
+    their own."""
+
+    def __init__(self) -> None:
+        self.path = Path(tempfile.mkdtemp(prefix=RUNTIME_PREFIX))
+        # Locked before it gets the name remove_leftovers looks for, so no live directory ever looks dead.
+        partial = self.path / (OWNER_LOCK_FILE + ".partial")
+        self._lock = open(partial, "w")  # noqa: SIM115 - held open (and locked) until remove()
+        fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        partial.rename(self.path / OWNER_LOCK_FILE)
+        if len(str(probe_socket(self.path, MAX_PID))) > MAX_SOCKET_PATH_CHARS:
+            self.remove()
+            raise OSError(f"the runtime directory {self.path} is too long for a unix socket: set a shorter TMPDIR")
+
+    def remove(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+        self._lock.close()
+
+
+def remove_leftovers(parent: Path) -> list[Path]:
+    """Remove the runtime directories in ``parent`` of supervisors that are gone (their lock is free); returns
+    them. Directories of live supervisors (locked), of other users (unreadable) or without a lock are left."""
+    removed = []
+    for candidate in sorted(parent.glob(RUNTIME_PREFIX + "*")):
+        try:
+            lock = open(candidate / OWNER_LOCK_FILE)  # noqa: SIM115 - closed below, after the removal
+        except OSError:
+            continue
+        with lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:  # its supervisor lives
+                continue
+            shutil.rmtree(candidate, ignore_errors=True)
+            removed.append(candidate)
+    return removed
 
 
 # --- the workers -------------------------------------------------------------------------------------------
@@ -190,11 +196,14 @@ class Slot:
     started_at: float = 0.0
     listening: bool = False
     ready: bool = False
-    ever_listened: bool = False
+    ever_ready: bool = False
     lives: int = 0
     failures_in_a_row: int = 0
     restart_at: float | None = None
     last_exit: str = ""
+    restart_reason: str = ""
+    hung_seconds: float | None = None  # set when the supervisor killed it for not answering
+    probe: WorkerProbe | None = None
     pids: list[int] = field(default_factory=list)
 
     @property
@@ -210,6 +219,46 @@ class Slot:
         return "warming up" if self.listening else "starting"
 
 
+class WorkerProbe:
+    """grpc.health.v1 Check, every ``interval``, to one worker's gRPC server over its private unix socket: an
+    answer proves the worker's gRPC poller and threads run (a heartbeat thread would answer from a process whose
+    server is wedged). At most one probe is in flight; :meth:`silent_seconds` is the time since the last answer
+    (SERVING or not), or since the worker turned ready."""
+
+    def __init__(self, path: Path, interval: float, deadline: float) -> None:
+        import grpc
+        from grpc_health.v1 import health_pb2_grpc
+
+        self.channel = grpc.insecure_channel(f"unix:{path}")
+        self.stub = health_pb2_grpc.HealthStub(self.channel)
+        self.interval, self.deadline = interval, deadline
+        self.last_answer = self.last_sent = time.monotonic()
+        self.in_flight = None
+
+    def poll(self, now: float) -> None:
+        from grpc_health.v1 import health_pb2
+
+        if self.in_flight is not None and self.in_flight.done():
+            if self.in_flight.exception() is None:
+                self.last_answer = now
+            self.in_flight = None
+        if self.in_flight is None and now - self.last_sent >= self.interval:
+            self.last_sent = now
+            self.in_flight = self.stub.Check.future(health_pb2.HealthCheckRequest(), timeout=self.deadline)
+
+    def silent_seconds(self, now: float) -> float:
+        return now - self.last_answer
+
+    def excuse(self, seconds: float) -> None:
+        """Time the supervisor itself did not run (the whole container starved or frozen) is nobody's silence."""
+        self.last_answer += seconds
+
+    def close(self) -> None:
+        if self.in_flight is not None:
+            self.in_flight.cancel()
+        self.channel.close()
+
+
 class Supervisor:
     def __init__(self, config: ServiceConfig, workers: int, source: str, signals: ShutdownSignals) -> None:
         self.config = config
@@ -218,63 +267,92 @@ class Supervisor:
         self.signals = signals
         self.slots = [Slot(n) for n in range(workers)]
         self.cpus, self.pinning = worker_cpus(workers, config.pin_workers.lower())
+        self.min_ready = min(workers, config.min_ready_workers or workers // 2 + 1)
+        self.hang_seconds = config.worker_hang_seconds
         self.draining = False
-        self.pod_ready = False
-        self.runtime = Path(tempfile.mkdtemp(prefix="indexer-workers-"))
-        self.metrics_dir = self.runtime / "metrics"
-        self.metrics_dir.mkdir()
-        _use_multiprocess_metrics(self.metrics_dir)
+        self.pod_ready = self.ever_ready = False
+        self.runtime: RuntimeDir | None = None
         self._grpc_hold: socket.socket | None = None
-        self._http: socket.socket | None = None
+        self.listeners: dict[str, socket.socket] = {}
         self.health = self.health_server = None
         self.metrics = None
         self._idle_trim: IdleTrim | None = None
+        self._to_retire: list[int] = []  # dead workers whose metrics files are still to fold in
+        self._last_step = time.monotonic()
+        self._status_written: str | None = None
+
+    @property
+    def metrics_dir(self) -> Path:
+        return self.runtime.path / METRICS_DIR
 
     # -- start ----------------------------------------------------------------------------------------------
 
     def start(self) -> None:
         from indexer_service.service.admission import ShedLog
-        from indexer_service.service.grpc_server import HEALTH_NAMES, create_health_server, host_port
+        from indexer_service.service.grpc_server import HEALTH_NAMES, create_health_server
         from indexer_service.service.health import HealthServicer
         from indexer_service.service.metrics import SupervisorMetrics
+        from indexer_service.service.server import listening_addresses
 
+        for leftover in remove_leftovers(Path(tempfile.gettempdir())):
+            log.warning("removed the runtime directory of a supervisor that is gone path=%s", leftover)
+        self.runtime = RuntimeDir()
+        self.metrics_dir.mkdir()
+        _use_multiprocess_metrics(self.metrics_dir)
         config = self.config
         self.metrics = SupervisorMetrics(self.workers)
         self._grpc_hold, grpc_port = reserve_grpc_port(config.grpc_host, config.grpc_port)
-        self._http = listen_http(config.http_host, config.http_port)
+        bound: dict[str, int] = {}
+        for name, listener in SHARED_LISTENERS.items():
+            if listener.enabled_by and not getattr(config, listener.enabled_by):
+                continue
+            host, port = getattr(config, listener.host_setting), getattr(config, listener.port_setting)
+            sock = self.listeners[name] = listen_tcp(host, port, listener.what)
+            bound[listener.port_setting] = sock.getsockname()[1]
         self.health = HealthServicer(HEALTH_NAMES, ShedLog(self.metrics).record)
         self.health_server, health_port = create_health_server(config, self.health)
-        self.config = replace(
-            config, grpc_port=grpc_port, http_port=self._http.getsockname()[1], health_port=health_port, workers=1
-        )
+        self.config = replace(config, grpc_port=grpc_port, health_port=health_port, workers=1, **bound)
         self._write_status("starting")
-        (self.runtime / CONFIG_FILE).write_text(json.dumps(asdict(self.config)))
+        (self.runtime.path / CONFIG_FILE).write_text(config_to_json(self.config))
         self.health_server.start()
         # The health port's connections come and go here too: counted, and their memory handed back.
         self._idle_trim = IdleTrim(config.idle_trim_seconds, on_fds=self.metrics.open_fds.set)
         self._idle_trim.start()
+        rpc_listener = self.listeners.get("http_rpc")
+        self.listening = listening_addresses(
+            self.config,
+            grpc_port,
+            health_port,
+            self.config.http_port,
+            self.config.http_rpc_port if rpc_listener is not None else None,
+        )
         log.info(
-            "workers n=%d from=%s cpus=%s (%s) grpc=%s (shared, SO_REUSEPORT) health=%s http=%s runtime=%s",
+            "workers n=%d from=%s cpus=%s (%s) min_ready_workers=%d worker_hang_seconds=%g %s (gRPC shared, "
+            "SO_REUSEPORT) runtime=%s",
             self.workers,
             self.source,
             ",".join(map(str, self.cpus)) if self.cpus else "shared",
             self.pinning,
-            host_port(config.grpc_host, grpc_port),
-            host_port(config.grpc_host, health_port),
-            host_port(config.http_host, self.config.http_port),
-            self.runtime,
+            self.min_ready,
+            self.hang_seconds,
+            self.listening,
+            self.runtime.path,
         )
         for slot in self.slots:
             self._spawn(slot)
 
     def _spawn(self, slot: Slot) -> None:
         read, write = os.pipe()
-        http_fd = self._http.fileno()
-        cpu = self.cpus[slot.number] if self.cpus else -1
-        worker_args = (self.runtime, slot.label, write, http_fd, os.getpid(), cpu)  # service/worker.py's argv
-        command = [sys.executable, "-m", "indexer_service.service.worker", *map(str, worker_args)]
+        handoff = Handoff(
+            runtime_dir=str(self.runtime.path),
+            slot=slot.number,
+            status_fd=write,
+            sockets={name: sock.fileno() for name, sock in self.listeners.items()},
+            parent_pid=os.getpid(),
+            cpu=self.cpus[slot.number] if self.cpus else -1,
+        )
         try:
-            slot.process = subprocess.Popen(command, pass_fds=(write, http_fd))
+            slot.process = subprocess.Popen(handoff.command(), pass_fds=handoff.inherited_fds())
         finally:
             os.close(write)
         os.set_blocking(read, False)
@@ -284,18 +362,24 @@ class Supervisor:
         slot.pids.append(slot.process.pid)
         self.metrics.worker_up.labels(worker=slot.label).set(1)
         if slot.lives > 1:
-            self.metrics.worker_restarts_total.labels(worker=slot.label).inc()
-            log.warning("worker restarted worker=%d pid=%d restarts=%d", slot.number, slot.process.pid, slot.lives - 1)
+            self.metrics.worker_restarts_total.labels(worker=slot.label, reason=slot.restart_reason).inc()
+            log.warning(
+                "worker restarted worker=%d pid=%d reason=%s restarts=%d",
+                slot.number,
+                slot.process.pid,
+                slot.restart_reason,
+                slot.lives - 1,
+            )
         else:
             log.info("worker started worker=%d pid=%d", slot.number, slot.process.pid)
 
     # -- run ------------------------------------------------------------------------------------------------
 
     def all_listening(self) -> bool:
-        return all(slot.ever_listened for slot in self.slots)
+        return all(slot.listening or slot.ever_ready for slot in self.slots)
 
     def step(self, timeout: float = _POLL_SECONDS) -> bool:
-        """Wait up to ``timeout`` for a signal or a worker's word; handle exits and restarts. False once a
+        """Wait up to ``timeout`` for a signal or a worker's word; handle exits, hangs and restarts. False once a
         shutdown signal has come."""
         now = time.monotonic()
         due = [s.restart_at for s in self.slots if s.restart_at is not None]
@@ -304,13 +388,20 @@ class Supervisor:
         readable, _, _ = select.select([self.signals, *fds], [], [], timeout)
         if self.signals.pending() is not None:
             return False
+        now = time.monotonic()
+        stalled, self._last_step = now - self._last_step, now
         for slot in self.slots:
             if slot.status_fd in readable:
                 self._read_status(slot)
+            if slot.probe is not None:
+                if stalled > _STALL_SECONDS:
+                    slot.probe.excuse(stalled)
+                self._check_alive(slot, now)
             if slot.process is not None and slot.process.poll() is not None:
                 self._exited(slot)
             if slot.restart_at is not None and time.monotonic() >= slot.restart_at and not self.draining:
                 self._spawn(slot)
+        self._to_retire = [pid for pid in self._to_retire if not retire_process(pid, str(self.metrics_dir))]
         self._refresh()
         return True
 
@@ -325,61 +416,93 @@ class Supervisor:
             return
         *lines, slot.buffer = (slot.buffer + data).split(b"\n")
         for line in lines:
-            if line == b"listening":
-                slot.listening = slot.ever_listened = True
-            elif line.startswith(b"ready "):
-                slot.ready = line == b"ready 1"
-                self.metrics.worker_ready.labels(worker=slot.label).set(int(slot.ready))
-                log.info(
-                    "worker %s worker=%d pid=%d",
-                    "ready" if slot.ready else "not ready",
-                    slot.number,
-                    slot.process.pid if slot.process else -1,
-                )
+            status = Status(line.decode())
+            if status is Status.LISTENING:
+                slot.listening = True
+                continue
+            slot.ready = status is Status.READY
+            slot.ever_ready = slot.ever_ready or slot.ready
+            self.metrics.worker_ready.labels(worker=slot.label).set(int(slot.ready))
+            pid = slot.process.pid if slot.process else -1
+            log.info("worker %s worker=%d pid=%d", "ready" if slot.ready else "not ready", slot.number, pid)
+            if slot.ready and slot.probe is None and self.hang_seconds > 0:
+                interval = min(_PROBE_INTERVAL_SECONDS, self.hang_seconds / 4)
+                slot.probe = WorkerProbe(probe_socket(self.runtime.path, pid), interval, self.hang_seconds)
+
+    def _check_alive(self, slot: Slot, now: float) -> None:
+        """Probe a ready worker; kill one silent for ``worker_hang_seconds`` (SIGKILL: its connections close and
+        their clients reconnect to workers that answer); it is then restarted as any dead worker is."""
+        slot.probe.poll(now)
+        silent = slot.probe.silent_seconds(now)
+        if silent < self.hang_seconds or slot.process is None or slot.hung_seconds is not None:
+            return
+        slot.hung_seconds = silent
+        log.error(
+            "worker hung worker=%d pid=%d silent_seconds=%.1f worker_hang_seconds=%g: killed",
+            slot.number,
+            slot.process.pid,
+            silent,
+            self.hang_seconds,
+        )
+        slot.process.kill()
 
     def _exited(self, slot: Slot) -> None:
-        from prometheus_client import multiprocess
-
         process = slot.process
         code = process.returncode
         if slot.status_fd >= 0:
             os.close(slot.status_fd)
             slot.status_fd = -1
+        if slot.probe is not None:
+            slot.probe.close()
+            slot.probe = None
+        probe_socket(self.runtime.path, process.pid).unlink(missing_ok=True)
         lived = time.monotonic() - slot.started_at
         slot.process, slot.listening, slot.ready = None, False, False
         slot.last_exit = f"exit {code}" if code >= 0 else f"killed by {signal.Signals(-code).name}"
-        multiprocess.mark_process_dead(process.pid, str(self.metrics_dir))
+        slot.restart_reason = "hung" if slot.hung_seconds is not None else "killed" if code < 0 else "exit"
+        slot.hung_seconds = None
+        self._to_retire.append(process.pid)
         self.metrics.worker_up.labels(worker=slot.label).set(0)
         self.metrics.worker_ready.labels(worker=slot.label).set(0)
         if self.draining:
             log.info("worker stopped worker=%d pid=%d code=%d", slot.number, process.pid, code)
             return
-        if slot.lives == 1 and not slot.ever_listened and code == 1:
+        if slot.lives == 1 and not slot.ever_ready and code == 1:
             raise RuntimeError(f"worker {slot.number} failed to start (exit {code}; its log is above)")
         slot.failures_in_a_row = 0 if lived >= STABLE_SECONDS else slot.failures_in_a_row
         backoff = min(BACKOFF_MAX_SECONDS, BACKOFF_FIRST_SECONDS * 2**slot.failures_in_a_row)
         slot.failures_in_a_row += 1
         slot.restart_at = time.monotonic() + backoff
         log.error(
-            "worker exited worker=%d pid=%d code=%d %s lived_seconds=%.1f restart_in_seconds=%.1f",
+            "worker exited worker=%d pid=%d code=%d %s reason=%s lived_seconds=%.1f restart_in_seconds=%.1f",
             slot.number,
             process.pid,
             code,
             slot.last_exit,
+            slot.restart_reason,
             lived,
             backoff,
         )
 
+    def ready_workers(self) -> int:
+        return sum(slot.ready for slot in self.slots)
+
+    def needed(self) -> int:
+        """Workers that must be ready for the replica to be: all of them until the replica was ready once (so
+        the first connections spread over every worker), then ``min_ready_workers``."""
+        return self.min_ready if self.ever_ready else self.workers
+
     def _refresh(self) -> None:
-        """The replica is ready when every worker is (and it is not draining): health port, gauge, /readyz."""
-        ready = not self.draining and all(slot.ready for slot in self.slots)
+        """The replica is ready while enough workers are (and it is not draining): health port, gauge, /readyz."""
+        ready = not self.draining and self.ready_workers() >= self.needed()
         reason = "" if ready else self.not_ready_reason()
         if ready != self.pod_ready:
             self.pod_ready = ready
+            self.ever_ready = self.ever_ready or ready
             self.health.set_serving(ready)
             self.metrics.ready.set(int(ready))
             if ready:
-                log.info("ready workers=%d", self.workers)
+                log.info("ready workers=%d workers_ready=%d %s", self.workers, self.ready_workers(), self.listening)
             else:
                 log.info("not ready reason=%s", reason)
         self._write_status(reason)
@@ -388,12 +511,12 @@ class Supervisor:
         if self.draining:
             return "draining"
         waiting = [f"worker {s.number}: {s.state()}" for s in self.slots if not s.ready]
-        return f"{len(waiting)} of {self.workers} workers not ready ({'; '.join(waiting)})"
+        return f"{self.ready_workers()} of {self.workers} workers ready, {self.needed()} needed ({'; '.join(waiting)})"
 
     def _write_status(self, reason: str) -> None:
-        path = self.runtime / POD_STATUS_FILE
-        if getattr(self, "_status_written", None) == reason:
+        if self._status_written == reason:
             return
+        path = self.runtime.path / POD_STATUS_FILE
         partial = path.with_name(path.name + ".partial")
         partial.write_text(reason)
         partial.replace(path)
@@ -436,7 +559,7 @@ class Supervisor:
         log.info("stopped drain_seconds=%.3f", time.monotonic() - start)
 
     def close(self) -> None:
-        """Stop what is left (workers included, at once) and remove the private directory."""
+        """Stop what is left (workers included, at once) and remove the runtime directory."""
         for slot in self.slots:
             if slot.process is not None and slot.process.poll() is None:
                 slot.process.kill()
@@ -444,16 +567,20 @@ class Supervisor:
             if slot.status_fd >= 0:
                 os.close(slot.status_fd)
                 slot.status_fd = -1
+            if slot.probe is not None:
+                slot.probe.close()
+                slot.probe = None
         if self.health_server is not None:
             self.health_server.stop(0).wait()
             self.health.close()
             self.health_server = None
         if self._idle_trim is not None:
             self._idle_trim.stop()
-        for sock in (self._grpc_hold, self._http):
+        for sock in (self._grpc_hold, *self.listeners.values()):
             if sock is not None:
                 sock.close()
-        shutil.rmtree(self.runtime, ignore_errors=True)
+        if self.runtime is not None:
+            self.runtime.remove()
 
 
 def _use_multiprocess_metrics(path: Path) -> None:
@@ -469,10 +596,11 @@ def _use_multiprocess_metrics(path: Path) -> None:
 def supervise(
     config: ServiceConfig, workers: int, source: str, port_file: Path | None, signals: ShutdownSignals
 ) -> int:
-    """Run ``workers`` worker processes until SIGTERM or SIGINT, then drain them all; returns the exit code."""
+    """Run ``workers`` worker processes until a shutdown signal (SIGTERM, SIGINT, SIGHUP), then drain them all;
+    returns the exit code. The runtime directory is removed on every way out of here (a drain, an error)."""
     from indexer_service.service.server import announce_start
 
-    announce_start(config, port_file)
+    announce_start(config, workers, port_file)
     configure_malloc(config.malloc_arena_max, config.malloc_retain_bytes)  # one arena: the idle trim returns all
     if signals.pending() is not None:
         log.info("shutdown signal=%s before the server started", signals.wait().name)
@@ -497,8 +625,12 @@ def _write_ports(path: Path, supervisor: Supervisor) -> None:
     config = supervisor.config
     payload = {
         "grpc_port": config.grpc_port,
-        "http_port": config.http_port,
         "health_port": config.health_port,
+        # A listener that is off (http_rpcs = false) is null, as in the single process's port file.
+        **{
+            listener.port_setting: getattr(config, listener.port_setting) if name in supervisor.listeners else None
+            for name, listener in SHARED_LISTENERS.items()
+        },
         "pid": os.getpid(),
         "workers": supervisor.workers,
     }

@@ -10,6 +10,7 @@ fails the key, naming the first wrong element, and the server stays not ready. `
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import os
@@ -153,6 +154,14 @@ class Warmup:
     def compiled_keys(self) -> frozenset[CompileKey]:
         with self._lock:
             return frozenset(k for k, p in self._progress.items() if p.state is KeyState.COMPILED)
+
+    def load_compiler(self) -> None:
+        """Import the compile engine (torch and Triton: seconds) ahead of :meth:`run`, so that the workers of a
+        replica, which take turns for the compiles, import it in parallel. An import that fails is left for
+        :meth:`run` to meet again and report."""
+        if self.enabled:
+            with contextlib.suppress(Exception):
+                import indexer_service.kernels.compile_engine  # noqa: F401
 
     def run(self) -> WarmupState:
         """Compile every key; READY only when all compiled. Never raises: anything unexpected is FAILED."""

@@ -1,14 +1,15 @@
 """One worker process of several, started by service/supervisor.py, never by hand:
-``python -m indexer_service.service.worker RUNTIME_DIR SLOT STATUS_FD HTTP_FD PARENT_PID CPU``.
+``python -m indexer_service.service.worker HANDOFF`` (service/workerproto.py says what it holds).
 
 A worker is the single-process server (:class:`service.server.IndexerServer`) with a :class:`WorkerLink` to its
-supervisor: the gRPC port is shared with the other workers (SO_REUSEPORT, reserved by the supervisor), HTTP
-accepts on the supervisor's listening socket (inherited as ``HTTP_FD``), the health port is the supervisor's,
-readiness goes up the status pipe (``STATUS_FD``: ``listening``, ``ready 0``/``ready 1``, one a line), ``/readyz``
-also asks the supervisor whether the whole replica is ready (a file in ``RUNTIME_DIR``), and the warmup takes the
-replica's compile lock, so the first worker compiles into the shared Triton cache and the others load from it.
-The worker dies with its supervisor (``PR_SET_PDEATHSIG``), and drains on SIGTERM as the single process does.
-``CPU`` is the CPU its every thread runs on (``pin_workers``), or -1 for the replica's whole CPU set.
+supervisor: HTTP accepts at once on the supervisor's listening socket (inherited), so ``/livez``, ``/readyz`` (the
+replica's readiness, read from the supervisor's ``pod-status`` file) and ``/metrics`` answer from the start; the
+warmup takes the replica's compile lock (the first worker compiles into the shared Triton cache, the others
+load from it); only once warmed up does the worker's gRPC server bind the shared gRPC port (SO_REUSEPORT,
+reserved by the supervisor) and its private probe socket, then say ``ready 1``: the kernel hands a worker gRPC
+connections only once it can serve them, after a restart too. The supervisor's health probes come through the
+probe socket; the health port is the supervisor's. The worker dies with its supervisor (``PR_SET_PDEATHSIG``),
+and drains on SIGTERM (or SIGINT, SIGHUP) as the single process does.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import fcntl
-import json
 import logging
 import os
 import signal
@@ -26,10 +26,19 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-CONFIG_FILE = "config.json"  # the supervisor's validated configuration, with the concrete ports
-POD_STATUS_FILE = "pod-status"  # "" when every worker is ready, else why not (written by the supervisor)
-WARMUP_LOCK_FILE = "warmup.lock"
+from indexer_service.service.workerproto import (
+    CONFIG_FILE,
+    POD_STATUS_FILE,
+    WARMUP_LOCK_FILE,
+    Handoff,
+    Status,
+    config_from_json,
+    probe_socket,
+)
+
 _PR_SET_PDEATHSIG = 1
+# How often the main thread looks whether the warmup has finished, while it waits for a signal.
+_WARMUP_POLL_SECONDS = 0.05
 
 log = logging.getLogger(__name__)
 
@@ -45,33 +54,37 @@ def die_with_parent(parent: int) -> None:
 class WorkerLink:
     """What a worker shares with its supervisor."""
 
-    def __init__(self, runtime_dir: Path, slot: int, status_fd: int, http_fd: int) -> None:
-        self.runtime_dir = runtime_dir
-        self.slot = slot
-        self.http_fd = http_fd
-        self._status = os.fdopen(status_fd, "w", buffering=1)
+    def __init__(self, handoff: Handoff) -> None:
+        self.runtime_dir = Path(handoff.runtime_dir)
+        self.slot = handoff.slot
+        self.sockets = handoff.sockets
+        self._status = os.fdopen(handoff.status_fd, "w", buffering=1)
         self._lock = threading.Lock()
 
-    def report(self, line: str) -> None:
+    def report(self, status: Status) -> None:
         with self._lock:
             try:
-                self._status.write(line + "\n")
+                self._status.write(status.value + "\n")
                 self._status.flush()
             except (OSError, ValueError):  # the supervisor is gone; PR_SET_PDEATHSIG ends this process
                 pass
 
     def report_ready(self, ready: bool) -> None:
-        self.report(f"ready {int(ready)}")
+        self.report(Status.READY if ready else Status.NOT_READY)
 
     def pod_not_ready(self) -> str:
-        """Why the replica is not ready ("" when every worker is)."""
+        """Why the replica is not ready ("" when it is)."""
         try:
             return (self.runtime_dir / POD_STATUS_FILE).read_text().strip()
         except OSError as exc:
             return f"the supervisor's status is unreadable: {exc}"
 
-    def http_socket(self) -> socket.socket:
-        return socket.socket(fileno=self.http_fd)
+    def inherited_socket(self, name: str) -> socket.socket:
+        """The supervisor's listening socket ``name`` (workerproto.SHARED_LISTENERS)."""
+        return socket.socket(fileno=self.sockets[name])
+
+    def probe_socket(self) -> Path:
+        return probe_socket(self.runtime_dir, os.getpid())
 
     @contextlib.contextmanager
     def warmup_lock(self) -> Iterator[None]:
@@ -86,15 +99,12 @@ class WorkerLink:
 
 
 def run_worker(link: WorkerLink, signals: object) -> int:
-    """Serve until SIGTERM (from the supervisor), then drain; the single process's :func:`service.server.serve`
-    with a link instead of a port file."""
+    """Serve until a shutdown signal (from the supervisor), then drain; the single process's
+    :func:`service.server.serve`, with a link instead of a port file and the gRPC port joined once warmed up."""
     from indexer_service.service.allocator import configure_malloc
-    from indexer_service.service.config import ServiceConfig
     from indexer_service.service.server import IndexerServer
 
-    values = json.loads((link.runtime_dir / CONFIG_FILE).read_text())
-    values["compress_ratios"] = tuple(values["compress_ratios"])
-    config = ServiceConfig(**values)
+    config = config_from_json((link.runtime_dir / CONFIG_FILE).read_text())
     logging.basicConfig(
         level=config.log_level.upper(),
         force=True,
@@ -107,8 +117,13 @@ def run_worker(link: WorkerLink, signals: object) -> int:
         log.info("shutdown signal=%s before the server started", signals.wait().name)
         return 0
     server.start()
-    link.report("listening")
-    received = signals.wait()
+    link.report(Status.LISTENING)
+    received = signals.pending()
+    while received is None and not server.warmup_done.is_set():
+        received = signals.wait(_WARMUP_POLL_SECONDS)
+    if received is None:
+        server.join_rpc_port()
+        received = signals.wait()
     log.info("shutdown signal=%s", received.name)
     server.shutdown()
     return 0
@@ -122,19 +137,19 @@ def pin_to_cpu(cpu: int) -> None:
 
 
 def main(argv: list[str]) -> None:
-    runtime_dir, slot, status_fd, http_fd, parent, cpu = argv
-    die_with_parent(int(parent))
-    if int(cpu) >= 0:
-        pin_to_cpu(int(cpu))
+    handoff = Handoff.from_argv(argv)
+    die_with_parent(handoff.parent_pid)
+    if handoff.cpu >= 0:
+        pin_to_cpu(handoff.cpu)
     from indexer_service.service.lifecycle import ShutdownSignals, end_process
 
     signals = ShutdownSignals()
-    link = WorkerLink(Path(runtime_dir), int(slot), int(status_fd), int(http_fd))
+    link = WorkerLink(handoff)
     try:
         code = run_worker(link, signals)
     except OSError as exc:  # a fatal start-up error (bind): the supervisor stops the replica if none started
         log.error("fatal %s", exc)
-        print(f"indexer-service serve: worker {slot}: {exc}", file=sys.stderr)
+        print(f"indexer-service serve: worker {handoff.slot}: {exc}", file=sys.stderr)
         code = 1
     except BaseException:
         log.exception("fatal internal error")

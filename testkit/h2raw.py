@@ -106,10 +106,13 @@ class RawGrpcConnection:
     def server_max_streams(self) -> int:
         return self.h2.remote_settings.max_concurrent_streams
 
-    def start_call(self, path: str, message: bytes, reset: bool = False, flush: bool = True) -> int | None:
+    def start_call(
+        self, path: str, message: bytes, reset: bool = False, flush: bool = True, grpc_timeout: str | None = None
+    ) -> int | None:
         """Open a stream with one unary gRPC request (HEADERS, then DATA ending the stream); with ``reset``, a
-        RST_STREAM (CANCEL) right after. The stream id, or None when the server's stream limit or a GOAWAY
-        leaves no room for a new stream (the limit being enforced is the server's defence)."""
+        RST_STREAM (CANCEL) right after; with ``grpc_timeout`` (the header's value, e.g. ``"1u"``: one
+        microsecond) a deadline. The stream id, or None when the server's stream limit or a GOAWAY leaves no room
+        for a new stream (the limit being enforced is the server's defence)."""
         with self._lock:
             if self.closed.is_set():
                 return None
@@ -124,6 +127,7 @@ class RawGrpcConnection:
                         (":authority", f"{self.host}:{self.port}"),
                         ("content-type", "application/grpc"),
                         ("te", "trailers"),
+                        *([("grpc-timeout", grpc_timeout)] if grpc_timeout else []),
                     ],
                 )
                 self.h2.send_data(stream_id, grpc_frame(message), end_stream=True)
@@ -228,16 +232,20 @@ class StallReport:
         return sum(not s.ended for s in self.outcomes)
 
     def statuses(self) -> dict[str, int]:
-        """Counts of how streams ended: ``grpc-<code>``, ``reset-<h2 error>``, or ``open``."""
-        names = Counter()
-        for s in self.outcomes:
-            if s.grpc_status is not None:
-                names[f"grpc-{s.grpc_status}"] += 1
-            elif s.reset_code is not None:
-                names[f"reset-{h2.errors.ErrorCodes(s.reset_code).name}"] += 1
-            else:
-                names["open"] += 1
-        return dict(names)
+        return stream_endings(self.outcomes)
+
+
+def stream_endings(outcomes: list[StreamOutcome]) -> dict[str, int]:
+    """Counts of how streams ended: ``grpc-<code>``, ``reset-<h2 error>``, or ``open``."""
+    names = Counter()
+    for s in outcomes:
+        if s.grpc_status is not None:
+            names[f"grpc-{s.grpc_status}"] += 1
+        elif s.reset_code is not None:
+            names[f"reset-{h2.errors.ErrorCodes(s.reset_code).name}"] += 1
+        else:
+            names["open"] += 1
+    return dict(names)
 
 
 class StalledStreams:
@@ -355,5 +363,67 @@ def rapid_reset_parallel(
     with ProcessPoolExecutor(connections, mp_context=context) as pool:
         futures = [
             pool.submit(rapid_reset, host, port, path, message, streams_each, max_seconds) for _ in range(connections)
+        ]
+        return [future.result(timeout=max_seconds + 60.0) for future in futures]
+
+
+@dataclass
+class CallLoopReport:
+    """One connection's loop of calls, each sent once the last one ended: how each ended, by name
+    (:func:`stream_endings`)."""
+
+    endings: Counter = field(default_factory=Counter)
+    goaway: str | None = None  # the server's GOAWAY error code, by name
+    started_wall: float = 0.0  # time.time() at the first call and after the last
+    ended_wall: float = 0.0
+
+    @property
+    def calls(self) -> int:
+        return sum(self.endings.values())
+
+
+def call_loop(
+    host: str, port: int, path: str, message: bytes, max_seconds: float, grpc_timeout: str | None = None
+) -> CallLoopReport:
+    """One connection sending the same unary call again as soon as the last one ended (one in flight), with
+    ``grpc_timeout`` as its deadline header when given, for ``max_seconds`` or until the server closes the
+    connection. A call the server never ends within 5 s counts as ``open`` and the loop goes on."""
+    report = CallLoopReport(started_wall=time.time())
+    conn = RawGrpcConnection(host, port, acknowledge_data=True)
+    conn.wait_settings()
+    stop = time.monotonic() + max_seconds
+    try:
+        while time.monotonic() < stop and not conn.closed.is_set():
+            stream_id = conn.start_call(path, message, grpc_timeout=grpc_timeout)
+            if stream_id is None:  # no room for a stream (it is the loop's only one): the server is closing
+                break
+            give_up = min(stop, time.monotonic() + 5.0)
+            stream = conn.streams[stream_id]
+            while not stream.ended and time.monotonic() < give_up and not conn.closed.is_set():
+                time.sleep(0.0002)
+    finally:
+        report.endings = Counter(stream_endings(list(conn.streams.values())))
+        if conn.goaway is not None:
+            report.goaway = h2.errors.ErrorCodes(conn.goaway.error_code).name
+        conn.close()
+        report.ended_wall = time.time()
+    return report
+
+
+def call_loop_parallel(
+    host: str,
+    port: int,
+    path: str,
+    message: bytes,
+    connections: int,
+    max_seconds: float,
+    grpc_timeout: str | None = None,
+) -> list[CallLoopReport]:
+    """:func:`call_loop` from ``connections`` processes at once, one connection each (see
+    :func:`rapid_reset_parallel` for why processes)."""
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(connections, mp_context=context) as pool:
+        futures = [
+            pool.submit(call_loop, host, port, path, message, max_seconds, grpc_timeout) for _ in range(connections)
         ]
         return [future.result(timeout=max_seconds + 60.0) for future in futures]

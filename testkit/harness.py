@@ -81,10 +81,10 @@ def host_port(host: str, port: int) -> str:
 
 
 def listen_flags(grpc_host: str = LOOPBACK, http_host: str = LOOPBACK, grpc_port: int = 0) -> list[str]:
-    """``serve``'s flags for listening on these hosts at ports the OS picks (gRPC, HTTP and the health port), or
-    at ``grpc_port`` for gRPC when given."""
+    """``serve``'s flags for listening on these hosts at ports the OS picks (gRPC, both HTTP ports and the health
+    port), or at ``grpc_port`` for gRPC when given."""
     return ["--grpc-host", grpc_host, "--http-host", http_host, "--grpc-port", str(grpc_port), "--http-port", "0",
-            "--health-port", "0"]  # fmt: skip
+            "--http-rpc-port", "0", "--health-port", "0"]  # fmt: skip
 
 
 class ServiceProcess:
@@ -120,6 +120,7 @@ class ServiceProcess:
         self.process: subprocess.Popen | None = None
         self.started_at = 0.0
         self.grpc_port = self.http_port = self.health_port = 0
+        self.http_rpc_port: int | None = None  # None: the server serves no RPCs over HTTP (http_rpcs = false)
         self.ports: dict[str, int] = {}
 
     def start(self) -> ServiceProcess:
@@ -147,7 +148,14 @@ class ServiceProcess:
 
     @property
     def http_url(self) -> str:
+        """``/metrics``, ``/livez``, ``/readyz`` (``http_port``)."""
         return f"http://{host_port(self.http_host, self.http_port)}"
+
+    @property
+    def http_rpc_url(self) -> str:
+        """The RPCs over HTTP (``http_rpc_port``), plaintext: a server with TLS answers ``https://`` there."""
+        assert self.http_rpc_port, "this server serves no RPCs over HTTP"
+        return f"http://{host_port(self.http_host, self.http_rpc_port)}"
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
@@ -166,6 +174,7 @@ class ServiceProcess:
         self.ports = ports = json.loads(self.port_file.read_text())
         self.grpc_port, self.http_port = ports["grpc_port"], ports.get("http_port", 0)
         self.health_port = ports.get("health_port", 0)  # servers before issue 10 have no health listener
+        self.http_rpc_port = ports.get("http_rpc_port")
         return self
 
     def wait_ready(self, timeout: float = 180.0, poll: float = 0.01) -> float:
@@ -189,6 +198,11 @@ class ServiceProcess:
 
     def __exit__(self, *exc_info: object) -> None:
         self.kill()
+
+    def connections_on(self, port: int) -> int:
+        """Established TCP connections the server holds on its ``port``: how many connections its callers use."""
+        held = psutil.Process(self.pid).net_connections(kind="tcp")
+        return sum(c.status == psutil.CONN_ESTABLISHED and c.laddr.port == port for c in held)
 
     def rss_bytes(self) -> int:
         return psutil.Process(self.pid).memory_info().rss
@@ -216,11 +230,19 @@ class ServiceProcess:
             self._scratch = None
 
 
+# gRPC shares one connection between the channels of a process that have the same target and options (its
+# global subchannel pool): ten callers and a victim made with the same arguments were one HTTP/2 connection, so
+# the server's per-connection stream limit refused the victim's calls along with the flooders' (issue 19).
+OWN_CONNECTION = ("grpc.use_local_subchannel_pool", 1)
+
+
 def channel(address: str, max_message_bytes: int = 64 * 2**20) -> grpc.Channel:
-    """A plain channel: no retries, so every refusal reaches the caller as it happened."""
+    """A plain channel on a connection of its own (:data:`OWN_CONNECTION`), without retries, so every refusal
+    reaches the caller as it happened."""
     return grpc.insecure_channel(
         address,
         options=[
+            OWN_CONNECTION,
             ("grpc.enable_retries", 0),
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from testkit.harness import CallRecord, LoadRun, channel, http_get
+from testkit.harness import OWN_CONNECTION, CallRecord, LoadRun, channel, http_get
 
 PROBE_TIMEOUT_SECONDS = 1.0  # kubelet's default probe timeout, and issue 10's target
 
@@ -86,7 +86,7 @@ class ProbeSummary:
 
 def grpc_health_check(address: str, timeout: float = PROBE_TIMEOUT_SECONDS) -> bool:
     """One grpc.health.v1 Check over a fresh connection, as kubelet's gRPC probe makes it: SERVING in time?"""
-    with grpc.insecure_channel(address) as probe_channel:
+    with grpc.insecure_channel(address, options=[OWN_CONNECTION]) as probe_channel:
         stub = health_pb2_grpc.HealthStub(probe_channel)
         try:
             answer = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
@@ -254,7 +254,7 @@ class HealthWatch:
     every status it is sent, and how and when the stream ended."""
 
     def __init__(self, address: str, max_seconds: float = 120.0) -> None:
-        self._channel = grpc.insecure_channel(address)
+        self._channel = grpc.insecure_channel(address, options=[OWN_CONNECTION])
         self._stream = health_pb2_grpc.HealthStub(self._channel).Watch(
             health_pb2.HealthCheckRequest(service=""), timeout=max_seconds
         )

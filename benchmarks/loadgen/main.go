@@ -8,19 +8,24 @@
 //
 // Usage:
 //
-//	loadgen -address HOST:PORT -request-file PATH [-method /indexer.v1.PrefillMetadata/BuildChunk]
+//	loadgen -address HOST:PORT[,HOST:PORT...] -request-file PATH [-method /indexer.v1.PrefillMetadata/BuildChunk]
 //	    [-in-flight 32] [-connections 4] [-seconds 2] [-start-at UNIX_EPOCH_SECONDS]
 //
 // The request file holds the serialized request; a codec that passes bytes through sends it as is and keeps the
-// answers' bytes unparsed. Each of -connections is its own grpc.ClientConn (its own TCP connection, which the
-// kernel's SO_REUSEPORT hands to one worker); each call goes to the connection with the fewest calls in flight,
-// ties in turn (service.client.ChannelPool's rule). Every connection is warmed with one call, then the loop
-// starts at -start-at (if given) and keeps -in-flight calls going for -seconds; calls in flight at the end
-// finish and count. Retries off, 64 MiB answers accepted, 60 s deadline per call.
+// answers' bytes unparsed. Each of -connections is its own grpc.ClientConn; each call goes to the ClientConn with
+// the fewest calls in flight, ties in turn (indexer_service.service.client.ChannelPool's rule). With one address a
+// ClientConn is one TCP connection (which the kernel's SO_REUSEPORT hands to one worker). With several, a
+// ClientConn is what grpc-go, grpc-js and tonic clients do by default with a resolver that returns several
+// addresses (a headless Service's DNS name): one connection per address and the round_robin policy, each call on
+// the next address; here the list is static (a manual resolver), so the figure is that of a real client minus
+// DNS. Every ClientConn is warmed with one call per address, then the loop starts at -start-at (if given) and
+// keeps -in-flight calls going for -seconds; calls in flight at the end finish and count. Retries off, 64 MiB
+// answers accepted, 60 s deadline per call.
 //
 // Prints one JSON line: calls (all finished calls of the loop, warm-up calls excluded), elapsed (seconds, start
 // to the last call's end), errors (non-OK calls by gRPC code name), p50_us and p99_us (OK calls, nearest rank;
-// null without any), per_connection_calls. Exit 2: usage error; 1: a warm-up call or the request file failed.
+// null without any), per_connection_calls (by ClientConn) and per_address_calls (by the server address that
+// answered). Exit 2: usage error; 1: a warm-up call or the request file failed.
 package main
 
 import (
@@ -31,12 +36,35 @@ import (
 	"math"
 	"os"
 	"sort"
+	"strings"
 	"sync"
 	"time"
 
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/peer"
+	"google.golang.org/grpc/resolver"
+	"google.golang.org/grpc/resolver/manual"
 	"google.golang.org/grpc/status"
 )
+
+// roundRobin is the service config a client gives its channel to spread calls over every resolved address.
+const roundRobin = `{"loadBalancingConfig": [{"round_robin": {}}]}`
+
+// dial opens one ClientConn: to the address itself, or, for several, to all of them through a static resolver
+// and round_robin (one connection per address). n names the resolver's scheme, unique per ClientConn.
+func dial(addresses []string, n int, options ...grpc.DialOption) (*grpc.ClientConn, error) {
+	if len(addresses) == 1 {
+		return grpc.Dial(addresses[0], options...)
+	}
+	builder := manual.NewBuilderWithScheme(fmt.Sprintf("static%d", n))
+	state := resolver.State{}
+	for _, a := range addresses {
+		state.Addresses = append(state.Addresses, resolver.Address{Addr: a})
+	}
+	builder.InitialState(state)
+	options = append(options, grpc.WithResolvers(builder), grpc.WithDefaultServiceConfig(roundRobin))
+	return grpc.Dial(builder.Scheme()+":///servers", options...)
+}
 
 // rawCodec sends a *[]byte as the message and stores the answer's bytes in one. Named "proto" so that gRPC
 // versions that derive the content-subtype from the forced codec still send application/grpc+proto.
@@ -106,7 +134,7 @@ func percentileUs(sorted []time.Duration, q float64) *float64 {
 }
 
 func main() {
-	address := flag.String("address", "", "server HOST:PORT (required)")
+	address := flag.String("address", "", "server HOST:PORT, or several comma-separated for round_robin (required)")
 	method := flag.String("method", "/indexer.v1.PrefillMetadata/BuildChunk", "full gRPC method name")
 	requestFile := flag.String("request-file", "", "file of the serialized request (required)")
 	inFlight := flag.Int("in-flight", 32, "calls in flight in all")
@@ -128,25 +156,46 @@ func main() {
 	if err != nil {
 		fail("%v", err)
 	}
+	addresses := strings.Split(*address, ",")
 
 	conns := make([]*grpc.ClientConn, *connections)
 	for i := range conns {
-		conns[i], err = grpc.Dial(*address, grpc.WithInsecure(), grpc.WithDisableRetry(),
+		conns[i], err = dial(addresses, i, grpc.WithInsecure(), grpc.WithDisableRetry(),
 			grpc.WithDefaultCallOptions(grpc.ForceCodec(rawCodec{}), grpc.MaxCallRecvMsgSize(64<<20)))
 		if err != nil {
 			fail("dial %s: %v", *address, err)
 		}
 		defer conns[i].Close()
 	}
-	call := func(conn *grpc.ClientConn) error {
+	var byAddressMu sync.Mutex
+	byAddress := map[string]int{}
+	call := func(conn *grpc.ClientConn, count bool) error {
 		ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 		defer cancel()
 		var answer []byte
-		return conn.Invoke(ctx, *method, &request, &answer)
+		var from peer.Peer
+		err := conn.Invoke(ctx, *method, &request, &answer, grpc.Peer(&from))
+		if count && from.Addr != nil {
+			byAddressMu.Lock()
+			byAddress[from.Addr.String()]++
+			byAddressMu.Unlock()
+		}
+		return err
 	}
+	// One warm-up call per address on each ClientConn: round_robin then has every connection up. WaitForReady
+	// is not needed: a warm-up call that finds a subchannel still connecting fails and is retried here.
 	for i, conn := range conns {
-		if err := call(conn); err != nil {
-			fail("warm-up call on connection %d: %v", i, err)
+		for range addresses {
+			warmed := false
+			for try := 0; try < 50 && !warmed; try++ {
+				if err := call(conn, false); err == nil {
+					warmed = true
+				} else if try == 49 {
+					fail("warm-up call on connection %d: %v", i, err)
+				} else {
+					time.Sleep(20 * time.Millisecond)
+				}
+			}
 		}
 	}
 	if wait := time.Until(time.Unix(0, int64(*startAt*1e9))); *startAt > 0 && wait > 0 {
@@ -168,7 +217,7 @@ func main() {
 			defer wg.Done()
 			for started := time.Now(); started.Before(deadline); started = time.Now() {
 				i := p.acquire()
-				err := call(conns[i])
+				err := call(conns[i], true)
 				p.release(i)
 				if err != nil {
 					code := status.Code(err).String()
@@ -210,6 +259,7 @@ func main() {
 		"p50_us":               percentileUs(ok, 50),
 		"p99_us":               percentileUs(ok, 99),
 		"per_connection_calls": p.calls,
+		"per_address_calls":    byAddress,
 	})
 	fmt.Println(string(out))
 }

@@ -1,11 +1,17 @@
 // CI client: checks a running indexer-service from Node against the golden cases, a bad request and health.
 // Usage: node check.js HOST:PORT PATH/TO/indexer.proto PATH/TO/golden-cases.json
-// Prints one JSON summary line; exits 1 when anything disagrees. Run by tests/system/test_clients_node.py.
+// Prints one JSON summary line; exits 1 when anything disagrees, 2 on a usage error (then prints the usage).
+// Run by tests/system/test_clients_node.py.
 "use strict";
 const fs = require("node:fs");
 const grpc = require("@grpc/grpc-js");
 const protoLoader = require("@grpc/proto-loader");
 
+const USAGE = "usage: node check.js HOST:PORT PATH/TO/indexer.proto PATH/TO/golden-cases.json";
+if (process.argv.length !== 5) {
+  console.error(USAGE);
+  process.exit(2);
+}
 const [address, protoPath, goldenPath] = process.argv.slice(2);
 const OPTIONS = { keepCase: true, longs: String, enums: String, defaults: true, oneofs: true };
 const indexer = grpc.loadPackageDefinition(protoLoader.loadSync(protoPath, OPTIONS)).indexer.v1;

@@ -3,21 +3,25 @@
 Schedulers need the client, not the server: this wheel holds the client (``service/client.py``), the wire codec,
 the request and result types and the generated protobuf code, and needs numpy, grpcio, grpcio-health-checking
 and protobuf only (no torch, no Triton). It is made from the repository's own files, never a copy kept by hand:
-the modules below are staged under the import name ``indexer_service_client`` (their ``indexer_service.``
-imports rewritten to match, so it installs beside the server's ``indexer_service`` without sharing a file), then
-``pip wheel`` builds it. tests/system/test_client_light.py installs the wheel alone in a fresh virtual environment and
-calls a real server with it.
+the modules below go under the import name ``indexer_service_client`` (their ``indexer_service.`` imports
+rewritten to match, so it installs beside the server's ``indexer_service`` without sharing a file).
+
+The wheel is written with the standard library alone (a wheel is a zip of the package plus METADATA, WHEEL and
+RECORD: PEP 427, PEP 376), so any Python >= 3.11 builds it, without setuptools or pip (a system Python's older
+setuptools refuses the SPDX license field). Its bytes depend only on the sources: entries are sorted and dated
+1980-01-01. tests/system/test_client_light.py builds it with the system's python3, installs it alone in a fresh
+virtual environment and calls a real server with it.
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
+import hashlib
 import re
-import shutil
-import subprocess
 import sys
-import tempfile
 import tomllib
+import zipfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -36,61 +40,82 @@ MODULES = {
     "protos/indexer/v1/indexer_pb2_grpc.py": "protos/indexer/v1/indexer_pb2_grpc.py",
     "protos/indexer/v1/indexer.proto": "protos/indexer/v1/indexer.proto",
 }
+INIT = (
+    '"""The indexer-service client (see client.py); built from the indexer-service repository."""\n\n'
+    "from indexer_service_client.client import IndexerClient, tls_credentials\n"
+    "from indexer_service_client.kernels.inputs import ChunkInputs, ChunkMetadata, DcpConfig\n"
+    "from indexer_service_client.kernels.planner import BatchInputs, ChunkSpec, PrefillPlan\n\n"
+    '__all__ = ["BatchInputs", "ChunkInputs", "ChunkMetadata", "ChunkSpec", "DcpConfig", "IndexerClient", '
+    '"PrefillPlan", "tls_credentials"]\n'
+)
 # "from indexer_service.service import codec" -> "from indexer_service_client import codec";
 # "from indexer_service.service.codec import X" -> "from indexer_service_client.codec import X";
 # "from indexer_service.kernels.inputs import X" -> "from indexer_service_client.kernels.inputs import X".
 _IMPORTS = re.compile(r"^(\s*)(from|import) indexer_service(\.service(?= import)|\.service\.|\.)", re.MULTILINE)
-
-
-def _rewrite(match: re.Match) -> str:
-    indent, keyword, rest = match.groups()
-    return f"{indent}{keyword} {PACKAGE}{'' if rest == '.service' else '.'}"
+_EPOCH = (1980, 1, 1, 0, 0, 0)  # the oldest date a zip holds: the wheel's bytes depend only on its files
 
 
 def version() -> str:
     return tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
 
 
-def stage(into: Path) -> Path:
-    """The distribution's source tree under ``into``: pyproject.toml, README.md and the package."""
-    package = into / PACKAGE
+def package_files() -> dict[str, bytes]:
+    """Path inside the wheel -> content: the modules with their imports rewritten, and every package's
+    ``__init__.py``."""
+    files: dict[str, bytes] = {}
     for source, target in MODULES.items():
-        path = package / target
-        path.parent.mkdir(parents=True, exist_ok=True)
         text = (REPO / source).read_text()
         if source.endswith(".py"):
             # service.client / service.codec sit at the package's top; the others keep their folders.
             text = _IMPORTS.sub(
                 lambda m: f"{m.group(1)}{m.group(2)} {PACKAGE}{'' if m.group(3) == '.service' else '.'}", text
             )
-        path.write_text(text)
-    for folder in [package, *(p for p in package.rglob("*") if p.is_dir())]:
-        (folder / "__init__.py").touch()
-    (package / "__init__.py").write_text(
-        '"""The indexer-service client (see client.py); built from the indexer-service repository."""\n\n'
-        "from indexer_service_client.client import IndexerClient, tls_credentials\n"
-        "from indexer_service_client.kernels.inputs import ChunkInputs, ChunkMetadata, DcpConfig\n"
-        "from indexer_service_client.kernels.planner import BatchInputs, ChunkSpec, PrefillPlan\n\n"
-        '__all__ = ["BatchInputs", "ChunkInputs", "ChunkMetadata", "ChunkSpec", "DcpConfig", "IndexerClient", '
-        '"PrefillPlan", "tls_credentials"]\n'
-    )
-    pyproject = (HERE / "pyproject.toml.in").read_text().replace("@VERSION@", version())
-    (into / "pyproject.toml").write_text(pyproject)
-    shutil.copy(HERE / "README.md", into / "README.md")
-    return into
+        files[f"{PACKAGE}/{target}"] = text.encode()
+        for parent in Path(target).parents:
+            files.setdefault(f"{PACKAGE}/{parent}/__init__.py".replace("/./", "/"), b"")
+    files[f"{PACKAGE}/__init__.py"] = INIT.encode()
+    return files
+
+
+def metadata(project: dict, version: str) -> str:
+    """Core metadata (METADATA) of the wheel from the ``[project]`` table, the README as its description."""
+    lines = [
+        "Metadata-Version: 2.1",
+        f"Name: {project['name']}",
+        f"Version: {version}",
+        f"Summary: {project['description']}",
+        f"License: {project['license']}",
+        f"Requires-Python: {project['requires-python']}",
+        *(f"Requires-Dist: {dependency}" for dependency in project["dependencies"]),
+        "Description-Content-Type: text/markdown",
+    ]
+    return "\n".join(lines) + "\n\n" + (HERE / "README.md").read_text()
+
+
+def _record_hash(data: bytes) -> str:
+    return "sha256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
 
 
 def build(out: Path) -> Path:
-    """Stage and build the wheel into ``out``; returns its path."""
+    """Write the wheel into ``out``; returns its path."""
+    project = tomllib.loads((HERE / "metadata.toml").read_text())["project"]
+    name, release = project["name"].replace("-", "_"), version()
+    dist_info = f"{name}-{release}.dist-info"
+    files = package_files()
+    files[f"{dist_info}/METADATA"] = metadata(project, release).encode()
+    files[f"{dist_info}/WHEEL"] = (
+        b"Wheel-Version: 1.0\nGenerator: indexer-service clients/python/build.py\nRoot-Is-Purelib: true\n"
+        b"Tag: py3-none-any\n"
+    )
+    record = [f"{path},{_record_hash(data)},{len(data)}" for path, data in sorted(files.items())]
+    files[f"{dist_info}/RECORD"] = ("\n".join([*record, f"{dist_info}/RECORD,,"]) + "\n").encode()
     out.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="client-build-") as scratch:
-        source = stage(Path(scratch))
-        subprocess.run(
-            [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), "."],
-            cwd=source,
-            check=True,
-        )
-    (wheel,) = out.glob(f"{PACKAGE}-{version()}-*.whl")
+    wheel = out / f"{name}-{release}-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w", zipfile.ZIP_DEFLATED) as archive:
+        for path, data in sorted(files.items(), key=lambda item: (item[0].startswith(dist_info), item[0])):
+            entry = zipfile.ZipInfo(path, _EPOCH)
+            entry.external_attr = 0o644 << 16
+            archive.writestr(entry, data, zipfile.ZIP_DEFLATED)
     return wheel
 
 

@@ -27,6 +27,8 @@ from pathlib import Path
 import grpc
 import numpy as np
 import yaml
+from packaging.utils import canonicalize_name
+from packaging.version import Version
 from prometheus_client.parser import text_string_to_metric_families
 
 from testkit.harness import poll
@@ -184,6 +186,35 @@ def requirement_args(argv: list[str]) -> list[str]:
     return result
 
 
+LOCKS = {"cpu": ROOT / "requirements" / "image-cpu.txt", "gpu": ROOT / "requirements" / "image-gpu.txt"}
+
+
+@dataclass(frozen=True)
+class Lock:
+    """A hashed requirements file as scripts/lock-image-deps.py writes it."""
+
+    options: tuple[str, ...]  # option lines, e.g. "--find-links URL"
+    pins: dict[str, Version]  # canonical name -> the exact version
+    hashes: dict[str, tuple[str, ...]]  # canonical name -> its sha256 hashes
+
+
+def read_lock(path: Path) -> Lock:
+    options, pins, hashes = [], {}, {}
+    for line in path.read_text().replace("\\\n", " ").splitlines():
+        line = line.split(" #", 1)[0].strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.startswith("-"):
+            options.append(line)
+            continue
+        requirement, *tail = line.split()
+        name, _, version = requirement.partition("==")
+        assert version and all(t.startswith("--hash=") for t in tail), f"{path.name}: not an exact, hashed pin: {line}"
+        pins[canonicalize_name(name)] = Version(version)
+        hashes[canonicalize_name(name)] = tuple(t.removeprefix("--hash=") for t in tail)
+    return Lock(tuple(options), pins, hashes)
+
+
 # --- .dockerignore ------------------------------------------------------------------------------------------
 
 
@@ -244,7 +275,14 @@ def docker_context_files(root: Path = ROOT) -> list[str]:
 # --- PromQL in rules and dashboard --------------------------------------------------------------------------
 
 # The values Grafana substitutes; in the live test, a window that holds several 1 s scrapes.
-GRAFANA_TEST_VALUES = {"job": ".*", "instance": ".*", "__rate_interval": "20s", "__range": "5m"}
+GRAFANA_TEST_VALUES = {
+    "cluster": ".*",
+    "namespace": ".*",
+    "job": ".*",
+    "instance": ".*",
+    "__rate_interval": "20s",
+    "__range": "5m",
+}
 
 
 def alert_rules() -> list[dict]:
@@ -272,6 +310,21 @@ def expand_grafana(expr: str) -> str:
 def metric_names(expr: str) -> set[str]:
     """Sample names a PromQL expression reads (every metric of the service starts with indexer_)."""
     return set(re.findall(r"\bindexer_[a-zA-Z0-9_]+", expr))
+
+
+def markdown_anchors(text: str) -> set[str]:
+    """The anchors GitHub gives a Markdown file's headings (lower case, punctuation but `-` and `_` dropped,
+    spaces to `-`, a repeat suffixed -1, -2...); headings inside code fences are none."""
+    text = re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+    anchors: set[str] = set()
+    for heading in re.findall(r"^#{1,6}\s+(.+?)\s*#*$", text, re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        candidate, n = slug, 0
+        while candidate in anchors:
+            n += 1
+            candidate = f"{slug}-{n}"
+        anchors.add(candidate)
+    return anchors
 
 
 def free_ports(count: int) -> list[int]:
@@ -431,6 +484,7 @@ class Server(LoggedProcess):
         # Loopback only, ports chosen by the kernel: these override whatever the caller's (pod's) env says.
         listen = {"INDEXER_GRPC_HOST": "127.0.0.1", "INDEXER_HTTP_HOST": "127.0.0.1"}
         listen |= {"INDEXER_GRPC_PORT": "0", "INDEXER_HTTP_PORT": "0", "INDEXER_HEALTH_PORT": "0"}
+        listen |= {"INDEXER_HTTP_RPC_PORT": "0"}
         env = base_env(**{**env, **listen})
         super().__init__(argv, workdir / f"{name}.log", env)
         self.grpc_port = self.http_port = 0

@@ -232,9 +232,10 @@ def test_pod_config_matches_its_ports_and_shutdown(workdir: Path) -> None:
     c = container(one(render(OVERLAY), "Deployment"))
     assert config.grpc_port == container_port(c, "grpc")
     assert config.http_port == container_port(c, "http-metrics")
+    assert config.http_rpc_port == container_port(c, "http-rpc") and config.http_rpcs
     assert config.health_port == container_port(c, "grpc-health")
     _, final = final_stage()
-    assert {config.grpc_port, config.http_port, config.health_port} == {
+    assert {config.grpc_port, config.http_port, config.http_rpc_port, config.health_port} == {
         int(p) for i in final if i.keyword == "EXPOSE" for p in i.args.split()
     }
     # The static timing test (preStop + drain < terminationGracePeriodSeconds) reads the drain from the TOML
@@ -336,10 +337,17 @@ METRICS_SOURCE = REPO / "service" / "metrics.py"
 
 
 def not_yet_defined(names: set[str]) -> set[str]:
-    """Names the server's metrics module does not define at all yet (issue 10's new metrics, until the lead's
-    change lands). Tolerated only while the source lacks them; from then on they must be exported."""
+    """Names the server's metrics module does not define at all yet (metrics of work landing beside this, until
+    it lands). Tolerated only while the source lacks them; from then on they must be exported."""
     source = METRICS_SOURCE.read_text()
     return {n for n in names if re.sub(r"_(total|bucket|count|sum)$", "", n) not in source}
+
+
+def counts_unknown_methods(server: Server) -> bool:
+    """Whether this server build counts calls to unknown methods in a pre-created
+    indexer_request_errors_total{method="unknown"} series (issue 18, in the works beside the dashboard's panel):
+    until it does, that panel's query may have no data, and only that one."""
+    return any(labels["method"] == "unknown" for labels, _ in server.samples().get("indexer_request_errors_total", []))
 
 
 def declared_families(server: Server) -> set[str]:
@@ -361,7 +369,7 @@ def test_every_metric_of_the_alerts_and_the_dashboard_is_exported(pod: Server) -
     missing = wanted - exported - pending - (EVENT_ONLY & declared)
     assert not missing, f"named but not exported: {sorted(missing)}"
     if pending:
-        pytest.skip(f"not defined by the server yet (issue 10): {sorted(pending)}; everything else is exported")
+        pytest.skip(f"not defined by the server yet: {sorted(pending)}; everything else is exported")
 
 
 @pytest.mark.skipif(find_tool("prometheus") is None, reason=f"no prometheus: {INSTALL_HINT}")
@@ -387,8 +395,11 @@ def test_prometheus_scrapes_the_server_and_answers_every_dashboard_query(pod: Se
     try:
         # Queries that can only have data once the server sheds something, or once it defines the metric.
         tolerated = EVENT_ONLY | not_yet_defined({n for _, e in dashboard_targets() for n in metric_names(e)})
+        unknown_counted = counts_unknown_methods(pod)
         queries = [
-            (title, expand_grafana(expr)) for title, expr in dashboard_targets() if not metric_names(expr) <= tolerated
+            (title, expand_grafana(expr))
+            for title, expr in dashboard_targets()
+            if not metric_names(expr) <= tolerated and (unknown_counted or 'method="unknown"' not in expr)
         ]
         pending = dict(enumerate(queries))
         deadline = time.monotonic() + 45

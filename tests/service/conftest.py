@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import trustme
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -59,6 +60,29 @@ def scrape(server: ServiceProcess) -> Scrape:
 
 
 StartServer = Callable[..., ServiceProcess]
+
+
+@pytest.fixture(scope="session")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """PEM files: a CA, a server certificate for 127.0.0.1 and a client certificate it issued, and a client
+    certificate (with its key) from another CA, which a server trusting only the first must refuse."""
+    folder = tmp_path_factory.mktemp("pki")
+    ca, other_ca = trustme.CA(), trustme.CA()
+    server = ca.issue_cert("127.0.0.1", "localhost")
+    client = ca.issue_cert("scheduler@example.org")
+    stranger = other_ca.issue_cert("scheduler@example.org")
+    files = {
+        "ca": ca.cert_pem,
+        "server_cert": server.cert_chain_pems[0],
+        "server_key": server.private_key_pem,
+        "client_cert": client.cert_chain_pems[0],
+        "client_key": client.private_key_pem,
+        "foreign_client_cert": stranger.cert_chain_pems[0],
+        "foreign_client_key": stranger.private_key_pem,
+    }
+    for name, blob in files.items():
+        blob.write_to_path(str(folder / f"{name}.pem"))
+    return {name: str(folder / f"{name}.pem") for name in files}
 
 
 @pytest.fixture(scope="session")

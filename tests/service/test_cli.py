@@ -113,12 +113,13 @@ def test_check_a_serving_server(live_server: ServiceProcess) -> None:
     out = run("check", live_server.address)
     assert out.returncode == 0, out.stdout + out.stderr
     lines = out.stdout.splitlines()
-    assert lines[0] == "health overall=SERVING indexer.v1.PrefillMetadata=SERVING"
+    assert lines[0].startswith(f"reached address={live_server.address} port=rpc: ")
+    assert lines[1] == "health overall=SERVING indexer.v1.PrefillMetadata=SERVING"
     backend, target = default_backend_and_target()
-    assert lines[1].startswith(
+    assert lines[2].startswith(
         f"warmup state=READY ready=true backend={backend} target={target} strict=false keys=3 compiled=3 failed=0"
     )
-    assert [line.split()[1] for line in lines[2:]] == [
+    assert [line.split()[1] for line in lines[3:]] == [
         "r1-b1024-aligned-i32",
         "r4-b1024-aligned-i32",
         "r128-b1024-aligned-i32",

@@ -212,6 +212,8 @@ INVALID: dict[str, tuple[list[str], dict[str, str]]] = {
     "grpc_port": (["70000", "-1", "eighty", "1.5"], {}),
     "http_host": ([""], {}),
     "http_port": (["65536"], {}),
+    "http_rpc_port": (["65536", "-1"], {}),
+    "http_rpcs": (["maybe"], {}),
     "grpc_workers": (["0", TOO_BIG_INT32], {}),
     "workers": (["-1", "257", "two", "1.5"], {}),
     "max_message_bytes": (["100", TOO_BIG_INT32], {}),
@@ -257,6 +259,8 @@ INVALID: dict[str, tuple[list[str], dict[str, str]]] = {
     "malloc_retain_bytes": ([TOO_BIG_INT32], {}),
     "log_level": (["loud"], {}),
     "pin_workers": (["always", "ON "], {}),
+    "min_ready_workers": (["-1", "257"], {}),
+    "worker_hang_seconds": (["0.1", "-1", "inf"], {}),
 }
 LAYERS = ("flag", "env", "file")
 

@@ -271,7 +271,7 @@ def http_post(url: str, body: bytes) -> tuple[int, str, bytes]:
 
 def test_http_protobuf_endpoint_shares_the_data_plane(live_server: ServiceProcess, stub) -> None:
     _, request = chunk()
-    url = f"{live_server.http_url}/{SERVICE_NAME}/BuildChunk"
+    url = f"{live_server.http_rpc_url}/{SERVICE_NAME}/BuildChunk"
     status, content_type, body = http_post(url, request.SerializeToString())
     assert (status, content_type) == (200, "application/x-protobuf")
     assert pb.BuildChunkResponse.FromString(body) == stub.BuildChunk(request, timeout=5)
@@ -282,7 +282,7 @@ def test_http_protobuf_endpoint_shares_the_data_plane(live_server: ServiceProces
     error = json.loads(body)
     assert error["code"] == "INVALID_ARGUMENT" and "query_start_loc[2]" in error["message"]
     assert http_post(url, b"\xff\xff")[0] == 400
-    assert http_post(f"{live_server.http_url}/{SERVICE_NAME}/Nope", b"")[0] == 404
+    assert http_post(f"{live_server.http_rpc_url}/{SERVICE_NAME}/Nope", b"")[0] == 404
 
 
 def test_reflection_lists_the_service(live_server: ServiceProcess) -> None:

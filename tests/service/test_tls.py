@@ -1,39 +1,22 @@
-"""TLS and mutual TLS on the gRPC port, with certificates made by trustme; the HTTP port stays plain."""
+"""TLS and mutual TLS on the gRPC port, with certificates made by trustme (conftest.py's ``pki``); the HTTP port of
+metrics and probes stays plain. The HTTP RPC port's TLS: tests/service/test_http_ports.py."""
 
 from __future__ import annotations
+
+import subprocess
 
 import grpc
 import numpy as np
 import pytest
-import trustme
 
 from indexer_service.kernels.inputs import ChunkInputs
 from indexer_service.kernels.naive import build_chunk_metadata_numpy
 from indexer_service.service.cli import main as cli_main
 from indexer_service.service.client import IndexerClient, tls_credentials
 from indexer_service.service.config import ConfigError, load_config
-from testkit.harness import http_get
+from testkit.harness import INDEXER_SERVICE, clean_env, http_get
 
 INPUTS = ChunkInputs(np.array([0, 1, 4, 9]), np.array([20, 10, 5]), 4, 1, 3)
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory):
-    """A CA, a server certificate for 127.0.0.1, and a client certificate, as PEM files."""
-    folder = tmp_path_factory.mktemp("pki")
-    ca = trustme.CA()
-    server = ca.issue_cert("127.0.0.1", "localhost")
-    client = ca.issue_cert("scheduler@example.org")
-    files = {
-        "ca": ca.cert_pem,
-        "server_cert": server.cert_chain_pems[0],
-        "server_key": server.private_key_pem,
-        "client_cert": client.cert_chain_pems[0],
-        "client_key": client.private_key_pem,
-    }
-    for name, blob in files.items():
-        blob.write_to_path(str(folder / f"{name}.pem"))
-    return {name: str(folder / f"{name}.pem") for name in files}
 
 
 def tls_server(start_server, pki, *extra: str):
@@ -97,3 +80,32 @@ def test_bad_tls_config_is_refused_naming_the_setting(pki, flags, setting):
     with pytest.raises(ConfigError) as info:
         load_config({name: value.format(**pki) for name, value in flags.items()} | {"warmup_target": "none"}, env={})
     assert info.value.setting == setting
+
+
+def run_check(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [INDEXER_SERVICE, "check", *args, "--timeout", "3"], capture_output=True, text=True, timeout=60, env=clean_env()
+    )
+
+
+def test_check_says_what_a_tls_failure_is_missing(start_server, pki):
+    """gRPC reports each of these as "Socket closed" or an OpenSSL code; check names what is missing. Each is
+    unreachable (3), the diagnosis on its own line."""
+    plain = start_server("--warmup-target", "none")
+    tls = tls_server(start_server, pki)
+    mutual = tls_server(start_server, pki, "--tls-client-ca-file", pki["ca"])
+    cases = [
+        ((tls.address,), "tls: this port speaks TLS: connect with --tls-ca PEM"),
+        ((plain.address, "--tls-ca", pki["ca"]), "tls: this port does not speak TLS (plaintext)"),
+        ((mutual.address, "--tls-ca", pki["ca"]), "requires a client certificate (mutual TLS) does: give --tls-cert"),
+        ((tls.address, "--tls"), "tls: the server's certificate does not chain to the system's trusted roots"),
+    ]
+    for args, diagnosis in cases:
+        out = run_check(*args)
+        assert out.returncode == 3, (args, out.stdout, out.stderr)
+        assert out.stdout.startswith("unreachable") and diagnosis in out.stdout.splitlines()[1], (args, out.stdout)
+        assert "Handshake failed" not in out.stderr  # gRPC core's own log line, said better above
+    # The control: the same servers with what they need.
+    assert run_check(tls.address, "--tls-ca", pki["ca"]).returncode == 0
+    full = ("--tls-ca", pki["ca"], "--tls-cert", pki["client_cert"], "--tls-key", pki["client_key"])
+    assert run_check(mutual.address, *full).returncode == 0

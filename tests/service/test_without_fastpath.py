@@ -37,6 +37,7 @@ def test_the_service_starts_and_serves_through_numpy_without_the_extension(no_ex
             "grpc_port": "0",
             "http_host": "127.0.0.1",
             "http_port": "0",
+            "http_rpc_port": "0",
             "health_port": "0",
         },
         env={},
@@ -55,3 +56,4 @@ def test_the_service_starts_and_serves_through_numpy_without_the_extension(no_ex
         server.grpc.stop(0)
         server.health_server.stop(0)
         server.http.socket.close()
+        server.http_rpc.socket.close()

@@ -1,6 +1,7 @@
 """Worker processes (``workers`` above 1, service/supervisor.py) against real processes on 127.0.0.1: two workers
 share the gRPC port and both serve the client's calls; /metrics adds up over them; a worker killed with SIGKILL
-is logged, counted, takes the replica out of readiness and comes back; SIGTERM drains every worker and exits 0
+is logged, counted, takes the replica out of readiness (min_ready_workers 2) and comes back (hangs, crash loops,
+SIGHUP, leftovers: test_worker_faults.py); SIGTERM drains every worker and exits 0
 with none left; the port is guarded; the warmup compiles once; workers = 1 stays one process. And the parts:
 the CPU count from cgroup files, the client's choice of connection."""
 
@@ -23,9 +24,10 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from indexer_service.kernels.inputs import ChunkInputs
-from indexer_service.service import supervisor
+from indexer_service.service import cgroups, supervisor
 from indexer_service.service.client import ChannelPool, IndexerClient
 from indexer_service.service.codec import SERVICE_NAME
+from indexer_service.service.workerproto import Handoff
 from testkit.harness import INDEXER_SERVICE, LOOPBACK, ServiceProcess, clean_env, http_get, listen_flags, wait_for
 from tests.service.conftest import StartServer, scrape
 
@@ -104,7 +106,9 @@ def test_two_workers_share_the_port_both_serve_and_metrics_add_up(start_server: 
 
 
 def test_a_killed_worker_is_logged_counted_unready_then_back(start_server: StartServer) -> None:
-    server = start_server(*FAST)
+    """With ``min_ready_workers`` 2 of 2, a killed worker takes the replica out of readiness until it is back (with
+    the default, 1, the replica stays ready: tests/service/test_worker_faults.py)."""
+    server = start_server(*FAST, "--min-ready-workers", "2")
     victim = workers_of(server)[1]
     slot = "1" if f"worker started worker=1 pid={victim.pid}" in server.log() else "0"
     victim.send_signal(signal.SIGKILL)
@@ -117,12 +121,13 @@ def test_a_killed_worker_is_logged_counted_unready_then_back(start_server: Start
     assert health_port_status(server) == health_pb2.HealthCheckResponse.SERVING
     assert len(workers_of(server)) == 2 and victim.pid not in {w.pid for w in workers_of(server)}
     metrics = scrape(server)
-    assert metrics.value("indexer_worker_restarts_total", worker=slot) == 1
-    assert metrics.value("indexer_worker_restarts_total", worker=str(1 - int(slot))) == 0
+    assert metrics.value("indexer_worker_restarts_total", worker=slot, reason="killed") == 1
+    assert metrics.value("indexer_worker_restarts_total", worker=slot, reason="exit") == 0
+    assert metrics.value("indexer_worker_restarts_total", worker=str(1 - int(slot)), reason="killed") == 0
     assert metrics.value("indexer_worker_up", worker=slot) == 1 == metrics.value("indexer_ready")
     log = server.log()
     assert re.search(rf"worker exited worker={slot} pid={victim.pid} code=-9 killed by SIGKILL", log), log
-    assert f"worker restarted worker={slot}" in log
+    assert f"worker restarted worker={slot}" in log and "reason=killed" in log
     calls_in_parallel(server.address, threads=2, calls=10)
 
 
@@ -192,7 +197,7 @@ def test_pinned_workers_each_run_every_thread_on_a_cpu_of_their_own(start_server
     cpus = sorted(psutil.Process().cpu_affinity())[:2]
     pinned = {}
     for worker in workers_of(server):
-        slot = int(worker.cmdline()[-5])  # argv: RUNTIME_DIR SLOT STATUS_FD HTTP_FD PARENT_PID CPU
+        slot = Handoff.from_argv(worker.cmdline()[-1:]).slot
         assert len(worker.threads()) > 4
         pinned[slot] = set()
         for thread in worker.threads():
@@ -205,7 +210,7 @@ def test_pinned_workers_each_run_every_thread_on_a_cpu_of_their_own(start_server
 def test_workers_are_pinned_only_on_cpus_of_their_own(monkeypatch: pytest.MonkeyPatch) -> None:
     """``auto`` pins where the CPU quota equals the CPU set and there is a worker per CPU; not where the set is
     shared (no quota, a smaller quota) or larger than the workers."""
-    monkeypatch.setattr(supervisor.os, "sched_getaffinity", lambda pid: {4, 5, 6, 7})
+    monkeypatch.setattr(cgroups.os, "sched_getaffinity", lambda pid: {4, 5, 6, 7})
     for quota, workers, mode, expected in (
         (4.0, 4, "auto", [4, 5, 6, 7]),
         (3.5, 4, "auto", None),
@@ -216,7 +221,7 @@ def test_workers_are_pinned_only_on_cpus_of_their_own(monkeypatch: pytest.Monkey
         (None, 8, "on", None),
         (4.0, 4, "off", None),
     ):
-        monkeypatch.setattr(supervisor, "cgroup_cpu_quota", lambda q=quota: q)
+        monkeypatch.setattr(cgroups, "cpu_quota", lambda q=quota: q)
         assert supervisor.worker_cpus(workers, mode)[0] == expected, (quota, workers, mode)
 
 
@@ -239,27 +244,48 @@ def test_cpus_from_a_cgroup_v2_quota_and_its_parents(tmp_path: Path) -> None:
     (root / "pod" / "container" / "cpu.max").write_text("max 100000\n")
     proc = tmp_path / "proc-cgroup"
     proc.write_text("0::/pod/container\n")
-    assert supervisor.cgroup_cpu_quota(root, proc) == 3.0
+    assert cgroups.cpu_quota(root, proc) == 3.0
     (root / "pod" / "container" / "cpu.max").write_text("150000 100000\n")
-    assert supervisor.cgroup_cpu_quota(root, proc) == 1.5
+    assert cgroups.cpu_quota(root, proc) == 1.5
     (root / "pod" / "cpu.max").write_text("max 100000\n")
     (root / "pod" / "container" / "cpu.max").write_text("max 100000\n")
-    assert supervisor.cgroup_cpu_quota(root, proc) is None
+    assert cgroups.cpu_quota(root, proc) is None
+
+
+def test_memory_limit_from_cgroup_v2_on_the_path_and_v1(tmp_path: Path) -> None:
+    """The smallest ``memory.max`` from this process's cgroup up to the root (v2); v1's file, its huge "no limit"
+    being none."""
+    root = tmp_path / "cgroup"
+    (root / "pod" / "container").mkdir(parents=True)
+    (root / "cgroup.controllers").write_text("memory\n")
+    (root / "pod" / "memory.max").write_text("1073741824\n")
+    (root / "pod" / "container" / "memory.max").write_text("max\n")
+    proc = tmp_path / "proc-cgroup"
+    proc.write_text("0::/pod/container\n")
+    assert cgroups.memory_limit(root, proc) == 2**30
+    (root / "pod" / "memory.max").write_text("max\n")
+    assert cgroups.memory_limit(root, proc) is None
+    v1 = tmp_path / "v1"
+    (v1 / "memory").mkdir(parents=True)
+    (v1 / "memory" / "memory.limit_in_bytes").write_text("536870912\n")
+    assert cgroups.memory_limit(v1, proc) == 2**29
+    (v1 / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712\n")
+    assert cgroups.memory_limit(v1, proc) is None
 
 
 def test_cpus_from_a_cgroup_v1_quota(tmp_path: Path) -> None:
     (tmp_path / "cpu,cpuacct").mkdir()
     (tmp_path / "cpu,cpuacct" / "cpu.cfs_quota_us").write_text("250000\n")
     (tmp_path / "cpu,cpuacct" / "cpu.cfs_period_us").write_text("100000\n")
-    assert supervisor.cgroup_cpu_quota(tmp_path, tmp_path / "none") == 2.5
+    assert cgroups.cpu_quota(tmp_path, tmp_path / "none") == 2.5
     (tmp_path / "cpu,cpuacct" / "cpu.cfs_quota_us").write_text("-1\n")
-    assert supervisor.cgroup_cpu_quota(tmp_path, tmp_path / "none") is None
+    assert cgroups.cpu_quota(tmp_path, tmp_path / "none") is None
 
 
 def test_auto_workers_take_the_smaller_of_quota_rounded_up_and_affinity(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(supervisor.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    monkeypatch.setattr(cgroups.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
     for quota, expected in ((None, 4), (1.5, 2), (0.2, 1), (8.0, 4), (3.0, 3)):
-        monkeypatch.setattr(supervisor, "cgroup_cpu_quota", lambda q=quota: q)
+        monkeypatch.setattr(cgroups, "cpu_quota", lambda q=quota: q)
         assert supervisor.resolve_workers(0)[0] == expected, quota
     assert supervisor.resolve_workers(6) == (6, "setting")
 

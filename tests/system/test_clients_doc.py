@@ -1,5 +1,5 @@
 """docs/clients.md is true: its Python, grpcurl and curl blocks run as written against a real server (the test
-server's ports put in for 50051 and 8080) and print what the document says; its Go and Node blocks are the
+server's ports put in for 50051 and 8081) and print what the document says; its Go and Node blocks are the
 programs tests/system/test_clients_go.py and tests/system/test_clients_node.py run; the pitfalls it names are real."""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def server() -> Iterator[ServiceProcess]:
 
 
 def with_ports(text: str, server: ServiceProcess) -> str:
-    return text.replace("127.0.0.1:50051", server.address).replace("http://127.0.0.1:8080", server.http_url)
+    return text.replace("127.0.0.1:50051", server.address).replace("http://127.0.0.1:8081", server.http_rpc_url)
 
 
 def run_bash(script: str, cwd: Path) -> subprocess.CompletedProcess:

@@ -33,6 +33,12 @@ def test_go_client_golden_cases_bad_request_and_health(go_binaries: dict[str, Pa
     check_summary(run, {"INVALID_ARGUMENT": "InvalidArgument", "NOT_FOUND": "NotFound"})
 
 
+@pytest.mark.parametrize("args", [(), ("127.0.0.1:1",), ("127.0.0.1:1", "golden.json", "extra")])
+def test_go_check_prints_its_usage_on_bad_arguments(go_binaries: dict[str, Path], args: tuple[str, ...]) -> None:
+    run = subprocess.run([str(go_binaries["check"]), *args], capture_output=True, text=True, timeout=60)
+    assert (run.returncode, run.stdout, run.stderr) == (2, "", "usage: check HOST:PORT PATH/TO/golden-cases.json\n")
+
+
 def test_go_example_of_the_docs(go_binaries: dict[str, Path], server: ServiceProcess) -> None:
     run = subprocess.run([str(go_binaries["example"]), server.address], capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stdout + run.stderr

@@ -32,6 +32,13 @@ def test_node_client_golden_cases_bad_request_and_health(server: ServiceProcess)
     assert summary["number_array"]["message"].startswith("query_start_loc")
 
 
+@pytest.mark.parametrize("args", [(), ("127.0.0.1:1",), ("127.0.0.1:1", "a.proto", "golden.json", "extra")])
+def test_node_check_prints_its_usage_on_bad_arguments(args: tuple[str, ...]) -> None:
+    run = run_node("check.js", *args)
+    usage = "usage: node check.js HOST:PORT PATH/TO/indexer.proto PATH/TO/golden-cases.json\n"
+    assert (run.returncode, run.stdout, run.stderr) == (2, "", usage)
+
+
 def test_node_example_of_the_docs(server: ServiceProcess) -> None:
     run = run_node("example.js", server.address)
     assert run.returncode == 0, run.stdout + run.stderr

@@ -131,7 +131,7 @@ _HTTP_CODES = {400: ("INVALID_ARGUMENT", "FAILED_PRECONDITION"), 429: ("RESOURCE
 
 
 def test_raw_request_bodies_over_http(server: ServiceProcess) -> None:
-    connection = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=30)
+    connection = http.client.HTTPConnection("127.0.0.1", server.http_rpc_port, timeout=30)
 
     @FUZZ
     @given(raw_payloads())

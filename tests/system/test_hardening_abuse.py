@@ -168,7 +168,7 @@ def test_http_huge_header_refused_early(serve) -> None:
     ends, counted, and /livez keeps answering (before: the whole header was parsed, then answered 200)."""
     server = serve()
     with Siege(server, victim=False, probe_interval=0.05) as siege:
-        report = huge_header(LOOPBACK, server.http_port, 16 * MiB, max_seconds=20.0)
+        report = huge_header(LOOPBACK, server.http_rpc_port, 16 * MiB, max_seconds=20.0)
         time.sleep(0.5)
     assert report.status == 431 or (report.status is None and report.closed_by_server), report
     assert report.header_bytes_sent < 4 * MiB, report
@@ -180,7 +180,7 @@ def test_http_idle_connections_closed_and_capped(serve) -> None:
     """Issue 10 #4: connections that never send are closed after http_idle_timeout_seconds, and more than
     http_max_connections are refused (before: 24 of 24 still open)."""
     server = serve("--http-idle-timeout-seconds", "1", "--http-max-connections", "16")
-    with IdleConnections(LOOPBACK, server.http_port, 24) as idle:
+    with IdleConnections(LOOPBACK, server.http_rpc_port, 24) as idle:
         capped = poll(lambda: idle.still_open() <= 16, 2.0)
         open_after_cap = idle.still_open()
         closed = poll(lambda: idle.still_open() == 0, 5.0)
@@ -201,7 +201,8 @@ def test_http_never_read_answers_are_cut(serve) -> None:
     ~50 MiB of RSS each, held until they close). The server holds at most its budget, closes what is not
     read within response_drain_seconds, and counts it."""
     server = serve(*MEMORY_FLAGS)
-    with Siege(server) as siege, UnreadAnswers(LOOPBACK, server.http_port, BUILD_CHUNK_PATH, BIG_ANSWER, 8) as unread:
+    unread_answers = UnreadAnswers(LOOPBACK, server.http_rpc_port, BUILD_CHUNK_PATH, BIG_ANSWER, 8)
+    with Siege(server) as siege, unread_answers as unread:
         time.sleep(DRAIN_SECONDS)
 
         def settled() -> bool:  # no call computing or waiting for admission, no answer held unsent

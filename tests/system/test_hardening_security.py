@@ -43,7 +43,7 @@ def test_messages_over_max_message_bytes_are_resource_exhausted_on_both_transpor
             assert refused.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED, refused.value.details()
             assert stubs["BuildChunk"](SMALL, timeout=10).metadata.total_seq_lens == 3
 
-        connection = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=10)
+        connection = http.client.HTTPConnection("127.0.0.1", server.http_rpc_port, timeout=10)
         try:
             connection.request(
                 "POST", "/indexer.v1.PrefillMetadata/BuildChunk", body=oversized(limit).SerializeToString()

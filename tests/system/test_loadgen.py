@@ -53,3 +53,35 @@ def test_loadgen_bad_flag_is_a_usage_error(loadgen: Path) -> None:
     run = subprocess.run([str(loadgen), "-no-such-flag"], capture_output=True, text=True, timeout=10)
     assert run.returncode != 0
     assert "no-such-flag" in run.stderr
+
+
+def test_one_connection_per_address_reaches_every_pod(loadgen: Path, tmp_path: Path) -> None:
+    """The deployment shape of docs/clients.md: single-process servers (pods of one worker), and a client that
+    opens one connection per address with round_robin, as grpc-go, grpc-js and tonic do by default: every server
+    gets its share of the calls."""
+    request = tmp_path / "small.request"
+    request.write_bytes(SMALL_BUILD_CHUNK.SerializeToString())
+    with (
+        ServiceProcess(*FAST_START, "--workers", "1") as first,
+        ServiceProcess(*FAST_START, "--workers", "1") as second,
+    ):
+        servers = (first, second)
+        before = [metric_total(scrape(s.http_url), SERVED, method="BuildChunk") for s in servers]
+        addresses = ",".join(s.address for s in servers)
+        flags = f"-address {addresses} -method {BUILD_CHUNK_PATH} -request-file {request}"
+        flags += " -in-flight 4 -connections 1 -seconds 1"
+        run = subprocess.run([str(loadgen), *flags.split()], capture_output=True, text=True, timeout=60)
+        assert run.returncode == 0, run.stdout + run.stderr
+        result = json.loads(run.stdout)
+        served = [
+            metric_total(scrape(s.http_url), SERVED, method="BuildChunk") - b
+            for s, b in zip(servers, before, strict=True)
+        ]
+    assert result["errors"] == {}
+    assert result["per_connection_calls"] == [result["calls"]]  # one ClientConn
+    by_address = result["per_address_calls"]
+    assert set(by_address) == {s.address for s in servers}
+    assert sum(by_address.values()) == result["calls"]
+    # round_robin: each call on the next address, so the two shares differ by the calls in flight at most
+    assert abs(by_address[first.address] - by_address[second.address]) <= 4
+    assert all(n >= by_address[s.address] for n, s in zip(served, servers, strict=True))

@@ -1,6 +1,7 @@
 // CI client: checks a running indexer-service from Go against the golden cases, a bad request and health.
 // Usage: check HOST:PORT PATH/TO/golden-cases.json
-// Prints one JSON summary line; exits 1 when anything disagrees. Run by tests/system/test_clients_go.py.
+// Prints one JSON summary line; exits 1 when anything disagrees, 2 on a usage error (then prints the usage).
+// Run by tests/system/test_clients_go.py.
 package main
 
 import (
@@ -83,7 +84,13 @@ func actual(m *indexerv1.ChunkMetadata) *expected {
 	}
 }
 
+const usage = "usage: check HOST:PORT PATH/TO/golden-cases.json"
+
 func main() {
+	if len(os.Args) != 3 {
+		fmt.Fprintln(os.Stderr, usage)
+		os.Exit(2)
+	}
 	address, goldenPath := os.Args[1], os.Args[2]
 	raw, err := os.ReadFile(goldenPath)
 	if err != nil {

@@ -1,0 +1,30 @@
+"""Listening sockets, bound before anything serves: a port that cannot be had stops the start with one line naming
+it, and a supervisor binds them once for all its workers, which inherit them (service/supervisor.py)."""
+
+from __future__ import annotations
+
+import socket
+
+BACKLOG = 1024
+
+
+def socket_address(host: str, port: int) -> tuple[socket.AddressFamily, tuple]:
+    """The address family and the address tuple ``bind`` takes for ``host`` (an IPv6 literal has a colon)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    return family, ((host, port, 0, 0) if family == socket.AF_INET6 else (host, port))
+
+
+def listen_tcp(host: str, port: int, what: str) -> socket.socket:
+    """A TCP socket listening on ``host:port`` (0: any free port), or OSError "cannot bind <what> to host:port"."""
+    from indexer_service.service.grpc_server import host_port
+
+    family, address = socket_address(host, port)
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        raise OSError(f"cannot bind {what} to {host_port(host, port)}: {exc}") from None
+    sock.listen(BACKLOG)
+    return sock

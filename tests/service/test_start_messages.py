@@ -1,0 +1,93 @@
+"""What a newcomer reads: the first log line says what is starting, before anything heavy is imported; the ready
+line names every address; a process that does not need torch never loads it (the supervisor, the numpy backend
+without a warmup, ``keys``); ``check`` says which kind of port it reached. Real server processes throughout."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+from testkit.harness import FAST_START, INDEXER_SERVICE, ServiceProcess, clean_env
+from tests.service.conftest import StartServer
+
+VERSION = importlib.metadata.version("indexer-service")
+
+
+def maps_torch(pid: int) -> bool:
+    """Whether the process has torch's shared library mapped (it has imported torch)."""
+    return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+
+
+def addresses(server: ServiceProcess) -> str:
+    return (
+        f"grpc={server.address} health=127.0.0.1:{server.health_port} http=127.0.0.1:{server.http_port} "
+        f"http_rpc=127.0.0.1:{server.http_rpc_port}"
+    )
+
+
+@pytest.mark.parametrize(
+    ("workers", "mode", "ready"),
+    [
+        ("1", "mode=one process", "ready backend=numpy warmup=skipped"),
+        ("2", "mode=supervisor of 2 worker", "ready workers=2"),
+    ],
+    ids=["one-process", "supervisor"],
+)
+def test_the_first_line_says_what_starts_and_the_ready_line_where_it_listens(
+    start_server: StartServer, workers: str, mode: str, ready: str
+) -> None:
+    server = start_server(*FAST_START, "--workers", workers)
+    lines = server.log().splitlines()
+    first = lines[0]
+    assert " start pid=" in first and f"indexer-service {VERSION} {mode}" in first, lines[:3]
+    assert "backend=numpy warmup_target=none" in first
+    assert any(ready in line and line.endswith(addresses(server)) for line in lines), server.log()
+
+
+def test_a_numpy_server_without_warmup_never_loads_torch(start_server: StartServer) -> None:
+    server = start_server(*FAST_START, "--workers", "2")
+    processes = [psutil.Process(server.pid), *psutil.Process(server.pid).children()]
+    assert len(processes) == 3
+    assert [maps_torch(p.pid) for p in processes] == [False, False, False]
+
+
+def test_the_supervisor_never_loads_torch_even_when_its_workers_compile(start_server: StartServer) -> None:
+    server = start_server("--workers", "2")  # the default backend and ahead-of-time warmup, as `make serve`
+    assert not maps_torch(server.pid)
+    # The control: each worker's warmup compiled with Triton, through torch.
+    assert all(maps_torch(child.pid) for child in psutil.Process(server.pid).children())
+
+
+def test_keys_needs_no_torch() -> None:
+    script = "import sys\nfrom indexer_service.service.cli import main\nmain(['keys'])\nprint('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=clean_env())
+    assert out.returncode == 0, out.stderr
+    *keys, imported = out.stdout.splitlines()
+    assert len(keys) == 3 and imported == "False"
+
+
+def check(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [INDEXER_SERVICE, "check", *args], capture_output=True, text=True, timeout=60, env=clean_env()
+    )
+
+
+def test_check_says_which_port_it_reached(start_server: StartServer) -> None:
+    server = start_server(*FAST_START)
+    rpc = check(server.address)
+    assert rpc.returncode == 0, rpc.stdout + rpc.stderr
+    assert rpc.stdout.splitlines()[0] == (
+        f"reached address={server.address} port=rpc: indexer.v1.PrefillMetadata, grpc.health.v1 and reflection"
+    )
+    health_address = f"127.0.0.1:{server.health_port}"
+    health = check(health_address)
+    assert health.returncode == 0, health.stdout + health.stderr
+    first, second = health.stdout.splitlines()
+    assert first.startswith(f"reached address={health_address} port=health-only: it serves grpc.health.v1 alone")
+    assert "the RPCs and the warmup status are on the RPC port (grpc_port, 50051)" in first
+    assert second == "health overall=SERVING indexer.v1.PrefillMetadata=SERVING"

@@ -1,0 +1,124 @@
+"""Issue 19 items 1 and 5, bounded: floods of calls that are cheap to refuse or already expired must cost only
+the connections that send them. Each flood runs against a real server with a well-behaved victim on a
+connection of its own and the probes, measured against a control taken on the same server just before.
+The full-size floods are rows of ``python -m benchmarks.attack`` (refused-flood, expiring-flood).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from testkit.h2raw import call_loop_parallel
+from testkit.harness import FAST_START, LOOPBACK, ServiceProcess, poll, scrape
+from testkit.observe import Callers
+from testkit.payloads import AMPLIFIER_PLAN_BATCH, BUILD_CHUNK_PATH, PLAN_BATCH_PATH, SMALL_BUILD_CHUNK
+from testkit.siege import ERRORS, SHED, Siege, counter_delta
+
+pytestmark = pytest.mark.timeout(120)
+
+FLOODERS = 10  # connections, as in the issue
+FLOOD_SECONDS = 4.0
+CONTROL_SECONDS = 2.0
+PROBES_IN_TIME = 0.99  # the issue's 99.9 %, with slack for a few seconds on a shared 2-core machine
+# The victim may miss at most this share more than in its control (the issue's target is 99 % OK).
+VICTIM_SLACK = 0.01
+
+
+@pytest.fixture
+def serve() -> Iterator:
+    """``serve(*flags)``: a ready FAST_START server with these flags, killed after the test."""
+    started: list[ServiceProcess] = []
+
+    def start(*flags: str) -> ServiceProcess:
+        server = ServiceProcess(*FAST_START, *flags)
+        started.append(server)
+        return server.__enter__()
+
+    yield start
+    for server in started:
+        server.kill()
+
+
+def control(server: ServiceProcess) -> Siege:
+    """The victim and the probes on the idle server, for the flood's figures to be compared with."""
+    with Siege(server) as siege:
+        time.sleep(CONTROL_SECONDS)
+    return siege
+
+
+def describe(siege: Siege) -> str:
+    figures = siege.figures()
+    return f"victim {figures['victim_codes']}; shed {figures['shed']}; errors {figures['errors']}; probes " + ", ".join(
+        f"{name} {p['in_time']}/{p['probes']} (worst {p['worst_s']} s)" for name, p in figures["probes"].items()
+    )
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [(), ("--max-streams-per-connection", "16")],
+    ids=["default", "16-streams-per-connection"],
+)
+def test_refused_flood_stays_on_the_flooders_connections(serve, flags: tuple[str, ...]) -> None:
+    """Issue 19 #1: 10 connections looping a PlanBatch refused at once (work_limit). Before: the victim 52-57 %
+    OK, the rest UNAVAILABLE (REFUSED_STREAM), because testkit's callers and victim shared one HTTP/2 connection
+    (gRPC's global subchannel pool) and gRPC core's per-connection stream limit refused all of its streams. On
+    connections of their own, the refusals reach only the flooders, and every one is counted. With 16 streams
+    per connection the shared connection failed the victim within a second (4.5 % OK)."""
+    server = serve(*flags)
+    before = control(server)
+    amplifier = AMPLIFIER_PLAN_BATCH.SerializeToString()
+    with Siege(server) as siege, Callers(server.address, PLAN_BATCH_PATH, amplifier, 30.0, FLOODERS, 0.0) as flood:
+        time.sleep(1.0)
+        connections = server.connections_on(server.grpc_port)
+        time.sleep(FLOOD_SECONDS - 1.0)
+    seen = flood.run().codes()
+    # Each flooder, the victim and the probes on connections of their own (the victim's is the one past them).
+    assert connections > FLOODERS, f"{connections} connections for {FLOODERS} flooders and a victim"
+    assert seen.get("RESOURCE_EXHAUSTED", 0) >= 10 * FLOODERS, f"the flood did not run: {seen}"
+    assert seen.get("UNAVAILABLE", 0) == 0, f"streams refused to callers with one call in flight: {seen}"
+    assert siege.shed().get("work_limit", 0) == seen["RESOURCE_EXHAUSTED"], describe(siege)
+    assert siege.victim_ok_ratio() >= before.victim_ok_ratio() - VICTIM_SLACK, (
+        f"control: {describe(before)}; flood: {describe(siege)}"
+    )
+    assert siege.probes.overall().ratio >= PROBES_IN_TIME, describe(siege)
+
+
+def test_expiring_flood_leaves_other_callers_served(serve) -> None:
+    """Issue 19 #5: 10 connections sending calls with ``grpc-timeout: 1u`` (expired on arrival), one in flight
+    each. The victim and the probes keep their control's success; every call the server took up is counted
+    (shed queue_deadline, or an error DEADLINE_EXCEEDED when it expired mid-work); gRPC core ends the others with
+    RST_STREAM before the server sees them."""
+    server = serve()
+    before = control(server)
+    small = SMALL_BUILD_CHUNK.SerializeToString()
+    with Siege(server) as siege:
+        reports = call_loop_parallel(LOOPBACK, server.grpc_port, BUILD_CHUNK_PATH, small, FLOODERS, FLOOD_SECONDS, "1u")
+        time.sleep(0.5)
+    endings: dict[str, int] = {}
+    for report in reports:
+        for name, count in report.endings.items():
+            endings[name] = endings.get(name, 0) + count
+    assert sum(endings.values()) >= 100 * FLOODERS, f"the flood did not run: {endings}"
+    window = (
+        min(r.started_wall for r in reports) - siege.victim.begin_wall,
+        max(r.ended_wall for r in reports) - siege.victim.begin_wall,
+    )
+    assert len(siege.victim.calls_in(*window)) >= 20, f"victim calls during the flood {window}: {describe(siege)}"
+    assert siege.victim.ok_ratio(*window) >= before.victim_ok_ratio() - VICTIM_SLACK, (
+        f"control: {describe(before)}; flood {endings}: {describe(siege)}"
+    )
+    assert siege.probes.overall().ratio >= PROBES_IN_TIME, describe(siege)
+
+    # Every call that ended DEADLINE_EXCEEDED (status 4) is counted once the server has taken it up: a call that
+    # expired while queued for a thread is counted when a thread reaches it, which can be after the flood.
+    def counted() -> float:
+        after = scrape(server.http_url)
+        shed = counter_delta(siege.metrics_before, after, SHED, "reason").get("queue_deadline", 0)
+        return shed + counter_delta(siege.metrics_before, after, ERRORS, "code").get("DEADLINE_EXCEEDED", 0)
+
+    assert poll(lambda: counted() >= endings.get("grpc-4", 0), 10.0, interval=0.2), (
+        f"counted {counted()} of the flood's {endings}: {describe(siege)}"
+    )
