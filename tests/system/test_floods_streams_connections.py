@@ -169,3 +169,29 @@ def test_half_open_tls_handshakes_capped_timed_out_and_memory_back(serve, server
         f"idle {mib(idle_before):.0f} MiB, {mib(peak):.0f} MiB with {held} handshakes "
         f"({per_handshake / 1024:.1f} KiB each), now {mib(server.rss_bytes()):.0f} MiB"
     )
+
+
+def test_full_rpc_port_leaves_workers_probe_sockets_answering(serve) -> None:
+    """Two workers, each capped at 50 connections on the shared gRPC port (the cap is per worker: each joins the
+    port with its own gRPC server), flooded with 300 idle connections for 4x worker_hang_seconds. gRPC core's
+    connection cap is per listener, so the supervisor's probes of each worker over its private unix socket still
+    answer: no worker is killed as hung, the replica stays ready, and the health port and HTTP answer
+    throughout."""
+    cap, hang = 50, 2.0
+    server = serve(
+        "--workers", "2", "--grpc-max-connections", str(cap), "--worker-hang-seconds", str(hang),
+        "--connection-idle-seconds", "60",
+    )  # fmt: skip
+    with Siege(server, victim=False) as siege, IdleConnections(LOOPBACK, server.grpc_port, 300, H2_PREFACE) as flood:
+        time.sleep(1.0)
+        held = flood.still_connected()
+        time.sleep(4 * hang)
+        still_held = flood.still_connected()
+    log = server.log()
+    summary = f"{held} of 300 held at first, {still_held} after {4 * hang:.0f} s; {describe(siege)}"
+    assert cap <= held <= 2 * cap, summary
+    assert still_held >= cap, summary  # the flood filled the port the whole time
+    assert "worker hung" not in log and "worker exited" not in log, log
+    summaries = siege.probes.summaries()
+    assert all(summaries[name].ratio >= TARGET for name in ("grpc-health-port", "livez", "readyz")), summary
+    assert server.terminate() == 0, server.log()
