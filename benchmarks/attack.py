@@ -1,7 +1,7 @@
 """Issue 10's attacks at full size, each on a fresh server with default settings (plus the named flags), each
 watched by probes, a well-behaved victim and RSS sampling (testkit.siege):
 
-    python -m benchmarks.attack [--out FILE] [--only NAME ...] [--server-pythonpath DIR]
+    python -m benchmarks.attack [--out FILE] [--only NAME ...] [--server-pythonpath DIR] [--scale F]
 
 Prints per attack what was tried, the RSS before and after, the victim's success, the probes answered within
 1 s, what the server's metrics counted, and for each server still running how long its RSS took to come back
@@ -9,9 +9,13 @@ within 1.2x of its idle value (``memory_back``, at most 60 s); ``--out`` writes 
 ``--server-pythonpath`` serves from another source tree, for "before" figures: ``git archive <commit> | tar -x
 -C /tmp/before`` (copy the built service/_fastpath*.so too), then ``--server-pythonpath /tmp/before``.
 
+``--scale`` multiplies the sizes of the stream and connection floods (issue 19's rows: ``reflection-streams``,
+``blocked-watchers``, ``idle-connections-grpc``, ``idle-connections-health``, ``tls-half-open``), e.g. 0.1 for a
+check that they run on a shared machine.
+
 Loopback only; every loop is bounded in count and time; every server and attacker process is killed at the end.
-The bounded versions of the same attacks are tests/system/test_hardening_abuse.py and (issue 19's floods)
-tests/system/test_floods_refusals.py.
+The bounded versions of the same attacks are tests/system/test_hardening_abuse.py and, for issue 19's floods,
+tests/system/test_floods_refusals.py and tests/system/test_floods_streams_connections.py.
 """
 
 from __future__ import annotations
@@ -41,16 +45,19 @@ from testkit.harness import (
     write_json,
 )
 from testkit.http1raw import IdleConnections, UnreadAnswers, huge_header
-from testkit.observe import Callers, HealthWatch
+from testkit.observe import Callers, FreshClients, HealthWatch
 from testkit.payloads import (
     AMPLIFIER_PLAN_BATCH,
     BUILD_CHUNK_PATH,
+    CLIENT_HELLO_START,
+    H2_PREFACE,
     PLAN_BATCH_PATH,
     SMALL_BUILD_CHUNK,
     big_answer_build_chunk,
     one_row_chunks_plan_batch,
 )
 from testkit.siege import BYTES_HELD, Siege, health_address
+from testkit.streams import BlockedWatchers, IdleReflectionStreams
 
 DEFAULT_DRAIN_SECONDS = 30.0  # response_drain_seconds' default: stalled answers are held at least this long
 DEFAULT_IDLE_SECONDS = 15.0  # http_idle_timeout_seconds' default
@@ -61,6 +68,8 @@ FLOOD_CONNECTIONS = 10  # issue 19's floods: connections, one call in flight eac
 FLOOD_SECONDS = 15.0
 FLOOD_VICTIM_PAUSE = 0.05  # issue 19's victim: one small call every 50 ms, 1 s deadline
 MEMORY_BACK_SECONDS = 60.0  # issue 10: idle RSS back within 1.2x of its value before, within 60 s of the end
+DEFAULT_IDLE_CONNECTION_SECONDS = 120.0  # connection_idle_seconds' default
+SCALE = {"factor": 1.0}  # --scale: the issue 19 floods' sizes
 
 
 class Bench:
@@ -386,6 +395,108 @@ def drain_watchers(bench: Bench) -> dict:
     return figures
 
 
+def _scaled(n: int) -> int:
+    return max(1, round(n * SCALE["factor"]))
+
+
+def _with_fresh_clients(server: ServiceProcess, seconds: float, flood: object, victim: bool = True) -> dict:
+    """Probes, the victim and a fresh IndexerClient every second, ``seconds`` under ``flood`` (a ``with``)."""
+    with Siege(server, victim=victim) as siege, FreshClients(server.address, interval=1.0) as fresh, flood:
+        time.sleep(seconds)
+    figures = siege.figures()
+    figures["fresh_client_ok_ratio"] = round(fresh.ok_ratio(), 4)
+    figures["fresh_client_outcomes"] = {o: fresh.outcomes.count(o) for o in set(fresh.outcomes)}
+    return figures
+
+
+def reflection_streams(bench: Bench) -> dict:
+    """6 connections x 10 reflection streams that never send a request, each reopened 0.05 s after it ended, 30 s."""
+    server = bench.serve()
+    connections = _scaled(6)
+    flood = IdleReflectionStreams(server.address, connections=connections, streams_each=10, reopen_pause=0.05)
+    figures = _with_fresh_clients(server, 30.0, flood)
+    figures.update(tried=f"{connections} connections x 10 idle reflection streams, 30 s", opened=flood.opened)
+    figures["ended"] = flood.ended
+    return figures
+
+
+def blocked_watchers(bench: Bench) -> dict:
+    """8 new connections a second, each with 2 health Watch streams whose flow-control window stays 0, 30 s."""
+    server = bench.serve()
+    flood = BlockedWatchers(LOOPBACK, server.grpc_port, rate=8.0 * SCALE["factor"], max_connections=_scaled(240))
+    figures = _with_fresh_clients(server, 30.0, flood)
+    figures.update(
+        tried="8 connections a second x 2 Watch streams with windows 0, 30 s",
+        watch_streams=flood.streams,
+        ended_by_server=flood.ended_by_server(),
+    )
+    return figures
+
+
+def _idle_connections(server: ServiceProcess, port: int, count: int, greeting: bytes, hold: float) -> dict:
+    """``count`` connections sending ``greeting`` then nothing, watched for ``hold`` seconds (the server's own
+    timeout plus 30 s): how many it held, for how long, what RSS each cost, and the probes meanwhile."""
+    idle = server.rss_bytes()
+    with (
+        Siege(server, victim=greeting == H2_PREFACE) as siege,
+        IdleConnections(LOOPBACK, port, count, greeting) as flood,
+    ):
+        time.sleep(1.0)
+        held, peak = flood.still_connected(), server.rss_bytes()
+        start = time.monotonic()
+        while flood.still_connected() and time.monotonic() - start < hold:
+            time.sleep(1.0)
+        left = flood.still_connected()
+        all_closed_after = round(time.monotonic() - start + 1.0, 1) if not left else None
+    figures = siege.figures()
+    figures.update(
+        connections=count,
+        refused_at_connect=flood.refused,
+        held_after_1s=held,
+        all_closed_after_s=all_closed_after,
+        still_open_at_end=left,
+        rss_peak_mib=round(mib(peak), 1),
+        rss_per_held_kib=round((peak - idle) / max(held, 1) / 1024, 1),
+    )
+    return figures
+
+
+def idle_connections_grpc(bench: Bench) -> dict:
+    """15,000 connections to the RPC port that send the HTTP/2 preface and nothing else."""
+    server = bench.serve()
+    count = _scaled(15_000)
+    figures = _idle_connections(server, server.grpc_port, count, H2_PREFACE, DEFAULT_IDLE_CONNECTION_SECONDS + 30.0)
+    figures["tried"] = f"{count} idle gRPC connections (preface only) on the RPC port"
+    return figures
+
+
+def idle_connections_health(bench: Bench) -> dict:
+    """15,000 connections to the health port that send the HTTP/2 preface and nothing else."""
+    server = bench.serve()
+    count = _scaled(15_000)
+    figures = _idle_connections(server, server.health_port, count, H2_PREFACE, DEFAULT_IDLE_CONNECTION_SECONDS + 30.0)
+    figures["tried"] = f"{count} idle gRPC connections (preface only) on the health port"
+    return figures
+
+
+def tls_half_open(bench: Bench) -> dict:
+    """15,000 connections to a TLS RPC port that send 11 bytes of a ClientHello and stall."""
+    import tempfile
+
+    import trustme
+
+    with tempfile.TemporaryDirectory(prefix="attack-pki-") as folder:
+        leaf = trustme.CA().issue_cert("127.0.0.1", "localhost")
+        cert, key = Path(folder) / "cert.pem", Path(folder) / "key.pem"
+        leaf.cert_chain_pems[0].write_to_path(str(cert))
+        leaf.private_key_pem.write_to_path(str(key))
+        server = bench.serve("--tls-cert-file", str(cert), "--tls-key-file", str(key))
+    count = _scaled(15_000)
+    figures = _idle_connections(server, server.grpc_port, count, CLIENT_HELLO_START, 150.0)
+    figures["tried"] = f"{count} TLS handshakes that stall after 11 bytes"
+    return figures
+
+
 ATTACKS: dict[str, Callable[[Bench], dict]] = {
     "stalled-streams": stalled_streams,
     "cpu-amplification": cpu_amplification,
@@ -398,6 +509,11 @@ ATTACKS: dict[str, Callable[[Bench], dict]] = {
     "shedding": shedding,
     "burst-rss": burst_rss,
     "drain-watchers": drain_watchers,
+    "reflection-streams": reflection_streams,
+    "blocked-watchers": blocked_watchers,
+    "idle-connections-grpc": idle_connections_grpc,
+    "idle-connections-health": idle_connections_health,
+    "tls-half-open": tls_half_open,
 }
 
 
@@ -406,7 +522,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="write the figures as JSON")
     parser.add_argument("--only", action="append", choices=sorted(ATTACKS), help="run only this attack (repeatable)")
     parser.add_argument("--server-pythonpath", help="serve from this source tree (for 'before' figures)")
+    parser.add_argument("--scale", type=float, default=1.0, help="size of the stream and connection floods")
     args = parser.parse_args(argv)
+    SCALE["factor"] = args.scale
     bench = Bench(args.server_pythonpath)
     results: dict[str, dict] = {}
     try:

@@ -94,6 +94,24 @@ class ServiceConfig:
         "plaintext gRPC port serving only `grpc.health.v1`, on its own threads, for probes (0: any free port;"
         " in the port file as `health_port`)"
     )
+    grpc_max_connections: int = _setting(
+        "most open connections on the gRPC port per worker, TLS handshakes included; gRPC core closes more at "
+        "accept ([overload.md](overload.md#connections))"
+    )
+    health_max_connections: int = _setting("most open connections on the health port; more are closed at accept")
+    connection_idle_seconds: float = _setting(
+        "seconds a connection to either gRPC port may carry no call before it is closed (GOAWAY) (0: never)"
+    )
+    handshake_timeout_seconds: float = _setting(
+        "seconds a new gRPC connection has to finish its TLS handshake and send its HTTP/2 settings"
+    )
+    reflection_max_streams: int = _setting(
+        "most server reflection streams open at once per worker, each on a thread of its own pool (never an RPC "
+        "thread), one per connection; more are `RESOURCE_EXHAUSTED`"
+    )
+    reflection_idle_seconds: float = _setting(
+        "seconds a reflection stream may wait for its next request before it is cancelled"
+    )
     tls_cert_file: str = _setting(
         "PEM certificate chain of the gRPC port and `http_rpc_port`; with `tls_key_file`, TLS is on"
     )
@@ -144,7 +162,7 @@ class ServiceConfig:
     )
     http_max_connections: int = _setting("most open HTTP connections; more get 503 and close")
     idle_trim_seconds: float = _setting(
-        "seconds with no call ending before free heap is handed back to the OS (0: never)"
+        "seconds with no call ending and no connection closing before free heap is handed back to the OS (0: never)"
     )
     backend: str = _setting(
         "`auto` (on a CUDA GPU each request on numpy or Triton, whichever the warmup measured faster for its "
@@ -308,6 +326,12 @@ RULES: dict[str, Rule] = {
     "max_connection_age_seconds": Rule(0.001, MAX_SECONDS, zero="never"),  # int32 milliseconds in gRPC
     "max_streams_per_connection": _COUNT32,  # HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS, a C int in gRPC
     "health_port": _PORT,
+    "grpc_max_connections": _COUNT32,  # grpc.max_allowed_incoming_connections, a C int
+    "health_max_connections": _COUNT32,
+    "connection_idle_seconds": Rule(0.001, MAX_SECONDS, zero="never"),  # int32 milliseconds in gRPC
+    "handshake_timeout_seconds": Rule(0.001, MAX_SECONDS),  # int32 milliseconds in gRPC
+    "reflection_max_streams": _COUNT32,
+    "reflection_idle_seconds": Rule(above=0, high=MAX_SECONDS),
     "tls_cert_file": _PATH,
     "tls_key_file": _PATH,
     "tls_client_ca_file": _PATH,

@@ -35,7 +35,7 @@ from indexer_service.service.health import HealthServicer
 from indexer_service.service.limits import max_request_bytes
 from indexer_service.service.logs import REQUEST_ID, REQUEST_ID_HEADER, request_id_from
 from indexer_service.service.metrics import UNKNOWN_METHOD
-from indexer_service.service.reflection import reflection_handlers
+from indexer_service.service.reflection import Reflection
 from indexer_service.service.rpcs import RPCS
 
 log = logging.getLogger(__name__)
@@ -256,10 +256,39 @@ def connection_age_options(seconds: float) -> list[tuple[str, int]]:
     return [("grpc.max_connection_age_ms", int(seconds * 1000)), ("grpc.max_connection_age_grace_ms", 10_000)]
 
 
+# Keepalive, enforced: a client may ping at most every 10 s while it has no call (gRPC's default is 5 min, which
+# turns away clients that keep connections warm every 30-60 s); the third ping too early (gRPC's default 2
+# strikes) gets GOAWAY ENHANCE_YOUR_CALM, so pings cannot be a flood of their own. The server pings a connection
+# that carries calls every minute and closes it when the peer does not answer within 20 s: a peer that vanished
+# (no FIN, no RST) while it held a Watch stream or a stalled call lets go of it then, not at max_connection_age.
+KEEPALIVE_OPTIONS = [
+    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+    ("grpc.http2.max_ping_strikes", 2),
+    ("grpc.keepalive_time_ms", 60_000),
+    ("grpc.keepalive_timeout_ms", 20_000),
+]
+
+
+def connection_options(config: ServiceConfig, max_connections: int) -> list[tuple[str, int]]:
+    """What bounds a port's connections (docs/overload.md, "Connections"): at most ``max_connections`` open
+    (gRPC core closes more at accept; TLS handshakes in progress count), each handshake (TLS, then the client's
+    HTTP/2 settings) done within ``handshake_timeout_seconds``, a connection with no call closed after
+    ``connection_idle_seconds``, and keepalive enforced."""
+    options = [
+        ("grpc.max_allowed_incoming_connections", max_connections),
+        ("grpc.server_handshake_timeout_ms", int(config.handshake_timeout_seconds * 1000)),
+        *KEEPALIVE_OPTIONS,
+    ]
+    if config.connection_idle_seconds > 0:
+        options.append(("grpc.max_connection_idle_ms", int(config.connection_idle_seconds * 1000)))
+    return options
+
+
 def server_options(config: ServiceConfig, share_port: bool = False) -> list[tuple[str, int]]:
     """The gRPC server's channel options: message limits both ways (a request is never larger than a valid one
     can be), streams per connection, pending calls, no shared port (but between the workers of one replica,
-    ``share_port``: the supervisor has reserved the port for them, service/supervisor.py), connection age."""
+    ``share_port``: the supervisor has reserved the port for them, service/supervisor.py), connection age, and
+    the bounds on connections."""
     return [
         ("grpc.max_receive_message_length", max_request_bytes(config)),
         ("grpc.max_send_message_length", config.max_message_bytes),
@@ -268,6 +297,7 @@ def server_options(config: ServiceConfig, share_port: bool = False) -> list[tupl
         # one replica share theirs on purpose, and the supervisor guards it against anyone else.
         ("grpc.so_reuseport", int(share_port)),
         *connection_age_options(config.max_connection_age_seconds),
+        *connection_options(config, config.grpc_max_connections),
     ]
 
 
@@ -285,15 +315,17 @@ def server_credentials(config: ServiceConfig) -> grpc.ServerCredentials | None:
 
 @dataclass
 class GrpcServer:
-    """The RPC server and its parts that outlive start-up (the drain watchdog stops with it)."""
+    """The RPC server and its parts that outlive start-up (the drain watchdog and reflection stop with it)."""
 
     server: grpc.Server
     port: int
     handler: PrefillMetadataHandler
+    reflection: Reflection
 
     def stop(self, grace: float) -> None:
         self.server.stop(grace).wait()
         self.handler.watchdog.stop()
+        self.reflection.close()
 
 
 def create_grpc_server(
@@ -316,7 +348,10 @@ def create_grpc_server(
     handler = PrefillMetadataHandler(plane, pool, config.max_concurrent_rpcs, config.response_drain_seconds)
     server.add_generic_rpc_handlers((handler,))
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    server.add_generic_rpc_handlers(reflection_handlers((SERVICE_NAME, HEALTH_SERVICE_NAME)))
+    reflection = Reflection(
+        (SERVICE_NAME, HEALTH_SERVICE_NAME), config.reflection_max_streams, config.reflection_idle_seconds, plane.shed
+    )
+    server.add_generic_rpc_handlers(reflection.handlers)
     server.add_generic_rpc_handlers((UnknownMethodHandler(plane),))  # last: only what nobody else serves
     address = host_port(config.grpc_host, config.grpc_port)
     try:
@@ -331,15 +366,20 @@ def create_grpc_server(
             server.add_insecure_port(f"unix:{probe_socket}")
         except RuntimeError as exc:
             raise OSError(f"cannot bind the probe socket {probe_socket}: {exc}") from None
-    return GrpcServer(server, port, handler)
+    return GrpcServer(server, port, handler, reflection)
 
 
 def create_health_server(config: ServiceConfig, health_servicer: HealthServicer) -> tuple[grpc.Server, int]:
     """The probe listener: grpc.health.v1 only, plaintext (kubelet's gRPC probes speak no TLS), its own small
-    pool and no concurrency limit, so a probe never waits behind RPC work, its limit or its connections."""
+    pool and no concurrency limit, so a probe never waits behind RPC work, its limit or its connections; its own
+    cap on connections (``health_max_connections``) and the same idle and handshake bounds as the RPC port."""
     server = grpc.server(
         ThreadPoolExecutor(max_workers=2, thread_name_prefix="health-rpc"),
-        options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", 4096)],
+        options=[
+            ("grpc.so_reuseport", 0),
+            ("grpc.max_receive_message_length", 4096),
+            *connection_options(config, config.health_max_connections),
+        ],
     )
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     address = host_port(config.grpc_host, config.health_port)

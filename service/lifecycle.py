@@ -22,12 +22,30 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import resource
 import select
 import signal
 import socket
 import sys
 
 SHUTDOWN_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+log = logging.getLogger(__name__)
+
+
+def raise_open_files_limit() -> int:
+    """Raise this process's soft RLIMIT_NOFILE to its hard limit (children, the workers, inherit it) and log
+    it; returns the soft limit now. Every connection is a file descriptor, and some container runtimes start a
+    process with a soft limit of 1,024 under a far higher hard one, which would cap connections long before the
+    server's own caps (docs/overload.md, "Connections")."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError) as exc:
+            log.warning("open files limit: cannot raise %d to %d: %s", soft, hard, exc)
+    log.info("open files limit=%s", "unlimited" if soft == resource.RLIM_INFINITY else soft)
+    return soft
 
 
 def _record_only(signum: int, frame: object) -> None:

@@ -24,6 +24,8 @@ import time
 from collections.abc import Hashable
 from contextvars import ContextVar
 
+log = logging.getLogger(__name__)  # the failed-call lines
+
 # The request id of the call this thread (or task) serves; "" outside a call. Set by the transports.
 REQUEST_ID: ContextVar[str] = ContextVar("request_id", default="")
 REQUEST_ID_HEADER = "x-request-id"
@@ -186,7 +188,6 @@ class RateLimitedLog:
 
 # One line per (method, code) at most this often; the line counts every failure in between.
 FAILED_CALL_LOG_INTERVAL_SECONDS = 10.0
-_failed_log = logging.getLogger("indexer_service.service.calls")
 
 
 class FailedCallLog:
@@ -196,7 +197,7 @@ class FailedCallLog:
     logs its traceback)."""
 
     def __init__(self, interval: float = FAILED_CALL_LOG_INTERVAL_SECONDS) -> None:
-        self.log = RateLimitedLog(_failed_log, interval)
+        self.log = RateLimitedLog(log, interval)
 
     def record(self, transport: str, method: str, code: str, details: str, peer: str, milliseconds: float) -> None:
         internal = code == "INTERNAL"

@@ -44,7 +44,9 @@ SHED_REASONS = (
     "work_limit",  # the request's work is above a limit (max_plan_chunks)
     "queue_deadline",  # the caller's deadline passed, or it cancelled, while the call waited to start
     "shutdown",  # still running when the shutdown grace ended
-    "unread_response",  # the caller did not read its response within response_drain_seconds
+    "unread_response",  # the caller did not read its response (or a health watcher its status) in time
+    "stream_limit",  # a Watch or reflection stream over its per-connection or total cap (service/streams.py)
+    "idle_stream",  # a reflection stream that waited reflection_idle_seconds for a request
 )
 HTTP_REFUSALS = (
     "header_too_large",
@@ -168,12 +170,7 @@ class Metrics:
             registry=r,
             multiprocess_mode="livesum",
         )
-        self.requests_shed_total = Counter(
-            "indexer_requests_shed_total",
-            "Calls the server refused or cut to protect itself (overload or abuse), by method and reason.",
-            ["method", "reason"],
-            registry=r,
-        )
+        self.requests_shed_total = _shed_counter(r)
         self.response_bytes_held = Gauge(
             "indexer_response_bytes_held",
             "Bytes of responses being built, queued or not yet read.",
@@ -189,6 +186,7 @@ class Metrics:
         self.http_connections = Gauge(
             "indexer_http_connections", "Open HTTP connections.", registry=r, multiprocess_mode="livesum"
         )
+        self.open_fds = _open_fds_gauge(r)
         self.http_refused_total = Counter(
             "indexer_http_refused_total",
             "HTTP connections or requests refused by a limit, by reason.",
@@ -214,6 +212,26 @@ class Metrics:
         if found is None:
             found = self._children[key] = metric.labels(*label_values)
         return found
+
+
+def _shed_counter(registry: CollectorRegistry) -> Counter:
+    return Counter(
+        "indexer_requests_shed_total",
+        "Calls the server refused or cut to protect itself (overload or abuse), by method and reason.",
+        ["method", "reason"],
+        registry=registry,
+    )
+
+
+def _open_fds_gauge(registry: CollectorRegistry) -> Gauge:
+    """Each connection is a file descriptor: this shows a port at its connection cap, where gRPC core refuses
+    new connections without a count (docs/overload.md, "Connections"). The replica's sum over its processes."""
+    return Gauge(
+        "indexer_open_fds",
+        "Open file descriptors of the serving processes (each connection is one).",
+        registry=registry,
+        multiprocess_mode="livesum",
+    )
 
 
 def multiprocess_dir() -> str | None:
@@ -355,9 +373,16 @@ class SupervisorMetrics:
         )
         self.ready = _ready_gauge(r)
         self.ready.set(0)
+        self.open_fds = _open_fds_gauge(r)
+        # The health port's refusals (Watch streams over their cap, watchers that do not read): admission.ShedLog.
+        self.requests_shed_total = _shed_counter(r)
         for n in range(workers):
             slot = str(n)
             self.worker_up.labels(worker=slot).set(0)
             self.worker_ready.labels(worker=slot).set(0)
             for reason in RESTART_REASONS:
                 self.worker_restarts_total.labels(worker=slot, reason=reason)
+
+    def child(self, metric: M, *label_values: str) -> M:
+        """``metric.labels(*label_values)`` (admission.ShedLog's interface; the supervisor's sheds are rare)."""
+        return metric.labels(*label_values)

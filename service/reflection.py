@@ -5,11 +5,19 @@ grpcio-reflection serves only v1alpha, and from the descriptors compiled into ``
 comments: ``grpcurl describe`` could not show the one rule every caller must know (arrays are little-endian
 int32 bytes). Here the files come from ``indexer_descriptor.binpb`` (``make protos`` writes it with the source
 comments), plus health and reflection's own.
+
+A reflection stream reads its requests on a thread it holds while open (grpcio's sync server has no other way to
+read a stream), so streams are bounded (docs/overload.md, "Streams"): they run on a pool of their own, never on
+the RPC threads; at most ``reflection_max_streams`` are open at once and one per connection (more are refused
+with RESOURCE_EXHAUSTED before they take a thread, shed ``stream_limit``); a stream that waits longer than
+``reflection_idle_seconds`` for a request is cancelled (shed ``idle_stream``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from importlib import resources
 
 import grpc
@@ -17,10 +25,17 @@ from google.protobuf import descriptor_pb2
 from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2 as rpb
 
+from indexer_service.service.admission import DrainWatchdog
+from indexer_service.service.streams import REFLECTION_STREAMS_PER_CONNECTION, STREAM_LIMIT, StreamSlots
+
 V1ALPHA = rpb.DESCRIPTOR.services_by_name["ServerReflection"].full_name
 V1 = V1ALPHA.replace(".v1alpha.", ".v1.")
 REFLECTION_NAMES = (V1, V1ALPHA)
 _INDEXER_DESCRIPTORS = ("indexer_service.protos.indexer.v1", "indexer_descriptor.binpb")
+METHOD = "ServerReflectionInfo"
+# The shed reason of a reflection stream cut for waiting too long for its next request.
+IDLE_STREAM = "idle_stream"
+Shed = Callable[[str, str, str], None]  # (method, reason, detail): DataPlane.shed
 
 
 def _proto_of(file_descriptor) -> descriptor_pb2.FileDescriptorProto:
@@ -92,7 +107,7 @@ class ReflectionServicer:
         visit(name)
         return [self._files[n].SerializeToString() for n in order]
 
-    def _answer(self, request: rpb.ServerReflectionRequest) -> rpb.ServerReflectionResponse:
+    def answer(self, request: rpb.ServerReflectionRequest) -> rpb.ServerReflectionResponse:
         kind = request.WhichOneof("message_request")
         response = rpb.ServerReflectionResponse(valid_host=request.host, original_request=request)
         if kind == "list_services":
@@ -114,21 +129,77 @@ class ReflectionServicer:
         response.file_descriptor_response.file_descriptor_proto.extend(self._with_dependencies(name))
         return response
 
-    def info(
+
+@dataclass(eq=False)
+class _Wait:
+    """One wait for a stream's next request; ``released`` once it came (what the watchdog looks at)."""
+
+    released: bool = False
+    forget: Callable[[], None] | None = None
+
+    def release(self) -> None:
+        self.released = True
+        if self.forget is not None:
+            self.forget()
+
+
+class Reflection:
+    """Reflection under both package names (``handlers``), on its own bounded pool; :meth:`close` at stop."""
+
+    def __init__(self, service_names: Sequence[str], max_streams: int, idle_seconds: float, shed: Shed) -> None:
+        self.servicer = ReflectionServicer([*service_names, *REFLECTION_NAMES], served_files())
+        self.slots = StreamSlots("reflection streams", REFLECTION_STREAMS_PER_CONNECTION, max_streams)
+        self.shed = shed
+        self._idle = DrainWatchdog(idle_seconds)
+        # One thread beyond the slots: open streams hold at most max_streams threads, so a stream over a limit is
+        # always refused at once, never queued behind the open ones.
+        self.pool = ThreadPoolExecutor(max_workers=max_streams + 1, thread_name_prefix="reflection")
+        method = grpc.stream_stream_rpc_method_handler(
+            _on_pool(self._serve, self.pool),
+            request_deserializer=rpb.ServerReflectionRequest.FromString,
+            response_serializer=rpb.ServerReflectionResponse.SerializeToString,
+        )
+        self.handlers: tuple[grpc.GenericRpcHandler, ...] = tuple(
+            grpc.method_handlers_generic_handler(name, {METHOD: method}) for name in REFLECTION_NAMES
+        )
+
+    def _serve(
         self, requests: Iterator[rpb.ServerReflectionRequest], context: grpc.ServicerContext
     ) -> Iterator[rpb.ServerReflectionResponse]:
-        for request in requests:
-            yield self._answer(request)
+        peer = context.peer()
+        refused = self.slots.take(peer)
+        if refused is not None:
+            self.shed(METHOD, STREAM_LIMIT, f"{refused} ({peer})")
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refused)
+        try:
+            while True:
+                wait = _Wait()
+                self._idle.watch(wait, lambda: self._cut(context, peer))
+                try:
+                    request = next(requests)
+                except (StopIteration, grpc.RpcError):  # the client closed, or cancelled (or was cut here)
+                    return
+                finally:
+                    wait.release()
+                yield self.servicer.answer(request)
+        finally:
+            self.slots.give_back(peer)
+
+    def _cut(self, context: grpc.ServicerContext, peer: str) -> None:
+        self.shed(METHOD, IDLE_STREAM, f"a reflection stream of {peer} sent no request for {self._idle.seconds} s")
+        context.cancel()
+
+    def close(self) -> None:
+        self._idle.stop()
+        self.pool.shutdown(wait=False, cancel_futures=True)
 
 
-def reflection_handlers(service_names: Sequence[str]) -> tuple[grpc.GenericRpcHandler, ...]:
-    """Reflection under both package names; ``service_names`` are listed with the two reflection services."""
-    servicer = ReflectionServicer([*service_names, *REFLECTION_NAMES], served_files())
-    method = grpc.stream_stream_rpc_method_handler(
-        servicer.info,
-        request_deserializer=rpb.ServerReflectionRequest.FromString,
-        response_serializer=rpb.ServerReflectionResponse.SerializeToString,
-    )
-    return tuple(
-        grpc.method_handlers_generic_handler(name, {"ServerReflectionInfo": method}) for name in REFLECTION_NAMES
-    )
+def _on_pool(behaviour: Callable, pool: ThreadPoolExecutor) -> Callable:
+    """``behaviour`` run on ``pool`` (grpcio runs a behaviour on the pool its ``experimental_thread_pool`` names;
+    set on a function of this instance's own, as bound methods take no attributes)."""
+
+    def on_pool(*args: object) -> object:
+        return behaviour(*args)
+
+    on_pool.experimental_thread_pool = pool
+    return on_pool

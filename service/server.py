@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import uvicorn
 
 from indexer_service.kernels.specialization import warmup_keys
-from indexer_service.service.allocator import configure_malloc, idle_trim_caveat, trim_heap
+from indexer_service.service.allocator import IdleTrim, configure_malloc, idle_trim_caveat
 from indexer_service.service.backends import make_backend, resolve_backend
 from indexer_service.service.config import ServiceConfig
 from indexer_service.service.dataplane import DataPlane
@@ -38,7 +38,7 @@ from indexer_service.service.grpc_server import (
 )
 from indexer_service.service.health import HealthServicer
 from indexer_service.service.http_app import HttpRefusals, ProbeApp, RpcApp, limited_protocol
-from indexer_service.service.lifecycle import ShutdownSignals
+from indexer_service.service.lifecycle import ShutdownSignals, raise_open_files_limit
 from indexer_service.service.limits import launch_admission
 from indexer_service.service.listeners import listen_tcp
 from indexer_service.service.metrics import Metrics
@@ -144,7 +144,7 @@ class IndexerServer:
         )
         self.tracer = start_tracing()
         self.plane = DataPlane(config, self.metrics, self.warmup, backend, self.tracer)
-        self.health = HealthServicer(HEALTH_NAMES)
+        self.health = HealthServicer(HEALTH_NAMES, self.plane.shed)
         self.plane.readiness.add_listener(self.health.set_serving)
         if worker is not None:
             self.plane.readiness.add_listener(worker.report_ready)
@@ -178,8 +178,11 @@ class IndexerServer:
         self._unwatch = None
         self._warmup_thread = threading.Thread(target=self._run_warmup, name="warmup", daemon=True)
         self.warmup_done = threading.Event()
-        self._stopping = threading.Event()
-        self._trim_thread = threading.Thread(target=self._trim_when_idle, name="idle-trim", daemon=True)
+        # Free heap back to the OS once no call has ended and no connection closed for idle_trim_seconds: a
+        # burst's peak does not stay as idle RSS (glibc keeps freed memory for reuse, see service/allocator.py).
+        self._idle_trim = IdleTrim(
+            config.idle_trim_seconds, lambda: self.plane.last_call_end, self.metrics.open_fds.set
+        )
 
     def start(self) -> None:
         if self.grpc is not None:
@@ -198,7 +201,7 @@ class IndexerServer:
             caveat = idle_trim_caveat(self.config.malloc_arena_max)
             if caveat is not None:
                 log.warning("%s", caveat)
-            self._trim_thread.start()
+        self._idle_trim.start()
         if self.backend != "numpy":
             # Only a GPU backend launches kernels after ready; numpy never compiles.
             from indexer_service.kernels.compile_engine import watch_compiles
@@ -233,18 +236,6 @@ class IndexerServer:
         log.info("joined grpc=%s probe=%s", address, self.worker.probe_socket())
         self.plane.readiness.refresh()
 
-    def _trim_when_idle(self) -> None:
-        """Hand free heap back to the OS once no call has ended for ``idle_trim_seconds``: a burst's peak then
-        does not stay as idle RSS (glibc keeps freed memory for reuse, see service/allocator.py)."""
-        idle = self.config.idle_trim_seconds
-        trimmed_at = self.plane.last_call_end
-        while not self._stopping.wait(min(1.0, idle / 2)):
-            last = self.plane.last_call_end
-            if last != trimmed_at and time.monotonic() - last >= idle:
-                trimmed_at = last
-                released = trim_heap()
-                log.debug("idle trim released=%s", released)
-
     def shutdown(self) -> None:
         """Drain: NOT_SERVING (Watch streams told, then ended), optional delay, stop taking calls, let in-flight
         ones finish within the grace; calls still running when it ends are cut and counted as shed."""
@@ -273,7 +264,7 @@ class IndexerServer:
         if self.health_server is not None:
             self.health_server.stop(0).wait()
         self.health.close()
-        self._stopping.set()
+        self._idle_trim.stop()
         if self._unwatch is not None:
             self._unwatch()
         if self.tracer is not None:
@@ -345,6 +336,7 @@ def announce_start(config: ServiceConfig, workers: int, port_file: Path | None) 
         config.warmup_target,
     )
     log.info("config: %s", config.summary())
+    raise_open_files_limit()
     log.info(
         "tls mode=%s cert=%s client_ca=%s",
         tls_mode(config),

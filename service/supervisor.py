@@ -56,6 +56,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from indexer_service.service import cgroups
+from indexer_service.service.allocator import IdleTrim, configure_malloc
 from indexer_service.service.config import ServiceConfig
 from indexer_service.service.lifecycle import ShutdownSignals
 from indexer_service.service.listeners import listen_tcp, socket_address
@@ -275,6 +276,7 @@ class Supervisor:
         self.listeners: dict[str, socket.socket] = {}
         self.health = self.health_server = None
         self.metrics = None
+        self._idle_trim: IdleTrim | None = None
         self._to_retire: list[int] = []  # dead workers whose metrics files are still to fold in
         self._last_step = time.monotonic()
         self._status_written: str | None = None
@@ -286,6 +288,7 @@ class Supervisor:
     # -- start ----------------------------------------------------------------------------------------------
 
     def start(self) -> None:
+        from indexer_service.service.admission import ShedLog
         from indexer_service.service.grpc_server import HEALTH_NAMES, create_health_server
         from indexer_service.service.health import HealthServicer
         from indexer_service.service.metrics import SupervisorMetrics
@@ -306,12 +309,15 @@ class Supervisor:
             host, port = getattr(config, listener.host_setting), getattr(config, listener.port_setting)
             sock = self.listeners[name] = listen_tcp(host, port, listener.what)
             bound[listener.port_setting] = sock.getsockname()[1]
-        self.health = HealthServicer(HEALTH_NAMES)
+        self.health = HealthServicer(HEALTH_NAMES, ShedLog(self.metrics).record)
         self.health_server, health_port = create_health_server(config, self.health)
         self.config = replace(config, grpc_port=grpc_port, health_port=health_port, workers=1, **bound)
         self._write_status("starting")
         (self.runtime.path / CONFIG_FILE).write_text(config_to_json(self.config))
         self.health_server.start()
+        # The health port's connections come and go here too: counted, and their memory handed back.
+        self._idle_trim = IdleTrim(config.idle_trim_seconds, on_fds=self.metrics.open_fds.set)
+        self._idle_trim.start()
         rpc_listener = self.listeners.get("http_rpc")
         self.listening = listening_addresses(
             self.config,
@@ -568,6 +574,8 @@ class Supervisor:
             self.health_server.stop(0).wait()
             self.health.close()
             self.health_server = None
+        if self._idle_trim is not None:
+            self._idle_trim.stop()
         for sock in (self._grpc_hold, *self.listeners.values()):
             if sock is not None:
                 sock.close()
@@ -593,6 +601,7 @@ def supervise(
     from indexer_service.service.server import announce_start
 
     announce_start(config, workers, port_file)
+    configure_malloc(config.malloc_arena_max, config.malloc_retain_bytes)  # one arena: the idle trim returns all
     if signals.pending() is not None:
         log.info("shutdown signal=%s before the server started", signals.wait().name)
         return 0

@@ -99,21 +99,46 @@ def _silent(sock: socket.socket) -> bool:
     return False  # closed (b"") or answered
 
 
-class IdleConnections:
-    """``count`` connections that never send a byte, open from :meth:`open` to :meth:`close` (a ``with``)."""
+def _connected(sock: socket.socket) -> bool:
+    timeout = sock.gettimeout()
+    sock.setblocking(False)
+    try:
+        while sock.recv(65536):
+            pass
+        return False  # closed
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False  # reset
+    finally:
+        sock.settimeout(timeout)
 
-    def __init__(self, host: str, port: int, count: int) -> None:
-        self.host, self.port, self.count = host, port, count
+
+class IdleConnections:
+    """``count`` connections that send ``greeting`` (by default not a byte) and then nothing, open from
+    :meth:`open` to :meth:`close` (a ``with``). Any protocol: an HTTP/2 preface makes an idle gRPC connection,
+    the first bytes of a TLS ClientHello a handshake that never ends."""
+
+    def __init__(self, host: str, port: int, count: int, greeting: bytes = b"") -> None:
+        self.host, self.port, self.count, self.greeting = host, port, count, greeting
         self.sockets: list[socket.socket] = []
         self.refused = 0  # connections the server refused outright
 
     def open(self) -> IdleConnections:
         for _ in range(self.count):
             try:
-                self.sockets.append(_connect(self.host, self.port))
+                sock = _connect(self.host, self.port)
+                if self.greeting:
+                    sock.sendall(self.greeting)
+                self.sockets.append(sock)
             except OSError:
                 self.refused += 1
         return self
+
+    def still_connected(self) -> int:
+        """How many of the connections the server has not closed (or reset), whatever it sent on them; reads and
+        drops what it sent, never waits."""
+        return sum(_connected(sock) for sock in self.sockets)
 
     def still_open(self) -> int:
         """How many of the connections the server has neither closed nor answered (with a refusal)."""

@@ -220,6 +220,32 @@ class Callers(_Paced):
         return codes.count(grpc.StatusCode.OK) / len(codes) if codes else float("nan")
 
 
+class FreshClients(_Paced):
+    """Every ``interval`` seconds a new :class:`IndexerClient` (its own connections, client-side health checking
+    on: a Watch stream must say SERVING before a call goes out) makes one small BuildChunk with a ``timeout``
+    deadline and closes: what a scheduler that starts, or reconnects, sees. ``outcomes``: OK or the code."""
+
+    def __init__(self, address: str, interval: float = 0.5, timeout: float = 2.0, max_seconds: float = 600.0) -> None:
+        super().__init__("fresh-client", 1, interval, max_seconds)
+        self.address, self.timeout = address, timeout
+        self.outcomes: list[str] = []
+
+    def step(self, thread_index: int) -> None:
+        from indexer_service.service.client import IndexerClient
+        from testkit.payloads import SMALL_BUILD_CHUNK
+
+        with IndexerClient(self.address, timeout=self.timeout, max_attempts=1) as client:
+            try:
+                client.stub.BuildChunk(SMALL_BUILD_CHUNK, timeout=self.timeout, wait_for_ready=True)
+                outcome = "OK"
+            except grpc.RpcError as exc:
+                outcome = exc.code().name
+        self.outcomes.append(outcome)
+
+    def ok_ratio(self) -> float:
+        return self.outcomes.count("OK") / len(self.outcomes) if self.outcomes else float("nan")
+
+
 # --- health Watch -------------------------------------------------------------------------------------------
 
 

@@ -72,3 +72,16 @@ def one_row_chunks_plan_batch(chunks: int) -> pb.PlanBatchRequest:
 # Issue 10's CPU amplifier: 22 bytes on the wire, about a second of server CPU (8,192 one-row chunks, the most
 # query tokens a request may have); omit_token_to_seq keeps the answer small, so the cost is all CPU.
 AMPLIFIER_PLAN_BATCH = one_row_chunks_plan_batch(8192)
+
+
+# Greetings of connections that then say nothing (testkit.http1raw.IdleConnections): a gRPC client's first bytes
+# (the HTTP/2 preface, an empty SETTINGS frame, and the acknowledgement of the server's SETTINGS, sent ahead: a
+# connection that never acknowledges them is closed by gRPC after its 60 s settings timeout, a live idle client's
+# is not), and 11 bytes of a TLS ClientHello (record header and the start of the handshake message), never
+# finished.
+H2_PREFACE = (
+    b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+    + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
+    + b"\x00\x00\x00\x04\x01\x00\x00\x00\x00"
+)
+CLIENT_HELLO_START = b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03"

@@ -131,7 +131,7 @@ def test_the_rate_limited_log_writes_one_line_per_key_and_interval_with_the_coun
 
 def test_failed_calls_are_rate_limited_per_method_and_code_but_internal_never(caplog) -> None:
     failed = FailedCallLog(interval=3600.0)
-    with caplog.at_level(logging.INFO, logger="indexer_service.service.calls"):
+    with caplog.at_level(logging.INFO, logger="indexer_service.service.logs"):
         for n in range(5):
             failed.record("rpc", "BuildChunk", "INVALID_ARGUMENT", f"bad {n}", "peer", 1.0)
             failed.record("rpc", "PlanBatch", "INVALID_ARGUMENT", f"bad {n}", "peer", 1.0)

@@ -254,8 +254,8 @@ def test_module_paths_exist() -> None:
             pytest.fail(f"{where}: `{token}` does not import")
 
 
-# Other tools' flags the documents cite: docker's, protoc's (with its --go_opt plugin option).
-OTHER_TOOLS_FLAGS = {"--build-arg", "--decode", "--go_opt"}
+# Other tools' flags the documents cite: docker's, protoc's (its --go_opt plugin option), curl's client certificate.
+OTHER_TOOLS_FLAGS = {"--build-arg", "--decode", "--go_opt", "--cert", "--key"}
 
 
 def test_flags_exist() -> None:

@@ -1,0 +1,49 @@
+"""Long-lived streams (health Watch, server reflection) as a bounded resource: how many one connection may hold,
+and how many the process holds at once, with the refusal's message for the caller.
+
+A connection is its peer address (``context.peer()``: address and port, one per connection). The per-connection
+caps are far above what a real client needs (a client's health checking watches one or two names per
+connection; grpcurl opens one reflection stream per command) and far below ``max_streams_per_connection``, so one
+connection cannot make the server hold many.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+
+# Health Watch streams one connection may hold at once: one per name a client watches ("" and the service).
+WATCH_STREAMS_PER_CONNECTION = 4
+# Server reflection streams one connection may hold at once.
+REFLECTION_STREAMS_PER_CONNECTION = 1
+# The shed reason of a stream refused by these caps (indexer_requests_shed_total{reason}).
+STREAM_LIMIT = "stream_limit"
+
+
+class StreamSlots:
+    """Open streams of one kind, per connection (at most ``per_connection``) and in all (at most ``total``,
+    None: no total beyond what the connection caps allow)."""
+
+    def __init__(self, kind: str, per_connection: int, total: int | None = None) -> None:
+        self.kind, self.per_connection, self.total = kind, per_connection, total
+        self._lock = threading.Lock()
+        self._by_peer: Counter[str] = Counter()
+        self.open = 0
+
+    def take(self, peer: str) -> str | None:
+        """Take a slot for a stream of ``peer``: None when taken, else why not (the caller's error message)."""
+        with self._lock:
+            if self._by_peer[peer] >= self.per_connection:
+                return f"{self.kind}: this connection already has {self.per_connection} open; close one first"
+            if self.total is not None and self.open >= self.total:
+                return f"{self.kind}: {self.total} streams open on this server; retry later"
+            self._by_peer[peer] += 1
+            self.open += 1
+        return None
+
+    def give_back(self, peer: str) -> None:
+        with self._lock:
+            self.open -= 1
+            self._by_peer[peer] -= 1
+            if self._by_peer[peer] <= 0:
+                del self._by_peer[peer]
