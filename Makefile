@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test lint protos bench clean
+.PHONY: serve test test-quick lint protos bench clean
 
 # torch is pinned to the CPU build that lies on local disk (PIP_FIND_LINKS); a bare `torch` requirement
 # would make pip fetch a multi-GB CUDA build. The GPU image brings its own torch and skips this step.
@@ -18,11 +18,21 @@ $(STAMP): pyproject.toml setup.py service/fastpath.c protos/indexer/v1/indexer_w
 serve: $(STAMP)
 	$(VENV)/bin/indexer-service serve
 
-# Debian's prometheus (promtool) and kustomize for the deploy tests: installed only when missing.
+# pytest-xdist workers: 2 for CI's and the developers' 2-core machines (README's "Tests" says what was measured).
+TEST_WORKERS ?= 2
+XDIST := -n $(TEST_WORKERS) --dist loadscope
+
+# The whole suite (CI's command). Debian's prometheus (promtool) and kustomize for the deploy tests, and the
+# other-language clients' tools: installed only when missing.
 test: $(STAMP)
 	bash scripts/install-deploy-tools.sh $(VENV)
 	bash scripts/install-client-tools.sh
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(XDIST)
+
+# The inner loop: the kernels and the in-process service tests, without the tests that start processes (marked
+# `process` at collection by tests/conftest.py), the `slow` ones and the GPU ones.
+test-quick: $(STAMP)
+	$(PY) -m pytest -q $(XDIST) -m "not process and not slow and not gpu" tests/kernels tests/service
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -5,10 +5,15 @@ them, are tests/service/conftest.py's."""
 from __future__ import annotations
 
 import builtins
+import contextlib
+import fcntl
 import inspect
 import os
+import shutil
+import tempfile
 import types
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from hypothesis import settings
@@ -28,13 +33,17 @@ def examples(full: int) -> int:
     return full if PROFILE == "ci" else max(10, full // 5)
 
 
-# The `process` marker, applied at collection (nobody has to remember it): a test whose own code, fixtures, or
-# the helpers of tests/, testkit/ and benchmarks/ they call (followed transitively) name one of these starts
-# processes: servers, the CLI, compilers, other-language clients. Product code is not followed: what it spawns
-# in process (ldconfig, ptxas) is part of a unit under test, not a separate program the test runs.
+# Markers applied at collection, so nobody has to remember them. A test "reaches" a module when its own code, its
+# fixtures, or the helpers of tests/, testkit/ and benchmarks/ they call (followed transitively) name something of
+# it. Product code is not followed: what it spawns in process (ldconfig, ptxas) is part of a unit under test, not a
+# separate program the test runs.
+# `process`: reaches a way to start a process (servers, the CLI, compilers, other-language clients).
 SPAWNING_MODULES = frozenset({"subprocess", "multiprocessing", "concurrent.futures.process", "asyncio.subprocess"})
 SPAWNING_OS_CALLS = frozenset({"fork", "forkpty", "system", "popen", "posix_spawn", "posix_spawnp", "spawnv",
                                "spawnve", "spawnl", "execv", "execve", "execvp", "execl"})  # fmt: skip
+# `exclusive`: reaches the attack clients or the timing observers (victims, probes, the soak), whose figures a
+# concurrent test of the same run would skew; such a test runs with nothing else of the run beside it.
+TIMING_MODULES = frozenset({"testkit.siege", "testkit.observe", "testkit.h2raw", "testkit.http1raw", "testkit.soak"})
 FOLLOWED_PACKAGES = ("tests", "testkit", "benchmarks")
 
 
@@ -45,60 +54,109 @@ def _code_objects(code: types.CodeType) -> Iterator[types.CodeType]:
             yield from _code_objects(const)
 
 
+def _followed(value: object) -> bool:
+    return (getattr(value, "__module__", None) or "").startswith(FOLLOWED_PACKAGES)
+
+
 def _functions_of(value: object) -> list[types.FunctionType]:
     """The Python functions behind a function, method, property or class of the followed packages."""
     if isinstance(value, type):
-        if not value.__module__.startswith(FOLLOWED_PACKAGES):
-            return []
-        members = [m for klass in value.__mro__ if klass.__module__.startswith(FOLLOWED_PACKAGES)
-                   for m in vars(klass).values()]  # fmt: skip
+        members = [m for klass in value.__mro__ if _followed(klass) for m in vars(klass).values()]
         return [f for member in members for f in _functions_of(member)]
     if isinstance(value, property):
         return [f for f in (value.fget, value.fset) if isinstance(f, types.FunctionType)]
     if isinstance(value, staticmethod | classmethod):
         value = value.__func__
     value = inspect.unwrap(value) if callable(value) else value
-    if isinstance(value, types.FunctionType) and (value.__module__ or "").startswith(FOLLOWED_PACKAGES):
-        return [value]
-    return []
+    return [value] if isinstance(value, types.FunctionType) and _followed(value) else []
 
 
-def _names_a_spawner(name: str, value: object, names: tuple[str, ...]) -> bool:
-    if name in SPAWNING_MODULES:  # also `import subprocess` inside the function, not in its globals
-        return True
+def _modules_named(name: str, value: object, names: tuple[str, ...]) -> set[str]:
+    """The modules that the global ``name`` (resolved to ``value``) of a code object naming ``names`` stands for."""
     if isinstance(value, types.ModuleType):
-        return value.__name__ in SPAWNING_MODULES or (value is os and bool(SPAWNING_OS_CALLS & set(names)))
-    return (getattr(value, "__module__", None) or "") in SPAWNING_MODULES
+        if value is os:
+            return {"os"} if SPAWNING_OS_CALLS & set(names) else set()
+        return {value.__name__}
+    if value is None:
+        return {name}  # `import subprocess` inside the function: a name that is not in its globals
+    return {getattr(value, "__module__", None) or ""}
 
 
-def starts_processes(function: types.FunctionType, seen: dict[types.FunctionType, bool]) -> bool:
-    """Whether ``function``, or what it calls among the followed packages, names a way to start a process."""
+def reached_modules(function: types.FunctionType, seen: dict[types.FunctionType, frozenset[str]]) -> frozenset[str]:
+    """Every module ``function``, or what it calls among the followed packages, names something of."""
     if function in seen:
         return seen[function]
-    seen[function] = False  # a cycle adds nothing
-    found = False
+    seen[function] = frozenset()  # a cycle adds nothing
+    reached: set[str] = set()
     for code in _code_objects(function.__code__):
         for name in code.co_names:
             value = function.__globals__.get(name, getattr(builtins, name, None))
-            if _names_a_spawner(name, value, code.co_names) or any(
-                starts_processes(f, seen) for f in _functions_of(value)
-            ):
-                found = True
-                break
-        if found:
-            break
-    seen[function] = found
-    return found
+            reached |= _modules_named(name, value, code.co_names)
+            for callee in _functions_of(value):
+                reached |= reached_modules(callee, seen)
+    seen[function] = frozenset(reached)
+    return seen[function]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    seen: dict[types.FunctionType, bool] = {}
+    seen: dict[types.FunctionType, frozenset[str]] = {}
     for item in items:
         if not isinstance(item, pytest.Function):
             continue
         fixtures = [d.func for defs in item._fixtureinfo.name2fixturedefs.values() for d in defs]
-        if any(starts_processes(f, seen) for candidate in (item.function, *fixtures) for f in _functions_of(candidate)):
+        reached = {
+            m for root in (item.function, *fixtures) for f in _functions_of(root) for m in reached_modules(f, seen)
+        }
+        if reached & SPAWNING_MODULES or "os" in reached:
             item.add_marker(pytest.mark.process)
+        if reached & TIMING_MODULES:
+            item.add_marker(pytest.mark.exclusive)
+
+
+# `exclusive` under pytest-xdist: every test holds the run lock, shared, from its setup to its teardown, and an
+# exclusive one holds it alone. A test waiting for it alone holds the turnstile, so that the other workers' next
+# tests queue behind it instead of keeping a shared hold forever. The controller makes the locks' folder and hands
+# it to its workers; a run without workers takes no lock.
+LOCK_DIR = pytest.StashKey[Path]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if not hasattr(config, "workerinput"):
+        config.stash[LOCK_DIR] = Path(tempfile.mkdtemp(prefix="indexer-tests-lock-"))
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if LOCK_DIR in config.stash:
+        shutil.rmtree(config.stash[LOCK_DIR], ignore_errors=True)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node) -> None:  # pytest-xdist's hook: a worker is about to start
+    node.workerinput["indexer_lock_dir"] = str(node.config.stash[LOCK_DIR])
+
+
+@contextlib.contextmanager
+def run_lock(directory: str | None, exclusive: bool) -> Iterator[None]:
+    if directory is None:
+        yield
+        return
+    with open(Path(directory) / "turnstile", "a") as turnstile, open(Path(directory) / "run", "a") as run:
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(run, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        finally:
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(run, fcntl.LOCK_UN)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    directory = getattr(item.config, "workerinput", {}).get("indexer_lock_dir")
+    with run_lock(directory, exclusive=item.get_closest_marker("exclusive") is not None):
+        return (yield)
 
 
 def cuda_available() -> bool:

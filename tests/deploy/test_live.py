@@ -190,6 +190,7 @@ def pod(workdir: Path, image_cache: Path):
         home.chmod(0o755)
 
 
+@pytest.mark.exclusive  # a cache load must take under 0.05 s: a concurrent test of the run would skew it
 def test_served_warmup_loads_the_seeded_image_cache(pod: Server, image_cache: Path) -> None:
     # The seed is a full copy of what the image build compiled.
     assert pod.cache_before == pod.image_cache_before

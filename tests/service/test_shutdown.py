@@ -69,6 +69,7 @@ def burst(address: str, calls: list[Call], stop: threading.Event) -> None:
                 time.sleep(0.01)
 
 
+@pytest.mark.exclusive  # calls sent in the delay's first half must reach the server in time
 def test_sigterm_during_a_burst_drains_and_exits_0(start_server: StartServer) -> None:
     server = start_server(
         "--backend",

@@ -29,11 +29,12 @@ from testkit.fuzzing import (
     stubs_for,
 )
 from testkit.harness import FAST_START, ServiceProcess, channel
+from tests.conftest import examples
 from tests.system.hardening_support import assert_healthy_after
 
 METHODS = tuple(REQUEST_TYPES)
 # The server runs across examples: hypothesis' per-example deadline would only measure loopback noise.
-FUZZ = settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FUZZ = settings(max_examples=examples(250), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 # grpcio's own answer when a request's bytes are not a protobuf message: the service never sees the call.
 
 
