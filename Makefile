@@ -20,7 +20,7 @@ serve: $(STAMP)
 
 # pytest-xdist workers: 2 for CI's and the developers' 2-core machines (README's "Tests" says what was measured).
 TEST_WORKERS ?= 2
-XDIST := -n $(TEST_WORKERS) --dist loadscope
+XDIST := -n $(TEST_WORKERS) --dist loadgroup
 
 # The whole suite (CI's command). Debian's prometheus (promtool) and kustomize for the deploy tests, and the
 # other-language clients' tools: installed only when missing.

@@ -103,14 +103,27 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if not isinstance(item, pytest.Function):
             continue
-        fixtures = [d.func for defs in item._fixtureinfo.name2fixturedefs.values() for d in defs]
+        definitions = [d for defs in item._fixtureinfo.name2fixturedefs.values() for d in defs]
         reached = {
-            m for root in (item.function, *fixtures) for f in _functions_of(root) for m in reached_modules(f, seen)
+            m
+            for root in (item.function, *(d.func for d in definitions))
+            for f in _functions_of(root)
+            for m in reached_modules(f, seen)
         }
-        if reached & SPAWNING_MODULES or "os" in reached:
+        if spawns(reached):
             item.add_marker(pytest.mark.process)
         if reached & TIMING_MODULES:
             item.add_marker(pytest.mark.exclusive)
+        # pytest-xdist (--dist loadgroup) spreads tests one by one, but keeps on one worker the process tests of a
+        # module that share a module-scoped fixture of ours (the deploy tests' pod and replicas, a fuzzed server),
+        # so that it starts once.
+        shared = [d for d in definitions if d.scope in ("module", "class", "package") and _functions_of(d.func)]
+        if shared and spawns(reached):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+
+
+def spawns(modules: frozenset[str] | set[str]) -> bool:
+    return bool(modules & SPAWNING_MODULES) or "os" in modules
 
 
 # `exclusive` under pytest-xdist: every test holds the run lock, shared, from its setup to its teardown, and an
