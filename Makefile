@@ -18,7 +18,8 @@ $(STAMP): pyproject.toml setup.py service/fastpath.c protos/indexer/v1/indexer_w
 serve: $(STAMP)
 	$(VENV)/bin/indexer-service serve
 
-# pytest-xdist workers: 2 for CI's and the developers' 2-core machines (README's "Tests" says what was measured).
+# pytest-xdist workers: 2 for the 2-core machines of CI and the developers. loadgroup spreads tests one by one, except
+# the groups tests/tiers.py makes (process tests sharing a module-scoped fixture).
 TEST_WORKERS ?= 2
 XDIST := -n $(TEST_WORKERS) --dist loadgroup
 
@@ -30,7 +31,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q $(XDIST)
 
 # The inner loop: the kernels and the in-process service tests, without the tests that start processes (marked
-# `process` at collection by tests/conftest.py), the `slow` ones and the GPU ones.
+# `process` at collection: tests/tiers.py), the `slow` ones and the GPU ones.
 test-quick: $(STAMP)
 	$(PY) -m pytest -q $(XDIST) -m "not process and not slow and not gpu" tests/kernels tests/service
 
