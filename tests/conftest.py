@@ -33,9 +33,10 @@ def examples(full: int) -> int:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     seen: dict[types.FunctionType, frozenset[str]] = {}
+    xdist = config.pluginmanager.hasplugin("xdist")
     for item in items:
         if isinstance(item, pytest.Function):
-            for mark in tier_marks(item, seen):
+            for mark in tier_marks(item, seen, xdist):
                 item.add_marker(mark)
 
 

@@ -80,10 +80,13 @@ def reached_modules(function: types.FunctionType, seen: dict[types.FunctionType,
     return seen[function]
 
 
-def tier_marks(item: pytest.Function, seen: dict[types.FunctionType, frozenset[str]]) -> list[pytest.MarkDecorator]:
+def tier_marks(
+    item: pytest.Function, seen: dict[types.FunctionType, frozenset[str]], xdist: bool
+) -> list[pytest.MarkDecorator]:
     """The markers ``item`` gets: `process`, `exclusive`, and an `xdist_group` that keeps on one pytest-xdist worker
     (--dist loadgroup) the process tests of a module sharing a module-scoped fixture of ours (the deploy tests' pod
-    and replicas, a fuzzed server), so that it starts once. ``seen`` caches what each function reaches."""
+    and replicas, a fuzzed server), so that it starts once (where pytest-xdist is loaded, which defines that marker).
+    ``seen`` caches what each function reaches."""
     definitions = [d for defs in item._fixtureinfo.name2fixturedefs.values() for d in defs]
     reached = {
         m
@@ -94,7 +97,7 @@ def tier_marks(item: pytest.Function, seen: dict[types.FunctionType, frozenset[s
     marks = []
     if spawns(reached):
         marks.append(pytest.mark.process)
-        if any(d.scope in ("module", "class", "package") and functions_of(d.func) for d in definitions):
+        if xdist and any(d.scope in ("module", "class", "package") and functions_of(d.func) for d in definitions):
             marks.append(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
     if reached & TIMING_MODULES:
         marks.append(pytest.mark.exclusive)
