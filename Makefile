@@ -18,8 +18,9 @@ $(STAMP): pyproject.toml setup.py service/fastpath.c protos/indexer/v1/indexer_w
 serve: $(STAMP)
 	$(VENV)/bin/indexer-service serve
 
-# pytest-xdist workers: 2 for the 2-core machines of CI and the developers. loadgroup spreads tests one by one, except
-# the groups tests/tiers.py makes (process tests sharing a module-scoped fixture).
+# pytest-xdist workers for `make test` (0: none). On this 2-core machine shared with other jobs, 2 workers measured
+# no gain over none (416-468 s against 422-427 s); TEST_WORKERS=0 runs without. loadgroup spreads tests one by one,
+# except the groups tests/tiers.py makes (process tests sharing a module-scoped fixture).
 TEST_WORKERS ?= 2
 XDIST := -n $(TEST_WORKERS) --dist loadgroup
 
