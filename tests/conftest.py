@@ -1,9 +1,70 @@
-"""Fixtures of every layer. Nothing here imports the service (tests/kernels/ runs without its compiled
-extension); the service layer's fixtures, real server processes among them, are tests/service/conftest.py's."""
+"""Fixtures of every layer, the test tiers' markers and the hypothesis profiles. Nothing here imports the service
+(tests/kernels/ runs without its compiled extension); the service layer's fixtures, real server processes among
+them, are tests/service/conftest.py's."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
+import types
+from collections.abc import Iterator
+from pathlib import Path
+
 import pytest
+from hypothesis import settings
+
+from tests.tiers import run_lock, tier_marks
+
+# Hypothesis: every example in CI (which sets CI=true, as do most CI systems), a fifth of them elsewhere so that
+# `make test-quick` stays a one-minute loop; HYPOTHESIS_PROFILE picks one by name. Tests that set max_examples
+# themselves scale it with examples().
+settings.register_profile("ci", deadline=None, print_blob=True)
+settings.register_profile("dev", deadline=None, max_examples=20)
+PROFILE = os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if os.environ.get("CI", "").lower() == "true" else "dev")
+settings.load_profile(PROFILE)
+
+
+def examples(full: int) -> int:
+    """A test's own max_examples under the active hypothesis profile: ``full`` in CI, a fifth (at least 10)
+    elsewhere."""
+    return full if PROFILE == "ci" else max(10, full // 5)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    seen: dict[types.FunctionType, frozenset[str]] = {}
+    xdist = config.pluginmanager.hasplugin("xdist")
+    for item in items:
+        if isinstance(item, pytest.Function):
+            for mark in tier_marks(item, seen, xdist):
+                item.add_marker(mark)
+
+
+# `exclusive` under pytest-xdist: tests/tiers.py's run_lock. The controller makes the locks' folder and hands it to
+# its workers; a run without workers takes no lock.
+LOCK_DIR = pytest.StashKey[Path]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if not hasattr(config, "workerinput"):
+        config.stash[LOCK_DIR] = Path(tempfile.mkdtemp(prefix="indexer-tests-lock-"))
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if LOCK_DIR in config.stash:
+        shutil.rmtree(config.stash[LOCK_DIR], ignore_errors=True)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node) -> None:  # pytest-xdist's hook: a worker is about to start
+    node.workerinput["indexer_lock_dir"] = str(node.config.stash[LOCK_DIR])
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    directory = getattr(item.config, "workerinput", {}).get("indexer_lock_dir")
+    with run_lock(directory, exclusive=item.get_closest_marker("exclusive") is not None):
+        return (yield)
 
 
 def cuda_available() -> bool:

@@ -487,8 +487,7 @@ class Server(LoggedProcess):
         listen |= {"INDEXER_HTTP_RPC_PORT": "0"}
         env = base_env(**{**env, **listen})
         super().__init__(argv, workdir / f"{name}.log", env)
-        self.grpc_port = self.http_port = 0
-        self.health_port: int | None = None  # None: this server build has no health-only port yet
+        self.grpc_port = self.http_port = self.health_port = 0
 
     def wait_listening(self, timeout: float = 90) -> Server:
         ports = wait_for(
@@ -497,8 +496,7 @@ class Server(LoggedProcess):
             f"{self.log_path.stem} listening",
             process=self.process,
         )
-        self.grpc_port, self.http_port = ports["grpc_port"], ports["http_port"]
-        self.health_port = ports.get("health_port")
+        self.grpc_port, self.http_port, self.health_port = ports["grpc_port"], ports["http_port"], ports["health_port"]
         return self
 
     def wait_ready(self, timeout: float = 120) -> Server:

@@ -24,7 +24,6 @@ import trustme
 
 from indexer_service.service.client import IndexerClient
 from indexer_service.service.config import load_config
-from testkit.paths import REPO
 from tests.deploy.support import (
     INSTALL_HINT,
     Prometheus,
@@ -191,6 +190,7 @@ def pod(workdir: Path, image_cache: Path):
         home.chmod(0o755)
 
 
+@pytest.mark.exclusive  # a cache load must take under 0.05 s: a concurrent test of the run would skew it
 def test_served_warmup_loads_the_seeded_image_cache(pod: Server, image_cache: Path) -> None:
     # The seed is a full copy of what the image build compiled.
     assert pod.cache_before == pod.image_cache_before
@@ -268,10 +268,7 @@ def test_probes_ask_what_the_server_serves(pod: Server) -> None:
         assert pod.http(endpoint["path"])[0] == 200
     assert pod.http("/readyz")[0] == 200 and pod.http("/livez")[0] == 200
     # The probes' services on the RPC port (which serves health too), then on the health port they use.
-    addresses = [pod.address]
-    if pod.health_port is not None:
-        addresses.append(f"127.0.0.1:{pod.health_port}")
-    for address in addresses:
+    for address in (pod.address, f"127.0.0.1:{pod.health_port}"):
         with IndexerClient(address, max_attempts=1, health_check=False) as client:
             for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
                 assert client.health(c[kind]["grpc"]["service"]) == "SERVING", (address, kind)
@@ -279,8 +276,6 @@ def test_probes_ask_what_the_server_serves(pod: Server) -> None:
             with pytest.raises(grpc.RpcError) as unknown:
                 client.health("no.such.Service")
             assert unknown.value.code() is grpc.StatusCode.NOT_FOUND
-    if pod.health_port is None:
-        pytest.skip("this server build does not serve health_port yet (issue 10): probed the RPC port only")
 
 
 def healthcheck_argv() -> list[str]:
@@ -333,21 +328,6 @@ def test_image_healthcheck_with_tls_on(workdir: Path, image_cache: Path, tmp_pat
 # Metrics with labels that get a sample only once something happens: a healthy server under normal traffic
 # sheds nothing, so it exports the family (HELP and TYPE) but no sample. Only these may lack data below.
 EVENT_ONLY = {"indexer_requests_shed_total"}
-METRICS_SOURCE = REPO / "service" / "metrics.py"
-
-
-def not_yet_defined(names: set[str]) -> set[str]:
-    """Names the server's metrics module does not define at all yet (metrics of work landing beside this, until
-    it lands). Tolerated only while the source lacks them; from then on they must be exported."""
-    source = METRICS_SOURCE.read_text()
-    return {n for n in names if re.sub(r"_(total|bucket|count|sum)$", "", n) not in source}
-
-
-def counts_unknown_methods(server: Server) -> bool:
-    """Whether this server build counts calls to unknown methods in a pre-created
-    indexer_request_errors_total{method="unknown"} series (issue 18, in the works beside the dashboard's panel):
-    until it does, that panel's query may have no data, and only that one."""
-    return any(labels["method"] == "unknown" for labels, _ in server.samples().get("indexer_request_errors_total", []))
 
 
 def declared_families(server: Server) -> set[str]:
@@ -363,13 +343,10 @@ def test_every_metric_of_the_alerts_and_the_dashboard_is_exported(pod: Server) -
     wanted = {name for rule in alert_rules() for name in metric_names(rule["expr"])}
     wanted |= {name for _, expr in dashboard_targets() for name in metric_names(expr)}
     assert wanted, "no metric found in the alerts and the dashboard"
-    pending = not_yet_defined(wanted)
     declared = declared_families(pod)
     # Declared but without a sample: allowed only for event-only families.
-    missing = wanted - exported - pending - (EVENT_ONLY & declared)
+    missing = wanted - exported - (EVENT_ONLY & declared)
     assert not missing, f"named but not exported: {sorted(missing)}"
-    if pending:
-        pytest.skip(f"not defined by the server yet: {sorted(pending)}; everything else is exported")
 
 
 @pytest.mark.skipif(find_tool("prometheus") is None, reason=f"no prometheus: {INSTALL_HINT}")
@@ -393,13 +370,9 @@ def test_prometheus_scrapes_the_server_and_answers_every_dashboard_query(pod: Se
     sender = threading.Thread(target=traffic, daemon=True)
     sender.start()
     try:
-        # Queries that can only have data once the server sheds something, or once it defines the metric.
-        tolerated = EVENT_ONLY | not_yet_defined({n for _, e in dashboard_targets() for n in metric_names(e)})
-        unknown_counted = counts_unknown_methods(pod)
+        # Queries that can only have data once the server sheds something.
         queries = [
-            (title, expand_grafana(expr))
-            for title, expr in dashboard_targets()
-            if not metric_names(expr) <= tolerated and (unknown_counted or 'method="unknown"' not in expr)
+            (title, expand_grafana(expr)) for title, expr in dashboard_targets() if not metric_names(expr) <= EVENT_ONLY
         ]
         pending = dict(enumerate(queries))
         deadline = time.monotonic() + 45

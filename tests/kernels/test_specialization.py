@@ -30,6 +30,7 @@ from indexer_service.kernels.triton_kernel import (
 )
 from testkit.batches import BatchShape, random_chunk_inputs
 from testkit.vllm import vllm_warmup_points
+from tests.conftest import examples
 from tests.golden import GOLDEN
 
 FLASH_RATIOS = (0, 0, *([4, 128] * 20), 4, 0)
@@ -126,7 +127,7 @@ def configs_and_requests(draw):
 
 
 @given(configs_and_requests())
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 def test_key_for_launch_of_every_service_launch_is_warmed(args):
     """Property: the key of every launch the service's builder makes is in warmup_keys(config)."""
     model, ratio, shape, dcp, seed = args

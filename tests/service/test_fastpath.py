@@ -36,10 +36,11 @@ from testkit.fuzzing import FUZZ_LIMITS, chunk_request, rng_draw
 from testkit.paths import REPO
 from testkit.payloads import big_answer_build_chunk
 from testkit.planes import make_plane
+from tests.conftest import examples
 from tests.golden import GOLDEN, case_id, chunk_inputs, metadata_as_dict
 
 # tests/service/test_fastpath_sanitized.py runs fewer: under ASan every Python allocation is a guarded malloc.
-FUZZ_EXAMPLES = int(os.environ.get("FASTPATH_FUZZ_EXAMPLES", "600"))
+FUZZ_EXAMPLES = int(os.environ.get("FASTPATH_FUZZ_EXAMPLES", examples(600)))
 FUZZ = settings(max_examples=FUZZ_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 BASE = load_config({"warmup_target": "none"}, env={})
 LIMITED = dataclasses.replace(

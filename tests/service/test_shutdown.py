@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import re
 import signal
+import subprocess
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -17,7 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
 from indexer_service.protos.indexer.v1 import indexer_pb2_grpc as pb_grpc
 from indexer_service.service.codec import SERVICE_NAME, encode_int32
-from testkit.harness import http_get
+from testkit.harness import INDEXER_SERVICE, clean_env, http_get, listen_flags
 from tests.service.conftest import StartServer, scrape
 
 pytestmark = pytest.mark.slow
@@ -67,6 +69,7 @@ def burst(address: str, calls: list[Call], stop: threading.Event) -> None:
                 time.sleep(0.01)
 
 
+@pytest.mark.exclusive  # calls sent in the delay's first half must reach the server in time
 def test_sigterm_during_a_burst_drains_and_exits_0(start_server: StartServer) -> None:
     server = start_server(
         "--backend",
@@ -161,40 +164,32 @@ MOMENTS = [
 ]
 
 
-def test_a_signal_at_any_moment_ends_the_process_with_0(tmp_path) -> None:
-    import subprocess
-
-    from testkit.harness import INDEXER_SERVICE, clean_env, listen_flags
-
-    outcomes = []
-    for n, (signum, marker, delay) in enumerate(MOMENTS):
-        log_path = tmp_path / f"server-{n}.log"
-        env = clean_env(TRITON_CACHE_DIR=str(tmp_path / f"cold-cache-{n}"))  # cold: the warmup compiles
-        command = [
-            INDEXER_SERVICE,
-            "serve",
-            "--backend",
-            "numpy",
-            "--warmup-target",
-            "cuda:90",
-            *listen_flags(),
-        ]
-        with open(log_path, "wb") as log:
-            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-        try:
-            deadline = time.monotonic() + 120
-            while marker not in log_path.read_text(errors="replace"):
-                assert process.poll() is None and time.monotonic() < deadline, log_path.read_text()
-                time.sleep(0.01)
-            time.sleep(delay)
-            process.send_signal(signum)
-            code = process.wait(60)
-        finally:
-            if process.poll() is None:
-                process.kill()
-                process.wait(10)
-        text = log_path.read_text(errors="replace")
-        outcomes.append((signum.name, marker, delay, code))
-        assert code == 0, (outcomes, text)
-        assert "terminate called" not in text and "Traceback" not in text, text
-        assert f"shutdown signal={signum.name}" in text, text
+@pytest.mark.parametrize(
+    ("signum", "marker", "delay"), MOMENTS, ids=[f"{s.name}-{m.rstrip('= ')}-{d}s" for s, m, d in MOMENTS]
+)
+def test_a_signal_at_any_moment_ends_the_process_with_0(
+    signum: signal.Signals, marker: str, delay: float, tmp_path: Path
+) -> None:
+    """One moment of MOMENTS per case (one 53 s loop before): each case a server of its own with a cold Triton
+    cache (the warmup compiles), so cases run in parallel under pytest-xdist."""
+    log_path = tmp_path / "server.log"
+    env = clean_env(TRITON_CACHE_DIR=str(tmp_path / "cold-cache"))
+    command = [INDEXER_SERVICE, "serve", "--backend", "numpy", "--warmup-target", "cuda:90", *listen_flags()]
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while marker not in log_path.read_text(errors="replace"):
+            assert process.poll() is None and time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.01)
+        time.sleep(delay)
+        process.send_signal(signum)
+        code = process.wait(60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(10)
+    text = log_path.read_text(errors="replace")
+    assert code == 0, text
+    assert "terminate called" not in text and "Traceback" not in text, text
+    assert f"shutdown signal={signum.name}" in text, text

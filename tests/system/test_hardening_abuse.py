@@ -3,7 +3,10 @@ asserting the issue's target in a scaled-down form (fewer streams, shorter loops
 flags so the defence shows within seconds). The full-size attacks are ``python -m benchmarks.attack``.
 
 Outcomes are asserted as counts and ratios; the only timings are the probes' 1 s (the stated target) and the
-drain's exit time, each with slack for a loaded 2-core CI machine.
+drain's exit time. The victim's and the probes' ratios are held to the issue's targets against a baseline taken
+in the same test: the same siege against the same server, unattacked, just before (hardening_support.bar), so a
+machine loaded by others moves the bar only as far as the quiet run shows. These tests run alone under
+pytest-xdist (the `exclusive` marker, tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from testkit.payloads import (
     one_row_chunks_plan_batch,
 )
 from testkit.siege import BYTES_HELD, ERRORS, SHED, Siege, counter_delta, health_address
+from tests.system.hardening_support import bar, quiet_run
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -104,6 +108,7 @@ def test_stalled_window_zero_streams_hold_at_most_the_budget(serve) -> None:
     within response_drain_seconds, counts it, and keeps serving others; once the attacker is gone its memory comes
     back (the watchdog's thread once kept the last call it cancelled, and gRPC core that call's 64 MB answer)."""
     server = serve(*MEMORY_FLAGS, "--idle-trim-seconds", "1")
+    quiet = quiet_run(server)
     idle_before = idle_rss(server)
     with Siege(server) as siege, StalledStreams(LOOPBACK, server.grpc_port, BUILD_CHUNK_PATH, BIG_ANSWER, 5, 2) as st:
         ended = poll(lambda: st.snapshot().still_open == 0, DRAIN_SECONDS + 6.0)
@@ -115,7 +120,7 @@ def test_stalled_window_zero_streams_hold_at_most_the_budget(serve) -> None:
     assert siege.rss_peak_growth < RSS_ALLOWANCE, f"RSS grew {mib(siege.rss_peak_growth):.0f} MiB: {describe(siege)}"
     shed = siege.shed()
     assert shed.get("unread_response", 0) + shed.get("memory", 0) >= 1, describe(siege)
-    assert siege.victim_ok_ratio() >= 0.95, describe(siege)
+    assert siege.victim_ok_ratio() >= bar(0.95, quiet.victim_ok_ratio), f"{describe(siege)}; quiet: {quiet}"
     assert poll(lambda: metric_total(scrape(server.http_url), BYTES_HELD) == 0, 5.0), "bytes still held"
 
 
@@ -130,13 +135,14 @@ def test_cpu_amplifier_refused_and_heavy_callers_do_not_starve_light_ones(serve)
         attacker.unary_unary(PLAN_BATCH_PATH)(AMPLIFIER_PLAN_BATCH.SerializeToString(), timeout=30.0)
     assert refused.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED, refused.value
     assert "max_plan_chunks" in refused.value.details(), refused.value.details()
+    quiet = quiet_run(server)
     with Siege(server) as siege, Callers(server.address, PLAN_BATCH_PATH, HEAVY_PLAN, 30.0, 10, 0.0) as heavy:
         time.sleep(8.0)
     assert heavy.run().codes().get("OK", 0) >= 1, f"the heavy calls were never served: {heavy.run().codes()}"
     # The issue's 99 % is over a 30 s run (benchmarks/attack.py); this one's ~100 small calls on a shared 2-core
     # machine get three misses of slack (none missed in 4 runs here). Without the defence, 83-89 % were served.
-    assert siege.victim_ok_ratio() >= 0.97, describe(siege)
-    assert siege.probes.overall().ratio >= PROBES_IN_TIME, probe_report(siege)
+    assert siege.victim_ok_ratio() >= bar(0.97, quiet.victim_ok_ratio), f"{describe(siege)}; quiet: {quiet}"
+    assert siege.probes.overall().ratio >= bar(PROBES_IN_TIME, quiet.probes_in_time), (probe_report(siege), quiet)
 
 
 def test_rapid_reset_leaves_other_callers_served(serve) -> None:
@@ -145,6 +151,7 @@ def test_rapid_reset_leaves_other_callers_served(serve) -> None:
     probes answer."""
     server = serve()
     small = SMALL_BUILD_CHUNK.SerializeToString()
+    quiet = quiet_run(server)
     with Siege(server) as siege:
         # 15,000 resets each (the issue's 5,000 last ~3 s here): a window long enough for ~60 victim calls,
         # so that the ratio does not rest on a score of them.
@@ -159,20 +166,24 @@ def test_rapid_reset_leaves_other_callers_served(serve) -> None:
     )
     during = victim.calls_in(*attack)
     assert len(during) >= 40, f"{len(during)} victim calls during the attack {attack}: {describe(siege)}"
-    assert victim.ok_ratio(*attack) >= 0.95, f"during the attack {attack}: {describe(siege)}"
-    assert siege.probes.overall().ratio >= PROBES_IN_TIME, probe_report(siege)
+    assert victim.ok_ratio(*attack) >= bar(0.95, quiet.victim_ok_ratio), f"during {attack}: {describe(siege)}; {quiet}"
+    assert siege.probes.overall().ratio >= bar(PROBES_IN_TIME, quiet.probes_in_time), (probe_report(siege), quiet)
 
 
 def test_http_huge_header_refused_early(serve) -> None:
     """Issue 10 #4: a 16 MiB request header (the benchmark sends 64 MiB) is refused with 431 long before it
     ends, counted, and /livez keeps answering (before: the whole header was parsed, then answered 200)."""
     server = serve()
+    quiet = quiet_run(server)
     with Siege(server, victim=False, probe_interval=0.05) as siege:
         report = huge_header(LOOPBACK, server.http_rpc_port, 16 * MiB, max_seconds=20.0)
         time.sleep(0.5)
     assert report.status == 431 or (report.status is None and report.closed_by_server), report
     assert report.header_bytes_sent < 4 * MiB, report
-    assert siege.probes.summaries()["livez"].ratio >= PROBES_IN_TIME, probe_report(siege)
+    assert siege.probes.summaries()["livez"].ratio >= bar(PROBES_IN_TIME, quiet.probes_in_time), (
+        probe_report(siege),
+        quiet,
+    )
     assert siege.http_refused().get("header_too_large", 0) >= 1, describe(siege)
 
 
@@ -201,6 +212,7 @@ def test_http_never_read_answers_are_cut(serve) -> None:
     ~50 MiB of RSS each, held until they close). The server holds at most its budget, closes what is not
     read within response_drain_seconds, and counts it."""
     server = serve(*MEMORY_FLAGS)
+    quiet = quiet_run(server)
     unread_answers = UnreadAnswers(LOOPBACK, server.http_rpc_port, BUILD_CHUNK_PATH, BIG_ANSWER, 8)
     with Siege(server) as siege, unread_answers as unread:
         time.sleep(DRAIN_SECONDS)
@@ -217,7 +229,7 @@ def test_http_never_read_answers_are_cut(serve) -> None:
     assert siege.rss_peak_growth < RSS_ALLOWANCE, f"RSS grew {mib(siege.rss_peak_growth):.0f} MiB: {describe(siege)}"
     shed = siege.shed()
     assert shed.get("unread_response", 0) + shed.get("memory", 0) >= 1, describe(siege)
-    assert siege.victim_ok_ratio() >= 0.95, describe(siege)
+    assert siege.victim_ok_ratio() >= bar(0.95, quiet.victim_ok_ratio), f"{describe(siege)}; quiet: {quiet}"
 
 
 def test_shedding_is_counted_and_logged(serve) -> None:

@@ -1,0 +1,128 @@
+"""The test tiers, decided at collection from what each test does (tests/conftest.py applies them), so a new test
+lands in its tier without anyone marking it; and the run lock that lets an `exclusive` test run alone under
+pytest-xdist."""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import fcntl
+import inspect
+import os
+import types
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+# Markers applied at collection, so nobody has to remember them. A test "reaches" a module when its own code, its
+# fixtures, or the helpers of tests/ and testkit/ they call (followed transitively) name something of
+# it. Product code is not followed: what it spawns in process (ldconfig, ptxas) is part of a unit under test, not a
+# separate program the test runs.
+# `process`: reaches a way to start a process (servers, the CLI, compilers, other-language clients).
+SPAWNING_MODULES = frozenset({"subprocess", "multiprocessing", "concurrent.futures.process", "asyncio.subprocess"})
+SPAWNING_OS_CALLS = frozenset({"fork", "forkpty", "system", "popen", "posix_spawn", "posix_spawnp", "spawnv",
+                               "spawnve", "spawnl", "execv", "execve", "execvp", "execl"})  # fmt: skip
+# `exclusive`: reaches the attack clients or the timing observers (victims, probes, the soak), whose figures a
+# concurrent test of the same run would skew; such a test runs with nothing else of the run beside it.
+TIMING_MODULES = frozenset({"testkit.siege", "testkit.observe", "testkit.h2raw", "testkit.http1raw", "testkit.soak"})
+FOLLOWED_PACKAGES = ("tests", "testkit")
+
+
+def _code_objects(code: types.CodeType) -> Iterator[types.CodeType]:
+    yield code
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            yield from _code_objects(const)
+
+
+def _followed(value: object) -> bool:
+    return (getattr(value, "__module__", None) or "").startswith(FOLLOWED_PACKAGES)
+
+
+def functions_of(value: object) -> list[types.FunctionType]:
+    """The Python functions behind a function, method, property or class of the followed packages."""
+    if isinstance(value, type):
+        members = [m for klass in value.__mro__ if _followed(klass) for m in vars(klass).values()]
+        return [f for member in members for f in functions_of(member)]
+    if isinstance(value, property):
+        return [f for f in (value.fget, value.fset) if isinstance(f, types.FunctionType)]
+    if isinstance(value, staticmethod | classmethod):
+        value = value.__func__
+    value = inspect.unwrap(value) if callable(value) else value
+    return [value] if isinstance(value, types.FunctionType) and _followed(value) else []
+
+
+def _modules_named(name: str, value: object, names: tuple[str, ...]) -> set[str]:
+    """The modules that the global ``name`` (resolved to ``value``) of a code object naming ``names`` stands for."""
+    if isinstance(value, types.ModuleType):
+        if value is os:
+            return {"os"} if SPAWNING_OS_CALLS & set(names) else set()
+        return {value.__name__}
+    if value is None:  # `import subprocess` inside the function: a name that is not in its globals
+        return {name} if name != "os" or SPAWNING_OS_CALLS & set(names) else set()
+    return {getattr(value, "__module__", None) or ""}
+
+
+def reached_modules(function: types.FunctionType, seen: dict[types.FunctionType, frozenset[str]]) -> frozenset[str]:
+    """Every module ``function``, or what it calls among the followed packages, names something of."""
+    if function in seen:
+        return seen[function]
+    seen[function] = frozenset()  # a cycle adds nothing
+    reached: set[str] = set()
+    for code in _code_objects(function.__code__):
+        for name in code.co_names:
+            value = function.__globals__.get(name, getattr(builtins, name, None))
+            reached |= _modules_named(name, value, code.co_names)
+            for callee in functions_of(value):
+                reached |= reached_modules(callee, seen)
+    seen[function] = frozenset(reached)
+    return seen[function]
+
+
+def tier_marks(
+    item: pytest.Function, seen: dict[types.FunctionType, frozenset[str]], xdist: bool
+) -> list[pytest.MarkDecorator]:
+    """The markers ``item`` gets: `process`, `exclusive`, and an `xdist_group` that keeps on one pytest-xdist worker
+    (--dist loadgroup) the process tests of a module sharing a module-scoped fixture of ours (the deploy tests' pod
+    and replicas, a fuzzed server), so that it starts once (where pytest-xdist is loaded, which defines that marker).
+    ``seen`` caches what each function reaches."""
+    definitions = [d for defs in item._fixtureinfo.name2fixturedefs.values() for d in defs]
+    reached = {
+        m
+        for root in (item.function, *(d.func for d in definitions))
+        for f in functions_of(root)
+        for m in reached_modules(f, seen)
+    }
+    marks = []
+    if spawns(reached):
+        marks.append(pytest.mark.process)
+        if xdist and any(d.scope in ("module", "class", "package") and functions_of(d.func) for d in definitions):
+            marks.append(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+    if reached & TIMING_MODULES:
+        marks.append(pytest.mark.exclusive)
+    return marks
+
+
+def spawns(modules: frozenset[str] | set[str]) -> bool:
+    return bool(modules & SPAWNING_MODULES) or "os" in modules
+
+
+@contextlib.contextmanager
+def run_lock(directory: str | None, exclusive: bool) -> Iterator[None]:
+    """Held by every test of an xdist run from its setup to its teardown: shared, or alone for an `exclusive` one. A
+    test waiting to hold it alone holds the turnstile meanwhile, so that the other workers' next tests queue behind
+    it instead of keeping a shared hold forever. ``directory`` None (no workers): no lock."""
+    if directory is None:
+        yield
+        return
+    with open(Path(directory) / "turnstile", "a") as turnstile, open(Path(directory) / "run", "a") as run:
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(run, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        finally:
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(run, fcntl.LOCK_UN)
