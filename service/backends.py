@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from types import ModuleType
 
 from indexer_service.kernels.inputs import ChunkArrays, ChunkHostPart, DcpConfig
-from indexer_service.kernels.naive import chunk_arrays_numpy_many
+from indexer_service.kernels.numpy_backend import chunk_arrays_numpy_many
 from indexer_service.kernels.specialization import CompileKey
 from indexer_service.service.auto_backend import AutoSelector
 from indexer_service.service.config import ConfigError
@@ -111,7 +111,7 @@ def make_backend(name: str, admit: Callable[[CompileKey], None] | None, native_f
     numpy_backend = Backend("numpy", chunk_arrays_numpy_many, fastpath.build_chunk if fastpath else None)
     if name == "numpy":
         return numpy_backend
-    from indexer_service.kernels.triton_kernel import TritonChunkBuilder
+    from indexer_service.kernels.triton_launcher import TritonChunkBuilder
 
     # One launch for all the chunks of a request (a whole prefill plan): one copy in, one copy out. No fast
     # path: this backend's point is computing on the GPU.

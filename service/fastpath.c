@@ -8,7 +8,7 @@
  * It never answers differently from the Python path: it answers only what it can prove valid and otherwise
  * returns None, and service/dataplane.py then serves the request the general way, which owns every error
  * message, DCP, PlanBatch, and anything unusual on the wire (unknown or repeated fields). The formulas are
- * kernels/inputs.py (host part) and kernels/naive.py (arrays) for DCP off; the limits come from Python
+ * kernels/inputs.py (host part) and kernels/numpy_backend.py (arrays) for DCP off; the limits come from Python
  * (limits.fast_path_limits); the field numbers, tags and types come from the proto through the generated
  * header below; the layout is the one service/codec.py derives from the message descriptors.
  * tests/test_service_fastpath.py holds the three to each other byte for byte, on the golden cases, on every

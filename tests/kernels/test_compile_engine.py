@@ -46,7 +46,7 @@ def test_ast_parse_is_safe_from_many_threads_once_the_kernel_module_is_loaded():
     """CPython 3.11 fails concurrent parses with SystemError 'AST constructor recursion depth mismatch' when the
     collector switches threads mid-parse (a parallel compile lost a key to it in CI). Without the lock this
     stress fails on the first or second of every run here; with it, no parse may fail."""
-    assert getattr(ast.parse, "serialised", False)  # installed by kernels.triton_kernel, which compile_engine imports
+    assert getattr(ast.parse, "serialised", False)  # installed by kernels.triton_launcher, which compile_engine imports
     source = "\n".join(f"def f{i}(a, b):\n    return [x * b for x in range({i})]" for i in range(20))
     errors = []
 

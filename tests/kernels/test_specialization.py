@@ -23,7 +23,7 @@ from indexer_service.kernels.specialization import (
     warmup_compress_ratios,
     warmup_keys,
 )
-from indexer_service.kernels.triton_kernel import (
+from indexer_service.kernels.triton_launcher import (
     KERNEL_JIT_OPTIONS,
     TritonChunkBuilder,
     _build_prefill_metadata_kernel_fn,

@@ -8,7 +8,7 @@ from dataclasses import replace
 import numpy as np
 
 from indexer_service.kernels.inputs import ChunkInputs, chunk_host_part
-from indexer_service.kernels.naive import chunk_arrays_numpy_many
+from indexer_service.kernels.numpy_backend import chunk_arrays_numpy_many
 from indexer_service.kernels.specialization import CompileKey
 from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
 from indexer_service.service import _fastpath

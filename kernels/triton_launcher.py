@@ -1,6 +1,6 @@
 """The Triton kernel for prefill chunk metadata, and its host launcher.
 
-Order as in Triton's tutorials: the reference lives in ``kernels/naive.py``; here are the kernel, the
+Order as in Triton's tutorials: the reference lives in ``kernels/numpy_backend.py``; here are the kernel, the
 launcher that takes torch tensors, and the builder the service calls on a GPU.
 
 vLLM launches one program per request of one chunk and passes the chunk's query slice and DCP settings
