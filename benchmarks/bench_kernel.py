@@ -70,13 +70,12 @@ def gpu_row(inputs: ChunkInputs) -> dict:
     import triton
     from triton.testing import do_bench_cudagraph
 
-    from indexer_service.kernels.triton_launcher import (
+    from indexer_service.kernels.triton_kernel import (
         KERNEL_JIT_OPTIONS,
-        TritonChunkBuilder,
         _build_prefill_metadata_kernel_fn,
         launch_prefill_metadata_kernel,
-        program_table,
     )
+    from indexer_service.kernels.triton_launcher import TritonChunkBuilder, program_table
 
     host = chunk_host_part(inputs)
     cuda = torch.device("cuda")

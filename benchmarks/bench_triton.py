@@ -38,12 +38,8 @@ import torch
 
 from indexer_service.kernels.inputs import chunk_host_part
 from indexer_service.kernels.numpy_backend import chunk_arrays_numpy_many
-from indexer_service.kernels.triton_launcher import (
-    TritonChunkBuilder,
-    _output_segments,
-    launch_prefill_metadata_kernel,
-    program_table,
-)
+from indexer_service.kernels.triton_kernel import launch_prefill_metadata_kernel
+from indexer_service.kernels.triton_launcher import TritonChunkBuilder, _output_segments, program_table
 from testkit.batches import make_inputs
 
 BATCHES = ("small-8", "medium-64", "large-256")

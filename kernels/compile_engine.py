@@ -12,7 +12,7 @@ the Triton version); ahead of time, with no GPU to run the cubin, the same kerne
 interpreter. A variant that compiles and computes garbage (the seed bug's ratio 0 wrote 16776640 in every ``ke``
 row on CUDA) is a failed key, named by its first wrong element.
 
-The kernel is looked up in :mod:`kernels.triton_launcher` at call time, so a test can swap in a wrong one.
+The kernel is looked up in :mod:`kernels.triton_kernel` at call time, so a test can swap in a wrong one.
 
 Keys compile in parallel through Triton's ``AsyncCompileMode`` when ``workers > 1``: most of a compile
 runs in native code and ``ptxas`` subprocesses, so threads overlap (benchmarks/bench_warmup.py measures
@@ -36,11 +36,11 @@ from triton.backends.compiler import GPUTarget
 from triton.backends.driver import DriverBase
 from triton.runtime.driver import driver
 
-from indexer_service.kernels import specialization, triton_launcher
+from indexer_service.kernels import specialization, triton_kernel
 from indexer_service.kernels.inputs import ChunkInputs, chunk_host_part
 from indexer_service.kernels.numpy_backend import chunk_arrays_numpy
 from indexer_service.kernels.specialization import BLOCK_SIZE, POINTER_ALIGNMENT, CompileKey
-from indexer_service.kernels.triton_launcher import KERNEL_JIT_OPTIONS
+from indexer_service.kernels.triton_kernel import KERNEL_JIT_OPTIONS, serialise_ast_parse
 
 log = logging.getLogger(__name__)
 
@@ -190,12 +190,12 @@ def prove_key(key: CompileKey, *, on_gpu: bool) -> str | None:
     launched: list[CompileKey] = []
     if on_gpu:
         builder = TritonChunkBuilder(
-            "cuda", kernel=triton_launcher._build_prefill_metadata_kernel, admit=launched.append, poison=PROOF_SENTINEL
+            "cuda", kernel=triton_kernel._build_prefill_metadata_kernel, admit=launched.append, poison=PROOF_SENTINEL
         )
         where = f"cuda:{torch.cuda.current_device()}"
     else:
         builder = TritonChunkBuilder(
-            "cpu", kernel=triton_launcher.interpreted_kernel(), admit=launched.append, poison=PROOF_SENTINEL
+            "cpu", kernel=triton_kernel.interpreted_kernel(), admit=launched.append, poison=PROOF_SENTINEL
         )
         where = "Triton's interpreter"
     try:
@@ -273,12 +273,13 @@ def compile_keys(
     once it is compiled and proved.
     """
     check_keys(keys, allowed)
+    serialise_ast_parse()  # the compiles below parse the kernel's source, in parallel when workers > 1
     log.debug("Triton compiler start-up took %.3f s", start_compiler())
     if target is None:
-        kernel, gpu_target, device = triton_launcher._build_prefill_metadata_kernel, None, torch.device("cuda")
+        kernel, gpu_target, device = triton_kernel._build_prefill_metadata_kernel, None, torch.device("cuda")
     else:
         # A fresh JITFunction per ahead-of-time run: its per-device caches remember the target.
-        kernel = triton.jit(triton_launcher._build_prefill_metadata_kernel_fn, **KERNEL_JIT_OPTIONS)
+        kernel = triton.jit(triton_kernel._build_prefill_metadata_kernel_fn, **KERNEL_JIT_OPTIONS)
         gpu_target, device = parse_target(target), torch.device("cpu")
     async_mode = _async_compile_mode() if workers > 1 else None
     if workers > 1 and async_mode is None:
@@ -361,7 +362,7 @@ def watch_compiles(callback: Callable[[str], None]) -> Callable[[], None]:
     keeps any hook installed before. Returns a function that uninstalls it.
     """
     previous = triton.knobs.runtime.jit_post_compile_hook
-    kernel_name = triton_launcher._build_prefill_metadata_kernel_fn.__name__
+    kernel_name = triton_kernel._build_prefill_metadata_kernel_fn.__name__
 
     def hook(**kwargs):
         fn = kwargs.get("fn")

@@ -7,7 +7,7 @@ Here exactly one function, :func:`normalize_compress_ratio`, turns a configured 
 ``COMPRESS_RATIO``; :func:`warmup_keys` and :func:`key_for_launch` both go through it, so a ``0`` can
 never reach a key or a launch.
 
-Specialization axes, chosen on purpose (see ``kernels/triton_launcher.py`` for the kernel):
+Specialization axes, chosen on purpose (see ``kernels/triton_kernel.py`` for the kernel):
 
 * ``COMPRESS_RATIO`` and ``BLOCK_SIZE`` are constexprs: the ratio is a division the compiler turns into
   a shift, worth a variant per ratio.
@@ -35,7 +35,7 @@ from typing import NamedTuple
 BLOCK_SIZE = 1024
 POINTER_ALIGNMENT = 16
 
-# Argument order of the kernel: see kernels/triton_launcher.py.
+# Argument order of the kernel: see kernels/triton_kernel.py.
 POINTER_ARGS = ("program_table", "token_to_seq", "cu_seqlen_ks", "cu_seqlen_ke")
 SCALAR_ARGS = ("dcp_rank", "dcp_world_size", "dcp_interleave")
 

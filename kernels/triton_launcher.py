@@ -1,30 +1,20 @@
-"""The Triton kernel for prefill chunk metadata, and its host launcher.
+"""The Triton backend's host side: the program table, the page-locked pool and per-thread staging, and the
+builder the service calls on a GPU (:class:`TritonChunkBuilder`).
 
-Order as in Triton's tutorials: the reference lives in ``kernels/numpy_backend.py``; here are the kernel, the
-launcher that takes torch tensors, and the builder the service calls on a GPU.
-
-vLLM launches one program per request of one chunk and passes the chunk's query slice and DCP settings
-as scalars. Here the host first writes a *program table*: one row per (chunk, request), or several for a
-long request, holding where the request's ``token_to_seq`` entries and output rows go and the causal
-position of its first output row.
-The kernel then needs no per-chunk scalar, so every chunk of a prefill plan is built by **one launch**
-from one host-to-device copy, with one device-to-host copy back; the query slice stops being a
-specialization axis.
+The kernel and the one function that launches it are ``kernels/triton_kernel.py``; concurrent calls share
+launches through ``kernels/launch_combiner.py``. Its outputs equal ``kernels/reference.py``'s (the oracle) for
+every valid input.
 """
 
 from __future__ import annotations
 
-import ast
-import copy
-import functools
+import os
 import threading
 import weakref
 from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
-import triton
-import triton.language as tl
 
 from indexer_service.kernels.formulas import causal_position
 from indexer_service.kernels.inputs import (
@@ -37,138 +27,9 @@ from indexer_service.kernels.inputs import (
     assemble,
     chunk_host_part,
 )
-from indexer_service.kernels.specialization import BLOCK_SIZE, SCALAR_ARGS, CompileKey, key_for_launch
-
-# The DCP scalars only pick a branch and bound a min/max: specializing them on ==1 / %16 would multiply the
-# compiled variants for no speed (kernel times with and without: benchmarks/bench_kernel.py).
-KERNEL_JIT_OPTIONS = {"do_not_specialize": list(SCALAR_ARGS)}
-
-# ast.parse takes this lock in every thread (see serialise_ast_parse). Re-entrant: a finalizer run by the
-# garbage collector in the middle of a parse may itself parse.
-_AST_PARSE_LOCK = threading.RLock()
-
-
-def serialise_ast_parse() -> None:
-    """Make ``ast.parse`` take one process-wide lock; installed once, on importing this module.
-
-    Why: CPython 3.11 keeps the AST constructor's recursion depth in interpreter-wide state. When two threads
-    parse at once and the garbage collector switches threads in the middle of one, the other's count is
-    corrupted and its parse fails with ``SystemError: AST constructor recursion depth mismatch`` (the message
-    of CPython gh-106905, whose fix covers an error path, not threads). Triton parses the kernel's source in
-    every thread that compiles it (the parallel warmup) or first interprets it; a parallel ahead-of-time
-    compile in CI lost a key this way. A kernel parses in about a millisecond, so the lock costs nothing a
-    warmup can measure; it is installed on every Python version for that reason.
-
-    Not covered: ``compile(..., ast.PyCF_ONLY_AST)`` called directly (nothing here does). A garbage-collector
-    finaliser that, in the middle of a parse, waited for another thread's parse would now deadlock instead.
-    """
-    if getattr(ast.parse, "serialised", False):
-        return
-    unlocked_parse = ast.parse
-
-    @functools.wraps(unlocked_parse)
-    def parse(*args, **kwargs):
-        with _AST_PARSE_LOCK:
-            return unlocked_parse(*args, **kwargs)
-
-    parse.serialised = True
-    ast.parse = parse
-
-
-serialise_ast_parse()
-
-# Columns of the program table, one row per (chunk, request).
-TABLE_COLUMNS = ("owner", "kv_lo", "kv_hi", "row_lo", "row_hi", "first_position", "row_start")
-_TABLE_WIDTH = tl.constexpr(len(TABLE_COLUMNS))
-
-
-def _build_prefill_metadata_kernel_fn(
-    program_table_ptr,  # [P, 7] int32, columns TABLE_COLUMNS
-    token_to_seq_ptr,  # out: every chunk's token_to_seq, back to back
-    cu_seqlen_ks_ptr,  # out: every chunk's ks rows, back to back
-    cu_seqlen_ke_ptr,  # out: every chunk's ke rows, back to back
-    dcp_rank,
-    dcp_world_size,
-    dcp_interleave,
-    BLOCK_SIZE: tl.constexpr,
-    COMPRESS_RATIO: tl.constexpr,
-):
-    row = program_table_ptr + tl.program_id(0) * _TABLE_WIDTH
-    owner = tl.load(row + 0)  # the request's index inside its chunk
-    kv_lo = tl.load(row + 1)
-    kv_hi = tl.load(row + 2)
-    row_lo = tl.load(row + 3)
-    row_hi = tl.load(row + 4)
-    first_position = tl.load(row + 5)  # uncompressed causal position of output row row_lo
-    row_start = tl.load(row + 6)  # this rank's first KV row of the request: every ks
-
-    offsets = tl.arange(0, BLOCK_SIZE)
-    # tl.full, not tl.zeros: zeros is a jit function of the standard library, which the in-process
-    # interpreter cannot call.
-    owner_block = tl.full([BLOCK_SIZE], 0, dtype=tl.int32) + owner
-    for block in range(kv_lo, kv_hi, BLOCK_SIZE):
-        idx = block + offsets
-        tl.store(token_to_seq_ptr + idx, owner_block, mask=idx < kv_hi)
-
-    ks_block = tl.full([BLOCK_SIZE], 0, dtype=tl.int32) + row_start
-    for block in range(row_lo, row_hi, BLOCK_SIZE):
-        rows = block + offsets
-        mask = rows < row_hi
-        visible = first_position + (rows - row_lo)
-        if COMPRESS_RATIO > 1:
-            visible = visible // COMPRESS_RATIO
-        if dcp_world_size > 1:
-            # Compressed token g lives on rank (g // I) % W: keep only this rank's share of [0, visible).
-            base = ((visible // dcp_interleave) // dcp_world_size) * dcp_interleave
-            remainder = visible - base * dcp_world_size
-            visible = base + tl.minimum(tl.maximum(remainder - dcp_rank * dcp_interleave, 0), dcp_interleave)
-        tl.store(cu_seqlen_ks_ptr + rows, ks_block, mask=mask)
-        tl.store(cu_seqlen_ke_ptr + rows, row_start + visible, mask=mask)
-
-
-_build_prefill_metadata_kernel = triton.jit(_build_prefill_metadata_kernel_fn, **KERNEL_JIT_OPTIONS)
-
-
-def interpreted_kernel():
-    """The same kernel under Triton's CPU interpreter (tests on machines with no GPU)."""
-    with triton.knobs.runtime.scope():
-        triton.knobs.runtime.interpret = True
-        return triton.jit(_build_prefill_metadata_kernel_fn, **KERNEL_JIT_OPTIONS)
-
-
-def launch_scalars(dcp: DcpConfig) -> tuple[int, ...]:
-    """The kernel's scalar arguments, in SCALAR_ARGS order."""
-    return (dcp.rank, dcp.world_size, dcp.interleave)
-
-
-def launch_prefill_metadata_kernel(
-    program_table: torch.Tensor,
-    token_to_seq: torch.Tensor,
-    cu_seqlen_ks: torch.Tensor,
-    cu_seqlen_ke: torch.Tensor,
-    *,
-    dcp: DcpConfig,
-    compress_ratio: int,
-    kernel=None,
-    admit: Callable[[CompileKey], None] | None = None,
-) -> CompileKey:
-    """Launch the kernel on int32 tensors of one device; returns the compiled variant the launch used.
-
-    ``compress_ratio`` must already be normalised. ``admit`` sees the variant before the launch and may
-    refuse it by raising (the service's strict mode).
-    """
-    tensors = (program_table, token_to_seq, cu_seqlen_ks, cu_seqlen_ke)
-    scalars = launch_scalars(dcp)
-    key = key_for_launch(compress_ratio, [t.data_ptr() for t in tensors], scalars)
-    if admit is not None:
-        admit(key)
-    programs = program_table.shape[0]
-    if programs:
-        (kernel or _build_prefill_metadata_kernel)[(programs,)](
-            *tensors, *scalars, BLOCK_SIZE=BLOCK_SIZE, COMPRESS_RATIO=key.compress_ratio
-        )
-    return key
-
+from indexer_service.kernels.launch_combiner import ChunkOutputs, LaunchCombiner
+from indexer_service.kernels.specialization import BLOCK_SIZE, CompileKey
+from indexer_service.kernels.triton_kernel import TABLE_COLUMNS, launch_prefill_metadata_kernel, serialise_ast_parse
 
 # Most elements of one kind (tokens or rows) a program writes: a long request gets several programs, so one
 # 86k-token request is not a single program walking 85 blocks in turn.
@@ -356,127 +217,8 @@ class _Stage:
         return self.out_device[:size]
 
 
-# Columns of the program table that index the outputs: token ranges and row ranges. A combined launch shifts
-# each call's rows by where its outputs start in the combined buffer.
-_KV_COLUMNS, _ROW_COLUMNS = slice(1, 3), slice(3, 5)
-ChunkOutputs = tuple[np.ndarray, np.ndarray, np.ndarray]  # every chunk's token_to_seq, ks, ke of one call
-
-
-class _Call:
-    """One arrays_many call waiting in a :class:`LaunchCombiner`: its program table and output sizes, then its
-    outputs or error. ``ready`` is set when either is there, or when the call's thread is to lead."""
-
-    __slots__ = ("error", "group", "lead", "outputs", "ready", "rows", "table", "tokens")
-
-    def __init__(self, table: np.ndarray, tokens: int, rows: int, group: tuple) -> None:
-        self.table, self.tokens, self.rows, self.group = table, tokens, rows, group
-        self.outputs: ChunkOutputs | None = None
-        self.error: BaseException | None = None
-        self.lead = False
-        self.ready = threading.Event()
-
-    def result(self) -> ChunkOutputs:
-        if self.error is not None:
-            # Each thread raises its own copy: one exception object raised in several threads would gather
-            # all their frames in one traceback (and keep them alive); the launch's own error is the cause.
-            raise copy.copy(self.error).with_traceback(None) from self.error
-        assert self.outputs is not None
-        return self.outputs
-
-
-class LaunchCombiner:
-    """Concurrent calls share launches: while one launch is in flight, the calls that arrive wait, and the next
-    launch builds all of them (same compress ratio and DCP settings) from one combined program table, with one
-    copy in and one copy out.
-
-    Each launch costs fixed host work under the GIL (the launcher, the copies' and event's bookkeeping) and the
-    driver serialises launches of one context, so eight threads launching one by one queue behind each other
-    (issue 12: 8 threads took 13 to 25 times the one-thread time). A thread whose call is queued sleeps on its
-    own event; the thread that leads launches batches until its own call is done, then hands the lead to the
-    oldest waiting call. A lone call launches at once. ``launch(table, tokens, rows, dcp, ratio)`` returns the
-    outputs buffer laid out by :func:`_output_segments`. A batch holds at most ``max_elements`` output elements;
-    a larger call launches alone.
-    """
-
-    def __init__(self, launch: Callable[..., np.ndarray], max_elements: int) -> None:
-        self._launch = launch
-        self.max_elements = max_elements
-        self._lock = threading.Lock()
-        self._queue: list[_Call] = []
-        self._leading = False
-        self.launches = 0  # batches launched (tests and benchmarks)
-
-    def run(self, table: np.ndarray, tokens: int, rows: int, dcp: DcpConfig, ratio: int) -> ChunkOutputs:
-        call = _Call(table, tokens, rows, (ratio, dcp))
-        with self._lock:
-            self._queue.append(call)
-            lead = not self._leading
-            self._leading = True
-        if not lead:
-            call.ready.wait()
-            if not call.lead:
-                return call.result()
-        try:
-            while call.outputs is None and call.error is None:
-                self._launch_batch(self._take_batch())
-        finally:  # whatever happened here, the lead passes on: a lead kept by nobody would stall every call
-            with self._lock:
-                if call in self._queue:  # failed before its own call was taken: it leaves with the error
-                    self._queue.remove(call)
-                if self._queue:
-                    successor = self._queue[0]
-                    successor.lead = True
-                    successor.ready.set()
-                else:
-                    self._leading = False
-        return call.result()
-
-    def _take_batch(self) -> list[_Call]:
-        """The oldest call and the calls of its group behind it, in order, up to ``max_elements`` outputs."""
-        with self._lock:
-            first = self._queue[0]
-            batch, size = [], 0
-            for queued in self._queue:
-                elements = queued.tokens + 2 * queued.rows
-                if queued.group == first.group and (not batch or size + elements <= self.max_elements):
-                    batch.append(queued)
-                    size += elements
-            self._queue = [queued for queued in self._queue if queued not in batch]
-        return batch
-
-    def _launch_batch(self, batch: list[_Call]) -> None:
-        """One launch for ``batch``; each of its calls gets its outputs, or the error of any step."""
-        ratio, dcp = batch[0].group
-        kv_at, row_at = [0], [0]
-        for queued in batch:
-            kv_at.append(kv_at[-1] + queued.tokens)
-            row_at.append(row_at[-1] + queued.rows)
-        try:
-            self.launches += 1
-            if len(batch) == 1:
-                table = batch[0].table
-            else:
-                table = np.concatenate([queued.table for queued in batch])
-                starts = np.repeat(np.arange(len(batch)), [queued.table.shape[0] for queued in batch])
-                table[:, _KV_COLUMNS] += np.asarray(kv_at[:-1], dtype=table.dtype)[starts, None]
-                table[:, _ROW_COLUMNS] += np.asarray(row_at[:-1], dtype=table.dtype)[starts, None]
-            host_out = self._launch(table, kv_at[-1], row_at[-1], dcp, ratio)
-            all_tokens, all_ks, all_ke = (host_out[where] for where in _output_segments(kv_at[-1], row_at[-1])[1])
-        except BaseException as exc:  # every call of the batch gets the launch's error
-            for queued in batch:
-                queued.error = exc
-                queued.ready.set()
-            return
-        for n, queued in enumerate(batch):
-            kv, row = slice(kv_at[n], kv_at[n + 1]), slice(row_at[n], row_at[n + 1])
-            queued.outputs = (all_tokens[kv], all_ks[row], all_ke[row])
-            queued.ready.set()
-
-
 def _default_blocking_wait() -> bool:
     """Sleep while waiting for the GPU where a spinning waiter would take a core a serving thread needs."""
-    import os
-
     return len(os.sched_getaffinity(0)) < 8
 
 
@@ -503,6 +245,7 @@ class TritonChunkBuilder:
         poison: int | None = None,
         combine: bool = True,
     ) -> None:
+        serialise_ast_parse()  # this builder's launches compile (or interpret) the kernel, parsing its source
         self.device = torch.device(device)
         self.kernel = kernel
         self.admit = admit
@@ -511,7 +254,7 @@ class TritonChunkBuilder:
         self.pool = pool if pool is not None else (PinnedPool() if self._cuda else None)
         self.blocking_wait = _default_blocking_wait() if blocking_wait is None else blocking_wait
         self._local = threading.local()
-        self._launch = self._launch_cuda if self._cuda else self._launch_plain
+        self._launch_buffer = self._launch_cuda if self._cuda else self._launch_plain
         self.combiner = LaunchCombiner(self._launch, _Stage.KEEP_ELEMENTS) if combine else None
 
     def __call__(self, inputs: ChunkInputs) -> ChunkMetadata | None:
@@ -554,7 +297,11 @@ class TritonChunkBuilder:
         concurrent calls (the combiner), or from a launch of its own."""
         if self.combiner is not None:
             return self.combiner.run(table, tokens, rows, dcp, ratio)
-        host_out = self._launch(table, tokens, rows, dcp, ratio)
+        return self._launch(table, tokens, rows, dcp, ratio)
+
+    def _launch(self, table: np.ndarray, tokens: int, rows: int, dcp: DcpConfig, ratio: int) -> ChunkOutputs:
+        """One launch for ``table``: its token_to_seq, ks and ke, views of the one output buffer."""
+        host_out = self._launch_buffer(table, tokens, rows, dcp, ratio)
         all_tokens, all_ks, all_ke = (host_out[where] for where in _output_segments(tokens, rows)[1])
         return all_tokens, all_ks, all_ke
 

@@ -143,7 +143,7 @@ def test_long_requests_split_across_programs(span, dcp_name, triton_cpu, sentine
 def test_dcp_shares_partition_every_length_and_rank_zero_holds_the_most(lengths, world, interleave):
     """Why max_local_total_seq_lens is rank 0's total: one pass instead of one per rank."""
     lengths = np.array(lengths)
-    shares = np.stack([dcp_local_lens(lengths, DcpConfig(r, world, interleave)) for r in range(world)])
+    shares = np.stack([dcp_local_lens(lengths, r, world, interleave) for r in range(world)])
     assert (shares.sum(axis=0) == lengths).all()
     assert (np.diff(shares, axis=0) <= 0).all()
     inputs = ChunkInputs(

@@ -1,7 +1,7 @@
 """The warmup proves each variant: after a key compiles, one launch on a tiny input is checked against numpy.
 
 A deliberately wrong variant (this module's kernel writes ``ke + 1``) is injected through the seam the compile
-engine and the builder read at call time, the kernel in ``kernels.triton_launcher``: no flag in the service. It
+engine and the builder read at call time, the kernel in ``kernels.triton_kernel``: no flag in the service. It
 fails its key with the first wrong index in the message and keeps a real server process not ready, on CPU (the
 ahead-of-time warmup proves through Triton's interpreter) and on a CUDA GPU (the in-process warmup proves on the
 device; skipped without one).
@@ -19,7 +19,7 @@ import pytest
 import triton
 import triton.language as tl
 
-from indexer_service.kernels import triton_launcher
+from indexer_service.kernels import triton_kernel
 from indexer_service.kernels.compile_engine import (
     PROOF_SENTINEL,
     ProofUnavailableError,
@@ -36,7 +36,7 @@ from indexer_service.service.client import IndexerClient
 from testkit.harness import ServiceProcess, clean_env, http_get, listen_flags
 from tests.conftest import cuda_available
 
-_TABLE_WIDTH = tl.constexpr(len(triton_launcher.TABLE_COLUMNS))
+_TABLE_WIDTH = tl.constexpr(len(triton_kernel.TABLE_COLUMNS))
 
 
 def _build_prefill_metadata_kernel_fn(
@@ -81,10 +81,10 @@ def _build_prefill_metadata_kernel_fn(
 
 def inject_wrong_kernel(target) -> None:
     """Swap the kernel every launch and compile reads (``target``: the module, or pytest's monkeypatch)."""
-    wrong = triton.jit(_build_prefill_metadata_kernel_fn, **triton_launcher.KERNEL_JIT_OPTIONS)
+    wrong = triton.jit(_build_prefill_metadata_kernel_fn, **triton_kernel.KERNEL_JIT_OPTIONS)
     if hasattr(target, "setattr"):
-        target.setattr(triton_launcher, "_build_prefill_metadata_kernel_fn", _build_prefill_metadata_kernel_fn)
-        target.setattr(triton_launcher, "_build_prefill_metadata_kernel", wrong)
+        target.setattr(triton_kernel, "_build_prefill_metadata_kernel_fn", _build_prefill_metadata_kernel_fn)
+        target.setattr(triton_kernel, "_build_prefill_metadata_kernel", wrong)
     else:
         target._build_prefill_metadata_kernel_fn = _build_prefill_metadata_kernel_fn
         target._build_prefill_metadata_kernel = wrong
@@ -95,7 +95,7 @@ def serve_with_wrong_kernel() -> None:
     CLI, with the wrong kernel injected first."""
     from indexer_service.service.cli import main
 
-    inject_wrong_kernel(triton_launcher)
+    inject_wrong_kernel(triton_kernel)
     sys.exit(main(sys.argv[1:]))
 
 
