@@ -24,6 +24,7 @@ from importlib import resources
 from pathlib import Path
 
 from indexer_service.kernels.specialization import ModelConfig, parse_target
+from indexer_service.service.devices import BackendUnavailableError, resolve_backend
 
 ENV_PREFIX = "INDEXER_"
 CONFIG_FILE_ENV = ENV_PREFIX + "CONFIG"
@@ -505,12 +506,10 @@ def _validate(config: ServiceConfig, sources: Mapping[str, str], needs_warmup: s
             fail(name, f"{name}{why}" if why.startswith("[") else why)
     # Settings that depend on each other, or on the machine.
     if config.backend == "triton":
-        from indexer_service.service.backends import resolve_backend  # imports torch: only for an explicit triton
-
         try:
-            resolve_backend("triton")
-        except ConfigError as exc:
-            fail("backend", exc.message)
+            resolve_backend("triton")  # imports torch: only for an explicit triton
+        except BackendUnavailableError as exc:
+            fail("backend", str(exc))
     if config.warmup_enabled:
         try:
             parse_target(config.warmup_target)

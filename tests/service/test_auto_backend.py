@@ -20,9 +20,10 @@ from indexer_service.service.auto_backend import (
     crossover_of,
     output_elements,
 )
-from indexer_service.service.backends import FAST_PATH_BACKEND, Backend, below_crossover, resolve_backend
+from indexer_service.service.backends import FAST_PATH_BACKEND, Backend, below_crossover
 from indexer_service.service.codec import chunk_inputs_to_proto
 from indexer_service.service.config import load_config
+from indexer_service.service.devices import resolve_backend
 from testkit.planes import make_plane
 from tests.conftest import cuda_available
 
