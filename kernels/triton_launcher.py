@@ -110,7 +110,7 @@ def _output_segments(tokens: int, rows: int) -> tuple[int, tuple[slice, slice, s
 
 def _alloc_output(num_elements: int, device: torch.device) -> torch.Tensor:
     # Every element that is returned is written by the kernel; tests swap this for a sentinel fill to
-    # prove it (tests/test_chunk_metadata.py). Used where no CUDA stream is involved (the interpreter on CPU).
+    # prove it (tests/kernels/test_chunk_metadata.py). Used where no CUDA stream is involved (the interpreter on CPU).
     return torch.empty(num_elements, dtype=torch.int32, device=device)
 
 

@@ -286,7 +286,7 @@ _SECONDS = Rule(0, MAX_SECONDS)
 _RATIO = Rule(0, MAX_COMPRESS_RATIO)
 _PATH = Rule()  # files are checked by loading them, below
 
-# One rule per setting (tests/test_service_config.py holds every setting to it, from every layer).
+# One rule per setting (tests/service/test_config.py holds every setting to it, from every layer).
 RULES: dict[str, Rule] = {
     "grpc_host": Rule(nonempty=True),
     "grpc_port": _PORT,
