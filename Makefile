@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test test-quick lint protos docs bench clean
+.PHONY: serve test test-quick lint protos docs clean
 
 # torch is pinned to the CPU build that lies on local disk (PIP_FIND_LINKS); a bare `torch` requirement
 # would make pip fetch a multi-GB CUDA build. The GPU image brings its own torch and skips this step.

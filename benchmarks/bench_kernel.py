@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from indexer_service.kernels.inputs import ChunkInputs, chunk_host_part, chunk_host_parts
-from indexer_service.kernels.naive import build_chunk_metadata_numpy
+from indexer_service.kernels.numpy_backend import build_chunk_metadata_numpy
 from indexer_service.service import _fastpath
 from indexer_service.service.allocator import configure_malloc
 from indexer_service.service.codec import chunk_inputs_to_proto
@@ -72,11 +72,10 @@ def gpu_row(inputs: ChunkInputs) -> dict:
 
     from indexer_service.kernels.triton_kernel import (
         KERNEL_JIT_OPTIONS,
-        TritonChunkBuilder,
         _build_prefill_metadata_kernel_fn,
         launch_prefill_metadata_kernel,
-        program_table,
     )
+    from indexer_service.kernels.triton_launcher import TritonChunkBuilder, program_table
 
     host = chunk_host_part(inputs)
     cuda = torch.device("cuda")
@@ -120,7 +119,7 @@ def plan_row(name: str) -> dict:
 
     from benchmarks.vllm_baseline import VllmStyleBatchBuilder, vllm_shaped_kernel
     from indexer_service.kernels.planner import BatchInputs, chunk_inputs_of_plan, plan_prefill_batch
-    from indexer_service.kernels.triton_kernel import TritonChunkBuilder
+    from indexer_service.kernels.triton_launcher import TritonChunkBuilder
 
     inputs = make_inputs(name)
     batch = BatchInputs(inputs.query_start_loc, inputs.seq_lens, RATIO, num_decodes=0, max_model_len=2**20)

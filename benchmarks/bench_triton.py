@@ -8,7 +8,7 @@ is the per-call median (and calls/s in all). Variants, measured in the same run:
 
 * ``before``: the launcher as it was (pageable host memory, a fresh output per call, the default stream, the copy
   back synchronous): the baseline.
-* ``pooled-spin`` / ``pooled-block``: the service's builder (``kernels.triton_kernel.TritonChunkBuilder``): a stream,
+* ``pooled-spin`` / ``pooled-block``: the service's builder (``kernels.triton_launcher.TritonChunkBuilder``): a stream,
   event and device buffers per thread, page-locked staging and pooled page-locked outputs viewed without a copy,
   the wait on an event with the GIL released; spinning or sleeping in the driver while waiting; concurrent
   calls share launches (``LaunchCombiner``).
@@ -37,13 +37,9 @@ import numpy as np
 import torch
 
 from indexer_service.kernels.inputs import chunk_host_part
-from indexer_service.kernels.naive import chunk_arrays_numpy_many
-from indexer_service.kernels.triton_kernel import (
-    TritonChunkBuilder,
-    _output_segments,
-    launch_prefill_metadata_kernel,
-    program_table,
-)
+from indexer_service.kernels.numpy_backend import chunk_arrays_numpy_many
+from indexer_service.kernels.triton_kernel import launch_prefill_metadata_kernel
+from indexer_service.kernels.triton_launcher import TritonChunkBuilder, _output_segments, program_table
 from testkit.batches import make_inputs
 
 BATCHES = ("small-8", "medium-64", "large-256")

@@ -38,9 +38,9 @@ from triton.runtime.driver import driver
 
 from indexer_service.kernels import specialization, triton_kernel
 from indexer_service.kernels.inputs import ChunkInputs, chunk_host_part
-from indexer_service.kernels.naive import chunk_arrays_numpy
+from indexer_service.kernels.numpy_backend import chunk_arrays_numpy
 from indexer_service.kernels.specialization import BLOCK_SIZE, POINTER_ALIGNMENT, CompileKey
-from indexer_service.kernels.triton_kernel import KERNEL_JIT_OPTIONS
+from indexer_service.kernels.triton_kernel import KERNEL_JIT_OPTIONS, serialise_ast_parse
 
 log = logging.getLogger(__name__)
 
@@ -181,7 +181,7 @@ def prove_key(key: CompileKey, *, on_gpu: bool) -> str | None:
     equal, else why not (the first wrong index). ``on_gpu``: the compiled kernel on the current CUDA device; else
     the kernel's source through Triton's interpreter (raises :class:`ProofUnavailableError` where that cannot
     run). Keys the service cannot launch (another block size or pointer class) are not launched: None."""
-    from indexer_service.kernels.triton_kernel import TritonChunkBuilder
+    from indexer_service.kernels.triton_launcher import TritonChunkBuilder
 
     if key != CompileKey(key.compress_ratio) or key.block_size != BLOCK_SIZE:
         return None
@@ -273,6 +273,7 @@ def compile_keys(
     once it is compiled and proved.
     """
     check_keys(keys, allowed)
+    serialise_ast_parse()  # the compiles below parse the kernel's source, in parallel when workers > 1
     log.debug("Triton compiler start-up took %.3f s", start_compiler())
     if target is None:
         kernel, gpu_target, device = triton_kernel._build_prefill_metadata_kernel, None, torch.device("cuda")

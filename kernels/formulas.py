@@ -1,17 +1,12 @@
 """The spec's formulas over arrays (spec section 1), written once for every Python backend: the numpy backend
-(kernels/naive.py) and the Triton kernel's host code (kernels/triton_kernel.py) both call these. The Triton
+(kernels/numpy_backend.py) and the Triton kernel's host code (kernels/triton_launcher.py) both call these. The Triton
 kernel's device code and service/fastpath.c write the same arithmetic in their own languages, and are tested
 against kernels/reference.py, which is deliberately written apart from this file.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
-
-if TYPE_CHECKING:
-    from indexer_service.kernels.inputs import DcpConfig
 
 
 def compressed(values: np.ndarray, ratio: int) -> np.ndarray:
@@ -30,11 +25,10 @@ def causal_position(seq_lens: np.ndarray, query_lens: np.ndarray, row_in_request
     return seq_lens - query_lens + 1 + row_in_request
 
 
-def dcp_local_lens(lengths: np.ndarray, dcp: DcpConfig, rank: int | None = None) -> np.ndarray:
-    """How many of ``lengths`` tokens land on ``rank`` (default: ``dcp.rank``) when token g lives on rank
-    ``(g // I) % W``."""
-    interleave, world = dcp.interleave, dcp.world_size
-    k = dcp.rank if rank is None else rank
-    base = ((lengths // interleave) // world) * interleave
-    remainder = lengths - base * world
-    return base + np.minimum(np.maximum(remainder - k * interleave, 0), interleave)
+def dcp_local_lens(lengths: np.ndarray, rank: int, world_size: int, interleave: int) -> np.ndarray:
+    """How many of ``lengths`` tokens land on ``rank`` of ``world_size`` when token g lives on rank
+    ``(g // interleave) % world_size``. Scalars, not ``kernels.inputs.DcpConfig``: this module is below
+    inputs.py, which calls it."""
+    base = ((lengths // interleave) // world_size) * interleave
+    remainder = lengths - base * world_size
+    return base + np.minimum(np.maximum(remainder - rank * interleave, 0), interleave)

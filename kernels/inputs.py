@@ -238,13 +238,14 @@ def _chunk_host_part(inputs: ChunkInputs, valid: ValidBatch) -> ChunkHostPart | 
         return None
 
     if inputs.dcp.enabled:
-        local = dcp_local_lens(compressed_seq, inputs.dcp)
+        dcp = inputs.dcp
+        local = dcp_local_lens(compressed_seq, dcp.rank, dcp.world_size, dcp.interleave)
         local_cu = np.zeros_like(cu)
         np.cumsum(local, out=local_cu[1:])
         # Rank 0 holds the largest share of every length (a rank's share never grows with its index), so the
         # largest per-rank total is rank 0's: one pass, whatever the world size.
         local_total = int(local_cu[-1])
-        max_local_total = int(dcp_local_lens(compressed_seq, inputs.dcp, rank=0).sum())
+        max_local_total = int(dcp_local_lens(compressed_seq, 0, dcp.world_size, dcp.interleave).sum())
     else:
         local_cu, local_total, max_local_total = cu, total, total
 

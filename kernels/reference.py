@@ -1,11 +1,12 @@
 """A slow, literal reference of docs/spec.md: one chunk's metadata (section 1), the chunk plan (section 2) and the
 model's ratio set (section 3), written as the spec states them, one request and one row at a time.
 
-Served by nothing: only tests import it (``tests/test_reference.py`` checks that no module of ``service/`` or
-``kernels/`` does). It is the oracle every fast path is held to: the numpy backend (``kernels/naive.py``), the
-compiled fast path (``service/fastpath.c``) and the Triton kernel (``kernels/triton_kernel.py``). In the manner of
+The one oracle: served by nothing, only tests import it (``tests/kernels/test_reference.py`` checks that no module
+of ``service/`` or ``kernels/`` does). Every backend is held to it: the numpy backend (``kernels/numpy_backend.py``,
+which serves), the compiled fast path (``service/fastpath.c``) and the Triton kernel (``kernels/triton_kernel.py``).
+In the manner of
 flash-linear-attention's ``fla/ops/*/naive.py``: plain Python loops, no vectorisation, no shared helper. It calls
-none of the code it checks (not ``kernels/naive.py``, not the computations of ``kernels/inputs.py``, not the
+none of the code it checks (not ``kernels/numpy_backend.py``, not the computations of ``kernels/inputs.py``, not the
 planner, not ``normalize_compress_ratio``); it takes only their dataclasses, so that a mistake in them cannot
 hide in both. Nothing here is fast, and nothing needs to be: keep the inputs small.
 

@@ -21,7 +21,7 @@ Specialization axes, chosen on purpose (see ``kernels/triton_kernel.py`` for the
   and warmed (vLLM passes ``seq_lens[s:e]``, a view that is unaligned whenever ``s % 4 != 0``).
 
 So the warmup set is one key per normalised ratio, and every reachable key is in it
-(``tests/test_specialization.py`` checks both directions).
+(``tests/kernels/test_specialization.py`` checks both directions).
 """
 
 from __future__ import annotations

@@ -5,16 +5,15 @@ from __future__ import annotations
 
 import importlib
 import logging
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 
 from indexer_service.kernels.inputs import ChunkArrays, ChunkHostPart, DcpConfig
-from indexer_service.kernels.naive import chunk_arrays_numpy_many
+from indexer_service.kernels.numpy_backend import chunk_arrays_numpy_many
 from indexer_service.kernels.specialization import CompileKey
 from indexer_service.service.auto_backend import AutoSelector
-from indexer_service.service.config import ConfigError
+from indexer_service.service.fastpath import BuildChunk, FastPathAnswer, FastPathLimits
 
 log = logging.getLogger(__name__)
 
@@ -23,12 +22,6 @@ FAST_PATH_BACKEND = "native"
 
 # (host parts, DCP settings, with_token_to_seq) -> each chunk's arrays
 ArraysFn = Callable[[Sequence[ChunkHostPart], DcpConfig, bool], list[ChunkArrays]]
-# (request bytes, limits, admitted ratios) -> (response bytes, requests, query tokens, seconds), or None: see
-# service/fastpath.c
-# build_chunk(request, limits, admitted_ratios, admit): see service/fastpath.c.
-FastPathFn = Callable[
-    [bytes, tuple[int, ...], tuple[int, ...] | None, Callable[[int], None]], tuple[bytes, int, int, float] | None
-]
 
 
 def load_fast_path() -> ModuleType | None:
@@ -47,7 +40,7 @@ class Backend:
 
     name: str
     arrays_many: ArraysFn
-    build_chunk_fast: FastPathFn | None = None
+    build_chunk_fast: BuildChunk | None = None
     # ``auto`` on CUDA: picks numpy or Triton per request from a crossover measured at warmup
     # (service/auto_backend.py); None for a single backend.
     selector: AutoSelector | None = None
@@ -62,40 +55,18 @@ class Backend:
         return None if self.selector is None else self.selector.calibrate
 
 
-# Device nodes through which a process reaches a GPU (NVIDIA's driver; AMD's for ROCm builds of torch): a
-# container is given its GPUs as these, so without any of them torch.cuda.is_available() cannot be true.
-GPU_DEVICE_NODES = ("/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd")
-
-
-def gpu_device_nodes() -> list[str]:
-    """The GPU device nodes this process can see."""
-    return [node for node in GPU_DEVICE_NODES if os.path.exists(node)]
-
-
-def resolve_backend(choice: str) -> str:
-    """``auto`` stays ``auto`` on a CUDA machine (numpy or Triton per request) and becomes ``numpy`` elsewhere;
-    ``triton`` needs CUDA."""
-    if choice == "numpy":
-        return "numpy"
-    if choice == "auto" and not gpu_device_nodes():
-        return "numpy"  # no GPU is visible to this process: no need to pay seconds importing torch to be told so
-    import torch  # only when a GPU may be visible: importing torch costs seconds
-
-    if torch.cuda.is_available():
-        return choice
-    if choice == "triton":
-        raise ConfigError("backend", "triton needs a CUDA GPU, and torch sees none")
-    return "numpy"
-
-
-def below_crossover(fast_path: FastPathFn, selector: AutoSelector) -> FastPathFn:
+def below_crossover(fast_path: BuildChunk, selector: AutoSelector) -> BuildChunk:
     """``auto``'s fast path: answers at or above the crossover step aside to the general path, which gives
     them to Triton."""
 
     def fast(
-        data: bytes, limits: tuple[int, ...], admitted: tuple[int, ...] | None, admit: Callable[[int], None]
-    ) -> tuple[bytes, int, int, float] | None:
-        bounded = (*limits[:4], selector.fast_path_bytes(limits[4]), *limits[5:])
+        data: bytes,
+        limits: FastPathLimits,
+        admitted: tuple[int, ...] | None,
+        admit: Callable[[int], None] | None = None,
+        /,
+    ) -> FastPathAnswer | None:
+        bounded = limits._replace(max_message_bytes=selector.fast_path_bytes(limits.max_message_bytes))
         return fast_path(data, bounded, admitted, admit)
 
     return fast
@@ -111,7 +82,7 @@ def make_backend(name: str, admit: Callable[[CompileKey], None] | None, native_f
     numpy_backend = Backend("numpy", chunk_arrays_numpy_many, fastpath.build_chunk if fastpath else None)
     if name == "numpy":
         return numpy_backend
-    from indexer_service.kernels.triton_kernel import TritonChunkBuilder
+    from indexer_service.kernels.triton_launcher import TritonChunkBuilder
 
     # One launch for all the chunks of a request (a whole prefill plan): one copy in, one copy out. No fast
     # path: this backend's point is computing on the GPU.

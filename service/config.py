@@ -24,6 +24,7 @@ from importlib import resources
 from pathlib import Path
 
 from indexer_service.kernels.specialization import ModelConfig, parse_target
+from indexer_service.service.devices import BackendUnavailableError, resolve_backend
 
 ENV_PREFIX = "INDEXER_"
 CONFIG_FILE_ENV = ENV_PREFIX + "CONFIG"
@@ -308,7 +309,7 @@ _SECONDS = Rule(0, MAX_SECONDS)
 _RATIO = Rule(0, MAX_COMPRESS_RATIO)
 _PATH = Rule()  # files are checked by loading them, below
 
-# One rule per setting (tests/test_service_config.py holds every setting to it, from every layer).
+# One rule per setting (tests/service/test_config.py holds every setting to it, from every layer).
 RULES: dict[str, Rule] = {
     "grpc_host": Rule(nonempty=True),
     "grpc_port": _PORT,
@@ -535,12 +536,10 @@ def _validate(config: ServiceConfig, sources: Mapping[str, str], needs_warmup: s
             fail(name, f"{name}{why}" if why.startswith("[") else why)
     # Settings that depend on each other, or on the machine.
     if config.backend == "triton":
-        from indexer_service.service.backends import resolve_backend  # imports torch: only for an explicit triton
-
         try:
-            resolve_backend("triton")
-        except ConfigError as exc:
-            fail("backend", exc.message)
+            resolve_backend("triton")  # imports torch: only for an explicit triton
+        except BackendUnavailableError as exc:
+            fail("backend", str(exc))
     if config.warmup_enabled:
         try:
             parse_target(config.warmup_target)

@@ -8,12 +8,12 @@
  * It never answers differently from the Python path: it answers only what it can prove valid and otherwise
  * returns None, and service/dataplane.py then serves the request the general way, which owns every error
  * message, DCP, PlanBatch, and anything unusual on the wire (unknown or repeated fields). The formulas are
- * kernels/inputs.py (host part) and kernels/naive.py (arrays) for DCP off; the limits come from Python
- * (limits.fast_path_limits); the field numbers, tags and types come from the proto through the generated
+ * kernels/inputs.py (host part) and kernels/numpy_backend.py (arrays) for DCP off; the limits come from Python
+ * (service/fastpath.py FastPathLimits, built by service/limits.py fast_path_limits); the field numbers, tags and types come from the proto through the generated
  * header below; the layout is the one service/codec.py derives from the message descriptors.
- * tests/test_service_fastpath.py holds the three to each other byte for byte, on the golden cases, on every
+ * tests/service/test_fastpath.py holds the three to each other byte for byte, on the golden cases, on every
  * limit at and one past its boundary, and on hypothesis-generated requests, valid and not;
- * tests/test_fastpath_sanitized.py runs those tests again against an ASan + UBSan build of this file.
+ * tests/service/test_fastpath_sanitized.py runs those tests again against an ASan + UBSan build of this file.
  *
  * One call: parse (wire bytes to Request), check (Request to Chunk, or step aside), size and write (Chunk to
  * the response's bytes, the same emit code run twice: counting, then writing, bounds-checked), then the arrays.
@@ -21,13 +21,14 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <stddef.h>
 #include <stdint.h>
 #include <string.h>
 #include <time.h>
 
 /* Every message's field numbers, tags and types, generated from protos/indexer/v1/indexer.proto by
- * `python -m protos.generate` (the command that generates the Python code; tests/test_service_protos.py checks
- * it is fresh). No field number is written by hand in this file. */
+ * `python -m indexer_service.protos.generate` (the command that generates the Python code;
+ * tests/service/test_protos.py checks it is fresh). No field number is written by hand in this file. */
 #include "../protos/indexer/v1/indexer_wire.h"
 
 #if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
@@ -90,11 +91,40 @@ _Static_assert(BUILD_CHUNK_REQUEST_MAX_FIELD < 32 && QUERY_SLICE_MAX_FIELD < 32,
  * setting, not a check: every answer is the same either way. */
 #define RELEASE_GIL_ELEMENTS 65536
 
-/* service/limits.py fast_path_limits, in its order: every limit this file checks against comes from there. */
+/* service/fastpath.py FastPathLimits: every limit this file checks against comes from there. */
 typedef struct {
     long long max_num_seqs, max_num_batched_tokens, max_model_len, workspace_tokens, max_message_bytes,
         chunk_overhead_bytes;
 } Limits;
+
+/* The limits object's fields, read by name (attributes of the NamedTuple), not by position: the Python class is
+ * their one definition. The module exports the names as `limit_fields`, which a test holds equal to its fields. */
+static const struct {
+    const char *name;
+    size_t offset;
+} LIMIT_FIELDS[] = {
+    {"max_num_seqs", offsetof(Limits, max_num_seqs)},
+    {"max_num_batched_tokens", offsetof(Limits, max_num_batched_tokens)},
+    {"max_model_len", offsetof(Limits, max_model_len)},
+    {"workspace_tokens", offsetof(Limits, workspace_tokens)},
+    {"max_message_bytes", offsetof(Limits, max_message_bytes)},
+    {"chunk_overhead_bytes", offsetof(Limits, chunk_overhead_bytes)},
+};
+#define NUM_LIMIT_FIELDS (sizeof LIMIT_FIELDS / sizeof LIMIT_FIELDS[0])
+/* The names as interned strings, made once at import: a lookup per call then hashes nothing. */
+static PyObject *limit_names[NUM_LIMIT_FIELDS];
+
+static int read_limits(PyObject *limits, Limits *lim) {
+    for (size_t i = 0; i < NUM_LIMIT_FIELDS; i++) {
+        PyObject *value = PyObject_GetAttr(limits, limit_names[i]);
+        if (!value) return -1;
+        long long number = PyLong_AsLongLong(value);
+        Py_DECREF(value);
+        if (number == -1 && PyErr_Occurred()) return -1;
+        *(long long *)((char *)lim + LIMIT_FIELDS[i].offset) = number;
+    }
+    return 0;
+}
 
 /* A BuildChunkRequest as parsed: the arrays stay in the caller's buffer. */
 typedef struct {
@@ -533,26 +563,24 @@ static PyObject *serve(const Py_buffer *request, const Limits *lim, PyObject *ad
 static PyObject *build_chunk_skewed(PyObject *args, Py_ssize_t size_skew) {
     Py_buffer buffer;
     Limits lim;
-    PyObject *admitted, *admit = Py_None;
-    if (!PyArg_ParseTuple(args, "y*(LLLLLL)O|O:build_chunk", &buffer, &lim.max_num_seqs, &lim.max_num_batched_tokens,
-                          &lim.max_model_len, &lim.workspace_tokens, &lim.max_message_bytes,
-                          &lim.chunk_overhead_bytes, &admitted, &admit))
+    PyObject *limits, *admitted, *admit = Py_None;
+    if (!PyArg_ParseTuple(args, "y*OO|O:build_chunk", &buffer, &limits, &admitted, &admit)) return NULL;
+    if (read_limits(limits, &lim) < 0) {
+        PyBuffer_Release(&buffer);
         return NULL;
+    }
     PyObject *result = serve(&buffer, &lim, admitted, admit, size_skew);
     PyBuffer_Release(&buffer);
     return result;
 }
 
+/* The signature below (Python's __text_signature__) is service/fastpath.py's BuildChunk, which documents the call;
+ * tests/service/test_fastpath_contract.py holds the two equal. */
 PyDoc_STRVAR(build_chunk_doc,
-"build_chunk(request, limits, admitted_ratios, admit=None) -> (response, num_reqs, query_tokens, seconds) | None\n\n"
-"Serve one serialized BuildChunkRequest: the serialized BuildChunkResponse, the request count and query rows\n"
-"for the size metrics, and the seconds spent writing the arrays. None when the request is not the common\n"
-"case this function proves valid (any error, DCP, a limit reached, an unusual encoding): the caller then\n"
-"takes the general path. ``limits``: (max_num_seqs, max_num_batched_tokens, max_model_len,\n"
-"workspace_tokens, max_message_bytes, chunk_overhead_bytes); ``admitted_ratios``: the normalised compress\n"
-"ratios strict mode admits, or None for any; ``admit(size_estimate)``: called once the request is valid and in\n"
-"limits, before any array is written (it reserves or raises; from then on the call never steps aside). The\n"
-"arrays are written without the GIL when large. RuntimeError if its size and write passes disagree (a bug).");
+"build_chunk($module, request, limits, admitted_ratios, admit=None, /)\n--\n\n"
+"Serve one serialized BuildChunkRequest, or None where the general path must: see\n"
+"indexer_service.service.fastpath.BuildChunk. The arrays are written without the GIL when large.\n"
+"RuntimeError if its size and write passes disagree (a bug).");
 
 static PyObject *build_chunk(PyObject *self, PyObject *args) {
     (void)self;
@@ -560,7 +588,7 @@ static PyObject *build_chunk(PyObject *self, PyObject *args) {
 }
 
 #ifdef FASTPATH_TEST_SEAMS
-/* Test builds only (tests/test_fastpath_sanitized.py compiles with -DFASTPATH_TEST_SEAMS): build_chunk with its
+/* Test builds only (tests/service/test_fastpath_sanitized.py compiles with -DFASTPATH_TEST_SEAMS): build_chunk with its
  * size pass off by `skew` bytes, to show that a disagreement is an exception and never a heap overrun. */
 static PyObject *build_chunk_with_size_skew(PyObject *self, PyObject *args) {
     (void)self;
@@ -589,4 +617,25 @@ static struct PyModuleDef module = {
     NULL, NULL, NULL, NULL,
 };
 
-PyMODINIT_FUNC PyInit__fastpath(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__fastpath(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (!m) return NULL;
+    PyObject *names = PyTuple_New((Py_ssize_t)NUM_LIMIT_FIELDS);
+    if (!names) goto fail;
+    for (size_t i = 0; i < NUM_LIMIT_FIELDS; i++) {
+        if (!limit_names[i] && !(limit_names[i] = PyUnicode_InternFromString(LIMIT_FIELDS[i].name))) {
+            Py_DECREF(names);
+            goto fail;
+        }
+        Py_INCREF(limit_names[i]);
+        PyTuple_SET_ITEM(names, (Py_ssize_t)i, limit_names[i]);
+    }
+    if (PyModule_AddObject(m, "limit_fields", names) < 0) {
+        Py_DECREF(names);
+        goto fail;
+    }
+    return m;
+fail:
+    Py_DECREF(m);
+    return NULL;
+}

@@ -2,7 +2,8 @@
 policy (FAILED_PRECONDITION), after the kernel layer has found it well formed (INVALID_ARGUMENT).
 
 The load-dependent side of admission (the response budget, the heavy lane) is service/admission.py; the same
-limits in C are service/fastpath.c's, which takes them from :func:`fast_path_limits`.
+limits in C are service/fastpath.c's, which takes them from :func:`fast_path_limits` (a
+service/fastpath.py FastPathLimits).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from indexer_service.kernels.planner import WORKSPACE_TOKENS_PER_MODEL_LEN, Batc
 from indexer_service.kernels.specialization import CompileKey
 from indexer_service.service.config import ServiceConfig
 from indexer_service.service.errors import LimitExceeded, PolicyRefused
+from indexer_service.service.fastpath import FastPathLimits
 from indexer_service.service.warmup import Warmup
 
 # Upper bound of a ChunkMetadata's (and its ChunkSpec's) bytes besides the arrays: tags, lengths, scalars.
@@ -34,17 +36,15 @@ def max_request_bytes(config: ServiceConfig) -> int:
     return min(config.max_message_bytes, 64 * 2**10 + 32 * (config.max_num_seqs + 1))
 
 
-def fast_path_limits(config: ServiceConfig) -> tuple[int, ...]:
-    """The limits service/fastpath.c checks, in its order (:meth:`RequestLimits.check_request`'s and
-    :meth:`RequestLimits.check_sizes`'); a request over any of them steps aside to the general path, which
-    names the limit."""
-    return (
-        config.max_num_seqs,
-        config.max_num_batched_tokens,
-        config.max_model_len,
-        config.max_model_len * WORKSPACE_TOKENS_PER_MODEL_LEN,
-        config.max_message_bytes,
-        CHUNK_OVERHEAD_BYTES,
+def fast_path_limits(config: ServiceConfig) -> FastPathLimits:
+    """The limits service/fastpath.c checks, from the configuration: the same as :class:`RequestLimits`'."""
+    return FastPathLimits(
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        max_model_len=config.max_model_len,
+        workspace_tokens=config.max_model_len * WORKSPACE_TOKENS_PER_MODEL_LEN,
+        max_message_bytes=config.max_message_bytes,
+        chunk_overhead_bytes=CHUNK_OVERHEAD_BYTES,
     )
 
 

@@ -26,9 +26,10 @@ import uvicorn
 
 from indexer_service.kernels.specialization import warmup_keys
 from indexer_service.service.allocator import IdleTrim, configure_malloc, idle_trim_caveat
-from indexer_service.service.backends import make_backend, resolve_backend
+from indexer_service.service.backends import make_backend
 from indexer_service.service.config import ServiceConfig
 from indexer_service.service.dataplane import DataPlane
+from indexer_service.service.devices import resolve_backend
 from indexer_service.service.grpc_server import (
     HEALTH_NAMES,
     GrpcServer,

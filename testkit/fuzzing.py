@@ -33,7 +33,7 @@ from indexer_service.kernels.inputs import (
     validate_batch,
     validate_dcp,
 )
-from indexer_service.kernels.naive import chunk_arrays_numpy
+from indexer_service.kernels.numpy_backend import chunk_arrays_numpy
 from indexer_service.kernels.planner import (
     WORKSPACE_TOKENS_PER_MODEL_LEN,
     BatchInputs,

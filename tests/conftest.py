@@ -82,7 +82,8 @@ def triton_cpu():
     from triton.runtime.errors import InterpreterError
 
     from indexer_service.kernels.inputs import ChunkInputs
-    from indexer_service.kernels.triton_kernel import TritonChunkBuilder, interpreted_kernel
+    from indexer_service.kernels.triton_kernel import interpreted_kernel
+    from indexer_service.kernels.triton_launcher import TritonChunkBuilder
 
     builder = TritonChunkBuilder("cpu", kernel=interpreted_kernel())
     try:

@@ -4,7 +4,7 @@
 
 builds a static linux/amd64 binary (CGO_ENABLED=0: it runs on any Linux x86-64 host, one without Go included)
 at benchmarks/loadgen/bin/loadgen, in GOPATH mode against Debian's Go libraries, with the helpers the Go
-client's build uses (tests/system/clients_support.py); prints the binary's path. Where Go or Debian's gRPC is
+client's build uses (testkit/gobuild.py); prints the binary's path. Where Go or Debian's gRPC is
 missing it says so: scripts/install-client-tools.sh installs them.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.system.clients_support import go_build, go_grpc_missing
+from testkit.gobuild import go_build, go_grpc_missing
 
 HERE = Path(__file__).resolve().parent
 BINARY = HERE / "bin" / "loadgen"

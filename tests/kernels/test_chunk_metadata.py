@@ -10,12 +10,12 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from indexer_service.kernels import triton_kernel
+from indexer_service.kernels import triton_launcher
 from indexer_service.kernels.formulas import dcp_local_lens
 from indexer_service.kernels.inputs import ChunkInputs, DcpConfig, chunk_host_part
-from indexer_service.kernels.naive import build_chunk_metadata_numpy, chunk_arrays_numpy
+from indexer_service.kernels.numpy_backend import build_chunk_metadata_numpy, chunk_arrays_numpy
 from indexer_service.kernels.planner import BatchInputs, chunk_inputs_of_plan, plan_prefill_batch
-from indexer_service.kernels.triton_kernel import TritonChunkBuilder
+from indexer_service.kernels.triton_launcher import TritonChunkBuilder
 from testkit.batches import BatchShape, random_batch, random_chunk_inputs
 from tests.golden import ARRAY_FIELDS, GOLDEN, SCALAR_FIELDS, case_id, chunk_inputs, metadata_as_dict
 
@@ -26,7 +26,7 @@ SENTINEL = -0x5EED
 def sentinel_outputs(monkeypatch):
     """Output buffers pre-filled with a sentinel: any element the kernel leaves unwritten shows up."""
     monkeypatch.setattr(
-        triton_kernel,
+        triton_launcher,
         "_alloc_output",
         lambda n, device: torch.full((n,), SENTINEL, dtype=torch.int32, device=device),
     )
@@ -125,12 +125,12 @@ def test_one_launch_builds_every_chunk_of_a_plan(dcp_name, ratio, triton_cpu, se
 @pytest.mark.parametrize("dcp_name", ["nodcp", "dcp2r0i2"])
 def test_long_requests_split_across_programs(span, dcp_name, triton_cpu, sentinel_outputs, monkeypatch):
     """Requests longer than PROGRAM_SPAN are cut into several programs; the result does not change."""
-    monkeypatch.setattr(triton_kernel, "PROGRAM_SPAN", span)
+    monkeypatch.setattr(triton_launcher, "PROGRAM_SPAN", span)
     rng = np.random.default_rng(span)
     for ratio in (1, 4):
         inputs = random_chunk_inputs(rng, SHAPES["multi-block"], ratio, DCP_SETTINGS[dcp_name], with_slice=False)
         host = chunk_host_part(inputs)
-        table, _, _ = triton_kernel.program_table([host])
+        table, _, _ = triton_launcher.program_table([host])
         assert table.shape[0] > host.seq_lens.size  # the split really happened
         assert metadata_as_dict(triton_cpu(inputs)) == metadata_as_dict(build_chunk_metadata_numpy(inputs))
 
@@ -143,7 +143,7 @@ def test_long_requests_split_across_programs(span, dcp_name, triton_cpu, sentine
 def test_dcp_shares_partition_every_length_and_rank_zero_holds_the_most(lengths, world, interleave):
     """Why max_local_total_seq_lens is rank 0's total: one pass instead of one per rank."""
     lengths = np.array(lengths)
-    shares = np.stack([dcp_local_lens(lengths, DcpConfig(r, world, interleave)) for r in range(world)])
+    shares = np.stack([dcp_local_lens(lengths, r, world, interleave) for r in range(world)])
     assert (shares.sum(axis=0) == lengths).all()
     assert (np.diff(shares, axis=0) <= 0).all()
     inputs = ChunkInputs(
@@ -164,7 +164,7 @@ def test_without_token_to_seq_nothing_is_computed_and_the_rest_is_equal(dcp_name
     rng = np.random.default_rng(99)
     inputs = random_chunk_inputs(rng, SHAPES["wide"], 1, DCP_SETTINGS[dcp_name])
     host = chunk_host_part(inputs)
-    table, kv_bases, _ = triton_kernel.program_table([host], with_token_to_seq=False)
+    table, kv_bases, _ = triton_launcher.program_table([host], with_token_to_seq=False)
     assert kv_bases == [0, 0] and (table[:, 1] == table[:, 2]).all()  # no program writes a token
     full = chunk_arrays_numpy(host, inputs.dcp)
     for arrays in (chunk_arrays_numpy(host, inputs.dcp, False), triton_cpu.arrays(host, inputs.dcp, False)):

@@ -5,6 +5,8 @@ from __future__ import annotations
 import ast
 import dataclasses
 import gc
+import subprocess
+import sys
 import threading
 import time
 
@@ -12,6 +14,7 @@ import pytest
 
 from indexer_service.kernels.compile_engine import KeyRefusedError, compile_keys, parse_target, watch_compiles
 from indexer_service.kernels.specialization import CompileKey, ModelConfig, warmup_keys
+from indexer_service.kernels.triton_kernel import serialise_ast_parse
 
 DEFAULT_MODEL = ModelConfig((0, 0, *([4, 128] * 20), 4, 0))
 
@@ -42,11 +45,26 @@ class _FinalizerThatYields:
         time.sleep(0)  # lets another thread run while the collector frees this in the middle of a parse
 
 
-def test_ast_parse_is_safe_from_many_threads_once_the_kernel_module_is_loaded():
+def test_ast_parse_lock_is_installed_where_compiles_start_not_on_import():
+    """Importing the kernel layer leaves ``ast.parse`` alone; a Triton builder (whose launches compile or
+    interpret the kernel) installs the lock. A fresh interpreter: this one's tests have installed it already."""
+    probe = (
+        "import ast\n"
+        "from indexer_service.kernels import compile_engine, launch_combiner, triton_kernel, triton_launcher\n"
+        "assert not getattr(ast.parse, 'serialised', False), 'installed on import'\n"
+        "triton_launcher.TritonChunkBuilder('cpu', kernel=triton_kernel.interpreted_kernel())\n"
+        "assert getattr(ast.parse, 'serialised', False), 'not installed by the builder'\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_ast_parse_is_safe_from_many_threads_once_the_lock_is_installed():
     """CPython 3.11 fails concurrent parses with SystemError 'AST constructor recursion depth mismatch' when the
     collector switches threads mid-parse (a parallel compile lost a key to it in CI). Without the lock this
     stress fails on the first or second of every run here; with it, no parse may fail."""
-    assert getattr(ast.parse, "serialised", False)  # installed by kernels.triton_kernel, which compile_engine imports
+    serialise_ast_parse()  # what compile_keys and TritonChunkBuilder do before their compiles
+    assert getattr(ast.parse, "serialised", False)
     source = "\n".join(f"def f{i}(a, b):\n    return [x * b for x in range({i})]" for i in range(20))
     errors = []
 

@@ -11,9 +11,9 @@ import torch
 
 from indexer_service.kernels.compile_engine import compile_keys, watch_compiles
 from indexer_service.kernels.inputs import ChunkInputs, DcpConfig
-from indexer_service.kernels.naive import build_chunk_metadata_numpy
+from indexer_service.kernels.numpy_backend import build_chunk_metadata_numpy
 from indexer_service.kernels.specialization import ModelConfig, warmup_compress_ratios, warmup_keys
-from indexer_service.kernels.triton_kernel import PinnedPool, TritonChunkBuilder
+from indexer_service.kernels.triton_launcher import PinnedPool, TritonChunkBuilder
 from testkit.batches import BatchShape, random_chunk_inputs
 from tests.golden import metadata_as_dict
 

@@ -1,4 +1,4 @@
-"""kernels.triton_kernel.LaunchCombiner: concurrent calls share launches, and each gets exactly its own outputs.
+"""kernels.launch_combiner.LaunchCombiner: concurrent calls share launches, and each gets exactly its own outputs.
 
 The launches are the real kernel through Triton's interpreter on CPU; a gate holds the first launch until the
 other calls are queued behind it, so which calls share a launch is known, not left to thread timing."""
@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 
 from indexer_service.kernels.inputs import chunk_host_part
-from indexer_service.kernels.naive import chunk_arrays_numpy_many
-from indexer_service.kernels.triton_kernel import LaunchCombiner, TritonChunkBuilder
+from indexer_service.kernels.launch_combiner import LaunchCombiner
+from indexer_service.kernels.numpy_backend import chunk_arrays_numpy_many
+from indexer_service.kernels.triton_launcher import TritonChunkBuilder
 from testkit.batches import BatchShape, random_chunk_inputs
 
 SHAPE = BatchShape(num_requests=6, max_query=40, max_context=300)

@@ -7,7 +7,7 @@ import pytest
 
 from indexer_service.kernels import planner
 from indexer_service.kernels.inputs import ChunkInputs
-from indexer_service.kernels.naive import build_chunk_metadata_numpy
+from indexer_service.kernels.numpy_backend import build_chunk_metadata_numpy
 from indexer_service.kernels.planner import (
     BatchInputs,
     ChunkSpec,

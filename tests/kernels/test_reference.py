@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from indexer_service.kernels.inputs import ChunkInputs, ChunkMetadata, DcpConfig
-from indexer_service.kernels.naive import build_chunk_metadata_numpy
+from indexer_service.kernels.numpy_backend import build_chunk_metadata_numpy
 from indexer_service.kernels.planner import BatchInputs, ChunkBuilder, PrefillPlan, build_prefill_batch
 from indexer_service.kernels.reference import (
     reference_chunk_metadata,

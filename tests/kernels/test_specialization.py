@@ -23,11 +23,8 @@ from indexer_service.kernels.specialization import (
     warmup_compress_ratios,
     warmup_keys,
 )
-from indexer_service.kernels.triton_kernel import (
-    KERNEL_JIT_OPTIONS,
-    TritonChunkBuilder,
-    _build_prefill_metadata_kernel_fn,
-)
+from indexer_service.kernels.triton_kernel import KERNEL_JIT_OPTIONS, _build_prefill_metadata_kernel_fn
+from indexer_service.kernels.triton_launcher import TritonChunkBuilder
 from testkit.batches import BatchShape, random_chunk_inputs
 from testkit.vllm import vllm_warmup_points
 from tests.conftest import examples

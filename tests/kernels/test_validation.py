@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 
 from indexer_service.kernels.inputs import ChunkInputs, DcpConfig, InvalidInputError
-from indexer_service.kernels.naive import build_chunk_metadata_numpy
+from indexer_service.kernels.numpy_backend import build_chunk_metadata_numpy
 from indexer_service.kernels.planner import BatchInputs, plan_prefill_batch, plan_prefill_chunks
-from indexer_service.kernels.triton_kernel import TritonChunkBuilder, interpreted_kernel
+from indexer_service.kernels.triton_kernel import interpreted_kernel
+from indexer_service.kernels.triton_launcher import TritonChunkBuilder
 
 QSL = np.array([0, 2, 5, 9])
 SEQ = np.array([4, 10, 6])

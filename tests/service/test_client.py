@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from indexer_service.kernels.inputs import ChunkInputs
-from indexer_service.kernels.naive import build_chunk_metadata_numpy
+from indexer_service.kernels.numpy_backend import build_chunk_metadata_numpy
 from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
 from indexer_service.protos.indexer.v1 import indexer_pb2_grpc as pb_grpc
 from indexer_service.service.client import IndexerClient, channel_target, service_config

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from indexer_service.kernels.inputs import ChunkInputs, ChunkMetadata
-from indexer_service.kernels.naive import build_chunk_metadata_numpy
+from indexer_service.kernels.numpy_backend import build_chunk_metadata_numpy
 from indexer_service.kernels.planner import BatchInputs, ChunkSpec, PrefillPlan, build_prefill_batch
 from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
 from indexer_service.service.codec import (

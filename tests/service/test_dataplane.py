@@ -13,10 +13,10 @@ import pytest
 
 from indexer_service.kernels.compile_engine import compile_keys, watch_compiles
 from indexer_service.kernels.inputs import ChunkInputs
-from indexer_service.kernels.naive import build_chunk_metadata_numpy, chunk_arrays_numpy
+from indexer_service.kernels.numpy_backend import build_chunk_metadata_numpy, chunk_arrays_numpy
 from indexer_service.kernels.planner import BatchInputs, build_prefill_batch
 from indexer_service.kernels.specialization import CompileKey, warmup_keys
-from indexer_service.kernels.triton_kernel import TritonChunkBuilder
+from indexer_service.kernels.triton_launcher import TritonChunkBuilder
 from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
 from indexer_service.protos.indexer.v1 import indexer_pb2_grpc as pb_grpc
 from indexer_service.service import codec

@@ -1,7 +1,8 @@
 """service/fastpath.c built with AddressSanitizer and UndefinedBehaviorSanitizer, and with its test seams: the
 fast-path tests (tests/service/test_fastpath.py: golden cases, every boundary, hypothesis-generated and mutated
-requests, the size pass made wrong on purpose) run again against that build in a subprocess, and any sanitizer
-report fails the test. The compile also holds the file to zero warnings under -Wall -Wextra.
+requests, the size pass made wrong on purpose; tests/service/test_fastpath_contract.py: limits read by name) run
+again against that build in a subprocess, and any sanitizer report fails the test. The compile also holds the file
+to zero warnings under -Wall -Wextra.
 
 gcc's sanitizer runtimes (libasan, libubsan) come with gcc itself on Debian (gcc-12 depends on libgcc-12-dev,
 which depends on libasan8 and libubsan1), so a machine that builds the extension can run this test. The Python
@@ -104,6 +105,7 @@ def test_fast_path_tests_pass_under_asan_and_ubsan(tmp_path: Path) -> None:
         "no:cacheprovider",
         "-rs",
         str(REPO / "tests" / "service" / "test_fastpath.py"),
+        str(REPO / "tests" / "service" / "test_fastpath_contract.py"),  # read_limits' error paths
     ]
     run = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     reports = "\n".join(p.read_text(errors="replace") for p in sorted(tmp_path.glob("sanitizer.*")))

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from indexer_service.kernels.inputs import ChunkInputs, DcpConfig, chunk_host_part
-from indexer_service.kernels.naive import build_chunk_metadata_numpy
+from indexer_service.kernels.numpy_backend import build_chunk_metadata_numpy
 from indexer_service.kernels.planner import BatchInputs, build_prefill_batch
 from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
 from indexer_service.service.auto_backend import output_elements

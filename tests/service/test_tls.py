@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from indexer_service.kernels.inputs import ChunkInputs
-from indexer_service.kernels.naive import build_chunk_metadata_numpy
+from indexer_service.kernels.numpy_backend import build_chunk_metadata_numpy
 from indexer_service.service.cli import main as cli_main
 from indexer_service.service.client import IndexerClient, tls_credentials
 from indexer_service.service.config import ConfigError, load_config

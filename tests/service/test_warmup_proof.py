@@ -29,7 +29,7 @@ from indexer_service.kernels.compile_engine import (
     prove_key,
 )
 from indexer_service.kernels.inputs import chunk_host_part
-from indexer_service.kernels.naive import chunk_arrays_numpy
+from indexer_service.kernels.numpy_backend import chunk_arrays_numpy
 from indexer_service.kernels.specialization import CompileKey, ModelConfig, warmup_keys
 from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
 from indexer_service.service.client import IndexerClient

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from indexer_service.kernels.inputs import ChunkInputs
-from indexer_service.kernels.naive import build_chunk_metadata_numpy
+from indexer_service.kernels.numpy_backend import build_chunk_metadata_numpy
 from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
 from indexer_service.service import codec
 from indexer_service.service.config import load_config

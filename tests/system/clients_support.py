@@ -1,6 +1,6 @@
 """Helpers of the other-language client tests (tests/system/test_clients_*.py, tests/system/test_proto_buf.py):
 where the toolchains are, how the Go client is built, and the runnable blocks of docs/clients.md. The Go build
-helpers also build the benchmarks' Go load generator (benchmarks/loadgen, tests/system/test_loadgen.py)."""
+itself is testkit/gobuild.py's, which the benchmarks' Go load generator (benchmarks/loadgen) shares."""
 
 from __future__ import annotations
 
@@ -9,20 +9,17 @@ import re
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterable
 from pathlib import Path
 
+from testkit.gobuild import DEBIAN_GOPATH, INSTALL_HINT, go_build, go_toolchain_missing
 from testkit.paths import REPO
 
 PROTOS = REPO / "protos"
 GOLDEN_FILE = REPO / "tests" / "data" / "golden-cases.json"
-INSTALL_HINT = "run scripts/install-client-tools.sh (make test does)"
 
 NODE_DIR = REPO / "clients" / "node"
 GO_DIR = REPO / "clients" / "go"
 GO_MODULE = "github.com/indexer-service/indexer-service/clients/go"
-# Debian's Go libraries for GOPATH builds (golang-google-grpc-dev and friends).
-DEBIAN_GOPATH = Path("/usr/share/gocode")
 BUF = REPO / "tools" / "buf" / "node_modules" / ".bin" / "buf"
 VENV_BIN = Path(sys.executable).parent
 
@@ -59,17 +56,6 @@ def node_missing() -> str | None:
     return None
 
 
-def go_toolchain_missing(tools: Iterable[str], packages: Iterable[str]) -> str | None:
-    """Why a GOPATH-mode build with these tools against these of Debian's Go packages cannot run here, or None."""
-    for tool in tools:
-        if shutil.which(tool) is None:
-            return f"{tool} is not installed: {INSTALL_HINT}"
-    for package in packages:
-        if not (DEBIAN_GOPATH / "src" / package).is_dir():
-            return f"{DEBIAN_GOPATH}/src/{package} is missing: {INSTALL_HINT}"
-    return None
-
-
 def go_missing() -> str | None:
     """Why the Go client cannot be built here, or None."""
     why = go_toolchain_missing(
@@ -82,30 +68,6 @@ def go_missing() -> str | None:
     if not (DEBIAN_GOPATH / "src/github.com/golang/protobuf/proto/registry.go").is_file():
         return f"github.com/golang/protobuf in {DEBIAN_GOPATH} is older than 1.5: {INSTALL_HINT}"
     return None
-
-
-def go_grpc_missing() -> str | None:
-    """Why a Go program of the standard library and gRPC alone (benchmarks/loadgen) cannot be built here, or None."""
-    return go_toolchain_missing(["go"], ["google.golang.org/grpc"])
-
-
-def go_build(directory: Path, package: str, output: Path, gopath: Path | None = None, **env: str) -> None:
-    """``go build -o output package`` in ``directory``, in GOPATH mode: ``gopath`` (if any), then Debian's Go
-    libraries; ``env`` adds to the environment (CGO_ENABLED, GOOS, ...). Go's build cache (GOCACHE, shared by
-    every build of the run and later runs) makes a rebuild of unchanged code take seconds. A failed build raises
-    RuntimeError with the compiler's output."""
-    path = f"{gopath}:{DEBIAN_GOPATH}" if gopath else str(DEBIAN_GOPATH)
-    base = {"PATH": "/usr/bin:/bin:/usr/local/bin", "HOME": str(Path.home()), "GO111MODULE": "off", "GOFLAGS": ""}
-    run = subprocess.run(
-        ["go", "build", "-o", str(output), package],
-        cwd=directory,
-        env={**base, "GOPATH": path, **env},
-        timeout=600,
-        capture_output=True,
-        text=True,
-    )
-    if run.returncode:
-        raise RuntimeError(f"go build {package} in {directory} failed:\n{run.stdout}{run.stderr}")
 
 
 def build_go_client(workdir: Path) -> dict[str, Path]:

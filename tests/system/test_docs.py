@@ -37,6 +37,7 @@ from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
 from indexer_service.service.cli import build_parser
 from indexer_service.service.config import SETTINGS
 from testkit.harness import FAST_START, ServiceProcess
+from testkit.paths import cited_path_exists, cited_paths
 from tests.deploy.support import kustomize_command, render
 from tests.system.clients_support import REPO, VENV_BIN
 
@@ -48,20 +49,6 @@ _FENCE = re.compile(r"^(?P<marker><!-- [^\n]* -->\n)?```(?P<lang>[\w-]*)\n(?P<bo
 _DOC_MARKER = re.compile(r"<!-- doc: (run against a server|output|static) -->")
 _CLIENTS_DOC_MARKER = re.compile(r"<!-- (run|output|file): [\w./-]+ -->")
 STATIC_FIRST_LINE = "# not run by the tests: "
-# Repository paths: a top-level entry of the repository, then more path; placeholders (<x>, *, ...) are not paths.
-_TOP_LEVEL = sorted(p.name for p in REPO.iterdir() if not p.name.startswith("."))
-_REPO_PATH = re.compile(
-    r"(?<![\w./$-])(?:\.\./)?((?:" + "|".join(map(re.escape, _TOP_LEVEL)) + r")(?:/[\w.-]+)*/?)(?![\w<*$./-])"
-)
-
-
-def exists(path: str, document: Path) -> bool:
-    """Whether a path a document cites exists, from the repository's root or the document's folder; a module
-    named without its suffix (``service/_fastpath``, the compiled extension) counts."""
-    return any(
-        (base / path).exists() or any((base / path).parent.glob(f"{Path(path).name}.*"))
-        for base in (REPO, document.parent)
-    )
 
 
 @dataclass(frozen=True)
@@ -159,8 +146,8 @@ def test_static_blocks_name_only_what_exists(block: Block) -> None:
             extras = re.findall(r"\.\[([\w,-]+)\]", line)
             optional = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
             assert all(set(e.split(",")) <= set(optional) for e in extras), f"{block}: `{line}`: no such extra"
-    for path in _REPO_PATH.findall(block.body):
-        assert exists(path, block.document), f"{block}: {path} does not exist"
+    for path in cited_paths(block.body):
+        assert cited_path_exists(path, block.document), f"{block}: {path} does not exist"
 
 
 # --- blocks run against a real server -------------------------------------------------------------------------
@@ -300,8 +287,8 @@ def test_state_names_are_the_protos() -> None:
 def test_cited_repository_files_exist() -> None:
     for document in DOCUMENTS:
         for span in code_spans(document):
-            for path in _REPO_PATH.findall(span):
-                assert exists(path, document), f"{document.relative_to(REPO)}: `{path}` does not exist"
+            for path in cited_paths(span):
+                assert cited_path_exists(path, document), f"{document.relative_to(REPO)}: `{path}` does not exist"
         for link in re.findall(r"\]\(([^)#:\s]+)(?:#[\w-]*)?\)", prose(document)):
             assert (document.parent / link).exists(), f"{document.relative_to(REPO)}: link {link} goes nowhere"
 

@@ -1,5 +1,5 @@
-"""The test tree's own rules (issue 14, item 5): tests and their shared kit never import the benchmarks; what
-both need lives in testkit/."""
+"""The test tree's own rules (issue 14, item 5; issue 22 item 6): tests and their shared kit never import the
+benchmarks, benchmarks never import the tests; what both need lives in testkit/."""
 
 from __future__ import annotations
 
@@ -22,12 +22,17 @@ def imported_modules(path: Path) -> list[tuple[int, str]]:
     return found
 
 
-@pytest.mark.parametrize("folder", ["tests", "testkit"])
-def test_nothing_imports_benchmarks(folder: str) -> None:
+# (folder, a top-level package it must never import): tests and their shared kit never import the benchmarks,
+# the benchmarks never import the tests; what both need lives in testkit/.
+FORBIDDEN_IMPORTS = [("tests", "benchmarks"), ("testkit", "benchmarks"), ("testkit", "tests"), ("benchmarks", "tests")]
+
+
+@pytest.mark.parametrize(("folder", "forbidden"), FORBIDDEN_IMPORTS, ids=[f"{a}-{b}" for a, b in FORBIDDEN_IMPORTS])
+def test_nothing_imports_across_the_layers(folder: str, forbidden: str) -> None:
     offenders = [
         f"{path.relative_to(REPO)}:{line}: {module}"
         for path in sorted((REPO / folder).rglob("*.py"))
         for line, module in imported_modules(path)
-        if module == "benchmarks" or module.startswith("benchmarks.")
+        if module == forbidden or module.startswith(f"{forbidden}.")
     ]
-    assert not offenders, "imports of benchmarks (move what is shared into testkit/):\n" + "\n".join(offenders)
+    assert not offenders, f"imports of {forbidden} (move what is shared into testkit/):\n" + "\n".join(offenders)

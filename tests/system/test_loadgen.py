@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from testkit.gobuild import go_grpc_missing
 from testkit.harness import FAST_START, ServiceProcess, metric_total, scrape
 from testkit.paths import REPO
 from testkit.payloads import BUILD_CHUNK_PATH, SMALL_BUILD_CHUNK
-from tests.system.clients_support import go_grpc_missing
 
 pytestmark = pytest.mark.skipif(go_grpc_missing() is not None, reason=go_grpc_missing() or "")
 SERVED = "indexer_request_duration_seconds_count"

@@ -1,6 +1,8 @@
-"""The numpy implementation of one chunk's metadata: the service's CPU backend and the tests' oracle.
+"""The numpy backend: one chunk's metadata, vectorised over tokens and rows. The service serves from it on CPU
+(and proves Triton variants against it at warmup); it is not the oracle.
 
-Vectorised over tokens and rows; its outputs equal the Triton kernel's for every valid input.
+The one oracle is ``kernels/reference.py``, written apart from this file: tests hold this backend, the Triton
+kernel and ``service/fastpath.c`` equal to it for every valid input.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ def chunk_arrays_numpy(host: ChunkHostPart, dcp: DcpConfig, with_token_to_seq: b
     position += np.arange(a, b, dtype=np.int32)
     visible = compressed(position, host.ratio)
     if dcp.enabled:
-        visible = dcp_local_lens(visible, dcp)
+        visible = dcp_local_lens(visible, dcp.rank, dcp.world_size, dcp.interleave)
     row_start = np.repeat(host.local_cu_seq_lens[requests].astype(np.int32), rows_inside)
     return token_to_seq, row_start, row_start + visible.astype(np.int32, copy=False)
 

@@ -1,0 +1,64 @@
+"""Every repository path the code and the documents cite exists (issue 22 item 3): comments, docstrings and prose
+name files that a reader can open. A moved or renamed file leaves no stale citation behind.
+
+tests/system/test_docs.py checks the code spans and blocks of README.md, docs/*.md and clients/*/README.md with the
+same rule (testkit/paths.py); this test reads whole files, code included, and deploy/README.md."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+from testkit.paths import REPO, cited_path_exists, cited_paths
+
+# Hand-written sources and documents, by suffix; generated code (protos' *_pb2*.py), recorded results
+# (benchmarks/results/) and test data are not read.
+SOURCE_FOLDERS = ("service", "kernels", "testkit", "benchmarks", "tests", "scripts")
+SOURCE_SUFFIXES = {".py", ".pyi", ".c", ".toml", ".md", ".sh", ".go"}
+SKIPPED_FOLDERS = {"results", "data", "__pycache__", "bin"}
+
+# Citations that are intentionally not paths of the repository, each with why.
+NOT_PATHS = {
+    # Built by `python -m benchmarks.loadgen` (git-ignored): the load generator's binary, named where it is made.
+    "benchmarks/loadgen/bin/loadgen",
+    "benchmarks/loadgen/bin/",
+    # kubectl's resource/name syntax (`rollout status deploy/indexer`): the Deployment, not a folder.
+    "deploy/indexer",
+}
+
+
+def citing_files() -> Iterator[Path]:
+    for folder in SOURCE_FOLDERS:
+        for path in sorted((REPO / folder).rglob("*")):
+            skipped = SKIPPED_FOLDERS.intersection(path.relative_to(REPO).parts)
+            if path.is_file() and path.suffix in SOURCE_SUFFIXES and not skipped:
+                yield path
+    yield from (path for path in sorted((REPO / "protos").rglob("*.py")) if "_pb2" not in path.name)
+    yield from sorted((REPO / "docs").glob("*.md"))
+    yield REPO / "README.md"
+    yield REPO / "deploy" / "README.md"
+    yield from sorted(REPO.glob("clients/*/README.md"))
+
+
+def test_the_scan_reads_code_and_documents() -> None:
+    """Not vacuous: the scan reads this file, the fast path's C source and the deploy guide, and finds citations."""
+    read = set(citing_files())
+    assert {Path(__file__), REPO / "service" / "fastpath.c", REPO / "deploy" / "README.md"} <= read
+    assert "testkit/paths.py" in cited_paths((Path(__file__)).read_text())
+
+
+def test_every_cited_repository_path_exists() -> None:
+    stale = [
+        f"{path.relative_to(REPO)}:{number}: {cited}"
+        for path in citing_files()
+        for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1)
+        for cited in cited_paths(line)
+        if cited not in NOT_PATHS and not cited_path_exists(cited, path)
+    ]
+    assert not stale, "citations of paths that do not exist:\n" + "\n".join(stale)
+
+
+def test_every_allowed_non_path_is_still_cited() -> None:
+    """An allow-list entry nothing cites any more is dead: remove it."""
+    cited = {c for path in citing_files() for c in cited_paths(path.read_text(errors="replace"))}
+    assert cited >= NOT_PATHS, sorted(NOT_PATHS - cited)
