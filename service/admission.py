@@ -25,6 +25,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from indexer_service.service.logs import RateLimitedLog
 from indexer_service.service.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -59,41 +60,17 @@ class Refused(Exception):
         self.gone = gone
 
 
-class RateLimitedLog:
-    """At most one warning per reason every :data:`SHED_LOG_INTERVAL_SECONDS`, with how many times the reason came
-    up since the last line: ``<event> reason=<reason> count=<n> <fields> last=<detail>``."""
-
-    def __init__(self, event: str, interval: float = SHED_LOG_INTERVAL_SECONDS) -> None:
-        self.event = event
-        self.interval = interval
-        self._lock = threading.Lock()
-        self._pending: dict[str, int] = {}
-        self._last_logged: dict[str, float] = {}
-
-    def note(self, reason: str, detail: str, fields: str = "") -> None:
-        now = time.monotonic()
-        with self._lock:
-            count = self._pending.get(reason, 0) + 1
-            if now - self._last_logged.get(reason, -self.interval) < self.interval:
-                self._pending[reason] = count
-                return
-            self._pending[reason] = 0
-            self._last_logged[reason] = now
-        log.warning(
-            "%s reason=%s count=%d%s last=%r", self.event, reason, count, f" {fields}" if fields else "", detail
-        )
-
-
 class ShedLog:
-    """Counts every shed call in ``indexer_requests_shed_total`` and logs it, rate-limited (:class:`RateLimitedLog`)."""
+    """Counts every shed call in ``indexer_requests_shed_total`` and logs it, rate-limited per reason
+    (:class:`~indexer_service.service.logs.RateLimitedLog`): ``shed reason=R count=N method=M last=DETAIL``."""
 
     def __init__(self, metrics: Metrics, interval: float = SHED_LOG_INTERVAL_SECONDS) -> None:
         self.metrics = metrics
-        self.log = RateLimitedLog("shed", interval)
+        self.log = RateLimitedLog(log, interval)
 
     def record(self, method: str, reason: str, detail: str) -> None:
         self.metrics.child(self.metrics.requests_shed_total, method, reason).inc()
-        self.log.note(reason, detail, f"method={method}")
+        self.log.note("shed", reason, detail, f"method={method}")
 
 
 @dataclass(eq=False)

@@ -18,8 +18,10 @@ from indexer_service.service.config import (
     ServiceConfig,
     add_config_arguments,
     config_from_arguments,
-    configure_logging,
+    unknown_environment,
 )
+from indexer_service.service.logs import configure_logging
+from indexer_service.service.version import VERSION
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +37,10 @@ class UsageError(ValueError):
 
 def _configure(args: argparse.Namespace, needs_warmup: str = "") -> ServiceConfig:
     config = config_from_arguments(args, needs_warmup)
-    configure_logging(config.log_level)
+    configure_logging(config.log_level, config.log_format)
+    for variable, closest in unknown_environment().items():
+        hint = f"; did you mean {closest}?" if closest else ""
+        log.warning("unknown environment variable=%s ignored%s", variable, hint)
     return config
 
 
@@ -252,7 +257,7 @@ def _check(args: argparse.Namespace) -> int:
         f"ready={str(status.ready).lower()} backend={status.backend} target={status.target} "
         f"strict={str(status.strict).lower()} keys={len(status.keys)} compiled={states.count('COMPILED')} "
         f"failed={states.count('FAILED')} seconds={status.warmup_seconds:.3f} "
-        f"compiles_after_ready={status.compiles_after_ready}"
+        f"compiles_after_ready={status.compiles_after_ready} server_version={status.server_version or '-'}"
     )
     for key, state in zip(status.keys, states, strict=True):
         error = f" error={key.error!r}" if key.error else ""
@@ -265,6 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="indexer-service",
         description="DeepSeek-V4 sparse-indexer prefill chunk metadata over gRPC, with warmup-gated readiness.",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {VERSION}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     serve = commands.add_parser(
@@ -272,6 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the server (gRPC and HTTP)",
         description="Start the gRPC and HTTP servers, warm up, serve until SIGTERM, then drain and exit 0.",
     )
+    serve.add_argument("--version", action="version", version=f"indexer-service {VERSION}")
     add_config_arguments(serve)
     serve.add_argument(
         "--port-file", type=Path, metavar="PATH", help="write the bound ports as JSON here once both listeners are up"

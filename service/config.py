@@ -11,8 +11,8 @@ parsed at load time, so nothing invalid reaches the server.
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
-import logging
 import math
 import os
 import re
@@ -31,6 +31,7 @@ CONFIG_FILE_ENV = ENV_PREFIX + "CONFIG"
 BACKENDS = ("auto", "numpy", "triton")
 NO_WARMUP = "none"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+LOG_FORMATS = ("text", "json")
 PIN_WORKERS = ("auto", "on", "off")
 
 
@@ -195,6 +196,10 @@ class ServiceConfig:
         " a large response then costs no page faults on the next call, and RSS stays at its busiest peak"
     )
     log_level: str = _setting("`DEBUG`, `INFO`, `WARNING`, `ERROR`")
+    log_format: str = _setting(
+        "`text`: one line an event, `<UTC time>Z LEVEL logger event key=value ...`; `json`: one JSON object a "
+        "line (`ts`, `level`, `logger`, `event`, `msg`, each `key=value` as a key, `request_id`, `worker`)"
+    )
 
     @property
     def model(self) -> ModelConfig:
@@ -359,6 +364,7 @@ RULES: dict[str, Rule] = {
     "malloc_arena_max": Rule(0, _INT32_MAX),  # mallopt takes a C int; 0: glibc's default
     "malloc_retain_bytes": Rule(0, _INT32_MAX),
     "log_level": Rule(choices=LOG_LEVELS, fold_case=True),
+    "log_format": Rule(choices=LOG_FORMATS),
 }
 
 
@@ -660,10 +666,13 @@ def config_from_arguments(args: argparse.Namespace, needs_warmup: str = "") -> S
     )
 
 
-def configure_logging(level: str) -> None:
-    """One line per event: time, level, logger, then ``event key=value ...``."""
-    logging.basicConfig(
-        level=level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s %(message)s",
-        force=True,
-    )
+def unknown_environment(env: Mapping[str, str] | None = None) -> dict[str, str | None]:
+    """``INDEXER_*`` variables that name no setting (a typo is otherwise silently ignored), each with the
+    closest real variable (None when none is close; the names are compared without their common prefix)."""
+    env = os.environ if env is None else env
+    known = [CONFIG_FILE_ENV.removeprefix(ENV_PREFIX), *(name.upper() for name in SETTINGS)]
+    unknown = sorted(name for name in env if name.startswith(ENV_PREFIX) and name.removeprefix(ENV_PREFIX) not in known)
+    closest = {
+        name: difflib.get_close_matches(name.removeprefix(ENV_PREFIX), known, n=1, cutoff=0.6) for name in unknown
+    }
+    return {name: ENV_PREFIX + found[0] if found else None for name, found in closest.items()}

@@ -61,9 +61,12 @@ from indexer_service.service.errors import (
     Shed,
 )
 from indexer_service.service.limits import RequestLimits, fast_path_limits, launch_admission
-from indexer_service.service.metrics import SHED_REASONS, Metrics
+from indexer_service.service.logs import FailedCallLog
+from indexer_service.service.metrics import SHED_REASONS, UNKNOWN_METHOD, Metrics
 from indexer_service.service.readiness import Readiness
 from indexer_service.service.rpcs import RPCS, parse_request
+from indexer_service.service.tracing import RpcTracer
+from indexer_service.service.version import VERSION
 from indexer_service.service.warmup import KeyState, Warmup, WarmupState
 
 log = logging.getLogger(__name__)
@@ -142,10 +145,15 @@ _KEY_STATES = {
 
 
 class DataPlane:
-    """Serves the RPCs of ``indexer.v1.PrefillMetadata`` whatever the transport."""
+    """Serves the RPCs of ``indexer.v1.PrefillMetadata`` whatever the transport. The transports also share its
+    log of failed calls and its tracer (None: tracing off)."""
 
-    def __init__(self, config: ServiceConfig, metrics: Metrics, warmup: Warmup, backend: Backend) -> None:
+    def __init__(
+        self, config: ServiceConfig, metrics: Metrics, warmup: Warmup, backend: Backend, tracer: RpcTracer | None = None
+    ) -> None:
         self.config = config
+        self.tracer = tracer
+        self.failed_calls = FailedCallLog()
         self.metrics = metrics
         self.warmup = warmup
         self.backend = backend
@@ -235,6 +243,10 @@ class DataPlane:
                     return answer
             request = parse_request(method, request, where)
         return self._handlers[method](request)
+
+    def unknown_method(self) -> None:
+        """Count a call to a method the service does not have (the transport answers UNIMPLEMENTED)."""
+        self.metrics.child(self.metrics.request_errors_total, UNKNOWN_METHOD, Code.UNIMPLEMENTED.name).inc()
 
     def shed(self, method: str, reason: str, detail: str) -> None:
         """Count and log a call the transport refused or cut before or after the data plane saw it."""
@@ -382,4 +394,5 @@ class DataPlane:
             compiles_after_ready=self.readiness.compiles_after_ready,
             ready=self.readiness.ready,
             auto_crossover_elements=self.backend.selector.crossover if self.backend.selector else 0,
+            server_version=VERSION,
         ).SerializeToString()

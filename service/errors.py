@@ -21,6 +21,7 @@ class Code(enum.Enum):
     DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
     RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
     FAILED_PRECONDITION = "FAILED_PRECONDITION"
+    UNIMPLEMENTED = "UNIMPLEMENTED"
     INTERNAL = "INTERNAL"
     UNAVAILABLE = "UNAVAILABLE"
 
@@ -65,6 +66,12 @@ class PolicyRefused(ServiceError):
     supports, a kernel variant strict mode will not compile)."""
 
     code = Code.FAILED_PRECONDITION
+
+
+class UnknownMethod(ServiceError):
+    """The call names a method the service does not have."""
+
+    code = Code.UNIMPLEMENTED
 
 
 class NotReady(ServiceError):

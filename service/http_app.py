@@ -15,7 +15,10 @@ TLS, so a caller the gRPC port would refuse is refused here too; not bound with 
 - ``POST /indexer.v1.PrefillMetadata/<Method>``: the gRPC method's request message as the body, binary
   protobuf (``application/x-protobuf``, also the default without a content type) or the proto3 JSON mapping
   (``application/json``, read by service/json_mapping.py); the response comes back in the same format. Any other
-  content type is 415 naming the accepted ones. Same data plane, limits, metrics as gRPC.
+  content type is 415 naming the accepted ones. Same data plane, limits, metrics as gRPC; a request id
+  (``x-request-id``) and, when tracing is on, a span per call, as on gRPC.
+- A POST to any other path (not a probe's) is a call to a method the service does not have: 501
+  ``UNIMPLEMENTED``, counted as method ``unknown`` and logged rate-limited, as gRPC answers it.
 
 Every error on either port is JSON ``{"code", "message"}``: ``code`` is a google.rpc.Code name, the data plane's
 own for a call that reached it (with the HTTP status google/api/http.proto's mapping gives it), else the one
@@ -31,6 +34,7 @@ its connection, and the answer's memory comes back.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
 import logging
 import time
@@ -41,14 +45,15 @@ from google.protobuf import json_format
 from prometheus_client import make_asgi_app
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from indexer_service.service.admission import Caller, RateLimitedLog
+from indexer_service.service.admission import SHED_LOG_INTERVAL_SECONDS, Caller
 from indexer_service.service.codec import SERVICE_NAME
 from indexer_service.service.config import ServiceConfig
 from indexer_service.service.dataplane import DataPlane
-from indexer_service.service.errors import Code, LimitExceeded, ServiceError, Shed
+from indexer_service.service.errors import Code, InvalidArgument, LimitExceeded, ServiceError, Shed, UnknownMethod
 from indexer_service.service.json_mapping import parse_request
 from indexer_service.service.limits import max_request_bytes
-from indexer_service.service.metrics import HTTP_REFUSALS, Metrics, exposition_registry
+from indexer_service.service.logs import REQUEST_ID, REQUEST_ID_HEADER, RateLimitedLog, request_id_from
+from indexer_service.service.metrics import HTTP_REFUSALS, UNKNOWN_METHOD, Metrics, exposition_registry
 from indexer_service.service.rpcs import REQUEST_TYPES, RESPONSE_TYPES
 
 log = logging.getLogger(__name__)
@@ -66,6 +71,7 @@ HTTP_STATUS: dict[Code, int] = {
     Code.DEADLINE_EXCEEDED: 504,
     Code.RESOURCE_EXHAUSTED: 429,
     Code.FAILED_PRECONDITION: 400,
+    Code.UNIMPLEMENTED: 501,
     Code.INTERNAL: 500,
     Code.UNAVAILABLE: 503,
 }
@@ -102,12 +108,12 @@ class HttpRefusals:
 
     def __init__(self, metrics: Metrics) -> None:
         self._counters = {reason: metrics.http_refused_total.labels(reason=reason) for reason in HTTP_REFUSALS}
-        self._log = RateLimitedLog("http refused")
+        self._log = RateLimitedLog(log, SHED_LOG_INTERVAL_SECONDS)
 
     def record(self, reason: str, detail: str) -> None:
         self._counters[reason].inc()
         if reason not in self.UNLOGGED:
-            self._log.note(reason, detail)
+            self._log.note("http refused", reason, detail)
 
 
 class ProbeApp:
@@ -188,23 +194,53 @@ class RpcApp:
                 await reply_error(send, 405, f"{path} takes POST of a request message", [(b"allow", b"POST")])
             else:
                 await self._rpc(method, scope, receive, send)
-        elif method is not None:
-            methods = ", ".join(REQUEST_TYPES)
-            await reply_error(send, 404, f"{SERVICE_NAME} has no method {method!r}; its methods are {methods}")
         elif path in PROBE_PATHS:
             await reply_error(
                 send, 404, f"{path} is served on http_port ({self.probe_port}), plaintext; this port serves the RPCs"
             )
+        elif verb == "POST":  # a method the service does not have
+            await self._rpc(UNKNOWN_METHOD, scope, receive, send)
+        elif method is not None:
+            await reply_error(send, 404, _no_such_method(path))
         else:
             await reply_error(send, 404, f"no {path} here: this port serves POST {RPC_PATH_PREFIX}<Method> only")
 
     async def _rpc(self, method: str, scope, receive, send) -> None:
-        content_type = _content_type(scope)
+        """One call: its request id (the caller's ``x-request-id`` when it is a safe one, else a new one) in its
+        log lines and its answer's headers, its span when tracing is on, a failure in the rate-limited log."""
+        start = time.perf_counter()
+        headers = {name.decode("latin-1"): value.decode("latin-1") for name, value in scope["headers"]}
+        request_id = request_id_from(headers.get(REQUEST_ID_HEADER))
+        REQUEST_ID.set(request_id)  # this request's task has a context of its own
+        tracer = self.plane.tracer
+        span = None if tracer is None else tracer.start("http", method, request_id, headers)
+        reply_headers = [(REQUEST_ID_HEADER.encode(), request_id.encode())]
+        code, details = "UNKNOWN", "the connection ended before the answer was sent"
+        try:
+            error = await self._serve_rpc(method, scope, receive, send, headers, reply_headers)
+            code, details = ("OK", "") if error is None else (error.code.name, error.message)
+            if error is not None:
+                milliseconds = (time.perf_counter() - start) * 1e3
+                self.plane.failed_calls.record("http", method, code, details, _peer(scope), milliseconds)
+        finally:
+            if span is not None:
+                tracer.end(span, code, details)
+
+    async def _serve_rpc(
+        self, method: str, scope, receive, send, headers: dict[str, str], reply_headers: list[tuple[bytes, bytes]]
+    ) -> ServiceError | None:
+        """The call's answer or error sent; the error returned (None: answered)."""
+        if method == UNKNOWN_METHOD:
+            self.plane.unknown_method()
+            error = UnknownMethod(_no_such_method(scope["path"]))
+            await _reply(send, HTTP_STATUS[error.code], error_body(error.code.name, error.message), reply_headers, JSON)
+            return error
+        content_type = _content_type(headers)
         if content_type not in ACCEPTED_TYPES:
             accepted = b", ".join(ACCEPTED_TYPES)
             text = f"content type {content_type.decode(errors='replace')!r} is not accepted; send {accepted.decode()}"
-            await reply_error(send, 415, text, [(b"accept", accepted)])
-            return
+            await reply_error(send, 415, text, [(b"accept", accepted), *reply_headers])
+            return InvalidArgument(text)  # for the log and the span: the call failed, as a 415
         caller = Caller(_peer(scope), held_per_answer_byte=JSON_HELD_PER_ANSWER_BYTE if content_type == JSON else 1.0)
         close: list[tuple[bytes, bytes]] = []
         try:
@@ -223,20 +259,28 @@ class RpcApp:
             self.in_flight += 1
             try:
                 loop = asyncio.get_running_loop()
+                # The executor's thread runs it in this task's context: the request id in its log lines.
                 response = await loop.run_in_executor(
-                    self.executor, self._answer, method, request, caller, content_type == JSON
+                    self.executor,
+                    contextvars.copy_context().run,
+                    self._answer,
+                    method,
+                    request,
+                    caller,
+                    content_type == JSON,
                 )
             finally:
                 self.in_flight -= 1
         except ServiceError as exc:
-            log.info("http method=%s code=%s details=%r", method, exc.code.name, exc.message)
-            await _reply(send, HTTP_STATUS[exc.code], error_body(exc.code.name, exc.message), close, JSON)
-            return
+            body = error_body(exc.code.name, exc.message)
+            await _reply(send, HTTP_STATUS[exc.code], body, [*close, *reply_headers], JSON)
+            return exc
         try:
-            await self._send_answer(method, scope, send, response, content_type, caller)
+            await self._send_answer(method, scope, send, response, content_type, caller, reply_headers)
         finally:
             if caller.ticket is not None:
                 caller.ticket.release()
+        return None
 
     def _answer(self, method: str, request: bytes, caller: Caller, as_json: bool) -> bytes:
         """The data plane's answer, as JSON where asked: on the executor, since encoding a large answer as JSON
@@ -255,13 +299,21 @@ class RpcApp:
         return text
 
     async def _send_answer(
-        self, method: str, scope, send, response: bytes, content_type: bytes, caller: Caller
+        self,
+        method: str,
+        scope,
+        send,
+        response: bytes,
+        content_type: bytes,
+        caller: Caller,
+        headers: list[tuple[bytes, bytes]],
     ) -> None:
         """The answer in pieces, each waiting for the reader; past ``response_drain_seconds`` the connection is
         dropped and the call counted as shed ``unread_response``."""
         give_up = time.monotonic() + self.drain_seconds
         try:
-            await asyncio.wait_for(_start(send, 200, len(response), content_type), give_up - time.monotonic())
+            start = _start(send, 200, len(response), content_type, headers)
+            await asyncio.wait_for(start, give_up - time.monotonic())
             view = memoryview(response)
             for offset in range(0, max(len(view), 1), SEND_PIECE_BYTES):  # an empty answer is one empty piece
                 piece = bytes(view[offset : offset + SEND_PIECE_BYTES])
@@ -276,11 +328,14 @@ class RpcApp:
                 await asyncio.sleep(0)  # let the connection close before the app returns
 
 
-def _content_type(scope) -> bytes:
-    for name, value in scope["headers"]:
-        if name == b"content-type":
-            return value.split(b";", 1)[0].strip().lower()
-    return PROTOBUF
+def _no_such_method(path: str) -> str:
+    name = path.removeprefix(RPC_PATH_PREFIX)[:200]
+    return f"{SERVICE_NAME} has no method {name!r}; its methods are {', '.join(REQUEST_TYPES)}"
+
+
+def _content_type(headers: dict[str, str]) -> bytes:
+    value = headers.get("content-type")
+    return PROTOBUF if value is None else value.encode("latin-1").split(b";", 1)[0].strip().lower()
 
 
 def _peer(scope) -> str:

@@ -21,7 +21,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TypeVar
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
+
+from indexer_service.service.version import build_labels
 
 M = TypeVar("M", Counter, Gauge, Histogram)
 
@@ -53,6 +55,8 @@ HTTP_REFUSALS = (
     "body_too_large",
     "rpc_on_metrics_port",  # an RPC posted to http_port: a client still set up for the port before http_rpc_port
 )
+# The method label of calls to a method the service does not have (gRPC and HTTP), counted with code UNIMPLEMENTED.
+UNKNOWN_METHOD = "unknown"
 # Why a worker process was restarted (indexer_worker_restarts_total's reason label):
 RESTART_REASONS = (
     "exit",  # it exited by itself (a fatal error, or a SIGTERM not from the supervisor)
@@ -76,12 +80,23 @@ def _ready_gauge(registry: CollectorRegistry) -> Gauge:
 
 
 class Metrics:
-    """The service's metrics on their own registry (tests start several servers in one process). ``worker``: one
-    worker of several, which leaves ``indexer_ready`` to its supervisor (``ready`` is None)."""
+    """The service's metrics on their own registry (tests start several servers in one process), with the
+    process's own ``process_*`` (prometheus_client's ProcessCollector; with workers, every process's: see
+    :class:`_ReplicaCollector`). ``worker``: one worker of several, which leaves ``indexer_ready`` to its supervisor
+    (``ready`` is None)."""
 
     def __init__(self, registry: CollectorRegistry | None = None, worker: bool = False) -> None:
         self.registry = registry or CollectorRegistry()
         r = self.registry
+        if multiprocess_dir() is None:
+            ProcessCollector(registry=r)
+        self.build_info = Gauge(
+            "indexer_build_info",
+            "1, labelled with the server's version and those of Python, grpcio, protobuf, numpy, torch and triton.",
+            list(build_labels()),
+            registry=r,
+            multiprocess_mode="livemax",  # every worker writes the same series: the replica shows it once
+        )
         self.warmup_keys = Gauge(
             "indexer_warmup_keys",
             "Compile keys of the warmup set, by state (planned = size of the set).",
@@ -179,6 +194,8 @@ class Metrics:
             registry=r,
         )
         self._children: dict[tuple[int, tuple[str, ...]], object] = {}
+        self.build_info.labels(**build_labels()).set(1)
+        self.request_errors_total.labels(method=UNKNOWN_METHOD, code="UNIMPLEMENTED")
         for state in WARMUP_STATES:
             self.warmup_keys.labels(state=state).set(0)
         if self.ready is not None:
@@ -234,7 +251,11 @@ def exposition_registry(registry: CollectorRegistry) -> CollectorRegistry:
 
 class _ReplicaCollector:
     """Every worker's metrics from the multiprocess files, and, as in a single process, the families no process
-    has a sample of yet (shed calls, by reason) declared empty: the multiprocess files hold only samples."""
+    has a sample of yet (shed calls, by reason) declared empty: the multiprocess files hold only samples. Then
+    ``process_*`` of every live process of the replica (each writes its files under its pid: the supervisor and
+    the workers), read from /proc at scrape time and labelled ``process`` (``supervisor`` or ``worker``) and, for
+    a worker, ``worker`` (its slot, as in ``indexer_worker_up``): a restarted worker continues its slot's series,
+    so the series stay the same however often workers restart."""
 
     def __init__(self, own: CollectorRegistry, path: str) -> None:
         from prometheus_client import multiprocess
@@ -255,6 +276,38 @@ class _ReplicaCollector:
         for family in self.own.collect():
             if family.name not in seen and not family.samples:
                 yield Metric(family.name, family.documentation, family.type)
+        yield from self._process_families()
+
+    def _process_families(self):
+        from prometheus_client.metrics_core import Metric
+
+        from indexer_service.service.workerproto import worker_slot
+
+        families: dict[str, Metric] = {}
+        supervisor = os.getppid()
+        for pid in _file_pids(self.path):
+            if pid == supervisor:
+                labels = {"process": "supervisor"}
+            elif (slot := worker_slot(pid)) is not None:
+                labels = {"process": "worker", "worker": str(slot)}
+            else:
+                continue  # dead (its files not yet retired), or gone since they were listed
+            for family in ProcessCollector(pid=lambda pid=pid: pid, registry=None).collect():
+                merged = families.setdefault(family.name, Metric(family.name, family.documentation, family.type))
+                for sample in family.samples:
+                    merged.add_sample(sample.name, {**sample.labels, **labels}, sample.value)
+        yield from families.values()
+
+
+def _file_pids(path: str) -> list[int]:
+    """The processes with multiprocess files in ``path`` (``<kind>_<pid>.db``; a dead one's until they are
+    retired)."""
+    pids = set()
+    for name in os.listdir(path):
+        pid = name.removesuffix(".db").rpartition("_")[2]
+        if name.endswith(".db") and pid.isdigit():
+            pids.add(int(pid))
+    return sorted(pids)
 
 
 @contextmanager

@@ -12,7 +12,6 @@ that many of these (service/worker.py), each given a :class:`service.worker.Work
 from __future__ import annotations
 
 import contextlib
-import importlib.metadata
 import json
 import logging
 import os
@@ -44,6 +43,8 @@ from indexer_service.service.lifecycle import ShutdownSignals, raise_open_files_
 from indexer_service.service.limits import launch_admission
 from indexer_service.service.listeners import listen_tcp
 from indexer_service.service.metrics import Metrics
+from indexer_service.service.tracing import start_tracing
+from indexer_service.service.version import VERSION
 from indexer_service.service.warmup import Warmup, use_triton_cache_dir
 
 if TYPE_CHECKING:
@@ -142,7 +143,8 @@ class IndexerServer:
             self.warmup.target_name,
             cache_dir or "(Triton's default)",
         )
-        self.plane = DataPlane(config, self.metrics, self.warmup, backend)
+        self.tracer = start_tracing()
+        self.plane = DataPlane(config, self.metrics, self.warmup, backend, self.tracer)
         self.health = HealthServicer(HEALTH_NAMES, self.plane.shed)
         self.plane.readiness.add_listener(self.health.set_serving)
         if worker is not None:
@@ -266,6 +268,8 @@ class IndexerServer:
         self._idle_trim.stop()
         if self._unwatch is not None:
             self._unwatch()
+        if self.tracer is not None:
+            self.tracer.shutdown()  # the spans still batched
         log.info("stopped drain_seconds=%.3f", time.monotonic() - start)
 
 
@@ -300,15 +304,6 @@ def _write_port_file(path: Path, server: IndexerServer) -> None:
         raise _port_file_error(path, exc) from None
 
 
-def package_version() -> str:
-    """The installed distribution's version (``pyproject.toml``), or ``unknown`` when run from an uninstalled
-    tree."""
-    try:
-        return importlib.metadata.version("indexer-service")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
-
-
 def listening_addresses(
     config: ServiceConfig, grpc_port: int, health_port: int, http_port: int, http_rpc_port: int | None
 ) -> str:
@@ -336,7 +331,7 @@ def announce_start(config: ServiceConfig, workers: int, port_file: Path | None) 
     log.info(
         "start pid=%d indexer-service %s mode=%s backend=%s warmup_target=%s",
         os.getpid(),
-        package_version(),
+        VERSION,
         mode,
         config.backend,
         config.warmup_target,

@@ -102,15 +102,13 @@ def run_worker(link: WorkerLink, signals: object) -> int:
     """Serve until a shutdown signal (from the supervisor), then drain; the single process's
     :func:`service.server.serve`, with a link instead of a port file and the gRPC port joined once warmed up."""
     from indexer_service.service.allocator import configure_malloc
+    from indexer_service.service.logs import configure_logging
     from indexer_service.service.server import IndexerServer
+    from indexer_service.service.version import VERSION
 
     config = config_from_json((link.runtime_dir / CONFIG_FILE).read_text())
-    logging.basicConfig(
-        level=config.log_level.upper(),
-        force=True,
-        format=f"%(asctime)s %(levelname)s %(name)s %(message)s worker={link.slot}",
-    )
-    log.info("start pid=%d", os.getpid())
+    configure_logging(config.log_level, config.log_format, link.slot)
+    log.info("start pid=%d indexer-service %s", os.getpid(), VERSION)
     configure_malloc(config.malloc_arena_max, config.malloc_retain_bytes)
     server = IndexerServer(config, link) if signals.pending() is None else None
     if server is None or signals.pending() is not None:

@@ -36,6 +36,7 @@ METRICS_DIR = "metrics"  # PROMETHEUS_MULTIPROC_DIR
 # A unix socket's path must fit sun_path: 108 bytes with its NUL.
 MAX_SOCKET_PATH_CHARS = 107
 MAX_PID = 2**22  # Linux's largest pid_max: the longest probe socket name
+WORKER_MODULE = "indexer_service.service.worker"
 
 
 class SharedListener(NamedTuple):
@@ -75,7 +76,7 @@ class Handoff:
     cpu: int  # the CPU every thread runs on (pin_workers), -1 for the replica's whole CPU set
 
     def command(self) -> list[str]:
-        return [sys.executable, "-m", "indexer_service.service.worker", json.dumps(asdict(self))]
+        return [sys.executable, "-m", WORKER_MODULE, json.dumps(asdict(self))]
 
     def inherited_fds(self) -> tuple[int, ...]:
         return (self.status_fd, *self.sockets.values())
@@ -84,6 +85,18 @@ class Handoff:
     def from_argv(cls, argv: list[str]) -> Handoff:
         (text,) = argv
         return from_json_values(cls, json.loads(text))
+
+
+def worker_slot(pid: int) -> int | None:
+    """The slot of worker process ``pid``, read from its command line (:meth:`Handoff.command`) in /proc; None when
+    ``pid`` is not a worker or is gone (a zombie's command line is empty)."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    if len(argv) < 4 or argv[1:3] != [b"-m", WORKER_MODULE.encode()]:
+        return None
+    return Handoff.from_argv([argv[3].decode()]).slot
 
 
 def probe_socket(runtime_dir: Path, pid: int) -> Path:

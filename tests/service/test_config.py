@@ -258,6 +258,7 @@ INVALID: dict[str, tuple[list[str], dict[str, str]]] = {
     "malloc_arena_max": (["-1", TOO_BIG_INT32], {}),
     "malloc_retain_bytes": ([TOO_BIG_INT32], {}),
     "log_level": (["loud"], {}),
+    "log_format": (["yaml", "JSON"], {}),
     "pin_workers": (["always", "ON "], {}),
     "min_ready_workers": (["-1", "257"], {}),
     "worker_hang_seconds": (["0.1", "-1", "inf"], {}),

@@ -12,7 +12,7 @@ from indexer_service.kernels.planner import BatchInputs
 from indexer_service.kernels.specialization import ModelConfig, warmup_keys
 from indexer_service.service.backends import FAST_PATH_BACKEND
 from indexer_service.service.client import IndexerClient
-from indexer_service.service.metrics import Metrics
+from indexer_service.service.metrics import UNKNOWN_METHOD, Metrics
 from testkit.harness import ServiceProcess
 from tests.service.conftest import Scrape, scrape
 
@@ -118,7 +118,7 @@ def test_histograms_are_cumulative_and_labels_bounded(after_calls: tuple[Scrape,
     for name, kind in defined_metrics().items():
         for sample in after.families[name].samples:
             labels = sample.labels
-            assert labels.get("method", "BuildChunk") in METHODS
+            assert labels.get("method", "BuildChunk") in {*METHODS, UNKNOWN_METHOD}  # unknown: calls to no method
             assert labels.get("code", "OK") in codes
             assert labels.get("key", next(iter(KEY_LABELS))) in KEY_LABELS
             assert labels.get("backend", "numpy") in {"numpy", "triton", "native"}

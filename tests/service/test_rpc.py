@@ -282,7 +282,8 @@ def test_http_protobuf_endpoint_shares_the_data_plane(live_server: ServiceProces
     error = json.loads(body)
     assert error["code"] == "INVALID_ARGUMENT" and "query_start_loc[2]" in error["message"]
     assert http_post(url, b"\xff\xff")[0] == 400
-    assert http_post(f"{live_server.http_rpc_url}/{SERVICE_NAME}/Nope", b"")[0] == 404
+    status, _, body = http_post(f"{live_server.http_rpc_url}/{SERVICE_NAME}/Nope", b"")
+    assert status == 501 and json.loads(body)["code"] == "UNIMPLEMENTED"  # counted as method "unknown"
 
 
 def test_reflection_lists_the_service(live_server: ServiceProcess) -> None:

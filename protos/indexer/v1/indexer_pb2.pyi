@@ -174,7 +174,7 @@ class KeyStatus(_message.Message):
     def __init__(self, label: _Optional[str] = ..., key_json: _Optional[str] = ..., state: _Optional[_Union[KeyState, str]] = ..., compile_seconds: _Optional[float] = ..., error: _Optional[str] = ...) -> None: ...
 
 class GetWarmupStatusResponse(_message.Message):
-    __slots__ = ("state", "backend", "target", "strict", "keys", "warmup_seconds", "compiles_after_ready", "ready", "auto_crossover_elements")
+    __slots__ = ("state", "backend", "target", "strict", "keys", "warmup_seconds", "compiles_after_ready", "ready", "auto_crossover_elements", "server_version")
     STATE_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     TARGET_FIELD_NUMBER: _ClassVar[int]
@@ -184,6 +184,7 @@ class GetWarmupStatusResponse(_message.Message):
     COMPILES_AFTER_READY_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
     AUTO_CROSSOVER_ELEMENTS_FIELD_NUMBER: _ClassVar[int]
+    SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
     state: WarmupState
     backend: str
     target: str
@@ -193,4 +194,5 @@ class GetWarmupStatusResponse(_message.Message):
     compiles_after_ready: int
     ready: bool
     auto_crossover_elements: int
-    def __init__(self, state: _Optional[_Union[WarmupState, str]] = ..., backend: _Optional[str] = ..., target: _Optional[str] = ..., strict: _Optional[bool] = ..., keys: _Optional[_Iterable[_Union[KeyStatus, _Mapping]]] = ..., warmup_seconds: _Optional[float] = ..., compiles_after_ready: _Optional[int] = ..., ready: _Optional[bool] = ..., auto_crossover_elements: _Optional[int] = ...) -> None: ...
+    server_version: str
+    def __init__(self, state: _Optional[_Union[WarmupState, str]] = ..., backend: _Optional[str] = ..., target: _Optional[str] = ..., strict: _Optional[bool] = ..., keys: _Optional[_Iterable[_Union[KeyStatus, _Mapping]]] = ..., warmup_seconds: _Optional[float] = ..., compiles_after_ready: _Optional[int] = ..., ready: _Optional[bool] = ..., auto_crossover_elements: _Optional[int] = ..., server_version: _Optional[str] = ...) -> None: ...

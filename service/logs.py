@@ -1,0 +1,217 @@
+"""The service's log lines: their format (text or JSON, UTC), the request id every call's lines carry, and the
+rate limit that keeps a flood of failing calls from becoming a flood of lines.
+
+Every line is one event: ``event key=value ...`` in the message. ``log_format = "text"`` writes
+``2026-12-04T15:48:36.123Z INFO logger event key=value ... request_id=... worker=N`` (``request_id`` while a call
+is served, ``worker`` in a worker process); ``"json"`` writes one object a line with ``ts``, ``level``,
+``logger``, ``event``, ``msg`` (the whole message), each ``key=value`` of the message as a key of its own (numbers
+as numbers, quoted values unquoted), ``request_id``, ``worker`` and ``exc`` (a traceback) where they apply:
+``worker`` is a worker process's own slot on each of its lines, and in the supervisor's lines about a worker
+(``worker exited worker=1 ...``) that worker's, from the message.
+"""
+
+from __future__ import annotations
+
+import ast
+import itertools
+import json
+import logging
+import os
+import re
+import sys
+import threading
+import time
+from collections.abc import Hashable
+from contextvars import ContextVar
+
+log = logging.getLogger(__name__)  # the failed-call lines
+
+# The request id of the call this thread (or task) serves; "" outside a call. Set by the transports.
+REQUEST_ID: ContextVar[str] = ContextVar("request_id", default="")
+REQUEST_ID_HEADER = "x-request-id"
+# A caller's id is taken as it is when it is at most this long and of these characters (a UUID, a ULID, a
+# W3C trace id, "svc-1/req:42"...): nothing that could break a log line or a JSON string. Anything else is
+# replaced by a generated id.
+MAX_REQUEST_ID_CHARS = 128
+_VALID_REQUEST_ID = re.compile(rf"[A-Za-z0-9._:/+=@-]{{1,{MAX_REQUEST_ID_CHARS}}}").fullmatch
+# Generated ids: a random prefix per process and a counter, unique across the replicas without a random draw
+# per call (itertools.count's next() is atomic under the GIL).
+_ID_PREFIX = os.urandom(6).hex()
+_ID_COUNTER = itertools.count(1)
+
+
+def new_request_id() -> str:
+    return f"{_ID_PREFIX}-{next(_ID_COUNTER):x}"
+
+
+def request_id_from(supplied: str | None) -> str:
+    """The caller's id when it is a safe one, else a new one."""
+    if supplied and _VALID_REQUEST_ID(supplied):
+        return supplied
+    return new_request_id()
+
+
+def utc_timestamp(created: float) -> str:
+    """ISO 8601 in UTC with milliseconds and the zone: ``2026-12-04T15:48:36.123Z``."""
+    seconds = int(created)
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds)) + f".{int((created - seconds) * 1000):03d}Z"
+
+
+class TextFormatter(logging.Formatter):
+    """``ts level logger message [request_id=...] [worker=N]``, then the traceback's lines, if any."""
+
+    def __init__(self, worker: int | None = None) -> None:
+        super().__init__()
+        self.suffix = f" worker={worker}" if worker is not None else ""
+
+    def format(self, record: logging.LogRecord) -> str:
+        request_id = REQUEST_ID.get()
+        line = (
+            f"{utc_timestamp(record.created)} {record.levelname} {record.name} {record.getMessage()}"
+            f"{f' request_id={request_id}' if request_id else ''}{self.suffix}"
+        )
+        traceback = _traceback(self, record)
+        return f"{line}\n{traceback}" if traceback else line
+
+
+# key=value in a message: a value is a quoted string (repr's or JSON's quotes) or runs to the next space.
+_FIELD = re.compile(r"(?:^|(?<=\s))([A-Za-z_][\w.]*)=(\"(?:[^\"\\]|\\.)*\"|'(?:[^'\\]|\\.)*'|\S*)")
+_INT = re.compile(r"-?\d+").fullmatch
+_FLOAT = re.compile(r"-?\d+\.\d*(?:e[-+]?\d+)?").fullmatch
+# The line's own keys: a message's field of one of these names stays in msg only. Not "worker": the supervisor's
+# lines name the worker they are about, and a worker process's own slot overrides it on its lines.
+_RESERVED = frozenset(("ts", "level", "logger", "event", "msg", "request_id", "exc"))
+
+
+def message_fields(message: str) -> tuple[str, dict[str, object]]:
+    """The event (the words before the first ``key=value``) and the fields of a message; a field whose name is
+    one of the line's own keys is left in ``msg`` only."""
+    fields: dict[str, object] = {}
+    first = None
+    for match in _FIELD.finditer(message):
+        if first is None:
+            first = match.start()
+        name, value = match.group(1), match.group(2)
+        if name not in _RESERVED:
+            fields[name] = _field_value(value)
+    event = message if first is None else message[:first]
+    return event.strip(), fields
+
+
+def _field_value(text: str) -> object:
+    if text[:1] in ("'", '"') and len(text) >= 2:
+        try:
+            return ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            return text
+    if _INT(text):
+        return int(text)
+    if _FLOAT(text):
+        return float(text)
+    return text
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object a line (see the module's docstring)."""
+
+    def __init__(self, worker: int | None = None) -> None:
+        super().__init__()
+        self.worker = worker
+
+    def format(self, record: logging.LogRecord) -> str:
+        message = record.getMessage()
+        event, fields = message_fields(message)
+        line: dict[str, object] = {
+            "ts": utc_timestamp(record.created),
+            "level": record.levelname,
+            "logger": record.name,
+            "event": event,
+            "msg": message,
+            **fields,
+        }
+        if request_id := REQUEST_ID.get():
+            line["request_id"] = request_id
+        if self.worker is not None:
+            line["worker"] = self.worker
+        if traceback := _traceback(self, record):
+            line["exc"] = traceback
+        return json.dumps(line, default=str)
+
+
+def _traceback(formatter: logging.Formatter, record: logging.LogRecord) -> str:
+    parts = [formatter.formatException(record.exc_info) if record.exc_info else ""]
+    parts.append(formatter.formatStack(record.stack_info) if record.stack_info else "")
+    return "\n".join(part for part in parts if part)
+
+
+def configure_logging(level: str, log_format: str = "text", worker: int | None = None) -> None:
+    """The process's log lines on stderr, at ``level``, in ``log_format`` (``text`` or ``json``, the setting's
+    choices); ``worker``: this process's slot, on every line."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter((JsonFormatter if log_format == "json" else TextFormatter)(worker))
+    logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
+
+
+class RateLimitedLog:
+    """At most one line per key every ``interval`` seconds on ``logger``, with how many times the key came up since
+    the last line (this one included). :meth:`note` writes the refusal lines of shed calls and HTTP refusals,
+    ``<event> reason=<reason> count=<n> <fields> last=<detail>`` (a warning per event and reason);
+    :class:`FailedCallLog` asks :meth:`due` and writes lines of its own shape."""
+
+    def __init__(self, logger: logging.Logger, interval: float) -> None:
+        self.logger = logger
+        self.interval = interval
+        self._lock = threading.Lock()
+        self._pending: dict[Hashable, int] = {}
+        self._last: dict[Hashable, float] = {}
+
+    def due(self, key: Hashable) -> int | None:
+        """The events since the last line of ``key`` when a line is due now (the caller writes it), else None."""
+        now = time.monotonic()
+        with self._lock:
+            count = self._pending.get(key, 0) + 1
+            if now - self._last.get(key, -self.interval) < self.interval:
+                self._pending[key] = count
+                return None
+            self._pending[key] = 0
+            self._last[key] = now
+        return count
+
+    def note(self, event: str, reason: str, detail: str, fields: str = "") -> None:
+        """One more ``reason`` for ``event``; its line when one is due."""
+        count = self.due((event, reason))
+        if count is None:
+            return
+        more = f" {fields}" if fields else ""
+        self.logger.warning("%s reason=%s count=%d%s last=%r", event, reason, count, more, detail)
+
+
+# One line per (method, code) at most this often; the line counts every failure in between.
+FAILED_CALL_LOG_INTERVAL_SECONDS = 10.0
+
+
+class FailedCallLog:
+    """The log of calls that did not succeed: one line per (transport, method, code) every
+    :data:`FAILED_CALL_LOG_INTERVAL_SECONDS` with the count since the previous line and the last call's details,
+    peer and request id (the line is written in that call's context); INTERNAL always, at ERROR (the data plane
+    logs its traceback)."""
+
+    def __init__(self, interval: float = FAILED_CALL_LOG_INTERVAL_SECONDS) -> None:
+        self.log = RateLimitedLog(log, interval)
+
+    def record(self, transport: str, method: str, code: str, details: str, peer: str, milliseconds: float) -> None:
+        internal = code == "INTERNAL"
+        count = 1 if internal else self.log.due((transport, method, code))
+        if count is None:
+            return
+        self.log.logger.log(
+            logging.ERROR if internal else logging.INFO,
+            "%s method=%s code=%s count=%d ms=%.3f peer=%s details=%s",
+            transport,
+            method,
+            code,
+            count,
+            milliseconds,
+            peer,
+            json.dumps(details),
+        )
