@@ -73,6 +73,7 @@ ISSUE_ALERTS = {
     "IndexerNoReadyReplica",
     # Issue 18.
     "IndexerWorkerRestarts",
+    "IndexerProcessRestarts",  # a one-worker pod has no supervisor: its container restarts
     "IndexerCallersRefused",
     "IndexerUnknownMethodCalls",
 }
