@@ -497,6 +497,7 @@ class Server(LoggedProcess):
             process=self.process,
         )
         self.grpc_port, self.http_port, self.health_port = ports["grpc_port"], ports["http_port"], ports["health_port"]
+        self.workers = ports.get("workers", 1)  # a supervisor's port file says how many; one process writes none
         return self
 
     def wait_ready(self, timeout: float = 120) -> Server:
