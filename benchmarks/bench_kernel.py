@@ -3,7 +3,8 @@
     python -m benchmarks.bench_kernel [--out results.json]
 
 Without a GPU: the numpy backend against ``np.copyto`` of the same output bytes (the memory-copy floor), and so
-is the compiled fast path that serves BuildChunk with the numpy backend (service/fastpath.c), timed as the server
+is the compiled fast path that serves BuildChunk with the numpy backend (service/compute/fastpath.c), timed as the
+server
 calls it: request bytes in, response bytes out (parse, validation and encoding included).
 With a GPU, also: the kernel alone (CUDA-graph replay) against a device copy of its output bytes; the
 same kernel with Triton's default scalar specialization (what ``do_not_specialize`` costs or saves); the
@@ -24,11 +25,11 @@ import numpy as np
 
 from indexer_service.kernels.inputs import ChunkInputs, chunk_host_part, chunk_host_parts
 from indexer_service.kernels.numpy_backend import build_chunk_metadata_numpy
-from indexer_service.service import _fastpath
-from indexer_service.service.allocator import configure_malloc
 from indexer_service.service.codec import chunk_inputs_to_proto
+from indexer_service.service.compute import _fastpath
 from indexer_service.service.config import load_config
-from indexer_service.service.limits import fast_path_limits
+from indexer_service.service.overload.allocator import configure_malloc
+from indexer_service.service.overload.limits import fast_path_limits
 from testkit.batches import BATCHES, RATIO, make_inputs
 
 

@@ -11,6 +11,6 @@ for m in ("grpc","uvicorn","uvloop","httptools","psutil","prometheus_client","nu
     except Exception as e: print("MISSING", m, e)
 P
 $PY setup.py build_ext --inplace -q 2>&1 | tail -2
-printf '#!/bin/sh\nexec %s -m indexer_service.service.cli "$@"\n' "$PY" > "$(dirname $PY)/indexer-service"; chmod +x "$(dirname $PY)/indexer-service"
+printf '#!/bin/sh\nexec %s -m indexer_service.service.process.cli "$@"\n' "$PY" > "$(dirname $PY)/indexer-service"; chmod +x "$(dirname $PY)/indexer-service"
 nproc; cat /sys/fs/cgroup/cpu.max 2>/dev/null || true
 timeout 420 $PY -m benchmarks.bench_workers --workers 1,2,4,8 --rounds 2 --seconds 2 --out $OUT/h200-workers.json 2>&1 | tail -20

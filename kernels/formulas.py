@@ -1,6 +1,6 @@
 """The spec's formulas over arrays (spec section 1), written once for every Python backend: the numpy backend
 (kernels/numpy_backend.py) and the Triton kernel's host code (kernels/triton_launcher.py) both call these. The Triton
-kernel's device code and service/fastpath.c write the same arithmetic in their own languages, and are tested
+kernel's device code and service/compute/fastpath.c write the same arithmetic in their own languages, and are tested
 against kernels/reference.py, which is deliberately written apart from this file.
 """
 

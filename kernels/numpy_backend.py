@@ -2,7 +2,7 @@
 (and proves Triton variants against it at warmup); it is not the oracle.
 
 The one oracle is ``kernels/reference.py``, written apart from this file: tests hold this backend, the Triton
-kernel and ``service/fastpath.c`` equal to it for every valid input.
+kernel and ``service/compute/fastpath.c`` equal to it for every valid input.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@ model's ratio set (section 3), written as the spec states them, one request and 
 
 The one oracle: served by nothing, only tests import it (``tests/kernels/test_reference.py`` checks that no module
 of ``service/`` or ``kernels/`` does). Every backend is held to it: the numpy backend (``kernels/numpy_backend.py``,
-which serves), the compiled fast path (``service/fastpath.c``) and the Triton kernel (``kernels/triton_kernel.py``).
+which serves), the compiled fast path (``service/compute/fastpath.c``) and the Triton kernel
+(``kernels/triton_kernel.py``).
 In the manner of
 flash-linear-attention's ``fla/ops/*/naive.py``: plain Python loops, no vectorisation, no shared helper. It calls
 none of the code it checks (not ``kernels/numpy_backend.py``, not the computations of ``kernels/inputs.py``, not the

@@ -10,7 +10,7 @@ TARGET="${1:-cuda:90}"
 if command -v indexer-service >/dev/null 2>&1; then
     CLI=(indexer-service)
 else
-    CLI=(python3 -m indexer_service.service.cli)
+    CLI=(python3 -m indexer_service.service.process.cli)
 fi
 WORK="$(mktemp -d)"
 SERVER_PID=""

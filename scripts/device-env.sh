@@ -11,6 +11,6 @@ mkdir -p /tmp/pkg/indexer_service && touch /tmp/pkg/indexer_service/__init__.py
 for d in kernels service protos; do ln -sfn "$PWD/$d" "/tmp/pkg/indexer_service/$d"; done
 export PYTHONPATH=/tmp/site:/tmp/pkg:$PWD
 $PY setup.py -q build_ext --inplace 2>&1 | tail -2
-printf '#!/bin/sh\nexport PYTHONPATH=%s\nexec %s -m indexer_service.service.cli "$@"\n' "$PYTHONPATH" "$PY" > "$(dirname "$PY")/indexer-service"
+printf '#!/bin/sh\nexport PYTHONPATH=%s\nexec %s -m indexer_service.service.process.cli "$@"\n' "$PYTHONPATH" "$PY" > "$(dirname "$PY")/indexer-service"
 chmod +x "$(dirname "$PY")/indexer-service"
-$PY -c "import grpc, indexer_service.service._fastpath as f; print('grpc', grpc.__version__, 'fastpath', f.__file__)"
+$PY -c "import grpc, indexer_service.service.compute._fastpath as f; print('grpc', grpc.__version__, 'fastpath', f.__file__)"

@@ -24,7 +24,7 @@ from importlib import resources
 from pathlib import Path
 
 from indexer_service.kernels.specialization import ModelConfig, parse_target
-from indexer_service.service.devices import BackendUnavailableError, resolve_backend
+from indexer_service.service.compute.devices import BackendUnavailableError, resolve_backend
 
 ENV_PREFIX = "INDEXER_"
 CONFIG_FILE_ENV = ENV_PREFIX + "CONFIG"
@@ -177,7 +177,7 @@ class ServiceConfig:
     strict: bool = _setting("refuse launches that need a kernel variant outside the warmed set")
     native_fast_path: bool = _setting(
         "with the numpy backend, serve BuildChunk's common case (valid, within the limits, no DCP) in "
-        "compiled C (`service/fastpath.c`, built by `pip install`): the same response bytes as the Python "
+        "compiled C (`service/compute/fastpath.c`, built by `pip install`): the same response bytes as the Python "
         "path for far less CPU; errors, DCP and PlanBatch always take the Python path. Such calls carry "
         '`backend="native"` in `indexer_backend_duration_seconds`. Where the extension was not built (no C '
         "compiler at install), the server logs once at start `serving without the compiled fast path "

@@ -2,10 +2,10 @@
 only decode and encode around :meth:`DataPlane.call`; each part of the path lives in its own place:
 
 - which RPCs exist and their message types: service/rpcs.py;
-- whether the server takes calls: service/readiness.py;
-- what one request may ask for (limits, policy): service/limits.py;
-- what the server lets in under load (response budget, heavy lane): service/admission.py;
-- what computes the arrays (numpy, the C fast path, Triton, auto): service/backends.py;
+- whether the server takes calls: service/compute/readiness.py;
+- what one request may ask for (limits, policy): service/overload/limits.py;
+- what the server lets in under load (response budget, heavy lane): service/overload/admission.py;
+- what computes the arrays (numpy, the C fast path, Triton, auto): service/compute/backends.py;
 - how a call fails: service/errors.py. Every failure leaves :meth:`DataPlane.call` as one of its
   :class:`~service.errors.ServiceError` kinds, so each transport maps one type once and the metrics see the code
   the caller does.
@@ -41,14 +41,9 @@ from indexer_service.kernels.planner import (
 from indexer_service.kernels.specialization import CompileKey
 from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
 from indexer_service.service import codec
-from indexer_service.service.admission import (
-    Admission,
-    Caller,
-    Refused,
-    default_response_budget,
-)
-from indexer_service.service.backends import FAST_PATH_BACKEND, Backend
-from indexer_service.service.cgroups import memory_limit
+from indexer_service.service.compute.backends import FAST_PATH_BACKEND, Backend
+from indexer_service.service.compute.readiness import Readiness
+from indexer_service.service.compute.warmup import KeyState, Warmup, WarmupState
 from indexer_service.service.config import ServiceConfig
 from indexer_service.service.errors import (
     CallerGone,
@@ -60,14 +55,19 @@ from indexer_service.service.errors import (
     ServiceError,
     Shed,
 )
-from indexer_service.service.limits import RequestLimits, fast_path_limits, launch_admission
 from indexer_service.service.logs import FailedCallLog
 from indexer_service.service.metrics import SHED_REASONS, UNKNOWN_METHOD, Metrics
-from indexer_service.service.readiness import Readiness
+from indexer_service.service.overload.admission import (
+    Admission,
+    Caller,
+    Refused,
+    default_response_budget,
+)
+from indexer_service.service.overload.limits import RequestLimits, fast_path_limits, launch_admission
+from indexer_service.service.process.cgroups import memory_limit
 from indexer_service.service.rpcs import RPCS, parse_request
-from indexer_service.service.tracing import RpcTracer
+from indexer_service.service.transport.tracing import RpcTracer
 from indexer_service.service.version import VERSION
-from indexer_service.service.warmup import KeyState, Warmup, WarmupState
 
 log = logging.getLogger(__name__)
 
@@ -313,7 +313,7 @@ class DataPlane:
         self.metrics.child(self.metrics.request_query_tokens, method).observe(tokens)
 
     def _build_chunk_fast(self, data: bytes) -> bytes | None:
-        """The response from service/fastpath.c, or None where the request needs the general path (errors
+        """The response from service/compute/fastpath.c, or None where the request needs the general path (errors
         included: their messages are all the general path's). Admission is the general path's, called by the
         fast path with the answer's size once the request is known valid: a large answer waits for its budget
         and the heavy lane like any other, and is then written without the GIL."""

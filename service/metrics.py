@@ -4,7 +4,7 @@ Naming follows Prometheus conventions: base units (seconds, counts), ``_seconds`
 suffixes, histograms rather than summaries. Every label set is bounded: ``method`` by the proto,
 ``code`` by gRPC's status codes, ``key`` by the model's warmup set, ``backend`` by three values (numpy, triton, native).
 
-With several worker processes (``workers``, service/supervisor.py) every process writes its metrics to the files
+With several worker processes (``workers``, service/process/supervisor.py) every process writes its metrics to the files
 of prometheus_client's multiprocess mode, in a private directory the supervisor names in
 ``PROMETHEUS_MULTIPROC_DIR`` before any worker starts: counters and histograms add up over every worker that ever
 ran (a dead worker's counts are folded into one file of retired counts, :func:`retire_process`, so the directory,
@@ -45,7 +45,7 @@ SHED_REASONS = (
     "queue_deadline",  # the caller's deadline passed, or it cancelled, while the call waited to start
     "shutdown",  # still running when the shutdown grace ended
     "unread_response",  # the caller did not read its response (or a health watcher its status) in time
-    "stream_limit",  # a Watch or reflection stream over its per-connection or total cap (service/streams.py)
+    "stream_limit",  # a Watch or reflection stream over its per-connection or total cap (service/transport/streams.py)
     "idle_stream",  # a reflection stream that waited reflection_idle_seconds for a request
 )
 HTTP_REFUSALS = (
@@ -281,7 +281,7 @@ class _ReplicaCollector:
     def _process_families(self):
         from prometheus_client.metrics_core import Metric
 
-        from indexer_service.service.workerproto import worker_slot
+        from indexer_service.service.process.workerproto import worker_slot
 
         families: dict[str, Metric] = {}
         supervisor = os.getppid()

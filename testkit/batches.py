@@ -10,7 +10,7 @@ import numpy as np
 from indexer_service.kernels.inputs import ChunkInputs, DcpConfig
 
 # The calibration of the auto backend and the benchmarks make their batches the same way.
-from indexer_service.service.auto_backend import batch_with_tokens
+from indexer_service.service.compute.auto_backend import batch_with_tokens
 
 NO_DCP = DcpConfig()
 

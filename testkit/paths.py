@@ -16,7 +16,7 @@ _CITED_PATH = re.compile(
 
 
 def cited_paths(text: str) -> list[str]:
-    """The repository paths ``text`` cites (``service/fastpath.c``, ``tests/kernels/``), in order."""
+    """The repository paths ``text`` cites (``service/compute/fastpath.c``, ``tests/kernels/``), in order."""
     return [path.rstrip(".") for path in _CITED_PATH.findall(text)]
 
 

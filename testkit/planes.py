@@ -6,11 +6,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from indexer_service.kernels.specialization import CompileKey, warmup_keys
-from indexer_service.service.backends import Backend, make_backend
+from indexer_service.service.compute.backends import Backend, make_backend
+from indexer_service.service.compute.warmup import Warmup
 from indexer_service.service.config import ServiceConfig, load_config
 from indexer_service.service.dataplane import DataPlane
 from indexer_service.service.metrics import Metrics
-from indexer_service.service.warmup import Warmup
 
 
 def make_plane(

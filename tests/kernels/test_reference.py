@@ -1,6 +1,6 @@
 """kernels/reference.py, the slow literal reference of docs/spec.md, against the golden cases; then every fast path
 against the reference on varied batches: the numpy backend and the planner, the compiled fast path
-(service/fastpath.c), and the Triton kernel through Triton's CPU interpreter. Every field of ChunkMetadata is
+(service/compute/fastpath.c), and the Triton kernel through Triton's CPU interpreter. Every field of ChunkMetadata is
 compared, the echoed ones (req_start, req_end, query_slice) included."""
 
 from __future__ import annotations
@@ -344,17 +344,21 @@ def test_plans_reach_the_corners_they_are_named_for() -> None:
         assert len(plans[name].chunks) >= 3, name
 
 
-# --- (b) the compiled fast path (service/fastpath.c), its bytes decoded with service.codec -----------------------
+# --- (b) the compiled fast path (service/compute/fastpath.c), its bytes decoded with service.codec
+# -----------------------
 
 
 @pytest.fixture(scope="module")
 def fast_path() -> FastPath:
-    """service/fastpath.c's build_chunk with the default configuration's limits, any ratio admitted (a skip where
+    """service/compute/fastpath.c's build_chunk with the default configuration's limits, any ratio admitted (a skip
+    where
     the extension is not built: the kernel tests run without it, tests/service/ needs it)."""
-    _fastpath = pytest.importorskip("indexer_service.service._fastpath", reason="service/_fastpath is not built")
+    _fastpath = pytest.importorskip(
+        "indexer_service.service.compute._fastpath", reason="service/_fastpath is not built"
+    )
     from indexer_service.service import codec
     from indexer_service.service.config import load_config
-    from indexer_service.service.limits import fast_path_limits
+    from indexer_service.service.overload.limits import fast_path_limits
 
     config = load_config({"warmup_target": "none"}, env={})
     limits = fast_path_limits(config)
@@ -376,7 +380,7 @@ def check_fast_path(build: FastPath, inputs: ChunkInputs) -> bool:
     answered, result = build(inputs)
     if not answered:
         # The only valid chunks it leaves to the general path are those naming any DCP field, even world 1
-        # (service/fastpath.c serves "no DCP" only).
+        # (service/compute/fastpath.c serves "no DCP" only).
         assert inputs.dcp != NO_DCP, "the fast path stepped aside on a valid chunk without DCP"
         return False
     assert_same(result, reference_chunk_metadata(inputs))
@@ -389,7 +393,8 @@ def test_fast_path_equals_reference(name: str, fast_path: FastPath) -> None:
 
 
 def test_fast_path_leaves_dcp_to_the_general_path_or_agrees(fast_path: FastPath) -> None:
-    """service/fastpath.c serves no DCP today; should it start to, its answers are held to the reference here."""
+    """service/compute/fastpath.c serves no DCP today; should it start to, its answers are held to the reference
+    here."""
     for inputs in CASES.values():
         if inputs.dcp != NO_DCP:
             check_fast_path(fast_path, inputs)

@@ -11,9 +11,9 @@ import trustme
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
+from indexer_service.service.compute.devices import resolve_backend
+from indexer_service.service.compute.warmup import IN_PROCESS
 from indexer_service.service.dataplane import DataPlane
-from indexer_service.service.devices import resolve_backend
-from indexer_service.service.warmup import IN_PROCESS
 from testkit.harness import ServiceProcess, clean_env, http_get
 from testkit.planes import make_plane
 

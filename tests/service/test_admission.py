@@ -17,7 +17,10 @@ from indexer_service.kernels import planner
 from indexer_service.kernels.planner import PlanTooLargeError, plan_prefill_chunks
 from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
 from indexer_service.service import codec, dataplane
-from indexer_service.service.admission import (
+from indexer_service.service.dataplane import DataPlane
+from indexer_service.service.errors import ServiceError
+from indexer_service.service.metrics import Metrics
+from indexer_service.service.overload.admission import (
     DEFAULT_BUDGET_BYTES,
     Admission,
     Caller,
@@ -26,10 +29,7 @@ from indexer_service.service.admission import (
     ShedLog,
     default_response_budget,
 )
-from indexer_service.service.dataplane import DataPlane
-from indexer_service.service.errors import ServiceError
-from indexer_service.service.grpc_server import GRPC_STATUS
-from indexer_service.service.metrics import Metrics
+from indexer_service.service.transport.grpc_server import GRPC_STATUS
 from testkit.harness import poll, wait_for
 from testkit.payloads import AMPLIFIER_PLAN_BATCH, one_row_chunks_plan_batch
 from testkit.planes import make_plane
@@ -129,7 +129,7 @@ def test_heavy_lane_runs_slots_at_a_time_and_bounds_its_waiters() -> None:
 def test_shed_log_counts_every_call_and_logs_once_per_interval(caplog) -> None:
     metrics = Metrics()
     shed = ShedLog(metrics, interval=60.0)
-    with caplog.at_level(logging.WARNING, logger="indexer_service.service.admission"):
+    with caplog.at_level(logging.WARNING, logger="indexer_service.service.overload.admission"):
         for _ in range(5):
             shed.record("BuildChunk", "memory", "full")
     lines = [r.getMessage() for r in caplog.records if "shed reason=memory" in r.getMessage()]

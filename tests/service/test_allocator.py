@@ -12,14 +12,14 @@ import sys
 
 import pytest
 
-from indexer_service.service.allocator import configure_malloc, idle_trim_caveat
 from indexer_service.service.config import ConfigError, load_config
+from indexer_service.service.overload.allocator import configure_malloc, idle_trim_caveat
 
 # Fill four fresh 8 MiB buffers 20 times, on worker threads like the gRPC server's; count minor page faults.
 PROBE = """
 import json, resource, sys, threading
 import numpy as np
-from indexer_service.service.allocator import configure_malloc
+from indexer_service.service.overload.allocator import configure_malloc
 
 outcome = configure_malloc(int(sys.argv[1]), int(sys.argv[2]))
 
@@ -47,7 +47,7 @@ PAGES_PER_CALL = 4 * 8 * 2**20 // 4096
 # then the server's idle trim. RSS growth over idle at the peak, after the frees and after the trim.
 TRIM_PROBE = """
 import ctypes, json, sys, threading
-from indexer_service.service.allocator import configure_malloc, trim_heap
+from indexer_service.service.overload.allocator import configure_malloc, trim_heap
 
 configure_malloc(int(sys.argv[1]), int(sys.argv[2]))
 libc = ctypes.CDLL(None)  # ctypes releases the GIL around each call: the threads allocate at once, as gRPC's do

@@ -11,8 +11,9 @@ from indexer_service.kernels.inputs import ChunkInputs, chunk_host_part
 from indexer_service.kernels.numpy_backend import chunk_arrays_numpy_many
 from indexer_service.kernels.specialization import CompileKey
 from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
-from indexer_service.service import _fastpath
-from indexer_service.service.auto_backend import (
+from indexer_service.service.codec import chunk_inputs_to_proto
+from indexer_service.service.compute import _fastpath
+from indexer_service.service.compute.auto_backend import (
     NOT_MEASURED,
     NUMPY_ALWAYS,
     AutoSelector,
@@ -20,10 +21,9 @@ from indexer_service.service.auto_backend import (
     crossover_of,
     output_elements,
 )
-from indexer_service.service.backends import FAST_PATH_BACKEND, Backend, below_crossover
-from indexer_service.service.codec import chunk_inputs_to_proto
+from indexer_service.service.compute.backends import FAST_PATH_BACKEND, Backend, below_crossover
+from indexer_service.service.compute.devices import resolve_backend
 from indexer_service.service.config import load_config
-from indexer_service.service.devices import resolve_backend
 from testkit.planes import make_plane
 from tests.conftest import cuda_available
 

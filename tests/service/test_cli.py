@@ -173,7 +173,7 @@ def pem(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 )
 def test_check_usage_errors_exit_2_with_one_line(args: tuple[str, ...], fragment: str, pem: dict) -> None:
     """A usage error is not "not serving" (1) nor "unreachable" (3); nothing is called."""
-    from indexer_service.service.cli import main as cli_main
+    from indexer_service.service.process.cli import main as cli_main
 
     argv = ["check", f"{LOOPBACK}:1", *(a.format(**pem) for a in args)]
     out = run(*argv, timeout=60)

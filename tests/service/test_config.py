@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from indexer_service.kernels.specialization import ModelConfig, warmup_compress_ratios
+from indexer_service.service.compute.warmup import use_triton_cache_dir
 from indexer_service.service.config import RULES, SETTINGS, ConfigError, load_config, read_hf_model_config
-from indexer_service.service.warmup import use_triton_cache_dir
 from testkit.paths import REPO
 
 FLASH_RATIOS = (0, 0, *([4, 128] * 20), 4, 0)
@@ -302,7 +302,7 @@ def test_every_invalid_value_stops_the_start_naming_setting_and_source(
 ) -> None:
     """Through the command line in-process: exit 2, one stderr line, the setting and where its value came from,
     never a traceback."""
-    from indexer_service.service.cli import main as cli_main
+    from indexer_service.service.process.cli import main as cli_main
 
     value = value.format(**files)
     extra = {k: v.format(**files) for k, v in INVALID[name][1].items()}

@@ -20,15 +20,15 @@ from indexer_service.kernels.triton_launcher import TritonChunkBuilder
 from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
 from indexer_service.protos.indexer.v1 import indexer_pb2_grpc as pb_grpc
 from indexer_service.service import codec
-from indexer_service.service.backends import Backend, make_backend
+from indexer_service.service.compute.backends import Backend, make_backend
+from indexer_service.service.compute.warmup import Warmup, WarmupState
 from indexer_service.service.config import load_config
 from indexer_service.service.dataplane import DataPlane
 from indexer_service.service.errors import Code, ServiceError
-from indexer_service.service.grpc_server import HEALTH_NAMES, create_grpc_server
-from indexer_service.service.health import HealthServicer
-from indexer_service.service.limits import launch_admission
 from indexer_service.service.metrics import Metrics
-from indexer_service.service.warmup import Warmup, WarmupState
+from indexer_service.service.overload.limits import launch_admission
+from indexer_service.service.transport.grpc_server import HEALTH_NAMES, create_grpc_server
+from indexer_service.service.transport.health import HealthServicer
 from testkit.batches import BatchShape, random_batch
 from testkit.planes import make_plane
 from tests.golden import metadata_as_dict

@@ -1,4 +1,4 @@
-"""service/fastpath.c against the Python request path it stands in for: where it answers, its bytes are the
+"""service/compute/fastpath.c against the Python request path it stands in for: where it answers, its bytes are the
 general path's bytes (and its size figures the same); where the general path refuses, it steps aside (None);
 and on the plain requests schedulers send, it does answer. Golden cases, hypothesis-generated requests valid
 and not, raw byte mutations, wire encodings protobuf accepts but the fast path leaves alone, every limit and
@@ -22,15 +22,16 @@ from hypothesis import strategies as st
 from indexer_service.kernels.inputs import ChunkInputs, DcpConfig, chunk_host_parts
 from indexer_service.kernels.specialization import CompileKey, warmup_keys
 from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
-from indexer_service.service import _fastpath, codec
-from indexer_service.service.admission import Caller
-from indexer_service.service.backends import FAST_PATH_BACKEND, make_backend
+from indexer_service.service import codec
+from indexer_service.service.compute import _fastpath
+from indexer_service.service.compute.backends import FAST_PATH_BACKEND, make_backend
+from indexer_service.service.compute.warmup import Warmup, WarmupState
 from indexer_service.service.config import ServiceConfig, load_config
 from indexer_service.service.dataplane import DataPlane
 from indexer_service.service.errors import Code, ServiceError
-from indexer_service.service.limits import launch_admission
 from indexer_service.service.metrics import Metrics
-from indexer_service.service.warmup import Warmup, WarmupState
+from indexer_service.service.overload.admission import Caller
+from indexer_service.service.overload.limits import launch_admission
 from testkit.batches import BatchShape, random_chunk_inputs
 from testkit.fuzzing import FUZZ_LIMITS, chunk_request, rng_draw
 from testkit.paths import REPO
@@ -86,7 +87,7 @@ class Paths:
         return plane
 
     def native(self, data: bytes) -> tuple[bytes, int, int, float] | None:
-        """What service/fastpath.c itself says of ``data``."""
+        """What service/compute/fastpath.c itself says of ``data``."""
         return _fastpath.build_chunk(data, self.fast._fast_limits, self.fast._admitted_ratios())
 
     def check(self, data: bytes) -> bool:
@@ -337,7 +338,8 @@ def test_off_switch_sends_everything_the_general_way() -> None:
 
 
 def _outcome(paths: Paths, inputs: ChunkInputs, omit: bool = False) -> str:
-    """Who answers ``inputs``: ``fast`` (service/fastpath.c, with the general path's bytes), ``general`` (the fast
+    """Who answers ``inputs``: ``fast`` (service/compute/fastpath.c, with the general path's bytes), ``general`` (the
+    fast
     path stepped aside and the general path served it), or the general path's refusal code."""
     data = _wire(inputs, omit)
     if paths.check(data):
@@ -474,9 +476,10 @@ WRITTEN = (pb.BuildChunkResponse, pb.ChunkMetadata, pb.QuerySlice)
 
 
 def test_every_field_tag_comes_from_the_generated_header() -> None:
-    """service/fastpath.c names every field it reads or writes through protos/indexer/v1/indexer_wire.h (generated
+    """service/compute/fastpath.c names every field it reads or writes through protos/indexer/v1/indexer_wire.h
+    (generated
     by `python -m indexer_service.protos.generate`, freshness-tested), and no number stands for a tag."""
-    source = (REPO / "service" / "fastpath.c").read_text()
+    source = (REPO / "service" / "compute" / "fastpath.c").read_text()
     assert '#include "../protos/indexer/v1/indexer_wire.h"' in source
     header = (REPO / "protos" / "indexer" / "v1" / "indexer_wire.h").read_text()
     for message in (pb.BuildChunkRequest, *WRITTEN):

@@ -1,6 +1,7 @@
-"""service/fastpath.c's contract held to its one Python definition (service/fastpath.py): the limits' fields are
+"""service/compute/fastpath.c's contract held to its one Python definition (service/compute/fastpath.py): the limits'
+fields are
 the names the C file reads, the call's signature is the one the stub types it with, and the stub
-(service/_fastpath.pyi) names exactly what the compiled module exports."""
+(service/compute/_fastpath.pyi) names exactly what the compiled module exports."""
 
 from __future__ import annotations
 
@@ -12,14 +13,14 @@ import pytest
 
 from indexer_service.kernels.inputs import ChunkInputs
 from indexer_service.service import codec
+from indexer_service.service.compute.fastpath import BuildChunk, FastPathLimits
 from indexer_service.service.config import load_config
-from indexer_service.service.fastpath import BuildChunk, FastPathLimits
-from indexer_service.service.limits import fast_path_limits
+from indexer_service.service.overload.limits import fast_path_limits
 from testkit.paths import REPO
 
-_fastpath = pytest.importorskip("indexer_service.service._fastpath", reason="service/_fastpath is not built")
+_fastpath = pytest.importorskip("indexer_service.service.compute._fastpath", reason="service/_fastpath is not built")
 
-STUB = REPO / "service" / "_fastpath.pyi"
+STUB = REPO / "service" / "compute" / "_fastpath.pyi"
 
 
 def _stub_names() -> set[str]:

@@ -1,4 +1,4 @@
-"""service/fastpath.c built with AddressSanitizer and UndefinedBehaviorSanitizer, and with its test seams: the
+"""service/compute/fastpath.c built with AddressSanitizer and UndefinedBehaviorSanitizer, and with its test seams: the
 fast-path tests (tests/service/test_fastpath.py: golden cases, every boundary, hypothesis-generated and mutated
 requests, the size pass made wrong on purpose; tests/service/test_fastpath_contract.py: limits read by name) run
 again against that build in a subprocess, and any sanitizer report fails the test. The compile also holds the file
@@ -22,16 +22,16 @@ import pytest
 from testkit.paths import REPO
 
 SANITIZE = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer"]
-# Loads the sanitized build as indexer_service.service._fastpath before anything imports the installed one, then
+# Loads the sanitized build as indexer_service.service.compute._fastpath before anything imports the installed one, then
 # runs pytest.
 BOOTSTRAP = """
 import importlib.util, sys
-spec = importlib.util.spec_from_file_location("indexer_service.service._fastpath", sys.argv[1])
+spec = importlib.util.spec_from_file_location("indexer_service.service.compute._fastpath", sys.argv[1])
 module = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(module)
 assert hasattr(module, "_build_chunk_with_size_skew"), "not the test build"
-import indexer_service.service as service
-sys.modules["indexer_service.service._fastpath"] = service._fastpath = module
+import indexer_service.service.compute as compute
+sys.modules["indexer_service.service.compute._fastpath"] = compute._fastpath = module
 import pytest
 sys.exit(pytest.main(sys.argv[2:]))
 """
@@ -60,7 +60,7 @@ def _build(gcc: str, out: Path) -> Path:
         *SANITIZE,
         "-DFASTPATH_TEST_SEAMS",
         f"-I{sysconfig.get_paths()['include']}",
-        str(REPO / "service" / "fastpath.c"),
+        str(REPO / "service" / "compute" / "fastpath.c"),
         "-o",
         str(target),
     ]

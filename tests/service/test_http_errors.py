@@ -17,8 +17,8 @@ from google.protobuf.descriptor import FieldDescriptor
 
 from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
 from indexer_service.service.codec import SERVICE_NAME
-from indexer_service.service.json_mapping import SUPPORTED_TYPES
 from indexer_service.service.rpcs import REQUEST_TYPES
+from indexer_service.service.transport.json_mapping import SUPPORTED_TYPES
 from testkit.harness import FAST_START, ServiceProcess
 from testkit.payloads import SMALL_BUILD_CHUNK, int32_bytes
 
@@ -248,7 +248,7 @@ def test_bytes_fields_take_every_base64_form_protojson_accepts(server, form) -> 
 
 
 def test_every_request_field_has_a_checked_json_form() -> None:
-    """service/json_mapping.py checks the field types the requests use; a new field of another type must fail
+    """service/transport/json_mapping.py checks the field types the requests use; a new field of another type must fail
     here, not a caller's request."""
 
     def fields(descriptor) -> Iterator[FieldDescriptor]:

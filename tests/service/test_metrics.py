@@ -10,8 +10,8 @@ import pytest
 from indexer_service.kernels.inputs import ChunkInputs
 from indexer_service.kernels.planner import BatchInputs
 from indexer_service.kernels.specialization import ModelConfig, warmup_keys
-from indexer_service.service.backends import FAST_PATH_BACKEND
 from indexer_service.service.client import IndexerClient
+from indexer_service.service.compute.backends import FAST_PATH_BACKEND
 from indexer_service.service.metrics import UNKNOWN_METHOD, Metrics
 from testkit.harness import ServiceProcess
 from tests.service.conftest import Scrape, scrape

@@ -27,7 +27,6 @@ from indexer_service.kernels.inputs import ChunkInputs
 from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
 from indexer_service.service.codec import SERVICE_NAME, chunk_inputs_to_proto
 from indexer_service.service.config import load_config, unknown_environment
-from indexer_service.service.limits import max_request_bytes
 from indexer_service.service.logs import (
     MAX_REQUEST_ID_CHARS,
     REQUEST_ID,
@@ -38,6 +37,7 @@ from indexer_service.service.logs import (
     message_fields,
     request_id_from,
 )
+from indexer_service.service.overload.limits import max_request_bytes
 from testkit.harness import FAST_START, INDEXER_SERVICE, ServiceProcess, clean_env, wait_for
 from tests.service.conftest import StartServer, scrape
 

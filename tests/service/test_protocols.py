@@ -16,7 +16,7 @@ from grpc_reflection.v1alpha import reflection_pb2 as rpb
 from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
 from indexer_service.service import codec
 from indexer_service.service.codec import SERVICE_NAME
-from indexer_service.service.reflection import V1, V1ALPHA
+from indexer_service.service.transport.reflection import V1, V1ALPHA
 from testkit.harness import FAST_START, ServiceProcess, metric_total, scrape
 from testkit.payloads import big_answer_build_chunk
 from tests.golden import GOLDEN, chunk_inputs, metadata_as_dict

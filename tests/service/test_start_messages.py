@@ -64,7 +64,10 @@ def test_the_supervisor_never_loads_torch_even_when_its_workers_compile(start_se
 
 
 def test_keys_needs_no_torch() -> None:
-    script = "import sys\nfrom indexer_service.service.cli import main\nmain(['keys'])\nprint('torch' in sys.modules)"
+    script = (
+        "import sys\nfrom indexer_service.service.process.cli import main\nmain(['keys'])\n"
+        "print('torch' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=clean_env())
     assert out.returncode == 0, out.stderr
     *keys, imported = out.stdout.splitlines()

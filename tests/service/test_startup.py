@@ -174,7 +174,7 @@ def test_the_start_up_log_states_the_tls_mode(start_server: StartServer, tmp_pat
     import trustme
 
     from indexer_service.service.config import load_config
-    from indexer_service.service.server import tls_mode
+    from indexer_service.service.process.server import tls_mode
 
     ca = trustme.CA()
     cert = ca.issue_cert("127.0.0.1")

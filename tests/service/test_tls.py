@@ -11,9 +11,9 @@ import pytest
 
 from indexer_service.kernels.inputs import ChunkInputs
 from indexer_service.kernels.numpy_backend import build_chunk_metadata_numpy
-from indexer_service.service.cli import main as cli_main
 from indexer_service.service.client import IndexerClient, tls_credentials
 from indexer_service.service.config import ConfigError, load_config
+from indexer_service.service.process.cli import main as cli_main
 from testkit.harness import INDEXER_SERVICE, clean_env, http_get
 
 INPUTS = ChunkInputs(np.array([0, 1, 4, 9]), np.array([20, 10, 5]), 4, 1, 3)

@@ -1,4 +1,4 @@
-"""OpenTelemetry tracing (service/tracing.py) against a real OTLP/HTTP receiver on 127.0.0.1: a server process
+"""OpenTelemetry tracing (service/transport/tracing.py) against a real OTLP/HTTP receiver on 127.0.0.1: a server process
 configured only by OTEL_* variables exports one server span per RPC, gRPC and HTTP, child of the caller's W3C
 traceparent, named after the method, with the code and the request id; with tracing off the process imports
 no OpenTelemetry module and exports nothing."""
@@ -25,7 +25,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 from indexer_service.kernels.inputs import ChunkInputs
 from indexer_service.service.codec import SERVICE_NAME, chunk_inputs_to_proto
 from indexer_service.service.config import ConfigError
-from indexer_service.service.tracing import exporter_names
+from indexer_service.service.transport.tracing import exporter_names
 from testkit.harness import FAST_START, LOOPBACK, clean_env
 from tests.service.conftest import StartServer
 
@@ -139,7 +139,7 @@ def test_without_tracing_nothing_is_imported_or_exported(receiver) -> None:
     program = """
 import json, sys, grpc
 from indexer_service.service.config import load_config
-from indexer_service.service.server import IndexerServer
+from indexer_service.service.process.server import IndexerServer
 config = load_config({"grpc_port": 0, "http_port": 0, "http_rpc_port": 0, "health_port": 0, "backend": "numpy",
                       "warmup_target": "none", "workers": 1})
 server = IndexerServer(config)
@@ -172,7 +172,7 @@ def test_the_exporters_come_from_the_standard_variables() -> None:
 
 def test_an_exporter_that_is_not_installed_stops_the_start() -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "indexer_service.service.cli", "serve", *FAST_START, "--grpc-port", "0",
+        [sys.executable, "-m", "indexer_service.service.process.cli", "serve", *FAST_START, "--grpc-port", "0",
          "--http-port", "0", "--http-rpc-port", "0", "--health-port", "0"],
         env=clean_env(OTEL_TRACES_EXPORTER="zipkin_json"),
         capture_output=True,

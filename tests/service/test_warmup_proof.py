@@ -93,7 +93,7 @@ def inject_wrong_kernel(target) -> None:
 def serve_with_wrong_kernel() -> None:
     """``python -c 'from tests.service.test_warmup_proof import serve_with_wrong_kernel as s; s()' serve ...``: the real
     CLI, with the wrong kernel injected first."""
-    from indexer_service.service.cli import main
+    from indexer_service.service.process.cli import main
 
     inject_wrong_kernel(triton_kernel)
     sys.exit(main(sys.argv[1:]))

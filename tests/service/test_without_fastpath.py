@@ -14,10 +14,10 @@ from indexer_service.kernels.numpy_backend import build_chunk_metadata_numpy
 from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
 from indexer_service.service import codec
 from indexer_service.service.config import load_config
-from indexer_service.service.server import IndexerServer
+from indexer_service.service.process.server import IndexerServer
 from tests.golden import metadata_as_dict
 
-EXTENSION = "indexer_service.service._fastpath"
+EXTENSION = "indexer_service.service.compute._fastpath"
 NOTICE = "serving without the compiled fast path (service/_fastpath not built)"
 
 

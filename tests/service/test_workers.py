@@ -1,4 +1,5 @@
-"""Worker processes (``workers`` above 1, service/supervisor.py) against real processes on 127.0.0.1: two workers
+"""Worker processes (``workers`` above 1, service/process/supervisor.py) against real processes on 127.0.0.1: two
+workers
 share the gRPC port and both serve the client's calls; /metrics adds up over them; a worker killed with SIGKILL
 is logged, counted, takes the replica out of readiness (min_ready_workers 2) and comes back (hangs, crash loops,
 SIGHUP, leftovers: test_worker_faults.py); SIGTERM drains every worker and exits 0
@@ -24,10 +25,10 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from indexer_service.kernels.inputs import ChunkInputs
-from indexer_service.service import cgroups, supervisor
 from indexer_service.service.client import ChannelPool, IndexerClient
 from indexer_service.service.codec import SERVICE_NAME
-from indexer_service.service.workerproto import Handoff
+from indexer_service.service.process import cgroups, supervisor
+from indexer_service.service.process.workerproto import Handoff
 from testkit.harness import INDEXER_SERVICE, LOOPBACK, ServiceProcess, clean_env, http_get, listen_flags, wait_for
 from tests.service.conftest import StartServer, scrape
 

@@ -43,7 +43,7 @@ def citing_files() -> Iterator[Path]:
 def test_the_scan_reads_code_and_documents() -> None:
     """Not vacuous: the scan reads this file, the fast path's C source and the deploy guide, and finds citations."""
     read = set(citing_files())
-    assert {Path(__file__), REPO / "service" / "fastpath.c", REPO / "deploy" / "README.md"} <= read
+    assert {Path(__file__), REPO / "service" / "compute" / "fastpath.c", REPO / "deploy" / "README.md"} <= read
     assert "testkit/paths.py" in cited_paths((Path(__file__)).read_text())
 
 

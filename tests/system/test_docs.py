@@ -34,8 +34,8 @@ from pathlib import Path
 import pytest
 
 from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
-from indexer_service.service.cli import build_parser
 from indexer_service.service.config import SETTINGS
+from indexer_service.service.process.cli import build_parser
 from testkit.harness import FAST_START, ServiceProcess
 from testkit.paths import cited_path_exists, cited_paths
 from tests.deploy.support import kustomize_command, render

@@ -115,7 +115,7 @@ def test_every_service_method_message_field_and_enum_value_has_a_comment() -> No
 def test_the_wire_rules_are_stated_in_the_proto() -> None:
     text = PROTO.read_text()
     assert "LITTLE-ENDIAN INT32" in text
-    assert "service/fastpath.c" in text and (REPO / "service" / "fastpath.c").exists()
+    assert "service/compute/fastpath.c" in text and (REPO / "service" / "compute" / "fastpath.c").exists()
     assert "base64" in text and "int64 fields are JSON strings" in text
 
 

@@ -18,7 +18,7 @@ WHERE_FROM = """
 import importlib.util
 import indexer_service.kernels as kernels
 print(kernels.__file__)
-print("present" if importlib.util.find_spec("indexer_service.service._fastpath") else "absent")
+print("present" if importlib.util.find_spec("indexer_service.service.compute._fastpath") else "absent")
 """
 WITHOUT_EDITABLE_INSTALL = """
 import sys
@@ -71,8 +71,8 @@ def test_suite_collects_from_a_lone_copy(files: list[str], tmp_path: Path) -> No
     copy_repository(files, copy)
     # The compiled fast path is a build output (git ignores *.so) that `make test`'s install step makes on a
     # fresh clone; bring this tree's build along rather than compile it again.
-    for built in (REPO / "service").glob("_fastpath*.so"):
-        shutil.copy2(built, copy / "service" / built.name)
+    for built in (REPO / "service" / "compute").glob("_fastpath*.so"):
+        shutil.copy2(built, copy / "service" / "compute" / built.name)
     assert list((tmp_path / "alone").iterdir()) == [copy]
 
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH" and not k.startswith("INDEXER_")}
@@ -103,17 +103,17 @@ def test_suite_collects_from_a_lone_copy(files: list[str], tmp_path: Path) -> No
 
 def test_kernel_tests_pass_without_the_compiled_extension(files: list[str], tmp_path: Path) -> None:
     """tests/kernels/ needs neither the service nor its compiled fast path: in a copy without
-    service/_fastpath*.so, whose ``indexer_service.*`` is the copy's own (a package folder of links on PYTHONPATH,
-    ahead of this checkout's editable install), the kernel tests collect and pass."""
+    service/compute/_fastpath*.so, whose ``indexer_service.*`` is the copy's own (a package folder of links on
+    PYTHONPATH, ahead of this checkout's editable install), the kernel tests collect and pass."""
     copy = tmp_path / "alone" / "indexer-service"
     copy_repository(files, copy)
-    assert not list((copy / "service").glob("_fastpath*.so")), "the copy has a compiled extension"
+    assert not list((copy / "service" / "compute").glob("_fastpath*.so")), "the copy has a compiled extension"
     mapping = tmp_path / "mapping" / "indexer_service"
     mapping.mkdir(parents=True)
     for folder in ("kernels", "service", "protos"):  # pyproject's package-dir
         (mapping / folder).symlink_to(copy / folder, target_is_directory=True)
     # This checkout's editable install answers for indexer_service.* after PYTHONPATH does, and so would still
-    # find its own service/_fastpath*.so: the copy's interpreter drops it at startup.
+    # find its own service/compute/_fastpath*.so: the copy's interpreter drops it at startup.
     (mapping.parent / "sitecustomize.py").write_text(WITHOUT_EDITABLE_INSTALL)
     env = {k: v for k, v in os.environ.items() if not k.startswith("INDEXER_")}
     env["PYTHONPATH"] = str(mapping.parent)

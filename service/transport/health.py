@@ -26,8 +26,8 @@ from grpc import _server as grpc_server_internals
 from grpc._cython import cygrpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from indexer_service.service.admission import DrainWatchdog
-from indexer_service.service.streams import STREAM_LIMIT, WATCH_STREAMS_PER_CONNECTION, StreamSlots
+from indexer_service.service.overload.admission import DrainWatchdog
+from indexer_service.service.transport.streams import STREAM_LIMIT, WATCH_STREAMS_PER_CONNECTION, StreamSlots
 
 log = logging.getLogger(__name__)
 

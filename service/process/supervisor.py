@@ -1,7 +1,8 @@
 """Several worker processes behind one replica's ports: ``serve`` with ``workers`` above 1.
 
 One Python process serves about one core (the GIL), so a replica with N CPUs runs N workers
-(service/worker.py), each a whole single-process server; service/workerproto.py is the protocol between them.
+(service/process/worker.py), each a whole single-process server; service/process/workerproto.py is the protocol between
+them.
 This supervisor owns what the replica shares:
 
 - **The gRPC port**, shared by the workers with SO_REUSEPORT: the kernel hands each new connection to one of
@@ -55,13 +56,13 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from indexer_service.service import cgroups
-from indexer_service.service.allocator import IdleTrim, configure_malloc
 from indexer_service.service.config import ServiceConfig
-from indexer_service.service.lifecycle import ShutdownSignals
-from indexer_service.service.listeners import listen_tcp, socket_address
 from indexer_service.service.metrics import retire_process
-from indexer_service.service.workerproto import (
+from indexer_service.service.overload.allocator import IdleTrim, configure_malloc
+from indexer_service.service.process import cgroups
+from indexer_service.service.process.lifecycle import ShutdownSignals
+from indexer_service.service.process.listeners import listen_tcp, socket_address
+from indexer_service.service.process.workerproto import (
     CONFIG_FILE,
     MAX_PID,
     MAX_SOCKET_PATH_CHARS,
@@ -117,7 +118,7 @@ def resolve_workers(setting: int) -> tuple[int, str]:
 def reserve_grpc_port(host: str, port: int) -> tuple[socket.socket, int]:
     """Own ``host:port`` for this replica's workers: refused if anyone holds it (bound without SO_REUSEPORT
     first), then held by an SO_REUSEPORT socket that never listens, which the workers' listeners join."""
-    from indexer_service.service.grpc_server import host_port
+    from indexer_service.service.transport.grpc_server import host_port
 
     family, address = socket_address(host, port)
     with socket.socket(family, socket.SOCK_STREAM) as probe:
@@ -288,11 +289,11 @@ class Supervisor:
     # -- start ----------------------------------------------------------------------------------------------
 
     def start(self) -> None:
-        from indexer_service.service.admission import ShedLog
-        from indexer_service.service.grpc_server import HEALTH_NAMES, create_health_server
-        from indexer_service.service.health import HealthServicer
         from indexer_service.service.metrics import SupervisorMetrics
-        from indexer_service.service.server import listening_addresses
+        from indexer_service.service.overload.admission import ShedLog
+        from indexer_service.service.process.server import listening_addresses
+        from indexer_service.service.transport.grpc_server import HEALTH_NAMES, create_health_server
+        from indexer_service.service.transport.health import HealthServicer
 
         for leftover in remove_leftovers(Path(tempfile.gettempdir())):
             log.warning("removed the runtime directory of a supervisor that is gone path=%s", leftover)
@@ -598,7 +599,7 @@ def supervise(
 ) -> int:
     """Run ``workers`` worker processes until a shutdown signal (SIGTERM, SIGINT, SIGHUP), then drain them all;
     returns the exit code. The runtime directory is removed on every way out of here (a drain, an error)."""
-    from indexer_service.service.server import announce_start
+    from indexer_service.service.process.server import announce_start
 
     announce_start(config, workers, port_file)
     configure_malloc(config.malloc_arena_max, config.malloc_retain_bytes)  # one arena: the idle trim returns all

@@ -1,7 +1,9 @@
-"""The protocol between the supervisor (service/supervisor.py) and its workers (service/worker.py), both sides
+"""The protocol between the supervisor (service/process/supervisor.py) and its workers (service/process/worker.py),
+both sides
 in one place: how a worker is started, what it inherits, what it says, and the files they share.
 
-- **Start**: ``python -m indexer_service.service.worker HANDOFF``, HANDOFF one JSON object (:class:`Handoff`): the
+- **Start**: ``python -m indexer_service.service.process.worker HANDOFF``, HANDOFF one JSON object (:class:`Handoff`):
+  the
   runtime directory, the worker's slot, its status pipe, the inherited listening sockets by name, the
   supervisor's pid (the worker dies with it) and its CPU. The configuration is the runtime directory's
   ``config.json``, the supervisor's validated :class:`ServiceConfig` with the ports it bound, written and read by
@@ -36,7 +38,7 @@ METRICS_DIR = "metrics"  # PROMETHEUS_MULTIPROC_DIR
 # A unix socket's path must fit sun_path: 108 bytes with its NUL.
 MAX_SOCKET_PATH_CHARS = 107
 MAX_PID = 2**22  # Linux's largest pid_max: the longest probe socket name
-WORKER_MODULE = "indexer_service.service.worker"
+WORKER_MODULE = "indexer_service.service.process.worker"
 
 
 class SharedListener(NamedTuple):

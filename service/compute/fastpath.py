@@ -1,9 +1,12 @@
-"""The Python side of service/fastpath.c's contract, written once: the limits it checks (:class:`FastPathLimits`,
+"""The Python side of service/compute/fastpath.c's contract, written once: the limits it checks
+(:class:`FastPathLimits`,
 whose fields the C file reads by name) and its call's signature (:class:`BuildChunk`). The extension's stub,
-service/_fastpath.pyi, types ``build_chunk`` with it; tests/service/test_fastpath_contract.py holds the stub, the
+service/compute/_fastpath.pyi, types ``build_chunk`` with it; tests/service/test_fastpath_contract.py holds the stub,
+the
 compiled module and this file equal.
 
-Imports nothing of the service: service/limits.py builds the limits from the configuration, service/backends.py
+Imports nothing of the service: service/overload/limits.py builds the limits from the configuration,
+service/compute/backends.py
 loads the extension.
 """
 
@@ -14,8 +17,9 @@ from typing import NamedTuple, Protocol
 
 
 class FastPathLimits(NamedTuple):
-    """The limits service/fastpath.c checks: :meth:`RequestLimits.check_request`'s and
-    :meth:`RequestLimits.check_sizes`' (service/limits.py). A request over any of them steps aside to the general
+    """The limits service/compute/fastpath.c checks: :meth:`RequestLimits.check_request`'s and
+    :meth:`RequestLimits.check_sizes`' (service/overload/limits.py). A request over any of them steps aside to the
+    general
     path, which names the limit."""
 
     max_num_seqs: int

@@ -5,7 +5,7 @@
 - ``GET /livez``: 200 while the process runs.
 - ``GET /readyz``: 200 once warmup has finished, 503 with the reason before that and while draining. With
   several workers, the replica's readiness, whichever worker answers (the supervisor's verdict, ``pod_not_ready``:
-  enough workers ready, service/supervisor.py), so a worker warming up after a restart does not flip it.
+  enough workers ready, service/process/supervisor.py), so a worker warming up after a restart does not flip it.
 - ``GET /metrics``: Prometheus exposition of the service's registry (with several workers: every worker's).
 - Nothing else: an RPC posted here is 404 naming ``http_rpc_port`` (counted, ``rpc_on_metrics_port``).
 
@@ -14,7 +14,8 @@ TLS, so a caller the gRPC port would refuse is refused here too; not bound with 
 
 - ``POST /indexer.v1.PrefillMetadata/<Method>``: the gRPC method's request message as the body, binary
   protobuf (``application/x-protobuf``, also the default without a content type) or the proto3 JSON mapping
-  (``application/json``, read by service/json_mapping.py); the response comes back in the same format. Any other
+  (``application/json``, read by service/transport/json_mapping.py); the response comes back in the same format. Any
+  other
   content type is 415 naming the accepted ones. Same data plane, limits, metrics as gRPC; a request id
   (``x-request-id``) and, when tracing is on, a span per call, as on gRPC.
 - A POST to any other path (not a probe's) is a call to a method the service does not have: 501
@@ -45,16 +46,16 @@ from google.protobuf import json_format
 from prometheus_client import make_asgi_app
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from indexer_service.service.admission import SHED_LOG_INTERVAL_SECONDS, Caller
 from indexer_service.service.codec import SERVICE_NAME
 from indexer_service.service.config import ServiceConfig
 from indexer_service.service.dataplane import DataPlane
 from indexer_service.service.errors import Code, InvalidArgument, LimitExceeded, ServiceError, Shed, UnknownMethod
-from indexer_service.service.json_mapping import parse_request
-from indexer_service.service.limits import max_request_bytes
 from indexer_service.service.logs import REQUEST_ID, REQUEST_ID_HEADER, RateLimitedLog, request_id_from
 from indexer_service.service.metrics import HTTP_REFUSALS, UNKNOWN_METHOD, Metrics, exposition_registry
+from indexer_service.service.overload.admission import SHED_LOG_INTERVAL_SECONDS, Caller
+from indexer_service.service.overload.limits import max_request_bytes
 from indexer_service.service.rpcs import REQUEST_TYPES, RESPONSE_TYPES
+from indexer_service.service.transport.json_mapping import parse_request
 
 log = logging.getLogger(__name__)
 

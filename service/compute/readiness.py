@@ -10,8 +10,8 @@ import logging
 import threading
 from collections.abc import Callable
 
+from indexer_service.service.compute.warmup import Warmup, WarmupState
 from indexer_service.service.metrics import Metrics
-from indexer_service.service.warmup import Warmup, WarmupState
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
-"""One worker process of several, started by service/supervisor.py, never by hand:
-``python -m indexer_service.service.worker HANDOFF`` (service/workerproto.py says what it holds).
+"""One worker process of several, started by service/process/supervisor.py, never by hand:
+``python -m indexer_service.service.process.worker HANDOFF`` (service/process/workerproto.py says what it holds).
 
 A worker is the single-process server (:class:`service.server.IndexerServer`) with a :class:`WorkerLink` to its
 supervisor: HTTP accepts at once on the supervisor's listening socket (inherited), so ``/livez``, ``/readyz`` (the
@@ -26,7 +26,7 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-from indexer_service.service.workerproto import (
+from indexer_service.service.process.workerproto import (
     CONFIG_FILE,
     POD_STATUS_FILE,
     WARMUP_LOCK_FILE,
@@ -101,9 +101,9 @@ class WorkerLink:
 def run_worker(link: WorkerLink, signals: object) -> int:
     """Serve until a shutdown signal (from the supervisor), then drain; the single process's
     :func:`service.server.serve`, with a link instead of a port file and the gRPC port joined once warmed up."""
-    from indexer_service.service.allocator import configure_malloc
     from indexer_service.service.logs import configure_logging
-    from indexer_service.service.server import IndexerServer
+    from indexer_service.service.overload.allocator import configure_malloc
+    from indexer_service.service.process.server import IndexerServer
     from indexer_service.service.version import VERSION
 
     config = config_from_json((link.runtime_dir / CONFIG_FILE).read_text())
@@ -139,7 +139,7 @@ def main(argv: list[str]) -> None:
     die_with_parent(handoff.parent_pid)
     if handoff.cpu >= 0:
         pin_to_cpu(handoff.cpu)
-    from indexer_service.service.lifecycle import ShutdownSignals, end_process
+    from indexer_service.service.process.lifecycle import ShutdownSignals, end_process
 
     signals = ShutdownSignals()
     link = WorkerLink(handoff)

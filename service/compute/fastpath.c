@@ -9,7 +9,7 @@
  * returns None, and service/dataplane.py then serves the request the general way, which owns every error
  * message, DCP, PlanBatch, and anything unusual on the wire (unknown or repeated fields). The formulas are
  * kernels/inputs.py (host part) and kernels/numpy_backend.py (arrays) for DCP off; the limits come from Python
- * (service/fastpath.py FastPathLimits, built by service/limits.py fast_path_limits); the field numbers, tags and types come from the proto through the generated
+ * (service/compute/fastpath.py FastPathLimits, built by service/overload/limits.py fast_path_limits); the field numbers, tags and types come from the proto through the generated
  * header below; the layout is the one service/codec.py derives from the message descriptors.
  * tests/service/test_fastpath.py holds the three to each other byte for byte, on the golden cases, on every
  * limit at and one past its boundary, and on hypothesis-generated requests, valid and not;
@@ -29,7 +29,7 @@
 /* Every message's field numbers, tags and types, generated from protos/indexer/v1/indexer.proto by
  * `python -m indexer_service.protos.generate` (the command that generates the Python code;
  * tests/service/test_protos.py checks it is fresh). No field number is written by hand in this file. */
-#include "../protos/indexer/v1/indexer_wire.h"
+#include "../../protos/indexer/v1/indexer_wire.h"
 
 #if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
 #error "wire arrays are little-endian int32 and are copied here as host integers"
@@ -91,7 +91,7 @@ _Static_assert(BUILD_CHUNK_REQUEST_MAX_FIELD < 32 && QUERY_SLICE_MAX_FIELD < 32,
  * setting, not a check: every answer is the same either way. */
 #define RELEASE_GIL_ELEMENTS 65536
 
-/* service/fastpath.py FastPathLimits: every limit this file checks against comes from there. */
+/* service/compute/fastpath.py FastPathLimits: every limit this file checks against comes from there. */
 typedef struct {
     long long max_num_seqs, max_num_batched_tokens, max_model_len, workspace_tokens, max_message_bytes,
         chunk_overhead_bytes;
@@ -255,7 +255,7 @@ static int parse_request(const uint8_t *p, const uint8_t *end, Request *r) {
 
 /* ---- check: 0 to serve here, 1 to step aside (the general path then says what is wrong), -1 on a Python error */
 
-/* The whole batch: kernels.inputs.validate_batch, then the server's limits (service/limits.py,
+/* The whole batch: kernels.inputs.validate_batch, then the server's limits (service/overload/limits.py,
  * RequestLimits.check_request). int32 elements cannot exceed int32, and a non-negative query length with
  * seq_len >= it makes seq_len >= 0. */
 static int check_batch(const Request *r, const Limits *lim, Py_ssize_t *batch) {
@@ -434,7 +434,7 @@ static PyObject *write_response(const Chunk *c, Layout *l, Py_ssize_t size_skew)
     Py_DECREF(response);
     return PyErr_Format(PyExc_RuntimeError,
                         "service._fastpath: the size pass counted %zd response bytes and the write pass %zd; nothing "
-                        "was written past the bytes object (a bug in service/fastpath.c)",
+                        "was written past the bytes object (a bug in service/compute/fastpath.c)",
                         size, w.count);
 }
 
@@ -574,12 +574,12 @@ static PyObject *build_chunk_skewed(PyObject *args, Py_ssize_t size_skew) {
     return result;
 }
 
-/* The signature below (Python's __text_signature__) is service/fastpath.py's BuildChunk, which documents the call;
+/* The signature below (Python's __text_signature__) is service/compute/fastpath.py's BuildChunk, which documents the call;
  * tests/service/test_fastpath_contract.py holds the two equal. */
 PyDoc_STRVAR(build_chunk_doc,
 "build_chunk($module, request, limits, admitted_ratios, admit=None, /)\n--\n\n"
 "Serve one serialized BuildChunkRequest, or None where the general path must: see\n"
-"indexer_service.service.fastpath.BuildChunk. The arrays are written without the GIL when large.\n"
+"indexer_service.service.compute.fastpath.BuildChunk. The arrays are written without the GIL when large.\n"
 "RuntimeError if its size and write passes disagree (a bug).");
 
 static PyObject *build_chunk(PyObject *self, PyObject *args) {
@@ -613,7 +613,7 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "service._fastpath",
-    "BuildChunk's common case in compiled code; see service/fastpath.c.", -1, methods,
+    "BuildChunk's common case in compiled code; see service/compute/fastpath.c.", -1, methods,
     NULL, NULL, NULL, NULL,
 };
 

@@ -1,5 +1,5 @@
 """Listening sockets, bound before anything serves: a port that cannot be had stops the start with one line naming
-it, and a supervisor binds them once for all its workers, which inherit them (service/supervisor.py)."""
+it, and a supervisor binds them once for all its workers, which inherit them (service/process/supervisor.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ def socket_address(host: str, port: int) -> tuple[socket.AddressFamily, tuple]:
 
 def listen_tcp(host: str, port: int, what: str) -> socket.socket:
     """A TCP socket listening on ``host:port`` (0: any free port), or OSError "cannot bind <what> to host:port"."""
-    from indexer_service.service.grpc_server import host_port
+    from indexer_service.service.transport.grpc_server import host_port
 
     family, address = socket_address(host, port)
     sock = socket.socket(family, socket.SOCK_STREAM)

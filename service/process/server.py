@@ -5,8 +5,8 @@ the warmup compiles every key; only when all compiled does the server turn ready
 /readyz 503 at once, keep serving for ``shutdown_delay_seconds``, then stop taking calls and give the
 in-flight ones ``shutdown_grace_seconds`` to finish; exit 0.
 
-One process is one worker; with ``workers`` above 1 the CLI runs service/supervisor.py instead, which starts
-that many of these (service/worker.py), each given a :class:`service.worker.WorkerLink`.
+One process is one worker; with ``workers`` above 1 the CLI runs service/process/supervisor.py instead, which starts
+that many of these (service/process/worker.py), each given a :class:`service.worker.WorkerLink`.
 """
 
 from __future__ import annotations
@@ -25,30 +25,30 @@ from typing import TYPE_CHECKING
 import uvicorn
 
 from indexer_service.kernels.specialization import warmup_keys
-from indexer_service.service.allocator import IdleTrim, configure_malloc, idle_trim_caveat
-from indexer_service.service.backends import make_backend
+from indexer_service.service.compute.backends import make_backend
+from indexer_service.service.compute.devices import resolve_backend
+from indexer_service.service.compute.warmup import Warmup, use_triton_cache_dir
 from indexer_service.service.config import ServiceConfig
 from indexer_service.service.dataplane import DataPlane
-from indexer_service.service.devices import resolve_backend
-from indexer_service.service.grpc_server import (
+from indexer_service.service.metrics import Metrics
+from indexer_service.service.overload.allocator import IdleTrim, configure_malloc, idle_trim_caveat
+from indexer_service.service.overload.limits import launch_admission
+from indexer_service.service.process.lifecycle import ShutdownSignals, raise_open_files_limit
+from indexer_service.service.process.listeners import listen_tcp
+from indexer_service.service.transport.grpc_server import (
     HEALTH_NAMES,
     GrpcServer,
     create_grpc_server,
     create_health_server,
     host_port,
 )
-from indexer_service.service.health import HealthServicer
-from indexer_service.service.http_app import HttpRefusals, ProbeApp, RpcApp, limited_protocol
-from indexer_service.service.lifecycle import ShutdownSignals, raise_open_files_limit
-from indexer_service.service.limits import launch_admission
-from indexer_service.service.listeners import listen_tcp
-from indexer_service.service.metrics import Metrics
-from indexer_service.service.tracing import start_tracing
+from indexer_service.service.transport.health import HealthServicer
+from indexer_service.service.transport.http_app import HttpRefusals, ProbeApp, RpcApp, limited_protocol
+from indexer_service.service.transport.tracing import start_tracing
 from indexer_service.service.version import VERSION
-from indexer_service.service.warmup import Warmup, use_triton_cache_dir
 
 if TYPE_CHECKING:
-    from indexer_service.service.worker import WorkerLink
+    from indexer_service.service.process.worker import WorkerLink
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +113,7 @@ class _HttpServer:
 class IndexerServer:
     """Everything one serving process runs; :meth:`start` returns once every listener is up.
 
-    ``worker``: this process is one worker of several (service/supervisor.py): both HTTP ports accept on the
+    ``worker``: this process is one worker of several (service/process/supervisor.py): both HTTP ports accept on the
     supervisor's sockets (the RPC port once joined), the warmup takes the replica's compile lock (the first worker
     compiles into the shared Triton cache, the others load from it), the gRPC port is shared (SO_REUSEPORT) and
     joined only once warmed up (:meth:`join_rpc_port`), readiness is reported to the supervisor, which serves the
@@ -180,7 +180,8 @@ class IndexerServer:
         self._warmup_thread = threading.Thread(target=self._run_warmup, name="warmup", daemon=True)
         self.warmup_done = threading.Event()
         # Free heap back to the OS once no call has ended and no connection closed for idle_trim_seconds: a
-        # burst's peak does not stay as idle RSS (glibc keeps freed memory for reuse, see service/allocator.py).
+        # burst's peak does not stay as idle RSS (glibc keeps freed memory for reuse, see
+        # service/overload/allocator.py).
         self._idle_trim = IdleTrim(
             config.idle_trim_seconds, lambda: self.plane.last_call_end, self.metrics.open_fds.set
         )

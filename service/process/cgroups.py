@@ -1,6 +1,6 @@
 """What the container may use, read from its cgroup (v2, else v1) and its CPU affinity: the memory limit (the
-response budget's default, service/admission.py) and the CPUs (how many workers, and whether to pin them,
-service/supervisor.py). The one place the service reads cgroup files.
+response budget's default, service/overload/admission.py) and the CPUs (how many workers, and whether to pin them,
+service/process/supervisor.py). The one place the service reads cgroup files.
 
 cgroup v2: a limit anywhere on the path from this process's cgroup (``/proc/self/cgroup``, ``0::/path``) up to the
 root applies, so the smallest over that path counts; inside a container with its own cgroup namespace the path

@@ -45,7 +45,7 @@ def _configure(args: argparse.Namespace, needs_warmup: str = "") -> ServiceConfi
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from indexer_service.service.lifecycle import ShutdownSignals, end_process
+    from indexer_service.service.process.lifecycle import ShutdownSignals, end_process
 
     # Signals first: from here on SIGTERM, SIGINT or SIGHUP ends the process with 0, whatever it is doing.
     signals = ShutdownSignals()
@@ -55,15 +55,15 @@ def _serve(args: argparse.Namespace) -> int:
         signals.close()
         raise
     try:
-        from indexer_service.service.supervisor import resolve_workers
+        from indexer_service.service.process.supervisor import resolve_workers
 
         workers, source = resolve_workers(config.workers)
-        if workers > 1:  # the supervisor and its workers (service/supervisor.py); 1: this process serves
-            from indexer_service.service.supervisor import supervise
+        if workers > 1:  # the supervisor and its workers (service/process/supervisor.py); 1: this process serves
+            from indexer_service.service.process.supervisor import supervise
 
             code = supervise(config, workers, source, args.port_file, signals)
         else:
-            from indexer_service.service.server import serve
+            from indexer_service.service.process.server import serve
 
             code = serve(config, args.port_file, signals)
     except ConfigError as exc:  # found only once the server is built (none should be)
@@ -76,7 +76,7 @@ def _serve(args: argparse.Namespace) -> int:
     except BaseException:
         log.exception("fatal internal error")
         code = EXIT_FAILED
-    # Never a normal interpreter exit once the server may have started: service/lifecycle.py says why.
+    # Never a normal interpreter exit once the server may have started: service/process/lifecycle.py says why.
     end_process(code)
     return code  # not reached
 
@@ -91,7 +91,7 @@ def _keys(args: argparse.Namespace) -> int:
 
 def _precompile(args: argparse.Namespace) -> int:
     from indexer_service.kernels.specialization import warmup_keys
-    from indexer_service.service.warmup import compile_and_log, use_triton_cache_dir
+    from indexer_service.service.compute.warmup import compile_and_log, use_triton_cache_dir
 
     config = _configure(args, needs_warmup="precompile")
     cache_dir = use_triton_cache_dir(config.triton_cache_dir)

@@ -1,4 +1,4 @@
-"""What computes a request's arrays: the numpy backend (with service/fastpath.c for BuildChunk's common case
+"""What computes a request's arrays: the numpy backend (with service/compute/fastpath.c for BuildChunk's common case
 when it is built), the Triton kernel, or ``auto`` choosing between them per request."""
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ from types import ModuleType
 from indexer_service.kernels.inputs import ChunkArrays, ChunkHostPart, DcpConfig
 from indexer_service.kernels.numpy_backend import chunk_arrays_numpy_many
 from indexer_service.kernels.specialization import CompileKey
-from indexer_service.service.auto_backend import AutoSelector
-from indexer_service.service.fastpath import BuildChunk, FastPathAnswer, FastPathLimits
+from indexer_service.service.compute.auto_backend import AutoSelector
+from indexer_service.service.compute.fastpath import BuildChunk, FastPathAnswer, FastPathLimits
 
 log = logging.getLogger(__name__)
 
-# The backend label of calls that service/fastpath.c served whole.
+# The backend label of calls that service/compute/fastpath.c served whole.
 FAST_PATH_BACKEND = "native"
 
 # (host parts, DCP settings, with_token_to_seq) -> each chunk's arrays
@@ -25,10 +25,10 @@ ArraysFn = Callable[[Sequence[ChunkHostPart], DcpConfig, bool], list[ChunkArrays
 
 
 def load_fast_path() -> ModuleType | None:
-    """The compiled fast path (service/fastpath.c), or None where it was not built: the numpy path then serves
+    """The compiled fast path (service/compute/fastpath.c), or None where it was not built: the numpy path then serves
     every request, which is slower but answers the same."""
     try:
-        return importlib.import_module("indexer_service.service._fastpath")
+        return importlib.import_module("indexer_service.service.compute._fastpath")
     except ImportError:
         return None
 
@@ -42,7 +42,7 @@ class Backend:
     arrays_many: ArraysFn
     build_chunk_fast: BuildChunk | None = None
     # ``auto`` on CUDA: picks numpy or Triton per request from a crossover measured at warmup
-    # (service/auto_backend.py); None for a single backend.
+    # (service/compute/auto_backend.py); None for a single backend.
     selector: AutoSelector | None = None
 
     def for_request(self, hosts: Sequence[ChunkHostPart], with_token_to_seq: bool) -> Backend:
@@ -73,7 +73,7 @@ def below_crossover(fast_path: BuildChunk, selector: AutoSelector) -> BuildChunk
 
 
 def make_backend(name: str, admit: Callable[[CompileKey], None] | None, native_fast_path: bool = False) -> Backend:
-    """The numpy implementation (with service/fastpath.c for BuildChunk's common case when
+    """The numpy implementation (with service/compute/fastpath.c for BuildChunk's common case when
     ``native_fast_path`` and it is built), or the Triton kernel on the current CUDA device (``admit`` sees each
     launch)."""
     fastpath = load_fast_path() if native_fast_path else None

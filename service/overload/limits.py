@@ -1,9 +1,9 @@
 """What one request may ask for, checked before any work: its limits (RESOURCE_EXHAUSTED) and this server's
 policy (FAILED_PRECONDITION), after the kernel layer has found it well formed (INVALID_ARGUMENT).
 
-The load-dependent side of admission (the response budget, the heavy lane) is service/admission.py; the same
-limits in C are service/fastpath.c's, which takes them from :func:`fast_path_limits` (a
-service/fastpath.py FastPathLimits).
+The load-dependent side of admission (the response budget, the heavy lane) is service/overload/admission.py; the same
+limits in C are service/compute/fastpath.c's, which takes them from :func:`fast_path_limits` (a
+service/compute/fastpath.py FastPathLimits).
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ from indexer_service.kernels.inputs import (
 )
 from indexer_service.kernels.planner import WORKSPACE_TOKENS_PER_MODEL_LEN, BatchInputs, prefill_workspace_size
 from indexer_service.kernels.specialization import CompileKey
+from indexer_service.service.compute.fastpath import FastPathLimits
+from indexer_service.service.compute.warmup import Warmup
 from indexer_service.service.config import ServiceConfig
 from indexer_service.service.errors import LimitExceeded, PolicyRefused
-from indexer_service.service.fastpath import FastPathLimits
-from indexer_service.service.warmup import Warmup
 
 # Upper bound of a ChunkMetadata's (and its ChunkSpec's) bytes besides the arrays: tags, lengths, scalars.
 CHUNK_OVERHEAD_BYTES = 512
@@ -37,7 +37,7 @@ def max_request_bytes(config: ServiceConfig) -> int:
 
 
 def fast_path_limits(config: ServiceConfig) -> FastPathLimits:
-    """The limits service/fastpath.c checks, from the configuration: the same as :class:`RequestLimits`'."""
+    """The limits service/compute/fastpath.c checks, from the configuration: the same as :class:`RequestLimits`'."""
     return FastPathLimits(
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,

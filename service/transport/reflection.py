@@ -25,8 +25,8 @@ from google.protobuf import descriptor_pb2
 from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2 as rpb
 
-from indexer_service.service.admission import DrainWatchdog
-from indexer_service.service.streams import REFLECTION_STREAMS_PER_CONNECTION, STREAM_LIMIT, StreamSlots
+from indexer_service.service.overload.admission import DrainWatchdog
+from indexer_service.service.transport.streams import REFLECTION_STREAMS_PER_CONNECTION, STREAM_LIMIT, StreamSlots
 
 V1ALPHA = rpb.DESCRIPTOR.services_by_name["ServerReflection"].full_name
 V1 = V1ALPHA.replace(".v1alpha.", ".v1.")

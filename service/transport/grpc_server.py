@@ -26,17 +26,17 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from indexer_service.service.admission import Caller, DrainWatchdog
 from indexer_service.service.codec import SERVICE_NAME
 from indexer_service.service.config import ServiceConfig
 from indexer_service.service.dataplane import DataPlane
 from indexer_service.service.errors import Code, ServiceError, Shed, UnknownMethod
-from indexer_service.service.health import HealthServicer
-from indexer_service.service.limits import max_request_bytes
 from indexer_service.service.logs import REQUEST_ID, REQUEST_ID_HEADER, request_id_from
 from indexer_service.service.metrics import UNKNOWN_METHOD
-from indexer_service.service.reflection import Reflection
+from indexer_service.service.overload.admission import Caller, DrainWatchdog
+from indexer_service.service.overload.limits import max_request_bytes
 from indexer_service.service.rpcs import RPCS
+from indexer_service.service.transport.health import HealthServicer
+from indexer_service.service.transport.reflection import Reflection
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +110,7 @@ class PrefillMetadataHandler(grpc.GenericRpcHandler):
     call (health too) and refuses without a trace: gRPC looks a handler up (:meth:`service`) on its polling
     thread before it hands the call to a pool, so a call over the limit gets a refusing handler that runs on a
     small pool of its own (``refusals``), is counted as shed ``concurrency`` and never waits behind RPC work;
-    health runs on its own pool too (service/health.py)."""
+    health runs on its own pool too (service/transport/health.py)."""
 
     def __init__(self, plane: DataPlane, pool: RpcThreadPool, max_concurrent_rpcs: int, drain_seconds: float) -> None:
         self.plane = plane
@@ -287,7 +287,7 @@ def connection_options(config: ServiceConfig, max_connections: int) -> list[tupl
 def server_options(config: ServiceConfig, share_port: bool = False) -> list[tuple[str, int]]:
     """The gRPC server's channel options: message limits both ways (a request is never larger than a valid one
     can be), streams per connection, pending calls, no shared port (but between the workers of one replica,
-    ``share_port``: the supervisor has reserved the port for them, service/supervisor.py), connection age, and
+    ``share_port``: the supervisor has reserved the port for them, service/process/supervisor.py), connection age, and
     the bounds on connections."""
     return [
         ("grpc.max_receive_message_length", max_request_bytes(config)),
@@ -337,7 +337,7 @@ def create_grpc_server(
 ) -> GrpcServer:
     """The RPC server, bound (and, as gRPC binds, listening: it takes connections into its backlog from here on)
     but not started. ``share_port``: SO_REUSEPORT, for a worker of several; ``probe_socket``: a unix socket the
-    server also listens on, plaintext, for the supervisor's health probes (service/supervisor.py)."""
+    server also listens on, plaintext, for the supervisor's health probes (service/process/supervisor.py)."""
     pool = RpcThreadPool(config.grpc_workers)
     server = grpc.server(
         pool,
