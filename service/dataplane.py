@@ -62,8 +62,9 @@ from indexer_service.service.errors import (
 )
 from indexer_service.service.limits import RequestLimits, fast_path_limits, launch_admission
 from indexer_service.service.logs import FailedCallLog
-from indexer_service.service.metrics import SHED_REASONS, UNKNOWN_METHOD, Metrics
+from indexer_service.service.metrics import UNKNOWN_METHOD, Metrics
 from indexer_service.service.readiness import Readiness
+from indexer_service.service.reasons import ShedReason
 from indexer_service.service.rpcs import RPCS, parse_request
 from indexer_service.service.tracing import RpcTracer
 from indexer_service.service.version import VERSION
@@ -112,7 +113,7 @@ def stop_if_abandoned() -> None:
     if code is None:
         return
     if state.shutdown_cut.is_set():
-        raise CallerGone(code, "the server shut down before the call finished; work stopped", "shutdown")
+        raise CallerGone(code, "the server shut down before the call finished; work stopped", ShedReason.SHUTDOWN)
     raise CallerGone(code, "the caller went away (cancelled or past its deadline); work stopped")
 
 
@@ -178,7 +179,7 @@ class DataPlane:
         self.last_call_end = time.monotonic()
         # Every shed series exists from the start at 0, so rate() and alerts see the first shed call.
         for method in RPCS:
-            for reason in SHED_REASONS:
+            for reason in ShedReason:
                 metrics.child(metrics.requests_shed_total, method, reason)
         self._handlers: dict[str, Callable[[Message], bytes]] = {
             "BuildChunk": self._build_chunk,
@@ -248,7 +249,7 @@ class DataPlane:
         """Count a call to a method the service does not have (the transport answers UNIMPLEMENTED)."""
         self.metrics.child(self.metrics.request_errors_total, UNKNOWN_METHOD, Code.UNIMPLEMENTED.name).inc()
 
-    def shed(self, method: str, reason: str, detail: str) -> None:
+    def shed(self, method: str, reason: ShedReason, detail: str) -> None:
         """Count and log a call the transport refused or cut before or after the data plane saw it."""
         self.admission.shed.record(method, reason, detail)
 
@@ -360,7 +361,7 @@ class DataPlane:
             chunks = plan_prefill_batch(batch, config.max_plan_chunks, valid, self._admit_plan)
         except PlanTooLargeError:
             raise Shed(
-                "work_limit",
+                ShedReason.WORK_LIMIT,
                 f"max_logits_bytes: {batch.max_logits_bytes} bytes of logits per chunk would split the batch into "
                 f"more than max_plan_chunks {config.max_plan_chunks} chunks; raise max_logits_bytes or send fewer "
                 "query tokens",

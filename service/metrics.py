@@ -23,6 +23,7 @@ from typing import TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
+from indexer_service.service.reasons import HttpRefusal, RestartReason
 from indexer_service.service.version import build_labels
 
 M = TypeVar("M", Counter, Gauge, Histogram)
@@ -36,33 +37,8 @@ TOKEN_BUCKETS = tuple(float(4**i) for i in range(0, 11))  # 1 .. ~1M
 REQUEST_COUNT_BUCKETS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 4096.0)
 
 WARMUP_STATES = ("planned", "compiled", "failed")
-# Why the server refused or cut a call to protect itself (indexer_requests_shed_total's reason label):
-SHED_REASONS = (
-    "concurrency",  # max_concurrent_rpcs calls already in the server
-    "memory",  # the response budget stayed full for admission_wait_seconds
-    "heavy_lane",  # every heavy-lane slot stayed busy for admission_wait_seconds
-    "work_limit",  # the request's work is above a limit (max_plan_chunks)
-    "queue_deadline",  # the caller's deadline passed, or it cancelled, while the call waited to start
-    "shutdown",  # still running when the shutdown grace ended
-    "unread_response",  # the caller did not read its response (or a health watcher its status) in time
-    "stream_limit",  # a Watch or reflection stream over its per-connection or total cap (service/streams.py)
-    "idle_stream",  # a reflection stream that waited reflection_idle_seconds for a request
-)
-HTTP_REFUSALS = (
-    "header_too_large",
-    "idle_timeout",
-    "too_many_connections",
-    "body_too_large",
-    "rpc_on_metrics_port",  # an RPC posted to http_port: a client still set up for the port before http_rpc_port
-)
 # The method label of calls to a method the service does not have (gRPC and HTTP), counted with code UNIMPLEMENTED.
 UNKNOWN_METHOD = "unknown"
-# Why a worker process was restarted (indexer_worker_restarts_total's reason label):
-RESTART_REASONS = (
-    "exit",  # it exited by itself (a fatal error, or a SIGTERM not from the supervisor)
-    "killed",  # a signal ended it (the OOM killer's SIGKILL, a segfault...)
-    "hung",  # it did not answer the supervisor's probes for worker_hang_seconds: the supervisor killed it
-)
 # Metric types whose values add up over processes: a dead process's are folded into one file of retired values.
 RETIRED_TYPES = ("counter", "histogram", "summary")
 _FILES_LOCK = "files.lock"  # scrapes read the multiprocess files under it shared; retiring a process, exclusive
@@ -200,7 +176,7 @@ class Metrics:
             self.warmup_keys.labels(state=state).set(0)
         if self.ready is not None:
             self.ready.set(0)
-        for reason in HTTP_REFUSALS:
+        for reason in HttpRefusal:
             self.http_refused_total.labels(reason=reason)
 
     def child(self, metric: M, *label_values: str) -> M:
@@ -380,7 +356,7 @@ class SupervisorMetrics:
             slot = str(n)
             self.worker_up.labels(worker=slot).set(0)
             self.worker_ready.labels(worker=slot).set(0)
-            for reason in RESTART_REASONS:
+            for reason in RestartReason:
                 self.worker_restarts_total.labels(worker=slot, reason=reason)
 
     def child(self, metric: M, *label_values: str) -> M:

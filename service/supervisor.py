@@ -61,6 +61,7 @@ from indexer_service.service.config import ServiceConfig
 from indexer_service.service.lifecycle import ShutdownSignals
 from indexer_service.service.listeners import listen_tcp, socket_address
 from indexer_service.service.metrics import retire_process
+from indexer_service.service.reasons import RestartReason
 from indexer_service.service.workerproto import (
     CONFIG_FILE,
     MAX_PID,
@@ -201,7 +202,7 @@ class Slot:
     failures_in_a_row: int = 0
     restart_at: float | None = None
     last_exit: str = ""
-    restart_reason: str = ""
+    restart_reason: RestartReason | None = None
     hung_seconds: float | None = None  # set when the supervisor killed it for not answering
     probe: WorkerProbe | None = None
     pids: list[int] = field(default_factory=list)
@@ -459,7 +460,13 @@ class Supervisor:
         lived = time.monotonic() - slot.started_at
         slot.process, slot.listening, slot.ready = None, False, False
         slot.last_exit = f"exit {code}" if code >= 0 else f"killed by {signal.Signals(-code).name}"
-        slot.restart_reason = "hung" if slot.hung_seconds is not None else "killed" if code < 0 else "exit"
+        slot.restart_reason = (
+            RestartReason.HUNG
+            if slot.hung_seconds is not None
+            else RestartReason.KILLED
+            if code < 0
+            else RestartReason.EXIT
+        )
         slot.hung_seconds = None
         self._to_retire.append(process.pid)
         self.metrics.worker_up.labels(worker=slot.label).set(0)
