@@ -60,7 +60,7 @@ from indexer_service.service.errors import (
     ServiceError,
     Shed,
 )
-from indexer_service.service.limits import RequestLimits, fast_path_limits, launch_admission
+from indexer_service.service.limits import RequestLimits, fast_path_limits
 from indexer_service.service.logs import FailedCallLog
 from indexer_service.service.metrics import UNKNOWN_METHOD, Metrics
 from indexer_service.service.readiness import Readiness
@@ -146,11 +146,18 @@ _KEY_STATES = {
 
 
 class DataPlane:
-    """Serves the RPCs of ``indexer.v1.PrefillMetadata`` whatever the transport. The transports also share its
-    log of failed calls and its tracer (None: tracing off)."""
+    """Serves the RPCs of ``indexer.v1.PrefillMetadata`` whatever the transport. ``admit_launch``: strict mode's
+    launch admission, the backend's own (limits.strict_admission; None: any kernel variant may compile). The
+    transports also share its log of failed calls and its tracer (None: tracing off)."""
 
     def __init__(
-        self, config: ServiceConfig, metrics: Metrics, warmup: Warmup, backend: Backend, tracer: RpcTracer | None = None
+        self,
+        config: ServiceConfig,
+        metrics: Metrics,
+        warmup: Warmup,
+        backend: Backend,
+        admit_launch: Callable[[CompileKey], None] | None,
+        tracer: RpcTracer | None = None,
     ) -> None:
         self.config = config
         self.tracer = tracer
@@ -159,7 +166,7 @@ class DataPlane:
         self.warmup = warmup
         self.backend = backend
         self.readiness = Readiness(warmup, metrics, backend.name)
-        self.limits = RequestLimits(config, launch_admission(warmup) if config.strict else None)
+        self.limits = RequestLimits(config, admit_launch)
         budget = config.response_budget_bytes or default_response_budget(memory_limit())
         # Waiters hold a gRPC thread each: at most a quarter of the pool waits, so with the heavy lane's own
         # slots at least half of it is always free for light calls (a full-size attack with half the pool

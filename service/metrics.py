@@ -45,14 +45,17 @@ _FILES_LOCK = "files.lock"  # scrapes read the multiprocess files under it share
 
 
 def _ready_gauge(registry: CollectorRegistry) -> Gauge:
-    """``indexer_ready``: a single process's own; with workers, the supervisor's verdict for the replica (only the
-    supervisor writes it; ``livemin`` over that one process)."""
-    return Gauge(
+    """``indexer_ready``, the one definition, at 0 until readiness says otherwise: a single process's own
+    (:class:`Metrics`); with workers, the supervisor's verdict for the replica (:class:`SupervisorMetrics`: only
+    the supervisor writes it; ``livemin`` over that one process)."""
+    ready = Gauge(
         "indexer_ready",
         "1 when warmup has finished and the server takes requests.",
         registry=registry,
         multiprocess_mode="livemin",
     )
+    ready.set(0)
+    return ready
 
 
 class Metrics:
@@ -174,8 +177,6 @@ class Metrics:
         self.request_errors_total.labels(method=UNKNOWN_METHOD, code="UNIMPLEMENTED")
         for state in WARMUP_STATES:
             self.warmup_keys.labels(state=state).set(0)
-        if self.ready is not None:
-            self.ready.set(0)
         for reason in HttpRefusal:
             self.http_refused_total.labels(reason=reason)
 
@@ -348,7 +349,6 @@ class SupervisorMetrics:
             registry=r,
         )
         self.ready = _ready_gauge(r)
-        self.ready.set(0)
         self.open_fds = _open_fds_gauge(r)
         # The health port's refusals (Watch streams over their cap, watchers that do not read): admission.ShedLog.
         self.requests_shed_total = _shed_counter(r)

@@ -40,7 +40,7 @@ from indexer_service.service.grpc_server import (
 from indexer_service.service.health import HealthServicer
 from indexer_service.service.http_app import HttpRefusals, ProbeApp, RpcApp, limited_protocol
 from indexer_service.service.lifecycle import ShutdownSignals, raise_open_files_limit
-from indexer_service.service.limits import launch_admission
+from indexer_service.service.limits import strict_admission
 from indexer_service.service.listeners import listen_tcp
 from indexer_service.service.metrics import Metrics
 from indexer_service.service.tracing import start_tracing
@@ -133,7 +133,7 @@ class IndexerServer:
             metrics=self.metrics,
             model=config.model,
         )
-        admit = launch_admission(self.warmup) if config.strict else None
+        admit = strict_admission(config, self.warmup)
         backend = make_backend(self.backend, admit, config.native_fast_path)
         self.warmup.calibrate = backend.calibrate  # auto on CUDA: its crossover, measured before ready
         log.info(
@@ -144,7 +144,7 @@ class IndexerServer:
             cache_dir or "(Triton's default)",
         )
         self.tracer = start_tracing()
-        self.plane = DataPlane(config, self.metrics, self.warmup, backend, self.tracer)
+        self.plane = DataPlane(config, self.metrics, self.warmup, backend, admit, self.tracer)
         self.health = HealthServicer(HEALTH_NAMES, self.plane.shed)
         self.plane.readiness.add_listener(self.health.set_serving)
         if worker is not None:
