@@ -6,7 +6,7 @@ the warmup compiles every key; only when all compiled does the server turn ready
 in-flight ones ``shutdown_grace_seconds`` to finish; exit 0.
 
 One process is one worker; with ``workers`` above 1 the CLI runs service/supervisor.py instead, which starts
-that many of these (service/worker.py), each given a :class:`service.worker.WorkerLink`.
+that many of these (service/worker.py), each given a :class:`service.workerproto.WorkerLink`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import ssl
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import uvicorn
 
@@ -46,9 +45,7 @@ from indexer_service.service.metrics import Metrics
 from indexer_service.service.tracing import start_tracing
 from indexer_service.service.version import VERSION
 from indexer_service.service.warmup import Warmup, use_triton_cache_dir
-
-if TYPE_CHECKING:
-    from indexer_service.service.worker import WorkerLink
+from indexer_service.service.workerproto import WorkerLink
 
 log = logging.getLogger(__name__)
 
