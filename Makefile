@@ -37,8 +37,11 @@ test: $(STAMP)
 test-quick: $(STAMP)
 	$(PY) -m pytest -q -m "not process and not slow and not gpu" tests/kernels tests/service
 
+# Style, then the import layers of pyproject.toml's [tool.importlinter] (tests/system/test_import_layers.py too).
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports --no-cache
 
 protos: $(STAMP)
 	$(PY) -m indexer_service.protos.generate

@@ -7,7 +7,7 @@ Prints per attack what was tried, the RSS before and after, the victim's success
 1 s, what the server's metrics counted, and for each server still running how long its RSS took to come back
 within 1.2x of its idle value (``memory_back``, at most 60 s); ``--out`` writes the same as JSON.
 ``--server-pythonpath`` serves from another source tree, for "before" figures: ``git archive <commit> | tar -x
--C /tmp/before`` (copy the built service/_fastpath*.so too), then ``--server-pythonpath /tmp/before``.
+-C /tmp/before`` (copy the built service/compute/_fastpath*.so too), then ``--server-pythonpath /tmp/before``.
 
 ``--scale`` multiplies the sizes of the stream and connection floods (issue 19's rows: ``reflection-streams``,
 ``blocked-watchers``, ``idle-connections-grpc``, ``idle-connections-health``, ``tls-half-open``), e.g. 0.1 for a

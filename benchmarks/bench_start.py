@@ -9,7 +9,7 @@ Baselines, in the same run: a fresh interpreter that only imports torch (the imp
 log line until the configuration check stopped importing the compile engine); with ``--before TREE``, the same
 measures of an earlier version, rounds interleaved with this one's so that both see the same machine load.
 TREE holds that version as ``TREE/indexer_service`` (``git archive COMMIT | tar -x -C TREE/indexer_service``,
-plus a copy of the built ``service/_fastpath*.so``); it is put first on ``PYTHONPATH``.
+plus a copy of the built ``service/compute/_fastpath*.so``); it is put first on ``PYTHONPATH``.
 """
 
 from __future__ import annotations

@@ -181,7 +181,7 @@ class ServiceConfig:
         "path for far less CPU; errors, DCP and PlanBatch always take the Python path. Such calls carry "
         '`backend="native"` in `indexer_backend_duration_seconds`. Where the extension was not built (no C '
         "compiler at install), the server logs once at start `serving without the compiled fast path "
-        "(service/_fastpath not built)`, reports `native_fast_path=False`, and numpy serves every call"
+        "(service/compute/_fastpath not built)`, reports `native_fast_path=False`, and numpy serves every call"
     )
     triton_cache_dir: str = _setting(
         "Triton's cache directory; an existing `TRITON_CACHE_DIR` always wins and is never overwritten"

@@ -41,6 +41,7 @@ from indexer_service.kernels.planner import (
 from indexer_service.kernels.specialization import CompileKey
 from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
 from indexer_service.service import codec
+from indexer_service.service.cgroups import memory_limit
 from indexer_service.service.compute.backends import FAST_PATH_BACKEND, Backend
 from indexer_service.service.compute.readiness import Readiness
 from indexer_service.service.compute.warmup import KeyState, Warmup, WarmupState
@@ -56,17 +57,12 @@ from indexer_service.service.errors import (
     Shed,
 )
 from indexer_service.service.logs import FailedCallLog
-from indexer_service.service.metrics import SHED_REASONS, UNKNOWN_METHOD, Metrics
-from indexer_service.service.overload.admission import (
-    Admission,
-    Caller,
-    Refused,
-    default_response_budget,
-)
-from indexer_service.service.overload.limits import RequestLimits, fast_path_limits, launch_admission
-from indexer_service.service.process.cgroups import memory_limit
+from indexer_service.service.metrics import UNKNOWN_METHOD, Metrics
+from indexer_service.service.overload.admission import Admission, Caller, Refused, default_response_budget
+from indexer_service.service.overload.limits import RequestLimits, fast_path_limits
+from indexer_service.service.reasons import ShedReason
 from indexer_service.service.rpcs import RPCS, parse_request
-from indexer_service.service.transport.tracing import RpcTracer
+from indexer_service.service.tracing import RpcTracer
 from indexer_service.service.version import VERSION
 
 log = logging.getLogger(__name__)
@@ -112,7 +108,7 @@ def stop_if_abandoned() -> None:
     if code is None:
         return
     if state.shutdown_cut.is_set():
-        raise CallerGone(code, "the server shut down before the call finished; work stopped", "shutdown")
+        raise CallerGone(code, "the server shut down before the call finished; work stopped", ShedReason.SHUTDOWN)
     raise CallerGone(code, "the caller went away (cancelled or past its deadline); work stopped")
 
 
@@ -145,11 +141,18 @@ _KEY_STATES = {
 
 
 class DataPlane:
-    """Serves the RPCs of ``indexer.v1.PrefillMetadata`` whatever the transport. The transports also share its
-    log of failed calls and its tracer (None: tracing off)."""
+    """Serves the RPCs of ``indexer.v1.PrefillMetadata`` whatever the transport. ``admit_launch``: strict mode's
+    launch admission, the backend's own (limits.strict_admission; None: any kernel variant may compile). The
+    transports also share its log of failed calls and its tracer (None: tracing off)."""
 
     def __init__(
-        self, config: ServiceConfig, metrics: Metrics, warmup: Warmup, backend: Backend, tracer: RpcTracer | None = None
+        self,
+        config: ServiceConfig,
+        metrics: Metrics,
+        warmup: Warmup,
+        backend: Backend,
+        admit_launch: Callable[[CompileKey], None] | None,
+        tracer: RpcTracer | None = None,
     ) -> None:
         self.config = config
         self.tracer = tracer
@@ -158,7 +161,7 @@ class DataPlane:
         self.warmup = warmup
         self.backend = backend
         self.readiness = Readiness(warmup, metrics, backend.name)
-        self.limits = RequestLimits(config, launch_admission(warmup) if config.strict else None)
+        self.limits = RequestLimits(config, admit_launch)
         budget = config.response_budget_bytes or default_response_budget(memory_limit())
         # Waiters hold a gRPC thread each: at most a quarter of the pool waits, so with the heavy lane's own
         # slots at least half of it is always free for light calls (a full-size attack with half the pool
@@ -178,7 +181,7 @@ class DataPlane:
         self.last_call_end = time.monotonic()
         # Every shed series exists from the start at 0, so rate() and alerts see the first shed call.
         for method in RPCS:
-            for reason in SHED_REASONS:
+            for reason in ShedReason:
                 metrics.child(metrics.requests_shed_total, method, reason)
         self._handlers: dict[str, Callable[[Message], bytes]] = {
             "BuildChunk": self._build_chunk,
@@ -248,7 +251,7 @@ class DataPlane:
         """Count a call to a method the service does not have (the transport answers UNIMPLEMENTED)."""
         self.metrics.child(self.metrics.request_errors_total, UNKNOWN_METHOD, Code.UNIMPLEMENTED.name).inc()
 
-    def shed(self, method: str, reason: str, detail: str) -> None:
+    def shed(self, method: str, reason: ShedReason, detail: str) -> None:
         """Count and log a call the transport refused or cut before or after the data plane saw it."""
         self.admission.shed.record(method, reason, detail)
 
@@ -360,7 +363,7 @@ class DataPlane:
             chunks = plan_prefill_batch(batch, config.max_plan_chunks, valid, self._admit_plan)
         except PlanTooLargeError:
             raise Shed(
-                "work_limit",
+                ShedReason.WORK_LIMIT,
                 f"max_logits_bytes: {batch.max_logits_bytes} bytes of logits per chunk would split the batch into "
                 f"more than max_plan_chunks {config.max_plan_chunks} chunks; raise max_logits_bytes or send fewer "
                 "query tokens",

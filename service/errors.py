@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import enum
 
+from indexer_service.service.reasons import ShedReason
+
 
 class Code(enum.Enum):
     """The outcomes a call can have (a subset of google.rpc.Code, same names)."""
@@ -27,12 +29,13 @@ class Code(enum.Enum):
 
 
 class ServiceError(Exception):
-    """A call's final failure: its :class:`Code`, a message for the caller, and ``shed_reason`` (one of
-    metrics.SHED_REASONS) when the server refused or cut the call to protect itself."""
+    """A call's final failure: its :class:`Code`, a message for the caller, and ``shed_reason`` (why, a
+    :class:`~indexer_service.service.reasons.ShedReason`) when the server refused or cut the call to protect
+    itself."""
 
     code: Code = Code.INTERNAL
 
-    def __init__(self, message: str, shed_reason: str | None = None) -> None:
+    def __init__(self, message: str, shed_reason: ShedReason | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.shed_reason = shed_reason
@@ -57,7 +60,7 @@ class OutOfMemory(LimitExceeded):
 class Shed(LimitExceeded):
     """The server refused or cut the call to protect itself (busy, budget full, too much work)."""
 
-    def __init__(self, reason: str, message: str) -> None:
+    def __init__(self, reason: ShedReason, message: str) -> None:
         super().__init__(message, shed_reason=reason)
 
 
@@ -83,7 +86,7 @@ class NotReady(ServiceError):
 class CallerGone(ServiceError):
     """The caller went away (``code`` CANCELLED, or DEADLINE_EXCEEDED); the work stopped."""
 
-    def __init__(self, code: Code, message: str, shed_reason: str | None = None) -> None:
+    def __init__(self, code: Code, message: str, shed_reason: ShedReason | None = None) -> None:
         super().__init__(message, shed_reason)
         self.code = code
 

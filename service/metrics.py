@@ -23,6 +23,7 @@ from typing import TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
+from indexer_service.service.reasons import HttpRefusal, RestartReason
 from indexer_service.service.version import build_labels
 
 M = TypeVar("M", Counter, Gauge, Histogram)
@@ -36,47 +37,25 @@ TOKEN_BUCKETS = tuple(float(4**i) for i in range(0, 11))  # 1 .. ~1M
 REQUEST_COUNT_BUCKETS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 4096.0)
 
 WARMUP_STATES = ("planned", "compiled", "failed")
-# Why the server refused or cut a call to protect itself (indexer_requests_shed_total's reason label):
-SHED_REASONS = (
-    "concurrency",  # max_concurrent_rpcs calls already in the server
-    "memory",  # the response budget stayed full for admission_wait_seconds
-    "heavy_lane",  # every heavy-lane slot stayed busy for admission_wait_seconds
-    "work_limit",  # the request's work is above a limit (max_plan_chunks)
-    "queue_deadline",  # the caller's deadline passed, or it cancelled, while the call waited to start
-    "shutdown",  # still running when the shutdown grace ended
-    "unread_response",  # the caller did not read its response (or a health watcher its status) in time
-    "stream_limit",  # a Watch or reflection stream over its per-connection or total cap (service/transport/streams.py)
-    "idle_stream",  # a reflection stream that waited reflection_idle_seconds for a request
-)
-HTTP_REFUSALS = (
-    "header_too_large",
-    "idle_timeout",
-    "too_many_connections",
-    "body_too_large",
-    "rpc_on_metrics_port",  # an RPC posted to http_port: a client still set up for the port before http_rpc_port
-)
 # The method label of calls to a method the service does not have (gRPC and HTTP), counted with code UNIMPLEMENTED.
 UNKNOWN_METHOD = "unknown"
-# Why a worker process was restarted (indexer_worker_restarts_total's reason label):
-RESTART_REASONS = (
-    "exit",  # it exited by itself (a fatal error, or a SIGTERM not from the supervisor)
-    "killed",  # a signal ended it (the OOM killer's SIGKILL, a segfault...)
-    "hung",  # it did not answer the supervisor's probes for worker_hang_seconds: the supervisor killed it
-)
 # Metric types whose values add up over processes: a dead process's are folded into one file of retired values.
 RETIRED_TYPES = ("counter", "histogram", "summary")
 _FILES_LOCK = "files.lock"  # scrapes read the multiprocess files under it shared; retiring a process, exclusive
 
 
 def _ready_gauge(registry: CollectorRegistry) -> Gauge:
-    """``indexer_ready``: a single process's own; with workers, the supervisor's verdict for the replica (only the
-    supervisor writes it; ``livemin`` over that one process)."""
-    return Gauge(
+    """``indexer_ready``, the one definition, at 0 until readiness says otherwise: a single process's own
+    (:class:`Metrics`); with workers, the supervisor's verdict for the replica (:class:`SupervisorMetrics`: only
+    the supervisor writes it; ``livemin`` over that one process)."""
+    ready = Gauge(
         "indexer_ready",
         "1 when warmup has finished and the server takes requests.",
         registry=registry,
         multiprocess_mode="livemin",
     )
+    ready.set(0)
+    return ready
 
 
 class Metrics:
@@ -198,9 +177,7 @@ class Metrics:
         self.request_errors_total.labels(method=UNKNOWN_METHOD, code="UNIMPLEMENTED")
         for state in WARMUP_STATES:
             self.warmup_keys.labels(state=state).set(0)
-        if self.ready is not None:
-            self.ready.set(0)
-        for reason in HTTP_REFUSALS:
+        for reason in HttpRefusal:
             self.http_refused_total.labels(reason=reason)
 
     def child(self, metric: M, *label_values: str) -> M:
@@ -281,7 +258,7 @@ class _ReplicaCollector:
     def _process_families(self):
         from prometheus_client.metrics_core import Metric
 
-        from indexer_service.service.process.workerproto import worker_slot
+        from indexer_service.service.workerproto import worker_slot
 
         families: dict[str, Metric] = {}
         supervisor = os.getppid()
@@ -372,7 +349,6 @@ class SupervisorMetrics:
             registry=r,
         )
         self.ready = _ready_gauge(r)
-        self.ready.set(0)
         self.open_fds = _open_fds_gauge(r)
         # The health port's refusals (Watch streams over their cap, watchers that do not read): admission.ShedLog.
         self.requests_shed_total = _shed_counter(r)
@@ -380,7 +356,7 @@ class SupervisorMetrics:
             slot = str(n)
             self.worker_up.labels(worker=slot).set(0)
             self.worker_ready.labels(worker=slot).set(0)
-            for reason in RESTART_REASONS:
+            for reason in RestartReason:
                 self.worker_restarts_total.labels(worker=slot, reason=reason)
 
     def child(self, metric: M, *label_values: str) -> M:

@@ -22,7 +22,7 @@ def cited_paths(text: str) -> list[str]:
 
 def cited_path_exists(path: str, citing: Path) -> bool:
     """Whether a cited path exists, from the repository's root or the citing file's folder; a module named without
-    its suffix (``service/_fastpath``, the compiled extension) counts."""
+    its suffix (``service/compute/_fastpath``, the compiled extension) counts."""
     return any(
         (base / path).exists() or any((base / path).parent.glob(f"{Path(path).name}.*"))
         for base in (REPO, citing.parent)

@@ -11,6 +11,7 @@ from indexer_service.service.compute.warmup import Warmup
 from indexer_service.service.config import ServiceConfig, load_config
 from indexer_service.service.dataplane import DataPlane
 from indexer_service.service.metrics import Metrics
+from indexer_service.service.overload.limits import strict_admission
 
 
 def make_plane(
@@ -28,7 +29,9 @@ def make_plane(
     """A data plane over ``config`` (or the defaults with ``settings`` and a named ``backend``, no environment
     read).
 
-    ``backend``: a :class:`Backend`, or a name for ``make_backend(name, admit, native_fast_path)``. ``warmup``
+    ``backend``: a :class:`Backend`, or a name for ``make_backend(name, admit, native_fast_path)``. ``admit``:
+    strict mode's launch admission, the backend's and the data plane's (None: ``strict_admission`` of the
+    config, as a server builds it). ``warmup``
     defaults to one over ``keys`` (the model's warmup keys when None), ahead of time for ``warmup_on`` and
     disabled when that is None, with one worker. Nothing is run or refreshed: the caller decides."""
     if config is None:
@@ -39,6 +42,8 @@ def make_plane(
     if warmup is None:
         keys = warmup_keys(config.model) if keys is None else keys
         warmup = Warmup(keys, target=warmup_on, enabled=warmup_on is not None, workers=1, metrics=metrics)
+    if admit is None:
+        admit = strict_admission(config, warmup)
     if isinstance(backend, str):
         backend = make_backend(backend, admit, native_fast_path=native_fast_path)
-    return DataPlane(config, metrics, warmup, backend)
+    return DataPlane(config, metrics, warmup, backend, admit)

@@ -78,7 +78,7 @@ def make_backend(name: str, admit: Callable[[CompileKey], None] | None, native_f
     launch)."""
     fastpath = load_fast_path() if native_fast_path else None
     if native_fast_path and fastpath is None:
-        log.warning("serving without the compiled fast path (service/_fastpath not built)")
+        log.warning("serving without the compiled fast path (service/compute/_fastpath not built)")
     numpy_backend = Backend("numpy", chunk_arrays_numpy_many, fastpath.build_chunk if fastpath else None)
     if name == "numpy":
         return numpy_backend

@@ -27,6 +27,7 @@ from typing import Any, Protocol
 
 from indexer_service.service.logs import RateLimitedLog
 from indexer_service.service.metrics import Metrics
+from indexer_service.service.reasons import ShedReason
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +43,7 @@ SHED_LOG_INTERVAL_SECONDS = 10.0
 
 
 def default_response_budget(memory_limit: int | None) -> int:
-    """``response_budget_bytes = 0``: an eighth of the memory limit (the container's: service/process/cgroups.py), at
+    """``response_budget_bytes = 0``: an eighth of the memory limit (the container's: service/cgroups.py), at
     most
     256 MiB."""
     if memory_limit is None:
@@ -51,10 +52,10 @@ def default_response_budget(memory_limit: int | None) -> int:
 
 
 class Refused(Exception):
-    """A call the server will not take now. ``reason`` is one of metrics.SHED_REASONS; ``gone`` is True when the
+    """A call the server will not take now. ``reason`` says why (:class:`ShedReason`); ``gone`` is True when the
     caller left (cancelled or past its deadline) while it waited."""
 
-    def __init__(self, reason: str, message: str, gone: bool = False) -> None:
+    def __init__(self, reason: ShedReason, message: str, gone: bool = False) -> None:
         super().__init__(message)
         self.reason = reason
         self.message = message
@@ -69,7 +70,7 @@ class ShedLog:
         self.metrics = metrics
         self.log = RateLimitedLog(log, interval)
 
-    def record(self, method: str, reason: str, detail: str) -> None:
+    def record(self, method: str, reason: ShedReason, detail: str) -> None:
         self.metrics.child(self.metrics.requests_shed_total, method, reason).inc()
         self.log.note("shed", reason, detail, f"method={method}")
 
@@ -137,16 +138,16 @@ class ResponseBudget:
         """``nbytes``, waiting up to ``wait_seconds`` (never past the caller's deadline) for room."""
         if nbytes > self.limit:
             raise Refused(
-                "memory",
+                ShedReason.MEMORY,
                 f"response: about {nbytes} bytes, above response_budget_bytes {self.limit}; send a smaller batch",
             )
         with self._cond:
             if self._fits(peer, nbytes):
                 return self._grant(peer, nbytes)
-            with _waiting_room(self._waiting, "memory"):
+            with _waiting_room(self._waiting, ShedReason.MEMORY):
                 give_up = time.monotonic() + self.wait_seconds
                 while not self._fits(peer, nbytes):
-                    _wait(self._cond, give_up, caller, "memory", self._full_message(peer, nbytes))
+                    _wait(self._cond, give_up, caller, ShedReason.MEMORY, self._full_message(peer, nbytes))
                 return self._grant(peer, nbytes)
 
     def _full_message(self, peer: str, nbytes: int) -> str:
@@ -205,10 +206,10 @@ class HeavyLane:
                     f"busy: {self.slots} heavy requests (estimated cost above heavy_request_bytes) are being "
                     "computed; retry with backoff or send smaller batches"
                 )
-                with _waiting_room(self._waiting, "heavy_lane"):
+                with _waiting_room(self._waiting, ShedReason.HEAVY_LANE):
                     give_up = time.monotonic() + self.wait_seconds
                     while self._busy >= self.slots:
-                        _wait(self._cond, give_up, caller, "heavy_lane", message)
+                        _wait(self._cond, give_up, caller, ShedReason.HEAVY_LANE, message)
             self._busy += 1
         try:
             yield
@@ -238,7 +239,7 @@ class Caller:
 
 
 @contextmanager
-def _waiting_room(waiting: _Waiting, reason: str) -> Iterator[None]:
+def _waiting_room(waiting: _Waiting, reason: ShedReason) -> Iterator[None]:
     with waiting.lock:
         if waiting.count >= waiting.limit:
             raise Refused(reason, f"busy: {waiting.count} calls already wait for admission; retry with backoff")
@@ -250,7 +251,7 @@ def _waiting_room(waiting: _Waiting, reason: str) -> Iterator[None]:
             waiting.count -= 1
 
 
-def _wait(cond: threading.Condition, give_up: float, caller: Caller, reason: str, message: str) -> None:
+def _wait(cond: threading.Condition, give_up: float, caller: Caller, reason: ShedReason, message: str) -> None:
     """One slice of a wait on ``cond``; raises :class:`Refused` once the wait is over or the caller has gone."""
     left = give_up - time.monotonic()
     if left <= 0:
@@ -258,7 +259,7 @@ def _wait(cond: threading.Condition, give_up: float, caller: Caller, reason: str
     why_gone = caller.gone()
     if why_gone is not None:
         raise Refused(
-            "queue_deadline",
+            ShedReason.QUEUE_DEADLINE,
             f"the caller went away ({getattr(why_gone, 'name', why_gone)}) while the call waited to start",
             gone=True,
         )

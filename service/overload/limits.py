@@ -61,6 +61,13 @@ def launch_admission(warmup: Warmup) -> Callable[[CompileKey], None]:
     return admit
 
 
+def strict_admission(config: ServiceConfig, warmup: Warmup) -> Callable[[CompileKey], None] | None:
+    """Strict mode's :func:`launch_admission` when ``config.strict``, else None. Built once per server
+    (service/process/server.py) and handed to both that check it: the backend (each real launch) and the data plane
+    (:class:`RequestLimits`, before any work; the fast path's admitted ratios)."""
+    return launch_admission(warmup) if config.strict else None
+
+
 def _at(field: str, index: int | None = None) -> str:
     return field if index is None else f"{field}[{index}]"
 

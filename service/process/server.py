@@ -6,7 +6,7 @@ the warmup compiles every key; only when all compiled does the server turn ready
 in-flight ones ``shutdown_grace_seconds`` to finish; exit 0.
 
 One process is one worker; with ``workers`` above 1 the CLI runs service/process/supervisor.py instead, which starts
-that many of these (service/process/worker.py), each given a :class:`service.worker.WorkerLink`.
+that many of these (service/process/worker.py), each given a :class:`service.workerproto.WorkerLink`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import ssl
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import uvicorn
 
@@ -32,9 +31,10 @@ from indexer_service.service.config import ServiceConfig
 from indexer_service.service.dataplane import DataPlane
 from indexer_service.service.metrics import Metrics
 from indexer_service.service.overload.allocator import IdleTrim, configure_malloc, idle_trim_caveat
-from indexer_service.service.overload.limits import launch_admission
+from indexer_service.service.overload.limits import strict_admission
 from indexer_service.service.process.lifecycle import ShutdownSignals, raise_open_files_limit
 from indexer_service.service.process.listeners import listen_tcp
+from indexer_service.service.tracing import start_tracing
 from indexer_service.service.transport.grpc_server import (
     HEALTH_NAMES,
     GrpcServer,
@@ -44,11 +44,8 @@ from indexer_service.service.transport.grpc_server import (
 )
 from indexer_service.service.transport.health import HealthServicer
 from indexer_service.service.transport.http_app import HttpRefusals, ProbeApp, RpcApp, limited_protocol
-from indexer_service.service.transport.tracing import start_tracing
 from indexer_service.service.version import VERSION
-
-if TYPE_CHECKING:
-    from indexer_service.service.process.worker import WorkerLink
+from indexer_service.service.workerproto import WorkerLink
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +130,7 @@ class IndexerServer:
             metrics=self.metrics,
             model=config.model,
         )
-        admit = launch_admission(self.warmup) if config.strict else None
+        admit = strict_admission(config, self.warmup)
         backend = make_backend(self.backend, admit, config.native_fast_path)
         self.warmup.calibrate = backend.calibrate  # auto on CUDA: its crossover, measured before ready
         log.info(
@@ -144,7 +141,7 @@ class IndexerServer:
             cache_dir or "(Triton's default)",
         )
         self.tracer = start_tracing()
-        self.plane = DataPlane(config, self.metrics, self.warmup, backend, self.tracer)
+        self.plane = DataPlane(config, self.metrics, self.warmup, backend, admit, self.tracer)
         self.health = HealthServicer(HEALTH_NAMES, self.plane.shed)
         self.plane.readiness.add_listener(self.health.set_serving)
         if worker is not None:

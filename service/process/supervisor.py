@@ -1,7 +1,7 @@
 """Several worker processes behind one replica's ports: ``serve`` with ``workers`` above 1.
 
 One Python process serves about one core (the GIL), so a replica with N CPUs runs N workers
-(service/process/worker.py), each a whole single-process server; service/process/workerproto.py is the protocol between
+(service/process/worker.py), each a whole single-process server; service/workerproto.py is the protocol between
 them.
 This supervisor owns what the replica shares:
 
@@ -56,13 +56,14 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from indexer_service.service import cgroups
 from indexer_service.service.config import ServiceConfig
 from indexer_service.service.metrics import retire_process
 from indexer_service.service.overload.allocator import IdleTrim, configure_malloc
-from indexer_service.service.process import cgroups
 from indexer_service.service.process.lifecycle import ShutdownSignals
 from indexer_service.service.process.listeners import listen_tcp, socket_address
-from indexer_service.service.process.workerproto import (
+from indexer_service.service.reasons import RestartReason
+from indexer_service.service.workerproto import (
     CONFIG_FILE,
     MAX_PID,
     MAX_SOCKET_PATH_CHARS,
@@ -202,7 +203,7 @@ class Slot:
     failures_in_a_row: int = 0
     restart_at: float | None = None
     last_exit: str = ""
-    restart_reason: str = ""
+    restart_reason: RestartReason | None = None
     hung_seconds: float | None = None  # set when the supervisor killed it for not answering
     probe: WorkerProbe | None = None
     pids: list[int] = field(default_factory=list)
@@ -460,7 +461,13 @@ class Supervisor:
         lived = time.monotonic() - slot.started_at
         slot.process, slot.listening, slot.ready = None, False, False
         slot.last_exit = f"exit {code}" if code >= 0 else f"killed by {signal.Signals(-code).name}"
-        slot.restart_reason = "hung" if slot.hung_seconds is not None else "killed" if code < 0 else "exit"
+        slot.restart_reason = (
+            RestartReason.HUNG
+            if slot.hung_seconds is not None
+            else RestartReason.KILLED
+            if code < 0
+            else RestartReason.EXIT
+        )
         slot.hung_seconds = None
         self._to_retire.append(process.pid)
         self.metrics.worker_up.labels(worker=slot.label).set(0)

@@ -1,5 +1,5 @@
 """One worker process of several, started by service/process/supervisor.py, never by hand:
-``python -m indexer_service.service.process.worker HANDOFF`` (service/process/workerproto.py says what it holds).
+``python -m indexer_service.service.process.worker HANDOFF`` (service/workerproto.py says what it holds).
 
 A worker is the single-process server (:class:`service.server.IndexerServer`) with a :class:`WorkerLink` to its
 supervisor: HTTP accepts at once on the supervisor's listening socket (inherited), so ``/livez``, ``/readyz`` (the
@@ -16,25 +16,12 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import fcntl
 import logging
 import os
 import signal
-import socket
 import sys
-import threading
-from collections.abc import Iterator
-from pathlib import Path
 
-from indexer_service.service.process.workerproto import (
-    CONFIG_FILE,
-    POD_STATUS_FILE,
-    WARMUP_LOCK_FILE,
-    Handoff,
-    Status,
-    config_from_json,
-    probe_socket,
-)
+from indexer_service.service.workerproto import CONFIG_FILE, Handoff, Status, WorkerLink, config_from_json
 
 _PR_SET_PDEATHSIG = 1
 # How often the main thread looks whether the warmup has finished, while it waits for a signal.
@@ -51,56 +38,11 @@ def die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
-class WorkerLink:
-    """What a worker shares with its supervisor."""
-
-    def __init__(self, handoff: Handoff) -> None:
-        self.runtime_dir = Path(handoff.runtime_dir)
-        self.slot = handoff.slot
-        self.sockets = handoff.sockets
-        self._status = os.fdopen(handoff.status_fd, "w", buffering=1)
-        self._lock = threading.Lock()
-
-    def report(self, status: Status) -> None:
-        with self._lock:
-            try:
-                self._status.write(status.value + "\n")
-                self._status.flush()
-            except (OSError, ValueError):  # the supervisor is gone; PR_SET_PDEATHSIG ends this process
-                pass
-
-    def report_ready(self, ready: bool) -> None:
-        self.report(Status.READY if ready else Status.NOT_READY)
-
-    def pod_not_ready(self) -> str:
-        """Why the replica is not ready ("" when it is)."""
-        try:
-            return (self.runtime_dir / POD_STATUS_FILE).read_text().strip()
-        except OSError as exc:
-            return f"the supervisor's status is unreadable: {exc}"
-
-    def inherited_socket(self, name: str) -> socket.socket:
-        """The supervisor's listening socket ``name`` (workerproto.SHARED_LISTENERS)."""
-        return socket.socket(fileno=self.sockets[name])
-
-    def probe_socket(self) -> Path:
-        return probe_socket(self.runtime_dir, os.getpid())
-
-    @contextlib.contextmanager
-    def warmup_lock(self) -> Iterator[None]:
-        """One worker warms up at a time: the first compiles into the shared Triton cache, the next ones find
-        every kernel there and load it (milliseconds a key) instead of compiling it again."""
-        with open(self.runtime_dir / WARMUP_LOCK_FILE, "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(lock, fcntl.LOCK_UN)
-
-
 def run_worker(link: WorkerLink, signals: object) -> int:
     """Serve until a shutdown signal (from the supervisor), then drain; the single process's
     :func:`service.server.serve`, with a link instead of a port file and the gRPC port joined once warmed up."""
+    # Imported here, not at the top: main() has tied this process to its supervisor's life before the server's
+    # imports (numpy, grpc, a backend) take their time.
     from indexer_service.service.logs import configure_logging
     from indexer_service.service.overload.allocator import configure_malloc
     from indexer_service.service.process.server import IndexerServer

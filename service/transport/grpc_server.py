@@ -34,6 +34,7 @@ from indexer_service.service.logs import REQUEST_ID, REQUEST_ID_HEADER, request_
 from indexer_service.service.metrics import UNKNOWN_METHOD
 from indexer_service.service.overload.admission import Caller, DrainWatchdog
 from indexer_service.service.overload.limits import max_request_bytes
+from indexer_service.service.reasons import ShedReason
 from indexer_service.service.rpcs import RPCS
 from indexer_service.service.transport.health import HealthServicer
 from indexer_service.service.transport.reflection import Reflection
@@ -121,7 +122,7 @@ class PrefillMetadataHandler(grpc.GenericRpcHandler):
         self.refusals = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grpc-refuse")
         self._refusing = {method: self._refusing_handler(method) for method, _ in self._handlers.values()}
         never_started = "the caller cancelled, reset the stream or passed its deadline before the call started"
-        pool.on_never_started = lambda method: plane.shed(method, "queue_deadline", never_started)
+        pool.on_never_started = lambda method: plane.shed(method, ShedReason.QUEUE_DEADLINE, never_started)
 
     def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
         found = self._handlers.get(handler_call_details.method)
@@ -135,8 +136,8 @@ class PrefillMetadataHandler(grpc.GenericRpcHandler):
 
         def refuse(data: bytes, context: grpc.ServicerContext) -> bytes:
             message = f"busy: {pool.calls} calls in the server (max_concurrent_rpcs {limit}); retry with backoff"
-            plane.shed(method, "concurrency", message)  # the data plane never sees this call
-            raise Shed("concurrency", message)
+            plane.shed(method, ShedReason.CONCURRENCY, message)  # the data plane never sees this call
+            raise Shed(ShedReason.CONCURRENCY, message)
 
         refusing = access_logged(plane, method, error_mapped(refuse))
         refusing.experimental_thread_pool = self.refusals  # grpcio runs a behaviour on the pool it names
@@ -149,7 +150,7 @@ class PrefillMetadataHandler(grpc.GenericRpcHandler):
             pool.note_started()
             gone = abandoned_code(context)
             if gone is not None:  # it waited for a thread past its deadline, or its caller cancelled meanwhile
-                plane.shed(method, "queue_deadline", f"{gone.name} before the call started")
+                plane.shed(method, ShedReason.QUEUE_DEADLINE, f"{gone.name} before the call started")
                 context.abort(GRPC_STATUS[gone], "the caller went away (cancelled, or past its deadline) first")
             caller = Caller(context.peer(), lambda: abandoned_code(context))
             response = plane.call(method, data, caller=caller)
@@ -160,7 +161,7 @@ class PrefillMetadataHandler(grpc.GenericRpcHandler):
                     ticket.release()
 
                 def cancel_unread() -> None:
-                    plane.shed(method, "unread_response", f"{ticket.nbytes} bytes unread by {caller.peer}")
+                    plane.shed(method, ShedReason.UNREAD_RESPONSE, f"{ticket.nbytes} bytes unread by {caller.peer}")
                     context.cancel()
 
                 watchdog.watch(ticket, cancel_unread)

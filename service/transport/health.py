@@ -27,7 +27,8 @@ from grpc._cython import cygrpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from indexer_service.service.overload.admission import DrainWatchdog
-from indexer_service.service.transport.streams import STREAM_LIMIT, WATCH_STREAMS_PER_CONNECTION, StreamSlots
+from indexer_service.service.reasons import ShedReason
+from indexer_service.service.transport.streams import WATCH_STREAMS_PER_CONNECTION, StreamSlots
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +37,7 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 SERVICE_UNKNOWN = health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
 
 SendResponse = Callable[[health_pb2.HealthCheckResponse | None], None]
-Shed = Callable[[str, str, str], None]  # (method, reason, detail): DataPlane.shed
+Shed = Callable[[str, ShedReason, str], None]  # (method, reason, detail): DataPlane.shed
 SEND_TIMEOUT_SECONDS = 5.0
 
 
@@ -142,7 +143,7 @@ class HealthServicer(health_pb2_grpc.HealthServicer):
         peer = context.peer()
         refused = self._slots.take(peer)
         if refused is not None:
-            self._shed("Watch", STREAM_LIMIT, f"{refused} ({peer})")
+            self._shed("Watch", ShedReason.STREAM_LIMIT, f"{refused} ({peer})")
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refused)
         if not context.add_callback(lambda: self._slots.give_back(peer)):  # the call has ended already
             self._slots.give_back(peer)
@@ -236,7 +237,7 @@ class HealthServicer(health_pb2_grpc.HealthServicer):
         """A message not sent within ``send_timeout``: the watcher does not read (its window stays shut)."""
         self._shed(
             "Watch",
-            "unread_response",
+            ShedReason.UNREAD_RESPONSE,
             f"a health watcher of {watcher.peer} read nothing for {self._stuck_sends.seconds} s",
         )
         watcher.context.cancel()

@@ -51,9 +51,10 @@ from indexer_service.service.config import ServiceConfig
 from indexer_service.service.dataplane import DataPlane
 from indexer_service.service.errors import Code, InvalidArgument, LimitExceeded, ServiceError, Shed, UnknownMethod
 from indexer_service.service.logs import REQUEST_ID, REQUEST_ID_HEADER, RateLimitedLog, request_id_from
-from indexer_service.service.metrics import HTTP_REFUSALS, UNKNOWN_METHOD, Metrics, exposition_registry
+from indexer_service.service.metrics import UNKNOWN_METHOD, Metrics, exposition_registry
 from indexer_service.service.overload.admission import SHED_LOG_INTERVAL_SECONDS, Caller
 from indexer_service.service.overload.limits import max_request_bytes
+from indexer_service.service.reasons import HttpRefusal, ShedReason
 from indexer_service.service.rpcs import REQUEST_TYPES, RESPONSE_TYPES
 from indexer_service.service.transport.json_mapping import parse_request
 
@@ -101,17 +102,17 @@ def error_body(code: str, message: str) -> bytes:
 
 
 class HttpRefusals:
-    """What the HTTP ports refuse, by reason (metrics.HTTP_REFUSALS): counted in ``indexer_http_refused_total`` and
+    """What the HTTP ports refuse, by reason (:class:`HttpRefusal`): counted in ``indexer_http_refused_total`` and
     logged rate-limited (``http refused reason=... count=N last=...``). An idle connection closed after
     ``http_idle_timeout_seconds`` is counted only: that is how every keep-alive connection (Prometheus', say) ends."""
 
-    UNLOGGED = frozenset({"idle_timeout"})
+    UNLOGGED = frozenset({HttpRefusal.IDLE_TIMEOUT})
 
     def __init__(self, metrics: Metrics) -> None:
-        self._counters = {reason: metrics.http_refused_total.labels(reason=reason) for reason in HTTP_REFUSALS}
+        self._counters = {reason: metrics.http_refused_total.labels(reason=reason) for reason in HttpRefusal}
         self._log = RateLimitedLog(log, SHED_LOG_INTERVAL_SECONDS)
 
-    def record(self, reason: str, detail: str) -> None:
+    def record(self, reason: HttpRefusal, detail: str) -> None:
         self._counters[reason].inc()
         if reason not in self.UNLOGGED:
             self._log.note("http refused", reason, detail)
@@ -159,7 +160,7 @@ class ProbeApp:
             reason = pod() if pod is not None else self.plane.readiness.not_ready_reason()
             await _reply(send, 503 if reason else 200, f"{reason or 'ready'}\n".encode())
         elif path.startswith(RPC_PATH_PREFIX):
-            self.refusals.record("rpc_on_metrics_port", f"{verb} {path} from {_peer(scope)}")
+            self.refusals.record(HttpRefusal.RPC_ON_METRICS_PORT, f"{verb} {path} from {_peer(scope)}")
             await reply_error(send, 404, self.wrong_port)
         else:
             await reply_error(
@@ -250,13 +251,13 @@ class RpcApp:
                 close.append((b"connection", b"close"))
             if body is None:
                 message = f"body: above {self.max_body} bytes, more than a request at this server's limits can be"
-                self.refusals.record("body_too_large", f"{method} from {caller.peer}: {message}")
+                self.refusals.record(HttpRefusal.BODY_TOO_LARGE, f"{method} from {caller.peer}: {message}")
                 raise LimitExceeded(message)
             request = parse_request(REQUEST_TYPES[method], body).SerializeToString() if content_type == JSON else body
             if self.in_flight >= self.max_in_flight:
                 message = f"busy: {self.in_flight} HTTP calls in the server (max_concurrent_rpcs)"
-                self.plane.shed(method, "concurrency", message)  # the data plane never sees this call
-                raise Shed("concurrency", message)
+                self.plane.shed(method, ShedReason.CONCURRENCY, message)  # the data plane never sees this call
+                raise Shed(ShedReason.CONCURRENCY, message)
             self.in_flight += 1
             try:
                 loop = asyncio.get_running_loop()
@@ -322,7 +323,9 @@ class RpcApp:
                 message = {"type": "http.response.body", "body": piece, "more_body": more}
                 await asyncio.wait_for(send(message), max(give_up - time.monotonic(), 0))
         except TimeoutError:
-            self.plane.shed(method, "unread_response", f"{len(response)} bytes unread by {caller.peer} over HTTP")
+            self.plane.shed(
+                method, ShedReason.UNREAD_RESPONSE, f"{len(response)} bytes unread by {caller.peer} over HTTP"
+            )
             abort: Callable[[], None] | None = scope.get(ABORT_KEY)
             if abort is not None:
                 abort()
@@ -410,7 +413,7 @@ def limited_protocol(config: ServiceConfig, metrics: Metrics, refusals: HttpRefu
             if len(self.connections) >= max_connections:
                 self._refused = True
                 message = f"too many connections: {max_connections} open on this port (http_max_connections)"
-                refusals.record("too_many_connections", f"{_transport_peer(transport)}: {message}")
+                refusals.record(HttpRefusal.TOO_MANY_CONNECTIONS, f"{_transport_peer(transport)}: {message}")
                 transport.write(_status_only(503, "Service Unavailable", message))
                 transport.close()
                 return
@@ -434,7 +437,7 @@ def limited_protocol(config: ServiceConfig, metrics: Metrics, refusals: HttpRefu
 
         def _close_idle(self) -> None:
             if not self.transport.is_closing():
-                refusals.record("idle_timeout", f"{_transport_peer(self.transport)}: idle {idle_seconds} s")
+                refusals.record(HttpRefusal.IDLE_TIMEOUT, f"{_transport_peer(self.transport)}: idle {idle_seconds} s")
                 self.transport.abort()
 
         def _cancel_request_timer(self) -> None:
@@ -452,7 +455,7 @@ def limited_protocol(config: ServiceConfig, metrics: Metrics, refusals: HttpRefu
                 self._head_bytes += len(data) if end < 0 else end + 4
                 if self._head_bytes > max_head:
                     message = f"request head above {max_head} bytes (http_max_header_bytes)"
-                    refusals.record("header_too_large", f"{_transport_peer(self.transport)}: {message}")
+                    refusals.record(HttpRefusal.HEADER_TOO_LARGE, f"{_transport_peer(self.transport)}: {message}")
                     self.transport.write(_status_only(431, "Request Header Fields Too Large", message))
                     self.transport.close()
                     self._in_head = False

@@ -26,16 +26,15 @@ from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2 as rpb
 
 from indexer_service.service.overload.admission import DrainWatchdog
-from indexer_service.service.transport.streams import REFLECTION_STREAMS_PER_CONNECTION, STREAM_LIMIT, StreamSlots
+from indexer_service.service.reasons import ShedReason
+from indexer_service.service.transport.streams import REFLECTION_STREAMS_PER_CONNECTION, StreamSlots
 
 V1ALPHA = rpb.DESCRIPTOR.services_by_name["ServerReflection"].full_name
 V1 = V1ALPHA.replace(".v1alpha.", ".v1.")
 REFLECTION_NAMES = (V1, V1ALPHA)
 _INDEXER_DESCRIPTORS = ("indexer_service.protos.indexer.v1", "indexer_descriptor.binpb")
 METHOD = "ServerReflectionInfo"
-# The shed reason of a reflection stream cut for waiting too long for its next request.
-IDLE_STREAM = "idle_stream"
-Shed = Callable[[str, str, str], None]  # (method, reason, detail): DataPlane.shed
+Shed = Callable[[str, ShedReason, str], None]  # (method, reason, detail): DataPlane.shed
 
 
 def _proto_of(file_descriptor) -> descriptor_pb2.FileDescriptorProto:
@@ -169,7 +168,7 @@ class Reflection:
         peer = context.peer()
         refused = self.slots.take(peer)
         if refused is not None:
-            self.shed(METHOD, STREAM_LIMIT, f"{refused} ({peer})")
+            self.shed(METHOD, ShedReason.STREAM_LIMIT, f"{refused} ({peer})")
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refused)
         try:
             while True:
@@ -186,7 +185,9 @@ class Reflection:
             self.slots.give_back(peer)
 
     def _cut(self, context: grpc.ServicerContext, peer: str) -> None:
-        self.shed(METHOD, IDLE_STREAM, f"a reflection stream of {peer} sent no request for {self._idle.seconds} s")
+        self.shed(
+            METHOD, ShedReason.IDLE_STREAM, f"a reflection stream of {peer} sent no request for {self._idle.seconds} s"
+        )
         context.cancel()
 
     def close(self) -> None:

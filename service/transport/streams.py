@@ -16,8 +16,6 @@ from collections import Counter
 WATCH_STREAMS_PER_CONNECTION = 4
 # Server reflection streams one connection may hold at once.
 REFLECTION_STREAMS_PER_CONNECTION = 1
-# The shed reason of a stream refused by these caps (indexer_requests_shed_total{reason}).
-STREAM_LIMIT = "stream_limit"
 
 
 class StreamSlots:

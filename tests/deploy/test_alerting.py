@@ -10,7 +10,7 @@ import re
 
 import yaml
 
-from indexer_service.service.metrics import SHED_REASONS
+from indexer_service.service.reasons import ShedReason
 from tests.deploy.support import (
     DEPLOY,
     PROMETHEUS_CONFIG,
@@ -23,7 +23,9 @@ from tests.deploy.support import (
 # Where every runbook_url points: deploy/README.md in the project's repository (deploy/README.md, Monitoring).
 RUNBOOK_BASE = "https://github.com/indexer-service/indexer-service/blob/main/deploy/README.md#"
 DEPLOYMENT_LABELS = {"cluster", "namespace", "job"}
-CALLER_REASONS = {"work_limit", "unread_response"}  # the callers' reasons SHED_REASONS had when this was written
+# The callers' reasons ShedReason had when this was written.
+CALLER_REASONS = {ShedReason.WORK_LIMIT, ShedReason.UNREAD_RESPONSE}
+OVERLOAD_REASONS = {ShedReason.CONCURRENCY, ShedReason.MEMORY, ShedReason.HEAVY_LANE, ShedReason.QUEUE_DEADLINE}
 
 
 def rules_by_name() -> dict[str, dict]:
@@ -80,17 +82,17 @@ def test_shed_reasons_split_into_overload_and_callers_alike_in_rules_and_dashboa
     overload = label_matcher(rules["IndexerShedding"]["expr"], "reason", "=~")
     assert label_matcher(rules["IndexerSheddingSustained"]["expr"], "reason", "=~") == overload
     # Callers': every reason but overload and shutdown, so a reason added later (a flood's) lands there.
-    assert label_matcher(rules["IndexerCallersRefused"]["expr"], "reason", "!~") == overload | {"shutdown"}
-    assert overload == {"concurrency", "memory", "heavy_lane", "queue_deadline"}
-    # The matchers name reasons the server has: a renamed reason must not silently leave a class.
-    assert overload | {"shutdown"} <= set(SHED_REASONS)
-    assert set(SHED_REASONS) - overload - {"shutdown"} >= CALLER_REASONS
+    assert label_matcher(rules["IndexerCallersRefused"]["expr"], "reason", "!~") == overload | {ShedReason.SHUTDOWN}
+    # The matchers name reasons the server has (a StrEnum member equals its label): a renamed reason must not
+    # silently leave a class.
+    assert overload == OVERLOAD_REASONS
+    assert set(ShedReason) - overload - {ShedReason.SHUTDOWN} >= CALLER_REASONS
     assert rules["IndexerCallersRefused"]["labels"]["severity"] == "info"
     # The dashboard's two shed panels use the very same matchers.
     shed = [expr for _, expr in dashboard_targets() if "indexer_requests_shed_total" in expr]
     assert {frozenset(label_matcher(e, "reason", "=~")) for e in shed if 'reason=~"' in e} == {frozenset(overload)}
     assert {frozenset(label_matcher(e, "reason", "!~")) for e in shed if 'reason!~"' in e} == {
-        frozenset(overload | {"shutdown"})
+        frozenset(overload | {ShedReason.SHUTDOWN})
     }
     # No alert but the callers' one counts a caller's reason.
     for name, rule in rules.items():

@@ -354,7 +354,7 @@ def fast_path() -> FastPath:
     where
     the extension is not built: the kernel tests run without it, tests/service/ needs it)."""
     _fastpath = pytest.importorskip(
-        "indexer_service.service.compute._fastpath", reason="service/_fastpath is not built"
+        "indexer_service.service.compute._fastpath", reason="service/compute/_fastpath is not built"
     )
     from indexer_service.service import codec
     from indexer_service.service.config import load_config

@@ -31,7 +31,6 @@ from indexer_service.service.dataplane import DataPlane
 from indexer_service.service.errors import Code, ServiceError
 from indexer_service.service.metrics import Metrics
 from indexer_service.service.overload.admission import Caller
-from indexer_service.service.overload.limits import launch_admission
 from testkit.batches import BatchShape, random_chunk_inputs
 from testkit.fuzzing import FUZZ_LIMITS, chunk_request, rng_draw
 from testkit.paths import REPO
@@ -78,11 +77,9 @@ class Paths:
         metrics = Metrics()
         if strict_ratios is None:
             warmup = Warmup(warmup_keys(config.model), target=None, enabled=False, workers=1, metrics=metrics)
-            admit = None
-        else:
+        else:  # the plane's launch admission: strict_admission of this config, as a server builds it
             config, warmup = dataclasses.replace(config, strict=True), WarmedSet(strict_ratios)
-            admit = launch_admission(warmup)
-        plane = make_plane(config, admit=admit, native_fast_path=fast, metrics=metrics, warmup=warmup)
+        plane = make_plane(config, native_fast_path=fast, metrics=metrics, warmup=warmup)
         plane.readiness.refresh()
         return plane
 

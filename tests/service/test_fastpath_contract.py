@@ -18,7 +18,9 @@ from indexer_service.service.config import load_config
 from indexer_service.service.overload.limits import fast_path_limits
 from testkit.paths import REPO
 
-_fastpath = pytest.importorskip("indexer_service.service.compute._fastpath", reason="service/_fastpath is not built")
+_fastpath = pytest.importorskip(
+    "indexer_service.service.compute._fastpath", reason="service/compute/_fastpath is not built"
+)
 
 STUB = REPO / "service" / "compute" / "_fastpath.pyi"
 

@@ -1,4 +1,4 @@
-"""OpenTelemetry tracing (service/transport/tracing.py) against a real OTLP/HTTP receiver on 127.0.0.1: a server process
+"""OpenTelemetry tracing (service/tracing.py) against a real OTLP/HTTP receiver on 127.0.0.1: a server process
 configured only by OTEL_* variables exports one server span per RPC, gRPC and HTTP, child of the caller's W3C
 traceparent, named after the method, with the code and the request id; with tracing off the process imports
 no OpenTelemetry module and exports nothing."""
@@ -25,7 +25,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 from indexer_service.kernels.inputs import ChunkInputs
 from indexer_service.service.codec import SERVICE_NAME, chunk_inputs_to_proto
 from indexer_service.service.config import ConfigError
-from indexer_service.service.transport.tracing import exporter_names
+from indexer_service.service.tracing import exporter_names
 from testkit.harness import FAST_START, LOOPBACK, clean_env
 from tests.service.conftest import StartServer
 

@@ -1,4 +1,4 @@
-"""Without the compiled fast path (service/_fastpath not built: no C compiler at install, or a kernel-only
+"""Without the compiled fast path (service/compute/_fastpath not built: no C compiler at install, or a kernel-only
 checkout) the service starts, says so once, reports native_fast_path off, and answers through numpy."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from indexer_service.service.process.server import IndexerServer
 from tests.golden import metadata_as_dict
 
 EXTENSION = "indexer_service.service.compute._fastpath"
-NOTICE = "serving without the compiled fast path (service/_fastpath not built)"
+NOTICE = "serving without the compiled fast path (service/compute/_fastpath not built)"
 
 
 @pytest.fixture

@@ -11,6 +11,9 @@ in one place: how a worker is started, what it inherits, what it says, and the f
 - **Inherited sockets**: :data:`SHARED_LISTENERS` names every listening socket the supervisor binds once and every
   worker accepts on, with the settings of its address; a new one is one line there.
 - **Status**: the worker writes :class:`Status` words, one a line, on the status pipe.
+- **The worker's side**: :class:`WorkerLink`, what a worker (and the server it runs, service/process/server.py) uses of
+  all
+  this.
 - **Files** of the runtime directory: the configuration, the replica's readiness (``pod-status``, written by the
   supervisor, read by each worker's ``/readyz``), the warmup lock, the metrics directory, each worker's probe
   socket and the supervisor's own lock (held while it lives, so a later supervisor can tell a dead one's
@@ -19,9 +22,15 @@ in one place: how a worker is started, what it inherits, what it says, and the f
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
+import os
+import socket
 import sys
+import threading
 import typing
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, fields
 from enum import StrEnum
 from pathlib import Path
@@ -125,3 +134,50 @@ def from_json_values(cls: type, values: dict[str, object]) -> typing.Any:
             for f in fields(cls)
         }
     )
+
+
+class WorkerLink:
+    """What a worker shares with its supervisor."""
+
+    def __init__(self, handoff: Handoff) -> None:
+        self.runtime_dir = Path(handoff.runtime_dir)
+        self.slot = handoff.slot
+        self.sockets = handoff.sockets
+        self._status = os.fdopen(handoff.status_fd, "w", buffering=1)
+        self._lock = threading.Lock()
+
+    def report(self, status: Status) -> None:
+        with self._lock:
+            try:
+                self._status.write(status.value + "\n")
+                self._status.flush()
+            except (OSError, ValueError):  # the supervisor is gone; PR_SET_PDEATHSIG ends this process
+                pass
+
+    def report_ready(self, ready: bool) -> None:
+        self.report(Status.READY if ready else Status.NOT_READY)
+
+    def pod_not_ready(self) -> str:
+        """Why the replica is not ready ("" when it is)."""
+        try:
+            return (self.runtime_dir / POD_STATUS_FILE).read_text().strip()
+        except OSError as exc:
+            return f"the supervisor's status is unreadable: {exc}"
+
+    def inherited_socket(self, name: str) -> socket.socket:
+        """The supervisor's listening socket ``name`` (workerproto.SHARED_LISTENERS)."""
+        return socket.socket(fileno=self.sockets[name])
+
+    def probe_socket(self) -> Path:
+        return probe_socket(self.runtime_dir, os.getpid())
+
+    @contextlib.contextmanager
+    def warmup_lock(self) -> Iterator[None]:
+        """One worker warms up at a time: the first compiles into the shared Triton cache, the next ones find
+        every kernel there and load it (milliseconds a key) instead of compiling it again."""
+        with open(self.runtime_dir / WARMUP_LOCK_FILE, "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)

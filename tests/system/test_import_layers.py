@@ -1,0 +1,48 @@
+"""The import layers of pyproject.toml's [tool.importlinter] hold (what `lint-imports` checks): the product never
+imports the tests, their kit or the benchmarks; the kernels never import the service; the transports depend on
+the data plane, never the other way; benchmarks and the test kit never import the tests. And the check is worth
+something: a contract the code breaks fails it, so the packages it reads are the real ones, not none."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from importlinter.cli import lint_imports
+
+from testkit.paths import REPO
+
+
+def run_lint_imports(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], config: Path
+) -> tuple[int, str]:
+    """import-linter's own command on ``config``, from the repository root, without its cache in the tree."""
+    monkeypatch.chdir(REPO)
+    code = lint_imports(config_filename=str(config), no_cache=True, no_logo=True)
+    return code, capsys.readouterr().out
+
+
+def test_every_import_contract_is_kept(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    code, report = run_lint_imports(monkeypatch, capsys, REPO / "pyproject.toml")
+    assert code == 0, report
+    assert "0 broken" in report, report
+
+
+def test_a_broken_contract_fails(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """service/process/server.py builds the data plane, so forbidding that import must fail, naming the import."""
+    config = tmp_path / "broken.toml"
+    config.write_text(
+        "[tool.importlinter]\n"
+        'root_packages = ["indexer_service.service"]\n\n'
+        "[[tool.importlinter.contracts]]\n"
+        'name = "server without dataplane"\n'
+        'type = "forbidden"\n'
+        'source_modules = ["indexer_service.service.process.server"]\n'
+        'forbidden_modules = ["indexer_service.service.dataplane"]\n'
+    )
+    code, report = run_lint_imports(monkeypatch, capsys, config)
+    assert code == 1, report
+    assert "server without dataplane BROKEN" in report, report
+    assert "indexer_service.service.process.server -> indexer_service.service.dataplane" in report, report
