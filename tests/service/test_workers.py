@@ -25,9 +25,10 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from indexer_service.kernels.inputs import ChunkInputs
-from indexer_service.service import cgroups, supervisor
+from indexer_service.service import cgroups
 from indexer_service.service.client import ChannelPool, IndexerClient
 from indexer_service.service.codec import SERVICE_NAME
+from indexer_service.service.process import supervisor
 from indexer_service.service.workerproto import Handoff
 from testkit.harness import INDEXER_SERVICE, LOOPBACK, ServiceProcess, clean_env, http_get, listen_flags, wait_for
 from tests.service.conftest import StartServer, scrape
@@ -164,7 +165,8 @@ def test_sigterm_drains_every_worker_and_exits_0(start_server: StartServer) -> N
     assert not errors, errors[0]
     assert not any(w.is_running() and w.status() != psutil.STATUS_ZOMBIE for w in workers)
     log = server.log()
-    assert log.count("service.server stopped drain_seconds=") == 2 and "service.supervisor stopped" in log, log
+    assert log.count("service.process.server stopped drain_seconds=") == 2, log
+    assert "service.process.supervisor stopped" in log, log
     assert not Path(runtime).exists()
 
 
@@ -231,7 +233,7 @@ def test_one_worker_is_the_single_process(start_server: StartServer) -> None:
     assert workers_of(server) == []
     metrics = scrape(server)
     assert metrics.value("indexer_ready") == 1 and not metrics.samples("indexer_worker_up")
-    assert "service.supervisor" not in server.log()
+    assert "service.process.supervisor" not in server.log()
 
 
 # --- the parts ------------------------------------------------------------------------------------------------
