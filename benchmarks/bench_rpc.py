@@ -31,6 +31,7 @@ import argparse
 import json
 import os
 import signal
+import subprocess
 import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
@@ -41,6 +42,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 
+from benchmarks import loadgen
 from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
 from indexer_service.service.allocator import configure_malloc
 from indexer_service.service.codec import SERVICE_NAME, chunk_inputs_to_proto
@@ -48,7 +50,7 @@ from indexer_service.service.config import load_config
 from indexer_service.service.grpc_server import server_options
 from testkit.batches import make_inputs
 from testkit.fuzzing import Limits, check_answer, judge
-from testkit.harness import ServiceProcess, channel, clean_env, closed_loop, percentile_us, write_json
+from testkit.harness import ServiceProcess, channel, clean_env, write_json
 
 BATCHES = ("small-8", "medium-64", "large-256")
 # The 32-in-flight phase is one client connection with retries off: at the default 32 streams per connection a
@@ -60,7 +62,8 @@ METHOD = f"/{SERVICE_NAME}/BuildChunk"
 P50_TARGET, THROUGHPUT_TARGET = 1.3, 0.75
 AUTO_TARGET = 0.95
 IN_FLIGHT = (8, 32)
-LATENCY_CALLS, LOAD_CALLS = 5_000, 100_000
+# The loaded phases spread their calls over this many connections (loadgen's -connections), as a pool would.
+LOADGEN_CONNECTIONS = 4
 
 
 def serve_echo(canned: Path, port_file: Path) -> None:
@@ -89,8 +92,9 @@ def serve_echo(canned: Path, port_file: Path) -> None:
     server.stop(1).wait()
 
 
-def record_responses(service: ServiceProcess, canned: Path) -> dict[str, bytes]:
-    """Each batch's request bytes; the service's response bytes, checked against numpy, saved for the echo."""
+def record_responses(service: ServiceProcess, canned: Path) -> None:
+    """Each batch's request bytes and the service's response bytes, checked against numpy, saved for the echo and
+    the load generator."""
     limits = Limits(
         max_num_seqs=1024,
         max_num_batched_tokens=131072,
@@ -98,7 +102,6 @@ def record_responses(service: ServiceProcess, canned: Path) -> dict[str, bytes]:
         max_message_bytes=64 * 2**20,
         max_logits_bytes=512 * 2**20,
     )
-    requests = {}
     with channel(service.address) as chan:
         raw = chan.unary_unary(METHOD, request_serializer=None, response_deserializer=None)
         for n, name in enumerate(BATCHES):
@@ -116,31 +119,29 @@ def record_responses(service: ServiceProcess, canned: Path) -> dict[str, bytes]:
                 raise SystemExit(f"the service answered {name} wrongly: {problems}")
             (canned / f"{n}.request").write_bytes(request)
             (canned / f"{n}.response").write_bytes(response)
-            requests[name] = request
-    return requests
 
 
-def measure(address: str, request: bytes, seconds: float) -> dict[str, float]:
-    """p50/p99 with one client, then calls/s at each IN_FLIGHT."""
-    with channel(address) as chan:
-        call = chan.unary_unary(METHOD, request_serializer=None, response_deserializer=pb.BuildChunkResponse.FromString)
+def run_loadgen(binary: Path, address: str, request_file: Path, in_flight: int, seconds: float) -> dict:
+    """One run of the Go load generator (pinned where this process is: off the servers' CPU); its JSON line."""
+    connections = 1 if in_flight == 1 else LOADGEN_CONNECTIONS
+    command = [str(binary), "-address", address, "-request-file", str(request_file), "-method", METHOD]
+    command += ["-in-flight", str(in_flight), "-connections", str(connections), "-seconds", str(seconds)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=seconds + 60)
+    if done.returncode != 0:
+        raise SystemExit(f"the load generator failed: {done.stderr.strip()}")
+    row = json.loads(done.stdout)
+    if row["errors"]:
+        raise SystemExit(f"calls failed at {in_flight} in flight: {row['errors']}")
+    return row
 
-        def one(_: int) -> tuple[grpc.StatusCode, str]:
-            call(request, timeout=60)
-            return grpc.StatusCode.OK, ""
 
-        closed_loop(one, 1, max_calls=20, max_seconds=seconds)  # connection, caches, allocator
-        single = closed_loop(one, 1, max_calls=LATENCY_CALLS, max_seconds=seconds)
-        row = {
-            "calls": len(single.records),
-            "p50_us": percentile_us(single.latencies(), 50),
-            "p99_us": percentile_us(single.latencies(), 99),
-        }
-        for k in IN_FLIGHT:
-            loaded = closed_loop(one, k, max_calls=LOAD_CALLS, max_seconds=seconds)
-            if loaded.problems():
-                raise SystemExit(f"calls failed at {k} in flight: {loaded.problems()[0].problem}")
-            row[f"calls_per_s_{k}"] = loaded.calls_per_second
+def measure(binary: Path, address: str, request_file: Path, seconds: float) -> dict[str, float]:
+    """p50/p99 with one call at a time, then calls/s at each IN_FLIGHT, all from the Go load generator."""
+    single = run_loadgen(binary, address, request_file, 1, seconds)
+    row = {"calls": single["calls"], "p50_us": single["p50_us"], "p99_us": single["p99_us"]}
+    for k in IN_FLIGHT:
+        loaded = run_loadgen(binary, address, request_file, k, seconds)
+        row[f"calls_per_s_{k}"] = loaded["calls"] / loaded["elapsed"]
     return row
 
 
@@ -160,18 +161,19 @@ def _plot(results: dict, path: Path, backends: list[str]) -> None:
         *((f"calls_per_s_{k}", f"calls/s, {k} in flight") for k in IN_FLIGHT),
     ]
     fig, axes = plt.subplots(1, len(metrics), figsize=(4.2 * len(metrics), 3.8))
-    x = np.arange(len(BATCHES))
+    batches = list(results)
+    x = np.arange(len(batches))
     for ax, (key, title) in zip(axes, metrics, strict=True):
         servers = ["echo", *backends]
         width = 0.8 / len(servers)
         for i, server in enumerate(servers):
             ax.bar(
                 x + (i - (len(servers) - 1) / 2) * width,
-                [results[b][server][key] for b in BATCHES],
+                [results[b][server][key] for b in batches],
                 width,
                 label=server,
             )
-        ax.set_xticks(x, BATCHES)
+        ax.set_xticks(x, batches)
         ax.set_yscale("log")
         ax.set_title(title)
     axes[0].legend()
@@ -227,6 +229,7 @@ def main() -> None:
     parser.add_argument(
         "--backend", default="numpy", help="the service's backend(s): numpy, triton, auto, comma-separated"
     )
+    parser.add_argument("--batches", default=",".join(BATCHES), help="which batches, comma-separated")
     parser.add_argument("--no-pin", action="store_true", help="do not pin servers to CPU 0 and the client to CPU 1")
     parser.add_argument("--out", type=Path, help="write the figures as JSON here")
     parser.add_argument("--plot", type=Path, help="write a PNG of the figures here")
@@ -254,7 +257,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-rpc-") as scratch, ExitStack() as stack:
         canned = Path(scratch)
         services = {b: stack.enter_context(ServiceProcess(*service_flags(b), cpus=server_cpus)) for b in backends}
-        requests = record_responses(services[backends[0]], canned)
+        binary = loadgen.binary()
+        record_responses(services[backends[0]], canned)
         for backend in backends[1:]:  # every backend answers the same bytes, checked against numpy too
             other = Path(scratch) / backend
             other.mkdir()
@@ -265,13 +269,14 @@ def main() -> None:
         echo_command = [sys.executable, "-m", "benchmarks.bench_rpc", "--serve-echo", str(canned)]
         echo = stack.enter_context(ServiceProcess(command=echo_command, cpus=server_cpus, env=clean_env()))
         servers = {"echo": echo, **services}
-        for name in BATCHES:
+        for name in args.batches.split(","):
+            n = BATCHES.index(name)
             # Echo and services alternate in short rounds, batch by batch, and each figure is the median of
             # its rounds: a noisy neighbour hits every side, not one whole phase.
             rounds = {server: [] for server in servers}
             for _ in range(args.rounds):
                 for server, process in servers.items():
-                    rounds[server].append(measure(process.address, requests[name], args.seconds))
+                    rounds[server].append(measure(binary, process.address, canned / f"{n}.request", args.seconds))
             results[name] = {server: median_row(rows) for server, rows in rounds.items()}
             print(f"measured {name}", file=sys.stderr)
         if "auto" in services:
@@ -284,7 +289,7 @@ def main() -> None:
     )
     print(header)
     verdicts = {}
-    for name in BATCHES:
+    for name in results:
         echo_row = results[name]["echo"]
         print(
             f"{name:10} {'echo':8} {echo_row['p50_us']:>9,.0f} {echo_row['p99_us']:>9,.0f}"
