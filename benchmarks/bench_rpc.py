@@ -41,6 +41,7 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+import psutil
 
 from benchmarks import loadgen
 from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
@@ -135,13 +136,18 @@ def run_loadgen(binary: Path, address: str, request_file: Path, in_flight: int, 
     return row
 
 
-def measure(binary: Path, address: str, request_file: Path, seconds: float) -> dict[str, float]:
-    """p50/p99 with one call at a time, then calls/s at each IN_FLIGHT, all from the Go load generator."""
-    single = run_loadgen(binary, address, request_file, 1, seconds)
+def measure(binary: Path, server: ServiceProcess, request_file: Path, seconds: float) -> dict[str, float]:
+    """p50/p99 with one call at a time, then calls/s and the server's CPU per call (user + system, microseconds:
+    what a shared machine's neighbours disturb least) at each IN_FLIGHT, all from the Go load generator."""
+    single = run_loadgen(binary, server.address, request_file, 1, seconds)
     row = {"calls": single["calls"], "p50_us": single["p50_us"], "p99_us": single["p99_us"]}
+    process = psutil.Process(server.pid)
     for k in IN_FLIGHT:
-        loaded = run_loadgen(binary, address, request_file, k, seconds)
+        before = sum(process.cpu_times()[:2])
+        loaded = run_loadgen(binary, server.address, request_file, k, seconds)
+        used = sum(process.cpu_times()[:2]) - before
         row[f"calls_per_s_{k}"] = loaded["calls"] / loaded["elapsed"]
+        row[f"server_cpu_us_per_call_{k}"] = used / loaded["calls"] * 1e6
     return row
 
 
@@ -276,7 +282,7 @@ def main() -> None:
             rounds = {server: [] for server in servers}
             for _ in range(args.rounds):
                 for server, process in servers.items():
-                    rounds[server].append(measure(binary, process.address, canned / f"{n}.request", args.seconds))
+                    rounds[server].append(measure(binary, process, canned / f"{n}.request", args.seconds))
             results[name] = {server: median_row(rows) for server, rows in rounds.items()}
             print(f"measured {name}", file=sys.stderr)
         if "auto" in services:
@@ -284,8 +290,10 @@ def main() -> None:
 
     where = "on CPU 0, client on the rest" if pin else "unpinned"
     print(f"BuildChunk over gRPC on 127.0.0.1, ratio 4, backends {','.join(backends)}, servers {where}")
-    header = f"{'batch':10} {'server':8} {'p50 us':>9} {'p99 us':>9}" + "".join(
-        f" {f'calls/s @{k}':>13}" for k in IN_FLIGHT
+    header = (
+        f"{'batch':10} {'server':8} {'p50 us':>9} {'p99 us':>9}"
+        + "".join(f" {f'calls/s @{k}':>13}" for k in IN_FLIGHT)
+        + "".join(f" {f'cpu us/call @{k}':>17}" for k in IN_FLIGHT)
     )
     print(header)
     verdicts = {}
@@ -294,6 +302,7 @@ def main() -> None:
         print(
             f"{name:10} {'echo':8} {echo_row['p50_us']:>9,.0f} {echo_row['p99_us']:>9,.0f}"
             + "".join(f" {echo_row[f'calls_per_s_{k}']:>13,.0f}" for k in IN_FLIGHT)
+            + "".join(f" {echo_row[f'server_cpu_us_per_call_{k}']:>17,.0f}" for k in IN_FLIGHT)
         )
         results[name]["ratios"], results[name]["targets"] = {}, {}
         for backend in backends:
@@ -301,9 +310,13 @@ def main() -> None:
             print(
                 f"{name:10} {backend:8} {row['p50_us']:>9,.0f} {row['p99_us']:>9,.0f}"
                 + "".join(f" {row[f'calls_per_s_{k}']:>13,.0f}" for k in IN_FLIGHT)
+                + "".join(f" {row[f'server_cpu_us_per_call_{k}']:>17,.0f}" for k in IN_FLIGHT)
             )
             ratios = {"p50": row["p50_us"] / echo_row["p50_us"], "p99": row["p99_us"] / echo_row["p99_us"]}
             ratios |= {f"calls_per_s_{k}": row[f"calls_per_s_{k}"] / echo_row[f"calls_per_s_{k}"] for k in IN_FLIGHT}
+            for k in IN_FLIGHT:
+                cpu = f"server_cpu_us_per_call_{k}"
+                ratios[cpu] = row[cpu] / echo_row[cpu]
             met = {f"p50 <= {P50_TARGET}x echo": ratios["p50"] <= P50_TARGET}
             met |= {
                 f"calls/s @{k} >= {THROUGHPUT_TARGET}x echo": ratios[f"calls_per_s_{k}"] >= THROUGHPUT_TARGET
@@ -312,6 +325,7 @@ def main() -> None:
             print(
                 f"{name:10} {'  /echo':8} {ratios['p50']:>8.2f}x {ratios['p99']:>8.2f}x"
                 + "".join(f" {ratios[f'calls_per_s_{k}']:>12.2f}x" for k in IN_FLIGHT)
+                + "".join(f" {ratios[f'server_cpu_us_per_call_{k}']:>16.2f}x" for k in IN_FLIGHT)
                 + "   "
                 + ", ".join(f"{k}: {'met' if v else 'MISSED'}" for k, v in met.items())
             )
