@@ -162,6 +162,8 @@ class ResponseBudget:
         )
 
     def _resize(self, ticket: Ticket, nbytes: int) -> None:
+        if nbytes >= ticket.nbytes:  # as reserved (most calls): only the call's own thread changes nbytes
+            return
         with self._cond:
             if ticket.released or nbytes >= ticket.nbytes:
                 return
