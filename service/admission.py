@@ -112,7 +112,11 @@ class ResponseBudget:
         self.metrics = metrics
         self.wait_seconds = wait_seconds
         self._waiting = waiting
-        self._cond = threading.Condition()
+        # A plain lock (the budget never takes it twice), entered as itself on the per-call paths: a C call, where
+        # the Condition's own ``with`` is a Python method; the Condition only for the waits.
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._waiters = 0  # threads in the wait loop: a release notifies only when there are some
         self._held = 0
         self._by_peer: dict[str, int] = {}
         metrics.response_budget_bytes.set(limit)
@@ -120,7 +124,7 @@ class ResponseBudget:
 
     @property
     def held(self) -> int:
-        with self._cond:
+        with self._lock:
             return self._held
 
     def _fits(self, peer: str, nbytes: int) -> bool:
@@ -140,13 +144,17 @@ class ResponseBudget:
                 "memory",
                 f"response: about {nbytes} bytes, above response_budget_bytes {self.limit}; send a smaller batch",
             )
-        with self._cond:
+        with self._lock:
             if self._fits(peer, nbytes):
                 return self._grant(peer, nbytes)
             with _waiting_room(self._waiting, "memory"):
                 give_up = time.monotonic() + self.wait_seconds
-                while not self._fits(peer, nbytes):
-                    _wait(self._cond, give_up, caller, "memory", self._full_message(peer, nbytes))
+                self._waiters += 1
+                try:
+                    while not self._fits(peer, nbytes):
+                        _wait(self._cond, give_up, caller, "memory", self._full_message(peer, nbytes))
+                finally:
+                    self._waiters -= 1
                 return self._grant(peer, nbytes)
 
     def _full_message(self, peer: str, nbytes: int) -> str:
@@ -164,7 +172,7 @@ class ResponseBudget:
     def _resize(self, ticket: Ticket, nbytes: int) -> None:
         if nbytes >= ticket.nbytes:  # as reserved (most calls): only the call's own thread changes nbytes
             return
-        with self._cond:
+        with self._lock:
             if ticket.released or nbytes >= ticket.nbytes:
                 return
             delta = ticket.nbytes - nbytes
@@ -172,7 +180,7 @@ class ResponseBudget:
             self._take_back(ticket.peer, delta)
 
     def _release(self, ticket: Ticket) -> None:
-        with self._cond:
+        with self._lock:
             if ticket.released:
                 return
             ticket.released = True
@@ -186,7 +194,8 @@ class ResponseBudget:
         else:
             self._by_peer.pop(peer, None)
         self.metrics.response_bytes_held.set(self._held)
-        self._cond.notify_all()
+        if self._waiters:
+            self._cond.notify_all()
 
 
 class HeavyLane:
