@@ -76,8 +76,13 @@ class _Family:
         self._lock = threading.Lock()
         registry.register(self)
 
-    def labels(self, *values: str) -> object:
-        """The child of ``values`` (positional, in the order of the label names), made on first use."""
+    def labels(self, *values: str, **by_name: str) -> object:
+        """The child of ``values`` (in the order of the label names) or ``by_name``, as prometheus_client's
+        ``labels``; made on first use."""
+        if by_name:
+            if values or set(by_name) != set(self._labelnames):
+                raise ValueError(f"{self._name}: labels {self._labelnames}, by position or by name; got {by_name!r}")
+            values = tuple(by_name[name] for name in self._labelnames)
         if len(values) != len(self._labelnames):
             raise ValueError(f"{self._name}: {len(self._labelnames)} label values expected, got {values!r}")
         values = tuple(str(v) for v in values)

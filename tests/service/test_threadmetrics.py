@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import threading
 
+import pytest
 from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -80,3 +81,11 @@ def test_thread_gauge_sums_every_threads_moves() -> None:
         thread.join()
     assert samples(ours)[("in_flight", (("method", "BuildChunk"),))] == 0
     assert same(ours, theirs)
+
+
+def test_children_by_position_or_by_name_are_the_same() -> None:
+    histogram = ThreadHistogram("y_seconds", "Help.", ["method", "code"], LATENCY_BUCKETS, CollectorRegistry())
+    assert histogram.labels("BuildChunk", "OK") is histogram.labels(code="OK", method="BuildChunk")
+    for wrong in ((("BuildChunk",), {}), ((), {"method": "BuildChunk"}), (("BuildChunk",), {"code": "OK"})):
+        with pytest.raises(ValueError):
+            histogram.labels(*wrong[0], **wrong[1])
