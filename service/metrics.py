@@ -23,7 +23,7 @@ from typing import TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
-from indexer_service.service.threadmetrics import ThreadGauge, ThreadHistogram
+from indexer_service.service.threadmetrics import LevelGauge, ThreadGauge, ThreadHistogram
 from indexer_service.service.version import build_labels
 
 M = TypeVar("M", Counter, Gauge, Histogram, ThreadGauge, ThreadHistogram)
@@ -86,6 +86,13 @@ def per_call_gauge(
     if multiprocess_dir() is None:
         return ThreadGauge(name, documentation, labelnames, registry)
     return Gauge(name, documentation, labelnames, registry=registry, multiprocess_mode="livesum")
+
+
+def per_call_level_gauge(name: str, documentation: str, registry: CollectorRegistry) -> Gauge | LevelGauge:
+    """An unlabelled gauge every call sets, as :func:`per_call_histogram`; with workers, their sum (``livesum``)."""
+    if multiprocess_dir() is None:
+        return LevelGauge(name, documentation, registry)
+    return Gauge(name, documentation, registry=registry, multiprocess_mode="livesum")
 
 
 def _ready_gauge(registry: CollectorRegistry) -> Gauge:
@@ -187,11 +194,8 @@ class Metrics:
             "indexer_requests_in_flight", "RPCs being served right now.", ["method"], registry=r
         )
         self.requests_shed_total = _shed_counter(r)
-        self.response_bytes_held = Gauge(
-            "indexer_response_bytes_held",
-            "Bytes of responses being built, queued or not yet read.",
-            registry=r,
-            multiprocess_mode="livesum",
+        self.response_bytes_held = per_call_level_gauge(
+            "indexer_response_bytes_held", "Bytes of responses being built, queued or not yet read.", registry=r
         )
         self.response_budget_bytes = Gauge(
             "indexer_response_budget_bytes",

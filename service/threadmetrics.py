@@ -1,8 +1,8 @@
-"""Histograms and up-down gauges of the per-call path whose updates take no lock (service/metrics.py uses them
+"""Histograms and gauges of the per-call path whose updates take no lock (service/metrics.py uses them
 in a single process; with workers, prometheus_client's own, which write the multiprocess files).
 
 prometheus_client's Histogram takes a lock twice per observation (its sum, then its bucket) and its Gauge once
-per ``inc``/``dec``: a small BuildChunk touched seven of them, 9-10 us of its ~20 us in the data plane measured
+per ``inc``/``dec``/``set``: a small BuildChunk touched nine of them, 9-10 us of its ~20 us in the data plane measured
 in process (benchmarks/RESULTS.md, "Per-call cost"). Here each thread that records into a child owns its cells (a
 list nobody else writes), found through a ``threading.local``; a scrape sums every thread's cells. A lock is
 taken only when a thread records into a child for the first time, which also folds the cells of threads that
@@ -189,3 +189,23 @@ class ThreadGauge(_Family):
         for values, child in self._items():
             family.add_metric(list(values), child.value())
         yield family
+
+
+class LevelGauge:
+    """An unlabelled gauge whose ``set`` takes no lock: the value is one attribute, stored whole (its writers are
+    ordered by a lock of their own: the response budget's)."""
+
+    def __init__(self, name: str, documentation: str, registry: CollectorRegistry) -> None:
+        self._name = name
+        self._documentation = documentation
+        self._value = 0.0
+        registry.register(self)
+
+    def set(self, value: float) -> None:
+        self._value = value
+
+    def describe(self) -> list[Metric]:
+        return [GaugeMetricFamily(self._name, self._documentation)]
+
+    def collect(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily(self._name, self._documentation, value=float(self._value))

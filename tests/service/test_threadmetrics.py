@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_late
 from prometheus_client.parser import text_string_to_metric_families
 
 from indexer_service.service.metrics import LATENCY_BUCKETS
-from indexer_service.service.threadmetrics import ThreadGauge, ThreadHistogram
+from indexer_service.service.threadmetrics import LevelGauge, ThreadGauge, ThreadHistogram
 
 
 def samples(registry: CollectorRegistry) -> dict[tuple[str, tuple], float]:
@@ -89,3 +89,15 @@ def test_children_by_position_or_by_name_are_the_same() -> None:
     for wrong in ((("BuildChunk",), {}), ((), {"method": "BuildChunk"}), (("BuildChunk",), {"code": "OK"})):
         with pytest.raises(ValueError):
             histogram.labels(*wrong[0], **wrong[1])
+
+
+def test_level_gauge_exposes_its_last_value_as_prometheus_client_does() -> None:
+    ours, theirs = CollectorRegistry(), CollectorRegistry()
+    mine = LevelGauge("held_bytes", "Help.", ours)
+    reference = Gauge("held_bytes", "Help.", registry=theirs)
+    assert same(ours, theirs)
+    for value in (5, 1 << 40, 0, 3):
+        mine.set(value)
+        reference.set(value)
+    assert same(ours, theirs)
+    assert samples(ours)[("held_bytes", ())] == 3
