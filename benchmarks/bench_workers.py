@@ -80,14 +80,9 @@ def client_main(address: str, request_file: str, threads: int, seconds: float, c
 
 
 def go_loadgen() -> Path | None:
-    """The Go load generator's binary: built here where Go is, else one built elsewhere and carried here (a host
-    without Go); None, with a warning, when neither."""
-    why = loadgen.missing()
-    if why and loadgen.BINARY.is_file():
-        print(f"Go load generator: {loadgen.BINARY} as it is ({why})", file=sys.stderr)
-        return loadgen.BINARY
+    """The Go load generator's binary (benchmarks/loadgen); None, with a warning, when there is none."""
     try:
-        return loadgen.build()
+        return loadgen.binary()
     except RuntimeError as exc:
         print(f"warning: no Go load generator ({exc}); falling back to --loadgen python", file=sys.stderr)
         return None

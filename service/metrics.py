@@ -24,9 +24,10 @@ from typing import TypeVar
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
 from indexer_service.service.reasons import HttpRefusal, RestartReason
+from indexer_service.service.threadmetrics import LevelGauge, ThreadGauge, ThreadHistogram
 from indexer_service.service.version import build_labels
 
-M = TypeVar("M", Counter, Gauge, Histogram)
+M = TypeVar("M", Counter, Gauge, Histogram, ThreadGauge, ThreadHistogram)
 
 # Request latency spans ~100 us (tiny batch, loopback) to seconds (huge batch through the interpreter).
 LATENCY_BUCKETS = (
@@ -42,6 +43,32 @@ UNKNOWN_METHOD = "unknown"
 # Metric types whose values add up over processes: a dead process's are folded into one file of retired values.
 RETIRED_TYPES = ("counter", "histogram", "summary")
 _FILES_LOCK = "files.lock"  # scrapes read the multiprocess files under it shared; retiring a process, exclusive
+
+
+def per_call_histogram(
+    name: str, documentation: str, labelnames: list[str], buckets: tuple[float, ...], registry: CollectorRegistry
+) -> Histogram | ThreadHistogram:
+    """A histogram every call records into: lock-free in a single process (service/threadmetrics.py),
+    prometheus_client's with workers (the multiprocess files are what a scrape reads)."""
+    if multiprocess_dir() is None:
+        return ThreadHistogram(name, documentation, labelnames, buckets, registry)
+    return Histogram(name, documentation, labelnames, buckets=buckets, registry=registry)
+
+
+def per_call_gauge(
+    name: str, documentation: str, labelnames: list[str], registry: CollectorRegistry
+) -> Gauge | ThreadGauge:
+    """An up-down gauge every call moves, as :func:`per_call_histogram`; with workers, their sum (``livesum``)."""
+    if multiprocess_dir() is None:
+        return ThreadGauge(name, documentation, labelnames, registry)
+    return Gauge(name, documentation, labelnames, registry=registry, multiprocess_mode="livesum")
+
+
+def per_call_level_gauge(name: str, documentation: str, registry: CollectorRegistry) -> Gauge | LevelGauge:
+    """An unlabelled gauge every call sets, as :func:`per_call_histogram`; with workers, their sum (``livesum``)."""
+    if multiprocess_dir() is None:
+        return LevelGauge(name, documentation, registry)
+    return Gauge(name, documentation, registry=registry, multiprocess_mode="livesum")
 
 
 def _ready_gauge(registry: CollectorRegistry) -> Gauge:
@@ -112,24 +139,24 @@ class Metrics:
             "Kernel compiles (including disk-cache loads) after the server turned ready; should stay 0.",
             registry=r,
         )
-        self.request_duration_seconds = Histogram(
+        self.request_duration_seconds = per_call_histogram(
             "indexer_request_duration_seconds",
             "RPC latency inside the server, by method and gRPC status code.",
             ["method", "code"],
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
-        self.backend_duration_seconds = Histogram(
+        self.backend_duration_seconds = per_call_histogram(
             "indexer_backend_duration_seconds",
             "Seconds spent in the compute backend per RPC.",
             ["method", "backend"],
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
-        self.request_query_tokens = Histogram(
+        self.request_query_tokens = per_call_histogram(
             "indexer_request_query_tokens", "Query tokens per RPC.", ["method"], buckets=TOKEN_BUCKETS, registry=r
         )
-        self.request_batch_requests = Histogram(
+        self.request_batch_requests = per_call_histogram(
             "indexer_request_batch_requests",
             "Requests (sequences) per RPC.",
             ["method"],
@@ -142,19 +169,12 @@ class Metrics:
             ["method", "code"],
             registry=r,
         )
-        self.requests_in_flight = Gauge(
-            "indexer_requests_in_flight",
-            "RPCs being served right now.",
-            ["method"],
-            registry=r,
-            multiprocess_mode="livesum",
+        self.requests_in_flight = per_call_gauge(
+            "indexer_requests_in_flight", "RPCs being served right now.", ["method"], registry=r
         )
         self.requests_shed_total = _shed_counter(r)
-        self.response_bytes_held = Gauge(
-            "indexer_response_bytes_held",
-            "Bytes of responses being built, queued or not yet read.",
-            registry=r,
-            multiprocess_mode="livesum",
+        self.response_bytes_held = per_call_level_gauge(
+            "indexer_response_bytes_held", "Bytes of responses being built, queued or not yet read.", registry=r
         )
         self.response_budget_bytes = Gauge(
             "indexer_response_budget_bytes",

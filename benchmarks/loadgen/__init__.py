@@ -10,6 +10,7 @@ missing it says so: scripts/install-client-tools.sh installs them.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from testkit.gobuild import go_build, go_grpc_missing
@@ -30,3 +31,13 @@ def build() -> Path:
         raise RuntimeError(why)
     go_build(HERE, ".", BINARY, CGO_ENABLED="0", GOOS="linux", GOARCH="amd64")
     return BINARY
+
+
+def binary() -> Path:
+    """The load generator's binary: built here where Go is, else one built elsewhere and carried here (a host
+    without Go); RuntimeError says why there is neither."""
+    why = missing()
+    if why and BINARY.is_file():
+        print(f"Go load generator: {BINARY} as it is ({why})", file=sys.stderr)
+        return BINARY
+    return build()

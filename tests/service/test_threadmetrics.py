@@ -1,0 +1,103 @@
+"""The lock-free per-call metrics (service/threadmetrics.py) expose what prometheus_client's own would, for the
+same observations from many threads, threads that ended included."""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import pytest
+from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from indexer_service.service.metrics import LATENCY_BUCKETS
+from indexer_service.service.threadmetrics import LevelGauge, ThreadGauge, ThreadHistogram
+
+
+def samples(registry: CollectorRegistry) -> dict[tuple[str, tuple], float]:
+    """Every sample of the text exposition, but the ``_created`` timestamps (each family's own creation time)."""
+    text = generate_latest(registry).decode()
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if not sample.name.endswith("_created")
+    }
+
+
+def same(ours: CollectorRegistry, theirs: CollectorRegistry) -> bool:
+    """The same samples with the same values (sums to rounding: ours adds each thread's apart)."""
+    mine, reference = samples(ours), samples(theirs)
+    return mine.keys() == reference.keys() and all(math.isclose(mine[k], reference[k]) for k in mine)
+
+
+def test_thread_histogram_exposes_what_prometheus_client_does() -> None:
+    ours, theirs = CollectorRegistry(), CollectorRegistry()
+    mine = ThreadHistogram("x_seconds", "Help.", ["method", "code"], LATENCY_BUCKETS, ours)
+    reference = Histogram("x_seconds", "Help.", ["method", "code"], buckets=LATENCY_BUCKETS, registry=theirs)
+    values = [0.0, 0.0001, 0.00011, 0.003, 0.1, 9.99, 10.0, 11.0, 1e-9]  # bounds, between, above the last
+
+    def record(n: int) -> None:
+        for value in values:
+            for method in ("BuildChunk", "PlanBatch"):
+                mine.labels(method, "OK").observe(value * n)
+                reference.labels(method, "OK").observe(value * n)
+
+    threads = [threading.Thread(target=record, args=(n,)) for n in range(1, 9)]
+    for thread in threads[:4]:  # these end before the others start: their cells are folded into the base
+        thread.start()
+        thread.join()
+    for thread in threads[4:]:
+        thread.start()
+    for thread in threads[4:]:
+        thread.join()
+    record(1)  # this thread's own cells, still alive
+    assert same(ours, theirs)
+    assert 'x_seconds_created{code="OK",method="BuildChunk"}' in generate_latest(ours).decode()
+
+
+def test_thread_gauge_sums_every_threads_moves() -> None:
+    ours, theirs = CollectorRegistry(), CollectorRegistry()
+    mine = ThreadGauge("in_flight", "Help.", ["method"], ours)
+    reference = Gauge("in_flight", "Help.", ["method"], registry=theirs)
+    entered, leave = threading.Barrier(5), threading.Event()
+
+    def call() -> None:  # in, wait while the others are in too, out: as a call in the data plane
+        for gauge in (mine, reference):
+            gauge.labels("BuildChunk").inc()
+        entered.wait(10)
+        leave.wait(10)
+        for gauge in (mine, reference):
+            gauge.labels("BuildChunk").dec()
+
+    threads = [threading.Thread(target=call) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    entered.wait(10)
+    assert same(ours, theirs)
+    assert samples(ours)[("in_flight", (("method", "BuildChunk"),))] == 4
+    leave.set()
+    for thread in threads:
+        thread.join()
+    assert samples(ours)[("in_flight", (("method", "BuildChunk"),))] == 0
+    assert same(ours, theirs)
+
+
+def test_children_by_position_or_by_name_are_the_same() -> None:
+    histogram = ThreadHistogram("y_seconds", "Help.", ["method", "code"], LATENCY_BUCKETS, CollectorRegistry())
+    assert histogram.labels("BuildChunk", "OK") is histogram.labels(code="OK", method="BuildChunk")
+    for wrong in ((("BuildChunk",), {}), ((), {"method": "BuildChunk"}), (("BuildChunk",), {"code": "OK"})):
+        with pytest.raises(ValueError):
+            histogram.labels(*wrong[0], **wrong[1])
+
+
+def test_level_gauge_exposes_its_last_value_as_prometheus_client_does() -> None:
+    ours, theirs = CollectorRegistry(), CollectorRegistry()
+    mine = LevelGauge("held_bytes", "Help.", ours)
+    reference = Gauge("held_bytes", "Help.", registry=theirs)
+    assert same(ours, theirs)
+    for value in (5, 1 << 40, 0, 3):
+        mine.set(value)
+        reference.set(value)
+    assert same(ours, theirs)
+    assert samples(ours)[("held_bytes", ())] == 3
