@@ -461,22 +461,23 @@ def _idle_connections(server: ServiceProcess, port: int, count: int, greeting: b
     return figures
 
 
-def idle_connections_grpc(bench: Bench) -> dict:
-    """15,000 connections to the RPC port that send the HTTP/2 preface and nothing else."""
+def _idle_preface_connections(bench: Bench, port_of: Callable[[ServiceProcess], int], where: str) -> dict:
+    """15,000 connections to one of the server's gRPC ports that send the HTTP/2 preface and nothing else."""
     server = bench.serve()
     count = _scaled(15_000)
-    figures = _idle_connections(server, server.grpc_port, count, H2_PREFACE, DEFAULT_IDLE_CONNECTION_SECONDS + 30.0)
-    figures["tried"] = f"{count} idle gRPC connections (preface only) on the RPC port"
+    figures = _idle_connections(server, port_of(server), count, H2_PREFACE, DEFAULT_IDLE_CONNECTION_SECONDS + 30.0)
+    figures["tried"] = f"{count} idle gRPC connections (preface only) on the {where}"
     return figures
+
+
+def idle_connections_grpc(bench: Bench) -> dict:
+    """15,000 idle connections (preface only) on the RPC port."""
+    return _idle_preface_connections(bench, lambda server: server.grpc_port, "RPC port")
 
 
 def idle_connections_health(bench: Bench) -> dict:
-    """15,000 connections to the health port that send the HTTP/2 preface and nothing else."""
-    server = bench.serve()
-    count = _scaled(15_000)
-    figures = _idle_connections(server, server.health_port, count, H2_PREFACE, DEFAULT_IDLE_CONNECTION_SECONDS + 30.0)
-    figures["tried"] = f"{count} idle gRPC connections (preface only) on the health port"
-    return figures
+    """15,000 idle connections (preface only) on the health port."""
+    return _idle_preface_connections(bench, lambda server: server.health_port, "health port")
 
 
 def tls_half_open(bench: Bench) -> dict:

@@ -36,9 +36,8 @@ import numpy as np
 
 from benchmarks.bench_rpc import METHOD, SERVICE_FLAGS
 from benchmarks.bench_workers import go_loadgen
-from indexer_service.service.codec import chunk_inputs_to_proto
-from testkit.batches import make_inputs
-from testkit.harness import ServiceProcess, write_json
+from testkit.batches import request_files
+from testkit.harness import ServiceProcess, start_all, write_json
 
 TARGET = 0.8
 MANY_PER_ADDRESS = 4
@@ -105,17 +104,10 @@ def main() -> None:
         b: {s: {"one": [], "many": []} for s in shapes} for b in batches
     }
     with tempfile.TemporaryDirectory(prefix="bench-shapes-") as scratch:
-        requests = {}
-        for b in batches:
-            requests[b] = Path(scratch) / f"{b}.request"
-            requests[b].write_bytes(chunk_inputs_to_proto(make_inputs(b)).SerializeToString())
+        requests = request_files(batches, Path(scratch))
         every = [*pods, replica]
         try:
-            for server in every:
-                server.start()
-            for server in every:
-                server.wait_listening()
-                server.wait_ready()
+            start_all(every)
             for r in range(args.rounds):
                 order = list(shapes) if r % 2 == 0 else list(reversed(shapes))
                 for b in batches:

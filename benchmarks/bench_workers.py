@@ -42,9 +42,8 @@ import psutil
 from benchmarks import loadgen
 from benchmarks.bench_rpc import METHOD, SERVICE_FLAGS
 from indexer_service.service.client import ChannelPool
-from indexer_service.service.codec import chunk_inputs_to_proto
-from testkit.batches import make_inputs
-from testkit.harness import ServiceProcess, channel, closed_loop, percentile_us, write_json
+from testkit.batches import request_files
+from testkit.harness import ServiceProcess, channel, closed_loop, percentile_us, start_all, write_json
 
 IN_FLIGHT = 32  # the target's load
 TARGET = 0.8
@@ -247,10 +246,7 @@ def main() -> None:
     batches = args.batches.split(",")
     results: dict[str, dict] = {b: {n: [] for n in counts} for b in batches}
     with tempfile.TemporaryDirectory(prefix="bench-workers-") as scratch:
-        requests = {}
-        for b in batches:
-            requests[b] = Path(scratch) / f"{b}.request"
-            requests[b].write_bytes(chunk_inputs_to_proto(make_inputs(b)).SerializeToString())
+        requests = request_files(batches, Path(scratch))
         flags = (*SERVICE_FLAGS, "--backend", "numpy", "--pin-workers", args.pin_workers)
         servers = {n: ServiceProcess(*flags, "--workers", str(n), cpus=set(cpus[:n]) if pin else None) for n in counts}
         separate = {
@@ -259,11 +255,7 @@ def main() -> None:
         }
         every = [*servers.values(), *(s for group in separate.values() for s in group)]
         try:
-            for server in every:
-                server.start()
-            for server in every:
-                server.wait_listening()
-                server.wait_ready()
+            start_all(every)
             for r in range(args.rounds):
                 for b in batches:
                     for n in counts:

@@ -4,6 +4,7 @@ the benchmarks (test code, out of the product package)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -68,3 +69,15 @@ def make_inputs(name: str) -> ChunkInputs:
     requests, tokens, context = BATCHES[name]
     qsl, seq = batch_with_tokens(np.random.default_rng(len(name)), requests, tokens, context)
     return ChunkInputs(qsl, seq, RATIO, 0, requests)
+
+
+def request_files(names: list[str], folder: Path) -> dict[str, Path]:
+    """Each named batch (:func:`make_inputs`) as a serialized BuildChunkRequest in ``folder``: what the Go load
+    generator sends as it is."""
+    from indexer_service.service.codec import chunk_inputs_to_proto
+
+    files = {}
+    for name in names:
+        files[name] = folder / f"{name}.request"
+        files[name].write_bytes(chunk_inputs_to_proto(make_inputs(name)).SerializeToString())
+    return files

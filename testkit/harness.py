@@ -400,3 +400,13 @@ def write_json(path: Path | None, payload: object) -> None:
 
 def mib(n: float) -> float:
     return n / 2**20
+
+
+def start_all(servers: Iterable[ServiceProcess]) -> None:
+    """Start every server, then wait until each listens and is ready: their start-ups overlap."""
+    servers = list(servers)
+    for server in servers:
+        server.start()
+    for server in servers:
+        server.wait_listening()
+        server.wait_ready()

@@ -14,17 +14,25 @@ def socket_address(host: str, port: int) -> tuple[socket.AddressFamily, tuple]:
     return family, ((host, port, 0, 0) if family == socket.AF_INET6 else (host, port))
 
 
-def listen_tcp(host: str, port: int, what: str) -> socket.socket:
-    """A TCP socket listening on ``host:port`` (0: any free port), or OSError "cannot bind <what> to host:port"."""
+def bind_tcp(host: str, port: int, what: str, option: int | None = None) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (0: any free port) with the SOL_SOCKET ``option`` set (SO_REUSEADDR,
+    SO_REUSEPORT; None: no option), or OSError "cannot bind <what> to host:port"."""
     from indexer_service.service.transport.grpc_server import host_port
 
     family, address = socket_address(host, port)
     sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if option is not None:
+        sock.setsockopt(socket.SOL_SOCKET, option, 1)
     try:
         sock.bind(address)
     except OSError as exc:
         sock.close()
         raise OSError(f"cannot bind {what} to {host_port(host, port)}: {exc}") from None
+    return sock
+
+
+def listen_tcp(host: str, port: int, what: str) -> socket.socket:
+    """A TCP socket listening on ``host:port`` (0: any free port), or OSError "cannot bind <what> to host:port"."""
+    sock = bind_tcp(host, port, what, socket.SO_REUSEADDR)
     sock.listen(BACKLOG)
     return sock

@@ -61,7 +61,7 @@ from indexer_service.service.config import ServiceConfig
 from indexer_service.service.metrics import retire_process
 from indexer_service.service.overload.allocator import IdleTrim, configure_malloc
 from indexer_service.service.process.lifecycle import ShutdownSignals
-from indexer_service.service.process.listeners import listen_tcp, socket_address
+from indexer_service.service.process.listeners import bind_tcp, listen_tcp
 from indexer_service.service.reasons import RestartReason
 from indexer_service.service.workerproto import (
     CONFIG_FILE,
@@ -119,24 +119,9 @@ def resolve_workers(setting: int) -> tuple[int, str]:
 def reserve_grpc_port(host: str, port: int) -> tuple[socket.socket, int]:
     """Own ``host:port`` for this replica's workers: refused if anyone holds it (bound without SO_REUSEPORT
     first), then held by an SO_REUSEPORT socket that never listens, which the workers' listeners join."""
-    from indexer_service.service.transport.grpc_server import host_port
-
-    family, address = socket_address(host, port)
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        try:
-            probe.bind(address)
-        except OSError as exc:
-            raise OSError(f"cannot bind gRPC to {host_port(host, port)}: {exc}") from None
+    with bind_tcp(host, port, "gRPC") as probe:
         port = probe.getsockname()[1]
-    family, address = socket_address(host, port)
-    held = socket.socket(family, socket.SOCK_STREAM)
-    held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    try:
-        held.bind(address)
-    except OSError as exc:
-        held.close()
-        raise OSError(f"cannot bind gRPC to {host_port(host, port)}: {exc}") from None
-    return held, port
+    return bind_tcp(host, port, "gRPC", socket.SO_REUSEPORT), port
 
 
 # --- the runtime directory ---------------------------------------------------------------------------------
@@ -207,6 +192,15 @@ class Slot:
     hung_seconds: float | None = None  # set when the supervisor killed it for not answering
     probe: WorkerProbe | None = None
     pids: list[int] = field(default_factory=list)
+
+    def close_channels(self) -> None:
+        """Close what the supervisor holds to talk to this slot's process: the status pipe and the probe channel."""
+        if self.status_fd >= 0:
+            os.close(self.status_fd)
+            self.status_fd = -1
+        if self.probe is not None:
+            self.probe.close()
+            self.probe = None
 
     @property
     def label(self) -> str:
@@ -451,12 +445,7 @@ class Supervisor:
     def _exited(self, slot: Slot) -> None:
         process = slot.process
         code = process.returncode
-        if slot.status_fd >= 0:
-            os.close(slot.status_fd)
-            slot.status_fd = -1
-        if slot.probe is not None:
-            slot.probe.close()
-            slot.probe = None
+        slot.close_channels()
         probe_socket(self.runtime.path, process.pid).unlink(missing_ok=True)
         lived = time.monotonic() - slot.started_at
         slot.process, slot.listening, slot.ready = None, False, False
@@ -572,12 +561,7 @@ class Supervisor:
             if slot.process is not None and slot.process.poll() is None:
                 slot.process.kill()
                 slot.process.wait()
-            if slot.status_fd >= 0:
-                os.close(slot.status_fd)
-                slot.status_fd = -1
-            if slot.probe is not None:
-                slot.probe.close()
-                slot.probe = None
+            slot.close_channels()
         if self.health_server is not None:
             self.health_server.stop(0).wait()
             self.health.close()

@@ -7,12 +7,11 @@ The full-size floods are rows of ``python -m benchmarks.attack`` (refused-flood,
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 
 import pytest
 
 from testkit.h2raw import call_loop_parallel
-from testkit.harness import FAST_START, LOOPBACK, ServiceProcess, poll, scrape
+from testkit.harness import LOOPBACK, ServiceProcess, poll, scrape
 from testkit.observe import Callers
 from testkit.payloads import AMPLIFIER_PLAN_BATCH, BUILD_CHUNK_PATH, PLAN_BATCH_PATH, SMALL_BUILD_CHUNK
 from testkit.siege import ERRORS, SHED, Siege, counter_delta
@@ -25,21 +24,6 @@ CONTROL_SECONDS = 2.0
 PROBES_IN_TIME = 0.99  # the issue's 99.9 %, with slack for a few seconds on a shared 2-core machine
 # The victim may miss at most this share more than in its control (the issue's target is 99 % OK).
 VICTIM_SLACK = 0.01
-
-
-@pytest.fixture
-def serve() -> Iterator:
-    """``serve(*flags)``: a ready FAST_START server with these flags, killed after the test."""
-    started: list[ServiceProcess] = []
-
-    def start(*flags: str) -> ServiceProcess:
-        server = ServiceProcess(*FAST_START, *flags)
-        started.append(server)
-        return server.__enter__()
-
-    yield start
-    for server in started:
-        server.kill()
 
 
 def control(server: ServiceProcess) -> Siege:

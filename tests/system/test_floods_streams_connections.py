@@ -9,12 +9,11 @@ server may take to close what it must (its own timeouts, with slack for a loaded
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 
 import pytest
 import trustme
 
-from testkit.harness import FAST_START, LOOPBACK, ServiceProcess, mib, poll
+from testkit.harness import LOOPBACK, ServiceProcess, mib, poll
 from testkit.http1raw import IdleConnections
 from testkit.observe import FreshClients
 from testkit.payloads import CLIENT_HELLO_START, H2_PREFACE
@@ -25,20 +24,6 @@ from tests.system.test_hardening_abuse import describe, idle_rss, probe_report
 pytestmark = pytest.mark.timeout(180)
 
 TARGET = 0.99  # the issue's: the victim's calls and a fresh client's, and the probes, in time
-
-
-@pytest.fixture
-def serve() -> Iterator:
-    started: list[ServiceProcess] = []
-
-    def start(*flags: str) -> ServiceProcess:
-        server = ServiceProcess(*FAST_START, *flags)
-        started.append(server)
-        return server.__enter__()
-
-    yield start
-    for server in started:
-        server.kill()
 
 
 def watched(server: ServiceProcess, seconds: float, victim: bool = True) -> tuple[Siege, FreshClients]:

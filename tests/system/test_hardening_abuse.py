@@ -13,14 +13,12 @@ from __future__ import annotations
 
 import signal
 import time
-from collections.abc import Iterator
 
 import grpc
 import pytest
 
 from testkit.h2raw import StalledStreams, rapid_reset_parallel
 from testkit.harness import (
-    FAST_START,
     LOOPBACK,
     ServiceProcess,
     channel,
@@ -59,21 +57,6 @@ BIG_ANSWER = big_answer_build_chunk().SerializeToString()  # 140 bytes in, ~64 M
 # protect the light callers from it.
 HEAVY_PLAN = one_row_chunks_plan_batch(1000).SerializeToString()
 PROBES_IN_TIME = 0.99  # of probes answered within 1 s (the issue's 99.9 %, with slack for a bounded run)
-
-
-@pytest.fixture
-def serve() -> Iterator:
-    """``serve(*flags)``: a ready FAST_START server with these flags, killed after the test."""
-    started: list[ServiceProcess] = []
-
-    def start(*flags: str) -> ServiceProcess:
-        server = ServiceProcess(*FAST_START, *flags)
-        started.append(server)
-        return server.__enter__()
-
-    yield start
-    for server in started:
-        server.kill()
 
 
 def describe(siege: Siege) -> str:
