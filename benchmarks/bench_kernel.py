@@ -4,8 +4,7 @@
 
 Without a GPU: the numpy backend against ``np.copyto`` of the same output bytes (the memory-copy floor), and so
 is the compiled fast path that serves BuildChunk with the numpy backend (service/compute/fastpath.c), timed as the
-server
-calls it: request bytes in, response bytes out (parse, validation and encoding included).
+server calls it: request bytes in, response bytes out (parse, validation and encoding included).
 With a GPU, also: the kernel alone (CUDA-graph replay) against a device copy of its output bytes; the
 same kernel with Triton's default scalar specialization (what ``do_not_specialize`` costs or saves); the
 service's host round trip (validation, one copy in, launch, one copy out) against numpy; and a whole

@@ -209,7 +209,7 @@ class DataPlane:
         """Serve one RPC: the response message's wire bytes, which both transports send as they are; raises
         only :class:`ServiceError`. ``request`` is a message, or its serialized bytes (undecodable bytes are
         INVALID_ARGUMENT naming ``where``). ``caller`` is the transport's view of the call (see
-        :class:`~service.admission.Caller`): a build checks ``caller.gone()`` between its phases and stops, and
+        :class:`~service.overload.admission.Caller`): a build checks ``caller.gone()`` between its phases and stops, and
         on success ``caller.ticket`` holds the answer's bytes in the response budget until the transport
         releases it. Without a caller the ticket is released on return."""
         in_flight, served_ok = self._call_metrics[method]

@@ -1,6 +1,5 @@
 """The protocol between the supervisor (service/process/supervisor.py) and its workers (service/process/worker.py),
-both sides
-in one place: how a worker is started, what it inherits, what it says, and the files they share.
+both sides in one place: how a worker is started, what it inherits, what it says, and the files they share.
 
 - **Start**: ``python -m indexer_service.service.process.worker HANDOFF``, HANDOFF one JSON object (:class:`Handoff`):
   the
@@ -17,7 +16,7 @@ in one place: how a worker is started, what it inherits, what it says, and the f
 - **Files** of the runtime directory: the configuration, the replica's readiness (``pod-status``, written by the
   supervisor, read by each worker's ``/readyz``), the warmup lock, the metrics directory, each worker's probe
   socket and the supervisor's own lock (held while it lives, so a later supervisor can tell a dead one's
-  directory, :func:`service.supervisor.remove_leftovers`).
+  directory, :func:`service.process.supervisor.remove_leftovers`).
 """
 
 from __future__ import annotations

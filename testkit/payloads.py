@@ -14,8 +14,7 @@ PLAN_BATCH_PATH = f"{SERVICE_PATH}/PlanBatch"
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 2**20  # the server's default max_message_bytes
 DEFAULT_MAX_MODEL_LEN = 2**20  # the server's default max_model_len: the longest sequence it accepts
 # What the server's size check (service/overload/limits.py RequestLimits.check_sizes) adds to the arrays of a one-chunk
-# answer,
-# plus slack for the real encoding's tags and lengths: the answer stays under max_message_bytes.
+# answer, plus slack for the real encoding's tags and lengths: the answer stays under max_message_bytes.
 _ANSWER_SLACK_BYTES = 4096
 
 

@@ -2,8 +2,7 @@
 (:class:`FastPathLimits`,
 whose fields the C file reads by name) and its call's signature (:class:`BuildChunk`). The extension's stub,
 service/compute/_fastpath.pyi, types ``build_chunk`` with it; tests/service/test_fastpath_contract.py holds the stub,
-the
-compiled module and this file equal.
+the compiled module and this file equal.
 
 Imports nothing of the service: service/overload/limits.py builds the limits from the configuration,
 service/compute/backends.py
@@ -19,8 +18,7 @@ from typing import NamedTuple, Protocol
 class FastPathLimits(NamedTuple):
     """The limits service/compute/fastpath.c checks: :meth:`RequestLimits.check_request`'s and
     :meth:`RequestLimits.check_sizes`' (service/overload/limits.py). A request over any of them steps aside to the
-    general
-    path, which names the limit."""
+    general path, which names the limit."""
 
     max_num_seqs: int
     max_num_batched_tokens: int

@@ -353,7 +353,7 @@ def serve(config: ServiceConfig, port_file: Path | None = None, signals: Shutdow
     reading the configuration); without, serve() installs its own. A signal at any moment ends the run with 0:
     before the listeners are up, nothing starts; during or after the warmup, the server drains. A fatal
     start-up error (port file, bind) raises OSError at once. The caller ends the process with
-    :func:`service.lifecycle.end_process` (the CLI does), which also stops whatever had started: a warmup may
+    :func:`service.process.lifecycle.end_process` (the CLI does), which also stops whatever had started: a warmup may
     still be compiling, and listeners may be up.
     """
     own_signals = signals is None

@@ -1,7 +1,7 @@
 """One worker process of several, started by service/process/supervisor.py, never by hand:
 ``python -m indexer_service.service.process.worker HANDOFF`` (service/workerproto.py says what it holds).
 
-A worker is the single-process server (:class:`service.server.IndexerServer`) with a :class:`WorkerLink` to its
+A worker is the single-process server (:class:`service.process.server.IndexerServer`) with a :class:`WorkerLink` to its
 supervisor: HTTP accepts at once on the supervisor's listening socket (inherited), so ``/livez``, ``/readyz`` (the
 replica's readiness, read from the supervisor's ``pod-status`` file) and ``/metrics`` answer from the start; the
 warmup takes the replica's compile lock (the first worker compiles into the shared Triton cache, the others
@@ -40,7 +40,7 @@ def die_with_parent(parent: int) -> None:
 
 def run_worker(link: WorkerLink, signals: object) -> int:
     """Serve until a shutdown signal (from the supervisor), then drain; the single process's
-    :func:`service.server.serve`, with a link instead of a port file and the gRPC port joined once warmed up."""
+    :func:`service.process.server.serve`, with a link instead of a port file and the gRPC port joined once warmed up."""
     # Imported here, not at the top: main() has tied this process to its supervisor's life before the server's
     # imports (numpy, grpc, a backend) take their time.
     from indexer_service.service.logs import configure_logging

@@ -15,8 +15,7 @@ TLS, so a caller the gRPC port would refuse is refused here too; not bound with 
 - ``POST /indexer.v1.PrefillMetadata/<Method>``: the gRPC method's request message as the body, binary
   protobuf (``application/x-protobuf``, also the default without a content type) or the proto3 JSON mapping
   (``application/json``, read by service/transport/json_mapping.py); the response comes back in the same format. Any
-  other
-  content type is 415 naming the accepted ones. Same data plane, limits, metrics as gRPC; a request id
+  other content type is 415 naming the accepted ones. Same data plane, limits, metrics as gRPC; a request id
   (``x-request-id``) and, when tracing is on, a span per call, as on gRPC.
 - A POST to any other path (not a probe's) is a call to a method the service does not have: 501
   ``UNIMPLEMENTED``, counted as method ``unknown`` and logged rate-limited, as gRPC answers it.
