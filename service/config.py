@@ -108,7 +108,7 @@ class ServiceConfig:
     )
     reflection_max_streams: int = _setting(
         "most server reflection streams open at once per worker, each on a thread of its own pool (never an RPC "
-        "thread), one per connection; more are `RESOURCE_EXHAUSTED`"
+        "thread), two per connection; more are `RESOURCE_EXHAUSTED`"
     )
     reflection_idle_seconds: float = _setting(
         "seconds a reflection stream may wait for its next request before it is cancelled"

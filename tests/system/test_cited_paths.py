@@ -22,6 +22,8 @@ NOT_PATHS = {
     # Built by `python -m benchmarks.loadgen` (git-ignored): the load generator's binary, named where it is made.
     "benchmarks/loadgen/bin/loadgen",
     "benchmarks/loadgen/bin/",
+    # Built by `python -m benchmarks.goecho` (git-ignored): bench_rpc's grpc-go echo, named where it is made.
+    "benchmarks/goecho/bin/goecho",
     # kubectl's resource/name syntax (`rollout status deploy/indexer`): the Deployment, not a folder.
     "deploy/indexer",
 }

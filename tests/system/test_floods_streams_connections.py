@@ -36,7 +36,7 @@ def watched(server: ServiceProcess, seconds: float, victim: bool = True) -> tupl
 def test_idle_reflection_streams_hold_no_rpc_thread(serve) -> None:
     """6 connections x 10 reflection streams that never send a request, reopened as they end (before: the
     victim's calls fell to 6.5 %, a fresh IndexerClient's to 6.7 %, nothing counted). Reflection runs on its own
-    pool: at most 4 streams, 1 per connection, each cut after reflection_idle_seconds; the rest refused and
+    pool: at most 4 streams, 2 per connection, each cut after reflection_idle_seconds; the rest refused and
     counted, the RPCs and fresh clients served as in the control run."""
     server = serve("--reflection-idle-seconds", "2")
     control, control_fresh = watched(server, 4.0)
