@@ -60,9 +60,9 @@ from testkit.fuzzing import Limits, check_answer, judge
 from testkit.harness import ServiceProcess, channel, clean_env, write_json
 
 BATCHES = ("small-8", "medium-64", "large-256")
-# The 32-in-flight phase is one client connection with retries off: at the default 32 streams per connection a
-# stream opened before the server's SETTINGS arrive is refused (RST_STREAM REFUSED_STREAM). Both the services and
-# the echo allow more.
+# Streams per connection the servers allow: the load generator's connections carry up to 32 calls each, retries off,
+# and at the default a stream opened before the server's SETTINGS arrive could be refused (RST_STREAM
+# REFUSED_STREAM). The services and both echoes allow this many.
 STREAMS_PER_CONNECTION = 64
 SERVICE_FLAGS = ("--warmup-target", "none", "--max-num-batched-tokens", "131072")
 METHOD = f"/{SERVICE_NAME}/BuildChunk"
@@ -242,7 +242,9 @@ def main() -> None:
         "--backend", default="numpy", help="the service's backend(s): numpy, triton, auto, comma-separated"
     )
     parser.add_argument("--batches", default=",".join(BATCHES), help="which batches, comma-separated")
-    parser.add_argument("--no-pin", action="store_true", help="do not pin servers to CPU 0 and the client to CPU 1")
+    parser.add_argument(
+        "--no-pin", action="store_true", help="do not pin the servers to CPU 0 and the client to the other CPUs"
+    )
     parser.add_argument("--out", type=Path, help="write the figures as JSON here")
     parser.add_argument("--plot", type=Path, help="write a PNG of the figures here")
     parser.add_argument("--serve-echo", type=Path, help=argparse.SUPPRESS)

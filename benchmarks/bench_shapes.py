@@ -34,8 +34,8 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks import loadgen
 from benchmarks.bench_rpc import METHOD, SERVICE_FLAGS
-from benchmarks.bench_workers import go_loadgen
 from testkit.batches import request_files
 from testkit.harness import ServiceProcess, start_all, write_json
 
@@ -43,7 +43,7 @@ TARGET = 0.8
 MANY_PER_ADDRESS = 4
 
 
-def drive(loadgen: Path, servers: list[ServiceProcess], client_conns: int, request: Path, args, cpus) -> dict:
+def drive(binary: Path, servers: list[ServiceProcess], client_conns: int, request: Path, args, cpus) -> dict:
     """One phase of the Go load generator over ``servers`` with ``client_conns`` ClientConns. A stray failed call
     (at most one in a thousand) is recorded and its servers' log lines printed; more ends the run."""
     addresses = [s.address for s in servers]
@@ -53,7 +53,7 @@ def drive(loadgen: Path, servers: list[ServiceProcess], client_conns: int, reque
     ]  # fmt: skip
     pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
     run = subprocess.run(
-        [str(loadgen), *flags], capture_output=True, text=True, timeout=args.seconds + 120, preexec_fn=pin
+        [str(binary), *flags], capture_output=True, text=True, timeout=args.seconds + 120, preexec_fn=pin
     )
     if run.returncode:
         raise SystemExit(f"load generator exited {run.returncode}: {run.stderr.strip()[-2000:]}")
@@ -87,9 +87,10 @@ def main() -> None:
     parser.add_argument("--in-flight", type=int, default=32, help="calls in flight in all")
     parser.add_argument("--out", type=Path, help="write the figures as JSON here")
     args = parser.parse_args()
-    loadgen = go_loadgen()
-    if loadgen is None:
-        raise SystemExit("bench_shapes needs the Go load generator (scripts/install-client-tools.sh installs Go)")
+    try:
+        binary = loadgen.binary()
+    except RuntimeError as exc:
+        raise SystemExit(f"bench_shapes needs the Go load generator: {exc}") from None
     n = args.n
     cpus = sorted(os.sched_getaffinity(0))
     pinned = len(cpus) >= 2 * n + 1
@@ -117,7 +118,7 @@ def main() -> None:
                             (("one", 1), ("many", many)) if r % 2 == 0 else (("many", many), ("one", 1))
                         ):
                             rows[b][shape][client].append(
-                                drive(loadgen, shapes[shape], conns, requests[b], args, client_cpus)
+                                drive(binary, shapes[shape], conns, requests[b], args, client_cpus)
                             )
                 print(f"round {r + 1}/{args.rounds} done", file=sys.stderr)
                 time.sleep(0.5)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import sys
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -47,3 +48,17 @@ def go_build(directory: Path, package: str, output: Path, gopath: Path | None = 
     )
     if run.returncode:
         raise RuntimeError(f"go build {package} in {directory} failed:\n{run.stdout}{run.stderr}")
+
+
+def static_binary(directory: Path, binary: Path, label: str) -> Path:
+    """``binary``, a static linux/amd64 build of the Go program in ``directory`` (CGO_ENABLED=0: it runs on any Linux
+    x86-64 host, one without Go included): built here where Go is, else one built elsewhere and carried here (the
+    GPU machine has no Go); RuntimeError says why there is neither."""
+    why = go_grpc_missing()
+    if why and binary.is_file():
+        print(f"{label}: {binary} as it is ({why})", file=sys.stderr)
+        return binary
+    if why:
+        raise RuntimeError(why)
+    go_build(directory, ".", binary, CGO_ENABLED="0", GOOS="linux", GOARCH="amd64")
+    return binary

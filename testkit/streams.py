@@ -11,6 +11,7 @@ import grpc
 from grpc_health.v1 import health_pb2
 
 from testkit.h2raw import RawGrpcConnection
+from testkit.harness import OWN_CONNECTION
 
 REFLECTION_PATH = "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo"
 WATCH_PATH = "/grpc.health.v1.Health/Watch"
@@ -61,8 +62,7 @@ class IdleReflectionStreams:
 
     def __enter__(self) -> IdleReflectionStreams:
         self._channels = [
-            grpc.insecure_channel(self.address, options=[("grpc.use_local_subchannel_pool", 1)])
-            for _ in range(self.connections)
+            grpc.insecure_channel(self.address, options=[OWN_CONNECTION]) for _ in range(self.connections)
         ]
         self._threads = [
             threading.Thread(target=self._hold, args=(chan,), daemon=True)

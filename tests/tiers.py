@@ -25,7 +25,9 @@ SPAWNING_OS_CALLS = frozenset({"fork", "forkpty", "system", "popen", "posix_spaw
                                "spawnve", "spawnl", "execv", "execve", "execvp", "execl"})  # fmt: skip
 # `exclusive`: reaches the attack clients or the timing observers (victims, probes, the soak), whose figures a
 # concurrent test of the same run would skew; such a test runs with nothing else of the run beside it.
-TIMING_MODULES = frozenset({"testkit.siege", "testkit.observe", "testkit.h2raw", "testkit.http1raw", "testkit.soak"})
+TIMING_MODULES = frozenset(
+    {"testkit.siege", "testkit.observe", "testkit.h2raw", "testkit.http1raw", "testkit.streams", "testkit.soak"}
+)
 FOLLOWED_PACKAGES = ("tests", "testkit")
 
 

@@ -10,34 +10,14 @@ missing it says so: scripts/install-client-tools.sh installs them.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
-from testkit.gobuild import go_build, go_grpc_missing
+from testkit.gobuild import static_binary
 
 HERE = Path(__file__).resolve().parent
 BINARY = HERE / "bin" / "loadgen"
 
 
-def missing() -> str | None:
-    """Why the load generator cannot be built here, or None."""
-    return go_grpc_missing()
-
-
-def build() -> Path:
-    """Builds :data:`BINARY` (seconds once Go's build cache is warm); RuntimeError says why it cannot."""
-    why = missing()
-    if why:
-        raise RuntimeError(why)
-    go_build(HERE, ".", BINARY, CGO_ENABLED="0", GOOS="linux", GOARCH="amd64")
-    return BINARY
-
-
 def binary() -> Path:
-    """The load generator's binary: built here where Go is, else one built elsewhere and carried here (a host
-    without Go); RuntimeError says why there is neither."""
-    why = missing()
-    if why and BINARY.is_file():
-        print(f"Go load generator: {BINARY} as it is ({why})", file=sys.stderr)
-        return BINARY
-    return build()
+    """The load generator's binary (testkit.gobuild.static_binary)."""
+    return static_binary(HERE, BINARY, "Go load generator")

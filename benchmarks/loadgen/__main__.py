@@ -2,9 +2,9 @@
 
 import sys
 
-from benchmarks.loadgen import build
+from benchmarks.loadgen import binary
 
 try:
-    print(build())
+    print(binary())
 except RuntimeError as exc:
     sys.exit(f"cannot build the load generator: {exc}")
