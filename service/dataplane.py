@@ -87,24 +87,13 @@ class _CallState:
 _CALL: ContextVar[_CallState | None] = ContextVar("call", default=None)
 
 
-class _refusals_as_errors:
-    """Admission's refusals as the data plane's errors: Shed (its message ending in ``hint``), or CallerGone when
-    the caller left while waiting. A class, not ``@contextmanager``: it wraps every call's budget reservation,
-    and a generator-based context manager costs a generator and two frames each time."""
-
-    __slots__ = ("caller", "hint")
-
-    def __init__(self, caller: Caller, hint: str = "") -> None:
-        self.caller, self.hint = caller, hint
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
-        if isinstance(exc, Refused):
-            if exc.gone:
-                raise CallerGone(self.caller.gone() or Code.CANCELLED, exc.message, exc.reason) from None
-            raise Shed(exc.reason, exc.message + self.hint) from None
+def _as_error(refused: Refused, caller: Caller, hint: str = "") -> ServiceError:
+    """An admission refusal as the data plane's error: Shed (its message ending in ``hint``), or CallerGone when the
+    caller left while waiting. Called in an ``except``: a context manager around every call's budget reservation
+    cost an object and two method calls each time, a ``try`` nothing until something is refused."""
+    if refused.gone:
+        return CallerGone(caller.gone() or Code.CANCELLED, refused.message, refused.reason)
+    return Shed(refused.reason, refused.message + hint)
 
 
 def stop_if_abandoned() -> None:
@@ -281,8 +270,10 @@ class DataPlane:
         state = _CALL.get()
         if state is None or state.in_heavy_lane or cost_bytes <= self.admission.heavy_request_bytes:
             return
-        with _refusals_as_errors(state.caller):
+        try:
             state.held.enter_context(self.admission.lane.slot(state.caller))
+        except Refused as refused:
+            raise _as_error(refused, state.caller) from None
         state.in_heavy_lane = True
 
     def _admit_plan(self, num_chunks: int) -> None:
@@ -299,14 +290,16 @@ class DataPlane:
         self._admit_heavy(response_bytes + CHUNK_COST_BYTES * num_chunks)
         caller = state.caller
         held = caller.held_bytes(response_bytes)
-        hint = (
-            f" (a JSON answer holds {caller.held_per_answer_byte:g}x its {response_bytes} protobuf bytes while it is "
-            "encoded: send application/x-protobuf)"
-            if held != response_bytes
-            else ""
-        )
-        with _refusals_as_errors(caller, hint):
+        try:
             caller.ticket = self.admission.budget.reserve(caller.peer, held, caller)
+        except Refused as refused:
+            hint = (
+                f" (a JSON answer holds {caller.held_per_answer_byte:g}x its {response_bytes} protobuf bytes while it "
+                "is encoded: send application/x-protobuf)"
+                if held != response_bytes
+                else ""
+            )
+            raise _as_error(refused, caller, hint) from None
 
     def _build(
         self, method: str, chunks: Sequence[ChunkInputs], valid: ValidBatch, omit_token_to_seq: bool

@@ -297,11 +297,25 @@ class Admission:
 
 
 class Held(Protocol):
-    """Something held until its caller has read it: a :class:`Ticket`, or a health message on its way. Its
-    ``forget`` is set by the watchdog and must be called when it is released."""
+    """Something held until its caller has read it: a :class:`Ticket`, or a :class:`Watched` (a health message on
+    its way, a reflection stream's wait for its next request). Its ``forget`` is set by the watchdog and must be
+    called when it is released."""
 
     released: bool
     forget: Callable[[], None] | None
+
+
+@dataclass(eq=False)
+class Watched:
+    """A :class:`Held` with nothing else to give back: :meth:`release` once it is over."""
+
+    released: bool = False
+    forget: Callable[[], None] | None = None
+
+    def release(self) -> None:
+        self.released = True
+        if self.forget is not None:
+            self.forget()
 
 
 class DrainWatchdog:

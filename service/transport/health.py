@@ -26,9 +26,9 @@ from grpc import _server as grpc_server_internals
 from grpc._cython import cygrpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from indexer_service.service.overload.admission import DrainWatchdog
+from indexer_service.service.overload.admission import DrainWatchdog, Watched
 from indexer_service.service.reasons import ShedReason
-from indexer_service.service.transport.streams import WATCH_STREAMS_PER_CONNECTION, StreamSlots
+from indexer_service.service.transport.streams import WATCH_STREAMS_PER_CONNECTION, ShedFn, StreamSlots, on_pool
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,6 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 SERVICE_UNKNOWN = health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
 
 SendResponse = Callable[[health_pb2.HealthCheckResponse | None], None]
-Shed = Callable[[str, ShedReason, str], None]  # (method, reason, detail): DataPlane.shed
 SEND_TIMEOUT_SECONDS = 5.0
 
 
@@ -89,18 +88,10 @@ class _Watcher:
     delivering: bool = False
 
 
-@dataclass(eq=False)
-class _Delivery:
-    """One message on its way to a watcher; ``released`` once sent (what the watchdog looks at)."""
-
-    released: bool = False
-    forget: Callable[[], None] | None = None
-
-
 class HealthServicer(health_pb2_grpc.HealthServicer):
     """Health of ``names`` ("" is the whole server); NOT_SERVING until :meth:`set_serving` says otherwise."""
 
-    def __init__(self, names: Sequence[str], shed: Shed, send_timeout: float = SEND_TIMEOUT_SECONDS) -> None:
+    def __init__(self, names: Sequence[str], shed: ShedFn, send_timeout: float = SEND_TIMEOUT_SECONDS) -> None:
         self._lock = threading.Lock()
         self._shed = shed
         self._slots = StreamSlots("health Watch streams", WATCH_STREAMS_PER_CONNECTION)
@@ -117,7 +108,7 @@ class HealthServicer(health_pb2_grpc.HealthServicer):
         # per-instance functions, not the class's: several servers in one process each keep their own pools.
         for name, pool, non_blocking in (("Check", self.answer_pool, False), ("List", self.answer_pool, False),
                                          ("Watch", self.pool, True)):  # fmt: skip
-            setattr(self, name, _on_pool(getattr(self, name), pool, non_blocking))
+            setattr(self, name, on_pool(getattr(self, name), pool, non_blocking))
 
     def _unknown(self, service: str) -> str:
         known = ", ".join(repr(name) for name in self._status)
@@ -140,11 +131,7 @@ class HealthServicer(health_pb2_grpc.HealthServicer):
     def Watch(
         self, request: health_pb2.HealthCheckRequest, context: grpc.ServicerContext, send_response: SendResponse
     ) -> None:
-        peer = context.peer()
-        refused = self._slots.take(peer)
-        if refused is not None:
-            self._shed("Watch", ShedReason.STREAM_LIMIT, f"{refused} ({peer})")
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refused)
+        peer = self._slots.take_or_abort(context, self._shed, "Watch")
         if not context.add_callback(lambda: self._slots.give_back(peer)):  # the call has ended already
             self._slots.give_back(peer)
             return
@@ -217,13 +204,11 @@ class HealthServicer(health_pb2_grpc.HealthServicer):
             with watcher.lock:
                 watcher.delivering = False
             return
-        delivery = _Delivery()
+        delivery = Watched()  # one message on its way: released once sent
         self._stuck_sends.watch(delivery, lambda: self._stuck(watcher))
 
         def sent() -> None:  # on gRPC's polling thread: hand the next delivery to the pool
-            delivery.released = True
-            if delivery.forget is not None:
-                delivery.forget()
+            delivery.release()
             self._submit(watcher)
 
         if not send_without_waiting(watcher.context, response.SerializeToString(), sent):
@@ -246,12 +231,3 @@ class HealthServicer(health_pb2_grpc.HealthServicer):
         self._stuck_sends.stop()
         self.pool.shutdown(wait=False, cancel_futures=True)
         self.answer_pool.shutdown(wait=False, cancel_futures=True)
-
-
-def _on_pool(method: Callable, pool: ThreadPoolExecutor, non_blocking: bool) -> Callable:
-    def behaviour(*args: object) -> object:
-        return method(*args)
-
-    behaviour.experimental_thread_pool = pool
-    behaviour.experimental_non_blocking = non_blocking
-    return behaviour

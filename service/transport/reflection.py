@@ -15,9 +15,8 @@ with RESOURCE_EXHAUSTED before they take a thread, shed ``stream_limit``); a str
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from importlib import resources
 
 import grpc
@@ -25,16 +24,15 @@ from google.protobuf import descriptor_pb2
 from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2 as rpb
 
-from indexer_service.service.overload.admission import DrainWatchdog
+from indexer_service.service.overload.admission import DrainWatchdog, Watched
 from indexer_service.service.reasons import ShedReason
-from indexer_service.service.transport.streams import REFLECTION_STREAMS_PER_CONNECTION, StreamSlots
+from indexer_service.service.transport.streams import REFLECTION_STREAMS_PER_CONNECTION, ShedFn, StreamSlots, on_pool
 
 V1ALPHA = rpb.DESCRIPTOR.services_by_name["ServerReflection"].full_name
 V1 = V1ALPHA.replace(".v1alpha.", ".v1.")
 REFLECTION_NAMES = (V1, V1ALPHA)
 _INDEXER_DESCRIPTORS = ("indexer_service.protos.indexer.v1", "indexer_descriptor.binpb")
 METHOD = "ServerReflectionInfo"
-Shed = Callable[[str, ShedReason, str], None]  # (method, reason, detail): DataPlane.shed
 
 
 def _proto_of(file_descriptor) -> descriptor_pb2.FileDescriptorProto:
@@ -129,23 +127,10 @@ class ReflectionServicer:
         return response
 
 
-@dataclass(eq=False)
-class _Wait:
-    """One wait for a stream's next request; ``released`` once it came (what the watchdog looks at)."""
-
-    released: bool = False
-    forget: Callable[[], None] | None = None
-
-    def release(self) -> None:
-        self.released = True
-        if self.forget is not None:
-            self.forget()
-
-
 class Reflection:
     """Reflection under both package names (``handlers``), on its own bounded pool; :meth:`close` at stop."""
 
-    def __init__(self, service_names: Sequence[str], max_streams: int, idle_seconds: float, shed: Shed) -> None:
+    def __init__(self, service_names: Sequence[str], max_streams: int, idle_seconds: float, shed: ShedFn) -> None:
         self.servicer = ReflectionServicer([*service_names, *REFLECTION_NAMES], served_files())
         self.slots = StreamSlots("reflection streams", REFLECTION_STREAMS_PER_CONNECTION, max_streams)
         self.shed = shed
@@ -154,7 +139,7 @@ class Reflection:
         # always refused at once, never queued behind the open ones.
         self.pool = ThreadPoolExecutor(max_workers=max_streams + 1, thread_name_prefix="reflection")
         method = grpc.stream_stream_rpc_method_handler(
-            _on_pool(self._serve, self.pool),
+            on_pool(self._serve, self.pool),
             request_deserializer=rpb.ServerReflectionRequest.FromString,
             response_serializer=rpb.ServerReflectionResponse.SerializeToString,
         )
@@ -165,14 +150,10 @@ class Reflection:
     def _serve(
         self, requests: Iterator[rpb.ServerReflectionRequest], context: grpc.ServicerContext
     ) -> Iterator[rpb.ServerReflectionResponse]:
-        peer = context.peer()
-        refused = self.slots.take(peer)
-        if refused is not None:
-            self.shed(METHOD, ShedReason.STREAM_LIMIT, f"{refused} ({peer})")
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refused)
+        peer = self.slots.take_or_abort(context, self.shed, METHOD)
         try:
             while True:
-                wait = _Wait()
+                wait = Watched()  # one wait for the stream's next request: released once it came
                 self._idle.watch(wait, lambda: self._cut(context, peer))
                 try:
                     request = next(requests)
@@ -193,14 +174,3 @@ class Reflection:
     def close(self) -> None:
         self._idle.stop()
         self.pool.shutdown(wait=False, cancel_futures=True)
-
-
-def _on_pool(behaviour: Callable, pool: ThreadPoolExecutor) -> Callable:
-    """``behaviour`` run on ``pool`` (grpcio runs a behaviour on the pool its ``experimental_thread_pool`` names;
-    set on a function of this instance's own, as bound methods take no attributes)."""
-
-    def on_pool(*args: object) -> object:
-        return behaviour(*args)
-
-    on_pool.experimental_thread_pool = pool
-    return on_pool

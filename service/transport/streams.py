@@ -11,6 +11,14 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+
+from indexer_service.service.reasons import ShedReason
+
+ShedFn = Callable[[str, ShedReason, str], None]  # (method, reason, detail): DataPlane.shed
 
 # Health Watch streams one connection may hold at once: one per name a client watches ("" and the service).
 WATCH_STREAMS_PER_CONNECTION = 4
@@ -42,9 +50,33 @@ class StreamSlots:
             self.open += 1
         return None
 
+    def take_or_abort(self, context: grpc.ServicerContext, shed: ShedFn, method: str) -> str:
+        """Take a slot for this call's connection and return its peer; over a cap, count the refusal (shed
+        ``stream_limit``) and end the call RESOURCE_EXHAUSTED with why."""
+        peer = context.peer()
+        refused = self.take(peer)
+        if refused is not None:
+            shed(method, ShedReason.STREAM_LIMIT, f"{refused} ({peer})")
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refused)
+        return peer
+
     def give_back(self, peer: str) -> None:
         with self._lock:
             self.open -= 1
             self._by_peer[peer] -= 1
             if self._by_peer[peer] <= 0:
                 del self._by_peer[peer]
+
+
+def on_pool(behaviour: Callable, pool: ThreadPoolExecutor, non_blocking: bool = False) -> Callable:
+    """``behaviour`` run on ``pool`` (grpcio runs a behaviour on the pool its ``experimental_thread_pool`` names,
+    and lets a streaming one marked ``experimental_non_blocking`` return at once and send through the callback it
+    is given). Set on a function of its own: bound methods take no attributes, and several servers in one process
+    each keep their own pools."""
+
+    def behaviour_on_pool(*args: object) -> object:
+        return behaviour(*args)
+
+    behaviour_on_pool.experimental_thread_pool = pool
+    behaviour_on_pool.experimental_non_blocking = non_blocking
+    return behaviour_on_pool
