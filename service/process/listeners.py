@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import socket
 
+from indexer_service.service.config import ServiceConfig
+from indexer_service.service.workerproto import SHARED_LISTENERS
+
 BACKLOG = 1024
 
 
@@ -36,3 +39,14 @@ def listen_tcp(host: str, port: int, what: str) -> socket.socket:
     sock = bind_tcp(host, port, what, socket.SO_REUSEADDR)
     sock.listen(BACKLOG)
     return sock
+
+
+def bind_shared(config: ServiceConfig) -> dict[str, socket.socket]:
+    """Every listener of :data:`~indexer_service.service.workerproto.SHARED_LISTENERS` that ``config`` turns on,
+    listening, by name: what a single process serves on, and what a supervisor binds once for its workers."""
+    sockets = {}
+    for name, listener in SHARED_LISTENERS.items():
+        if listener.enabled_by is None or getattr(config, listener.enabled_by):
+            host, port = getattr(config, listener.host_setting), getattr(config, listener.port_setting)
+            sockets[name] = listen_tcp(host, port, listener.what)
+    return sockets

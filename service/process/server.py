@@ -33,7 +33,7 @@ from indexer_service.service.metrics import Metrics
 from indexer_service.service.overload.allocator import IdleTrim, configure_malloc, idle_trim_caveat
 from indexer_service.service.overload.limits import strict_admission
 from indexer_service.service.process.lifecycle import ShutdownSignals, raise_open_files_limit
-from indexer_service.service.process.listeners import listen_tcp
+from indexer_service.service.process.listeners import bind_shared
 from indexer_service.service.tracing import start_tracing
 from indexer_service.service.transport.grpc_server import (
     HEALTH_NAMES,
@@ -152,14 +152,11 @@ class IndexerServer:
             self.grpc = create_grpc_server(config, self.plane, self.health)
             self.grpc_port = self.grpc.port
             self.health_server, self.health_port = create_health_server(config, self.health)
+            sockets = bind_shared(config)
         else:  # the gRPC server comes once warmed up (join_rpc_port); the supervisor serves the health port
             self.health_server, self.health_port = None, config.health_port
-        if worker is None:
-            http_socket = listen_tcp(config.http_host, config.http_port, "HTTP")
-            rpc_socket = listen_tcp(config.http_host, config.http_rpc_port, "HTTP RPCs") if config.http_rpcs else None
-        else:
-            http_socket = worker.inherited_socket("http")
-            rpc_socket = worker.inherited_socket("http_rpc") if config.http_rpcs else None
+            sockets = {name: worker.inherited_socket(name) for name in worker.sockets}
+        http_socket, rpc_socket = sockets["http"], sockets.get("http_rpc")
         self.http_port = http_socket.getsockname()[1]
         self.http_rpc_port = rpc_socket.getsockname()[1] if rpc_socket is not None else None
         refusals = HttpRefusals(self.metrics)  # both ports', one log
@@ -285,18 +282,12 @@ def _check_port_file(path: Path) -> None:
         raise _port_file_error(path, exc) from None
 
 
-def _write_port_file(path: Path, server: IndexerServer) -> None:
-    """Bound ports as JSON, written atomically (tests and wrappers read it once it exists)."""
-    payload = {
-        "grpc_port": server.grpc_port,
-        "http_port": server.http_port,
-        "http_rpc_port": server.http_rpc_port,
-        "health_port": server.health_port,
-        "pid": os.getpid(),
-    }
+def write_port_file(path: Path, ports: dict[str, object]) -> None:
+    """The bound ports as JSON, written atomically (tests and wrappers read it once it exists); the one writer of
+    the single process's and the supervisor's port files."""
     partial = path.with_name(path.name + ".partial")
     try:
-        partial.write_text(json.dumps(payload) + "\n")
+        partial.write_text(json.dumps(ports) + "\n")
         partial.replace(path)
     except OSError as exc:
         raise _port_file_error(path, exc) from None
@@ -367,7 +358,16 @@ def serve(config: ServiceConfig, port_file: Path | None = None, signals: Shutdow
             return 0
         server.start()
         if port_file is not None:
-            _write_port_file(port_file, server)
+            write_port_file(
+                port_file,
+                {
+                    "grpc_port": server.grpc_port,
+                    "http_port": server.http_port,
+                    "http_rpc_port": server.http_rpc_port,
+                    "health_port": server.health_port,
+                    "pid": os.getpid(),
+                },
+            )
         received = signals.wait()
         log.info("shutdown signal=%s", received.name)
         # A second signal during the drain lands in the socket and is ignored: the drain is bounded anyway.

@@ -41,7 +41,6 @@ process does, and the supervisor exits 0 once all have ended (SIGKILL for any st
 from __future__ import annotations
 
 import fcntl
-import json
 import logging
 import os
 import select
@@ -52,7 +51,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from indexer_service.service import cgroups
@@ -60,7 +59,7 @@ from indexer_service.service.config import ServiceConfig
 from indexer_service.service.metrics import retire_process
 from indexer_service.service.overload.allocator import IdleTrim, configure_malloc
 from indexer_service.service.process.lifecycle import ShutdownSignals
-from indexer_service.service.process.listeners import bind_tcp, listen_tcp
+from indexer_service.service.process.listeners import bind_shared, bind_tcp
 from indexer_service.service.reasons import RestartReason
 from indexer_service.service.workerproto import (
     CONFIG_FILE,
@@ -188,9 +187,8 @@ class Slot:
     restart_at: float | None = None
     last_exit: str = ""
     restart_reason: RestartReason | None = None
-    hung_seconds: float | None = None  # set when the supervisor killed it for not answering
+    hung: bool = False  # the supervisor killed it for not answering
     probe: WorkerProbe | None = None
-    pids: list[int] = field(default_factory=list)
 
     def close_channels(self) -> None:
         """Close what the supervisor holds to talk to this slot's process: the status pipe and the probe channel."""
@@ -297,13 +295,8 @@ class Supervisor:
         config = self.config
         self.metrics = SupervisorMetrics(self.workers)
         self._grpc_hold, grpc_port = reserve_grpc_port(config.grpc_host, config.grpc_port)
-        bound: dict[str, int] = {}
-        for name, listener in SHARED_LISTENERS.items():
-            if listener.enabled_by and not getattr(config, listener.enabled_by):
-                continue
-            host, port = getattr(config, listener.host_setting), getattr(config, listener.port_setting)
-            sock = self.listeners[name] = listen_tcp(host, port, listener.what)
-            bound[listener.port_setting] = sock.getsockname()[1]
+        self.listeners = bind_shared(config)
+        bound = {SHARED_LISTENERS[name].port_setting: sock.getsockname()[1] for name, sock in self.listeners.items()}
         self.health = HealthServicer(HEALTH_NAMES, ShedLog(self.metrics).record)
         self.health_server, health_port = create_health_server(config, self.health)
         self.config = replace(config, grpc_port=grpc_port, health_port=health_port, workers=1, **bound)
@@ -354,7 +347,6 @@ class Supervisor:
         slot.status_fd, slot.buffer = read, b""
         slot.started_at, slot.listening, slot.ready, slot.restart_at = time.monotonic(), False, False, None
         slot.lives += 1
-        slot.pids.append(slot.process.pid)
         self.metrics.worker_up.labels(worker=slot.label).set(1)
         if slot.lives > 1:
             self.metrics.worker_restarts_total.labels(worker=slot.label, reason=slot.restart_reason).inc()
@@ -429,9 +421,9 @@ class Supervisor:
         their clients reconnect to workers that answer); it is then restarted as any dead worker is."""
         slot.probe.poll(now)
         silent = slot.probe.silent_seconds(now)
-        if silent < self.hang_seconds or slot.process is None or slot.hung_seconds is not None:
+        if silent < self.hang_seconds or slot.process is None or slot.hung:
             return
-        slot.hung_seconds = silent
+        slot.hung = True
         log.error(
             "worker hung worker=%d pid=%d silent_seconds=%.1f worker_hang_seconds=%g: killed",
             slot.number,
@@ -450,13 +442,9 @@ class Supervisor:
         slot.process, slot.listening, slot.ready = None, False, False
         slot.last_exit = f"exit {code}" if code >= 0 else f"killed by {signal.Signals(-code).name}"
         slot.restart_reason = (
-            RestartReason.HUNG
-            if slot.hung_seconds is not None
-            else RestartReason.KILLED
-            if code < 0
-            else RestartReason.EXIT
+            RestartReason.HUNG if slot.hung else RestartReason.KILLED if code < 0 else RestartReason.EXIT
         )
-        slot.hung_seconds = None
+        slot.hung = False
         self._to_retire.append(process.pid)
         self.metrics.worker_up.labels(worker=slot.label).set(0)
         self.metrics.worker_ready.labels(worker=slot.label).set(0)
@@ -613,18 +601,20 @@ def supervise(
 
 
 def _write_ports(path: Path, supervisor: Supervisor) -> None:
+    from indexer_service.service.process.server import write_port_file
+
     config = supervisor.config
-    payload = {
-        "grpc_port": config.grpc_port,
-        "health_port": config.health_port,
-        # A listener that is off (http_rpcs = false) is null, as in the single process's port file.
-        **{
-            listener.port_setting: getattr(config, listener.port_setting) if name in supervisor.listeners else None
-            for name, listener in SHARED_LISTENERS.items()
+    write_port_file(
+        path,
+        {
+            "grpc_port": config.grpc_port,
+            "health_port": config.health_port,
+            # A listener that is off (http_rpcs = false) is null, as in the single process's port file.
+            **{
+                listener.port_setting: getattr(config, listener.port_setting) if name in supervisor.listeners else None
+                for name, listener in SHARED_LISTENERS.items()
+            },
+            "pid": os.getpid(),
+            "workers": supervisor.workers,
         },
-        "pid": os.getpid(),
-        "workers": supervisor.workers,
-    }
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(json.dumps(payload) + "\n")
-    partial.replace(path)
+    )
