@@ -1,2 +1,2 @@
-"""The transports over the one data plane: gRPC (servicer, health, reflection, long-lived streams), HTTP, and the RPC
-spans."""
+"""The transports over the one data plane: gRPC (the servicer, health, reflection and their long-lived streams)
+and HTTP (probes and metrics; the RPCs as protobuf or JSON)."""

@@ -55,9 +55,11 @@ from indexer_service.service.overload.admission import SHED_LOG_INTERVAL_SECONDS
 from indexer_service.service.overload.limits import max_request_bytes
 from indexer_service.service.reasons import HttpRefusal, ShedReason
 from indexer_service.service.rpcs import REQUEST_TYPES, RESPONSE_TYPES
-from indexer_service.service.transport.json_mapping import parse_request
+from indexer_service.service.transport.json_mapping import message_from_json
 
 log = logging.getLogger(__name__)
+
+REQUEST_ID_HEADER_BYTES = REQUEST_ID_HEADER.encode()  # as ASGI carries header names
 
 PROTOBUF = b"application/x-protobuf"
 JSON = b"application/json"
@@ -102,19 +104,20 @@ def error_body(code: str, message: str) -> bytes:
 
 class HttpRefusals:
     """What the HTTP ports refuse, by reason (:class:`HttpRefusal`): counted in ``indexer_http_refused_total`` and
-    logged rate-limited (``http refused reason=... count=N last=...``). An idle connection closed after
-    ``http_idle_timeout_seconds`` is counted only: that is how every keep-alive connection (Prometheus', say) ends."""
-
-    UNLOGGED = frozenset({HttpRefusal.IDLE_TIMEOUT})
+    logged rate-limited (``http refused reason=... count=N last=...``)."""
 
     def __init__(self, metrics: Metrics) -> None:
         self._counters = {reason: metrics.http_refused_total.labels(reason=reason) for reason in HttpRefusal}
         self._log = RateLimitedLog(log, SHED_LOG_INTERVAL_SECONDS)
 
+    def count(self, reason: HttpRefusal) -> None:
+        """Counted only: an idle connection closed after ``http_idle_timeout_seconds`` is how every keep-alive
+        connection (Prometheus', say) ends, not worth a log line."""
+        self._counters[reason].inc()
+
     def record(self, reason: HttpRefusal, detail: str) -> None:
         self._counters[reason].inc()
-        if reason not in self.UNLOGGED:
-            self._log.note("http refused", reason, detail)
+        self._log.note("http refused", reason, detail)
 
 
 class ProbeApp:
@@ -210,15 +213,23 @@ class RpcApp:
         """One call: its request id (the caller's ``x-request-id`` when it is a safe one, else a new one) in its
         log lines and its answer's headers, its span when tracing is on, a failure in the rate-limited log."""
         start = time.perf_counter()
-        headers = {name.decode("latin-1"): value.decode("latin-1") for name, value in scope["headers"]}
-        request_id = request_id_from(headers.get(REQUEST_ID_HEADER))
+        content_type, supplied_id = PROTOBUF, None
+        for name, value in scope["headers"]:  # the two a call reads; every header only for a span's context
+            if name == b"content-type":
+                content_type = value.split(b";", 1)[0].strip().lower()
+            elif name == REQUEST_ID_HEADER_BYTES:
+                supplied_id = value.decode("latin-1")
+        request_id = request_id_from(supplied_id)
         REQUEST_ID.set(request_id)  # this request's task has a context of its own
         tracer = self.plane.tracer
-        span = None if tracer is None else tracer.start("http", method, request_id, headers)
-        reply_headers = [(REQUEST_ID_HEADER.encode(), request_id.encode())]
+        span = None
+        if tracer is not None:
+            headers = {name.decode("latin-1"): value.decode("latin-1") for name, value in scope["headers"]}
+            span = tracer.start("http", method, request_id, headers)
+        reply_headers = [(REQUEST_ID_HEADER_BYTES, request_id.encode())]
         code, details = "UNKNOWN", "the connection ended before the answer was sent"
         try:
-            error = await self._serve_rpc(method, scope, receive, send, headers, reply_headers)
+            error = await self._serve_rpc(method, scope, receive, send, content_type, reply_headers)
             code, details = ("OK", "") if error is None else (error.code.name, error.message)
             if error is not None:
                 milliseconds = (time.perf_counter() - start) * 1e3
@@ -228,7 +239,7 @@ class RpcApp:
                 tracer.end(span, code, details)
 
     async def _serve_rpc(
-        self, method: str, scope, receive, send, headers: dict[str, str], reply_headers: list[tuple[bytes, bytes]]
+        self, method: str, scope, receive, send, content_type: bytes, reply_headers: list[tuple[bytes, bytes]]
     ) -> ServiceError | None:
         """The call's answer or error sent; the error returned (None: answered)."""
         if method == UNKNOWN_METHOD:
@@ -236,7 +247,6 @@ class RpcApp:
             error = UnknownMethod(_no_such_method(scope["path"]))
             await _reply(send, HTTP_STATUS[error.code], error_body(error.code.name, error.message), reply_headers, JSON)
             return error
-        content_type = _content_type(headers)
         if content_type not in ACCEPTED_TYPES:
             accepted = b", ".join(ACCEPTED_TYPES)
             text = f"content type {content_type.decode(errors='replace')!r} is not accepted; send {accepted.decode()}"
@@ -252,7 +262,9 @@ class RpcApp:
                 message = f"body: above {self.max_body} bytes, more than a request at this server's limits can be"
                 self.refusals.record(HttpRefusal.BODY_TOO_LARGE, f"{method} from {caller.peer}: {message}")
                 raise LimitExceeded(message)
-            request = parse_request(REQUEST_TYPES[method], body).SerializeToString() if content_type == JSON else body
+            request = body
+            if content_type == JSON:
+                request = message_from_json(REQUEST_TYPES[method], body).SerializeToString()
             if self.in_flight >= self.max_in_flight:
                 message = f"busy: {self.in_flight} HTTP calls in the server (max_concurrent_rpcs)"
                 self.plane.shed(method, ShedReason.CONCURRENCY, message)  # the data plane never sees this call
@@ -336,14 +348,13 @@ def _no_such_method(path: str) -> str:
     return f"{SERVICE_NAME} has no method {name!r}; its methods are {', '.join(REQUEST_TYPES)}"
 
 
-def _content_type(headers: dict[str, str]) -> bytes:
-    value = headers.get("content-type")
-    return PROTOBUF if value is None else value.encode("latin-1").split(b";", 1)[0].strip().lower()
+def _peer_name(address: tuple | None) -> str:
+    """A caller's name in logs and for the response budget: ``http:host:port`` (one per connection)."""
+    return f"http:{address[0]}:{address[1]}" if address else "http:unknown"
 
 
 def _peer(scope) -> str:
-    client = scope.get("client")
-    return f"http:{client[0]}:{client[1]}" if client else "http:unknown"
+    return _peer_name(scope.get("client"))
 
 
 def _to_json(method: str, response: bytes) -> bytes:
@@ -436,7 +447,7 @@ def limited_protocol(config: ServiceConfig, metrics: Metrics, refusals: HttpRefu
 
         def _close_idle(self) -> None:
             if not self.transport.is_closing():
-                refusals.record(HttpRefusal.IDLE_TIMEOUT, f"{_transport_peer(self.transport)}: idle {idle_seconds} s")
+                refusals.count(HttpRefusal.IDLE_TIMEOUT)
                 self.transport.abort()
 
         def _cancel_request_timer(self) -> None:
@@ -484,8 +495,7 @@ def limited_protocol(config: ServiceConfig, metrics: Metrics, refusals: HttpRefu
 
 
 def _transport_peer(transport) -> str:
-    peer = transport.get_extra_info("peername")
-    return f"http:{peer[0]}:{peer[1]}" if peer else "http:unknown"
+    return _peer_name(transport.get_extra_info("peername"))
 
 
 def _status_only(status: int, reason: str, message: str) -> bytes:

@@ -54,7 +54,7 @@ class _JsonObject(list):
     a field's two names each one used."""
 
 
-def parse_request(message_type: type[Message], body: bytes) -> Message:
+def message_from_json(message_type: type[Message], body: bytes) -> Message:
     """``body`` (UTF-8 JSON) as a ``message_type``, or :class:`InvalidArgument` naming what is wrong."""
     try:
         text = body.decode("utf-8")
