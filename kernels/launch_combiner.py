@@ -55,7 +55,7 @@ class LaunchCombiner:
     ``max_elements`` output elements; a larger call launches alone.
     """
 
-    def __init__(self, launch: Callable[..., np.ndarray], max_elements: int) -> None:
+    def __init__(self, launch: Callable[..., ChunkOutputs], max_elements: int) -> None:
         self._launch = launch
         self.max_elements = max_elements
         self._lock = threading.Lock()

@@ -2,17 +2,15 @@
 both sides in one place: how a worker is started, what it inherits, what it says, and the files they share.
 
 - **Start**: ``python -m indexer_service.service.process.worker HANDOFF``, HANDOFF one JSON object (:class:`Handoff`):
-  the
-  runtime directory, the worker's slot, its status pipe, the inherited listening sockets by name, the
+  the runtime directory, the worker's slot, its status pipe, the inherited listening sockets by name, the
   supervisor's pid (the worker dies with it) and its CPU. The configuration is the runtime directory's
   ``config.json``, the supervisor's validated :class:`ServiceConfig` with the ports it bound, written and read by
   :func:`config_to_json` / :func:`config_from_json` (any field, tuples included, no per-field fix-up).
 - **Inherited sockets**: :data:`SHARED_LISTENERS` names every listening socket the supervisor binds once and every
   worker accepts on, with the settings of its address; a new one is one line there.
 - **Status**: the worker writes :class:`Status` words, one a line, on the status pipe.
-- **The worker's side**: :class:`WorkerLink`, what a worker (and the server it runs, service/process/server.py) uses of
-  all
-  this.
+- **The worker's side**: :class:`WorkerLink`, what a worker (and the server it runs, service/process/server.py) uses
+  of all this.
 - **Files** of the runtime directory: the configuration, the replica's readiness (``pod-status``, written by the
   supervisor, read by each worker's ``/readyz``), the warmup lock, the metrics directory, each worker's probe
   socket and the supervisor's own lock (held while it lives, so a later supervisor can tell a dead one's

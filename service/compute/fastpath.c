@@ -9,8 +9,9 @@
  * returns None, and service/dataplane.py then serves the request the general way, which owns every error
  * message, DCP, PlanBatch, and anything unusual on the wire (unknown or repeated fields). The formulas are
  * kernels/inputs.py (host part) and kernels/numpy_backend.py (arrays) for DCP off; the limits come from Python
- * (service/compute/fastpath.py FastPathLimits, built by service/overload/limits.py fast_path_limits); the field numbers, tags and types come from the proto through the generated
- * header below; the layout is the one service/codec.py derives from the message descriptors.
+ * (service/compute/fastpath.py FastPathLimits, built by service/overload/limits.py fast_path_limits); the field
+ * numbers, tags and types come from the proto through the generated header below; the layout is the one
+ * service/codec.py derives from the message descriptors.
  * tests/service/test_fastpath.py holds the three to each other byte for byte, on the golden cases, on every
  * limit at and one past its boundary, and on hypothesis-generated requests, valid and not;
  * tests/service/test_fastpath_sanitized.py runs those tests again against an ASan + UBSan build of this file.
@@ -433,7 +434,7 @@ static PyObject *write_response(const Chunk *c, Layout *l, Py_ssize_t size_skew)
     if (!w.overrun && w.pos == w.end) return response;
     Py_DECREF(response);
     return PyErr_Format(PyExc_RuntimeError,
-                        "service._fastpath: the size pass counted %zd response bytes and the write pass %zd; nothing "
+                        "_fastpath: the size pass counted %zd response bytes and the write pass %zd; nothing "
                         "was written past the bytes object (a bug in service/compute/fastpath.c)",
                         size, w.count);
 }
@@ -554,7 +555,7 @@ static PyObject *serve(const Py_buffer *request, const Limits *lim, PyObject *ad
     double seconds;
     if (fill_arrays(&layout, &seconds)) {
         Py_DECREF(response);
-        return PyErr_Format(PyExc_RuntimeError, "service._fastpath: the arrays disagree with their size pass (the "
+        return PyErr_Format(PyExc_RuntimeError, "_fastpath: the arrays disagree with their size pass (the "
                                                 "request's buffer changed during the call?)");
     }
     return Py_BuildValue("(Nnnd)", response, c.reqs, (Py_ssize_t)(c.rows_stop - c.rows_start), seconds);
@@ -574,8 +575,8 @@ static PyObject *build_chunk_skewed(PyObject *args, Py_ssize_t size_skew) {
     return result;
 }
 
-/* The signature below (Python's __text_signature__) is service/compute/fastpath.py's BuildChunk, which documents the call;
- * tests/service/test_fastpath_contract.py holds the two equal. */
+/* The signature below (Python's __text_signature__) is service/compute/fastpath.py's BuildChunk, which documents
+ * the call; tests/service/test_fastpath_contract.py holds the two equal. */
 PyDoc_STRVAR(build_chunk_doc,
 "build_chunk($module, request, limits, admitted_ratios, admit=None, /)\n--\n\n"
 "Serve one serialized BuildChunkRequest, or None where the general path must: see\n"
@@ -612,7 +613,7 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "service._fastpath",
+    PyModuleDef_HEAD_INIT, "indexer_service.service.compute._fastpath",
     "BuildChunk's common case in compiled code; see service/compute/fastpath.c.", -1, methods,
     NULL, NULL, NULL, NULL,
 };

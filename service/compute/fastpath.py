@@ -1,12 +1,10 @@
 """The Python side of service/compute/fastpath.c's contract, written once: the limits it checks
-(:class:`FastPathLimits`,
-whose fields the C file reads by name) and its call's signature (:class:`BuildChunk`). The extension's stub,
-service/compute/_fastpath.pyi, types ``build_chunk`` with it; tests/service/test_fastpath_contract.py holds the stub,
-the compiled module and this file equal.
+(:class:`FastPathLimits`, whose fields the C file reads by name) and its call's signature (:class:`BuildChunk`).
+The extension's stub, service/compute/_fastpath.pyi, types ``build_chunk`` with it;
+tests/service/test_fastpath_contract.py holds the stub, the compiled module and this file equal.
 
 Imports nothing of the service: service/overload/limits.py builds the limits from the configuration,
-service/compute/backends.py
-loads the extension.
+service/compute/backends.py loads the extension.
 """
 
 from __future__ import annotations
