@@ -459,6 +459,13 @@ def _read_toml(text: str, source: str) -> dict[str, object]:
         raise ConfigError("config", f"{source}: nested too deeply") from None
 
 
+def embedded_defaults() -> dict[str, object]:
+    """The embedded ``default_config.toml`` as written (TOML types): every setting's default, the one place they
+    live."""
+    defaults = resources.files("indexer_service.service").joinpath("default_config.toml").read_text()
+    return _read_toml(defaults, "default_config.toml")
+
+
 def load_config(
     flags: Mapping[str, object] | None = None,
     env: Mapping[str, str] | None = None,
@@ -482,8 +489,7 @@ def load_config(
         values[name] = _coerce(name, value, source)
         sources[name] = source
 
-    defaults = resources.files("indexer_service.service").joinpath("default_config.toml").read_text()
-    for name, value in _read_toml(defaults, "default_config.toml").items():
+    for name, value in embedded_defaults().items():
         put(name, value, "default")
     missing = SETTINGS.keys() - values.keys()
     if missing:

@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tomllib
 from dataclasses import fields
-from importlib import resources
 from pathlib import Path
 
-from indexer_service.service.config import ServiceConfig
+from indexer_service.service.config import ServiceConfig, embedded_defaults
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "service.md"
 BEGIN = (
@@ -36,7 +34,7 @@ def _default(value: object) -> str:
 
 
 def table() -> str:
-    defaults = tomllib.loads(resources.files("indexer_service.service").joinpath("default_config.toml").read_text())
+    defaults = embedded_defaults()
     rows = ["| setting | default | meaning |", "|---|---|---|"]
     for f in fields(ServiceConfig):
         rows.append(f"| `{f.name}` | {_default(defaults[f.name])} | {f.metadata['help']} |")
