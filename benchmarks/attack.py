@@ -31,7 +31,7 @@ from pathlib import Path
 import grpc
 import psutil
 
-from testkit.h2raw import CallLoopReport, StalledStreams, call_loop_parallel, rapid_reset_parallel
+from testkit.h2raw import StalledStreams, attack_window, call_loop_parallel, merged_counts, rapid_reset_parallel
 from testkit.harness import (
     FAST_START,
     LOOPBACK,
@@ -175,23 +175,13 @@ def rapid_reset(bench: Bench) -> dict:
         reports = rapid_reset_parallel(LOOPBACK, server.grpc_port, BUILD_CHUNK_PATH, small, 4, 5000, 120.0)
         time.sleep(1.0)
     figures = siege.figures()
-    goaways: dict[str, int] = {}
-    for report in reports:
-        for code, count in report.goaways.items():
-            goaways[code] = goaways.get(code, 0) + count
     figures.update(
         tried="4 x 5,000 HEADERS+DATA+RST_STREAM",
         streams_reset=sum(r.streams_reset for r in reports),
         attack_seconds=round(max(r.seconds for r in reports), 1),
-        goaways=goaways,
+        goaways=merged_counts(r.goaways for r in reports),
         connections_used=sum(r.connections_used for r in reports),
-        victim_ok_ratio_during_attack=round(
-            siege.victim.ok_ratio(
-                min(r.started_wall for r in reports) - siege.victim.begin_wall,
-                max(r.ended_wall for r in reports) - siege.victim.begin_wall,
-            ),
-            4,
-        ),
+        victim_ok_ratio_during_attack=round(siege.victim.ok_ratio(*attack_window(reports, siege.victim.begin_wall)), 4),
     )
     return figures
 
@@ -207,26 +197,12 @@ def _flood(bench: Bench, path: str, message: bytes, grpc_timeout: str | None) ->
         time.sleep(1.0)
     figures = siege.figures()
     figures.update(
-        flood_endings=_endings(reports),
+        flood_endings=merged_counts(r.endings for r in reports),
         flood_calls_per_second=round(sum(r.calls for r in reports) / FLOOD_SECONDS),
         goaways=[r.goaway for r in reports if r.goaway],
-        victim_ok_ratio_during_attack=round(
-            siege.victim.ok_ratio(
-                min(r.started_wall for r in reports) - siege.victim.begin_wall,
-                max(r.ended_wall for r in reports) - siege.victim.begin_wall,
-            ),
-            4,
-        ),
+        victim_ok_ratio_during_attack=round(siege.victim.ok_ratio(*attack_window(reports, siege.victim.begin_wall)), 4),
     )
     return figures
-
-
-def _endings(reports: list[CallLoopReport]) -> dict[str, int]:
-    endings: dict[str, int] = {}
-    for report in reports:
-        for name, count in report.endings.items():
-            endings[name] = endings.get(name, 0) + count
-    return endings
 
 
 def refused_flood(bench: Bench) -> dict:

@@ -19,7 +19,7 @@ import socket
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -428,3 +428,25 @@ def call_loop_parallel(
 ) -> list[CallLoopReport]:
     """:func:`call_loop` from ``connections`` processes at once, one connection each (:func:`_in_processes`)."""
     return _in_processes(call_loop, (host, port, path, message, max_seconds, grpc_timeout), connections, max_seconds)
+
+
+# --- reports of attackers in parallel -----------------------------------------------------------------------
+
+
+def merged_counts(counts: Iterable[Mapping[str, int]]) -> dict[str, int]:
+    """Several reports' counts (their ``goaways``, their ``endings``) added up, by name."""
+    total: Counter[str] = Counter()
+    for one in counts:
+        total.update(one)
+    return dict(total)
+
+
+def attack_window(reports: Iterable[RapidResetReport | CallLoopReport], begin_wall: float) -> tuple[float, float]:
+    """From the first report's start to the last one's end, in seconds since ``begin_wall`` (an observer's
+    ``begin_wall``: its records' times count from it), so the observer's records made during the attack can be
+    picked out (the attackers' processes take a while to start)."""
+    reports = list(reports)
+    return (
+        min(r.started_wall for r in reports) - begin_wall,
+        max(r.ended_wall for r in reports) - begin_wall,
+    )

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from testkit.h2raw import call_loop_parallel
+from testkit.h2raw import attack_window, call_loop_parallel, merged_counts
 from testkit.harness import LOOPBACK, ServiceProcess, poll, scrape
 from testkit.observe import Callers
 from testkit.payloads import AMPLIFIER_PLAN_BATCH, BUILD_CHUNK_PATH, PLAN_BATCH_PATH, SMALL_BUILD_CHUNK
@@ -81,15 +81,9 @@ def test_expiring_flood_leaves_other_callers_served(serve) -> None:
     with Siege(server) as siege:
         reports = call_loop_parallel(LOOPBACK, server.grpc_port, BUILD_CHUNK_PATH, small, FLOODERS, FLOOD_SECONDS, "1u")
         time.sleep(0.5)
-    endings: dict[str, int] = {}
-    for report in reports:
-        for name, count in report.endings.items():
-            endings[name] = endings.get(name, 0) + count
+    endings = merged_counts(r.endings for r in reports)
     assert sum(endings.values()) >= 100 * FLOODERS, f"the flood did not run: {endings}"
-    window = (
-        min(r.started_wall for r in reports) - siege.victim.begin_wall,
-        max(r.ended_wall for r in reports) - siege.victim.begin_wall,
-    )
+    window = attack_window(reports, siege.victim.begin_wall)
     assert len(siege.victim.calls_in(*window)) >= 20, f"victim calls during the flood {window}: {describe(siege)}"
     assert siege.victim.ok_ratio(*window) >= before.victim_ok_ratio() - VICTIM_SLACK, (
         f"control: {describe(before)}; flood {endings}: {describe(siege)}"

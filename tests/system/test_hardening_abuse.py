@@ -17,7 +17,7 @@ import time
 import grpc
 import pytest
 
-from testkit.h2raw import StalledStreams, rapid_reset_parallel
+from testkit.h2raw import StalledStreams, attack_window, rapid_reset_parallel
 from testkit.harness import (
     LOOPBACK,
     ServiceProcess,
@@ -143,10 +143,7 @@ def test_rapid_reset_leaves_other_callers_served(serve) -> None:
     assert sum(r.streams_reset for r in reports) >= 4 * 5000, reports  # the attack ran, at least the issue's size
     # The victim's calls while the resets were flowing (the attackers' processes take a while to start).
     victim = siege.victim
-    attack = (
-        min(r.started_wall for r in reports) - victim.begin_wall,
-        max(r.ended_wall for r in reports) - victim.begin_wall,
-    )
+    attack = attack_window(reports, victim.begin_wall)
     during = victim.calls_in(*attack)
     assert len(during) >= 40, f"{len(during)} victim calls during the attack {attack}: {describe(siege)}"
     assert victim.ok_ratio(*attack) >= bar(0.95, quiet.victim_ok_ratio), f"during {attack}: {describe(siege)}; {quiet}"
