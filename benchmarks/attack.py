@@ -45,7 +45,7 @@ from testkit.harness import (
     write_json,
 )
 from testkit.http1raw import IdleConnections, UnreadAnswers, huge_header
-from testkit.observe import Callers, FreshClients, HealthWatch
+from testkit.observe import Callers, HealthWatch
 from testkit.payloads import (
     AMPLIFIER_PLAN_BATCH,
     BUILD_CHUNK_PATH,
@@ -67,6 +67,7 @@ HEAVY_PLAN = one_row_chunks_plan_batch(1000).SerializeToString()
 FLOOD_CONNECTIONS = 10  # issue 19's floods: connections, one call in flight each
 FLOOD_SECONDS = 15.0
 FLOOD_VICTIM_PAUSE = 0.05  # issue 19's victim: one small call every 50 ms, 1 s deadline
+FRESH_CLIENT_INTERVAL = 1.0  # issue 19's stream floods: a fresh health-checking IndexerClient every second
 MEMORY_BACK_SECONDS = 60.0  # issue 10: idle RSS back within 1.2x of its value before, within 60 s of the end
 DEFAULT_IDLE_CONNECTION_SECONDS = 120.0  # connection_idle_seconds' default
 SCALE = {"factor": 1.0}  # --scale: the issue 19 floods' sizes
@@ -375,22 +376,14 @@ def _scaled(n: int) -> int:
     return max(1, round(n * SCALE["factor"]))
 
 
-def _with_fresh_clients(server: ServiceProcess, seconds: float, flood: object, victim: bool = True) -> dict:
-    """Probes, the victim and a fresh IndexerClient every second, ``seconds`` under ``flood`` (a ``with``)."""
-    with Siege(server, victim=victim) as siege, FreshClients(server.address, interval=1.0) as fresh, flood:
-        time.sleep(seconds)
-    figures = siege.figures()
-    figures["fresh_client_ok_ratio"] = round(fresh.ok_ratio(), 4)
-    figures["fresh_client_outcomes"] = {o: fresh.outcomes.count(o) for o in set(fresh.outcomes)}
-    return figures
-
-
 def reflection_streams(bench: Bench) -> dict:
     """6 connections x 10 reflection streams that never send a request, each reopened 0.05 s after it ended, 30 s."""
     server = bench.serve()
     connections = _scaled(6)
     flood = IdleReflectionStreams(server.address, connections=connections, streams_each=10, reopen_pause=0.05)
-    figures = _with_fresh_clients(server, 30.0, flood)
+    with Siege(server, fresh_client_interval=FRESH_CLIENT_INTERVAL) as siege, flood:
+        time.sleep(30.0)
+    figures = siege.figures()
     figures.update(tried=f"{connections} connections x 10 idle reflection streams, 30 s", opened=flood.opened)
     figures["ended"] = flood.ended
     return figures
@@ -400,7 +393,9 @@ def blocked_watchers(bench: Bench) -> dict:
     """8 new connections a second, each with 2 health Watch streams whose flow-control window stays 0, 30 s."""
     server = bench.serve()
     flood = BlockedWatchers(LOOPBACK, server.grpc_port, rate=8.0 * SCALE["factor"], max_connections=_scaled(240))
-    figures = _with_fresh_clients(server, 30.0, flood)
+    with Siege(server, fresh_client_interval=FRESH_CLIENT_INTERVAL) as siege, flood:
+        time.sleep(30.0)
+    figures = siege.figures()
     figures.update(
         tried="8 connections a second x 2 Watch streams with windows 0, 30 s",
         watch_streams=flood.streams,

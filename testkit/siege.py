@@ -7,7 +7,7 @@ import time
 from collections import defaultdict
 
 from testkit.harness import LOOPBACK, RssSampler, ServiceProcess, host_port, mib, scrape
-from testkit.observe import Callers, Probes
+from testkit.observe import Callers, FreshClients, Probes
 from testkit.payloads import BUILD_CHUNK_PATH, SMALL_BUILD_CHUNK
 
 SHED = "indexer_requests_shed_total"
@@ -42,7 +42,9 @@ def health_address(server: ServiceProcess) -> str | None:
 class Siege:
     """From ``with`` to its end: probes of every kind every ``probe_interval`` seconds, one well-behaved victim
     (a small BuildChunk with a 1 s deadline every ``victim_pause`` seconds, on its own connection) unless
-    ``victim`` is False, and RSS samples. :meth:`figures` says what they saw and what the metrics counted."""
+    ``victim`` is False, with ``fresh_client_interval`` a fresh health-checking IndexerClient making one call
+    every that many seconds (:class:`FreshClients`: what a scheduler that starts or reconnects sees), and RSS
+    samples. :meth:`figures` says what they saw and what the metrics counted."""
 
     def __init__(
         self,
@@ -50,6 +52,7 @@ class Siege:
         victim: bool = True,
         probe_interval: float = 0.1,
         victim_pause: float = 0.02,
+        fresh_client_interval: float | None = None,
         max_seconds: float = 600.0,
     ) -> None:
         self.server = server
@@ -57,6 +60,11 @@ class Siege:
         victim_call = (BUILD_CHUNK_PATH, SMALL_BUILD_CHUNK.SerializeToString(), VICTIM_DEADLINE_SECONDS)
         self.victim = (
             Callers(server.address, *victim_call, pause=victim_pause, max_seconds=max_seconds) if victim else None
+        )
+        self.fresh = (
+            FreshClients(server.address, interval=fresh_client_interval, max_seconds=max_seconds)
+            if fresh_client_interval is not None
+            else None
         )
         self.rss = RssSampler(server.pid, interval=0.1)
         self.rss_before = 0
@@ -72,9 +80,13 @@ class Siege:
         self.probes.start()
         if self.victim is not None:
             self.victim.start()
+        if self.fresh is not None:
+            self.fresh.start()
         return self
 
     def __exit__(self, *exc_info: object) -> None:
+        if self.fresh is not None:
+            self.fresh.stop()
         if self.victim is not None:
             self.victim.stop()
         self.probes.stop()
@@ -92,6 +104,9 @@ class Siege:
 
     def victim_ok_ratio(self) -> float:
         return self.victim.ok_ratio() if self.victim is not None else float("nan")
+
+    def fresh_client_ok_ratio(self) -> float:
+        return self.fresh.ok_ratio() if self.fresh is not None else float("nan")
 
     def shed(self) -> dict[str, float]:
         """indexer_requests_shed_total's growth during the siege, per reason."""
@@ -130,4 +145,7 @@ class Siege:
             run = self.victim.run()
             figures["victim_ok_ratio"] = round(self.victim_ok_ratio(), 4)
             figures["victim_codes"] = run.codes()
+        if self.fresh is not None:
+            figures["fresh_client_ok_ratio"] = round(self.fresh_client_ok_ratio(), 4)
+            figures["fresh_client_outcomes"] = {o: self.fresh.outcomes.count(o) for o in set(self.fresh.outcomes)}
         return figures

@@ -15,7 +15,6 @@ import trustme
 
 from testkit.harness import LOOPBACK, ServiceProcess, mib, poll
 from testkit.http1raw import IdleConnections
-from testkit.observe import FreshClients
 from testkit.payloads import CLIENT_HELLO_START, H2_PREFACE
 from testkit.siege import Siege
 from testkit.streams import BlockedWatchers, IdleReflectionStreams
@@ -24,13 +23,14 @@ from tests.system.test_hardening_abuse import describe, idle_rss, probe_report
 pytestmark = pytest.mark.timeout(180)
 
 TARGET = 0.99  # the issue's: the victim's calls and a fresh client's, and the probes, in time
+FRESH_CLIENT_INTERVAL = 0.5  # seconds between two fresh IndexerClients (Siege's fresh_client_interval)
 
 
-def watched(server: ServiceProcess, seconds: float, victim: bool = True) -> tuple[Siege, FreshClients]:
-    """Probes, a victim and a fresh client every 0.5 s for ``seconds``: the control run."""
-    with Siege(server, victim=victim) as siege, FreshClients(server.address) as fresh:
-        time.sleep(seconds)
-    return siege, fresh
+def control_run(server: ServiceProcess) -> Siege:
+    """Probes, a victim and a fresh client every 0.5 s for 4 s on the unattacked server: the control run."""
+    with Siege(server, fresh_client_interval=FRESH_CLIENT_INTERVAL) as siege:
+        time.sleep(4.0)
+    return siege
 
 
 def test_idle_reflection_streams_hold_no_rpc_thread(serve) -> None:
@@ -39,18 +39,17 @@ def test_idle_reflection_streams_hold_no_rpc_thread(serve) -> None:
     pool: at most 4 streams, 2 per connection, each cut after reflection_idle_seconds; the rest refused and
     counted, the RPCs and fresh clients served as in the control run."""
     server = serve("--reflection-idle-seconds", "2")
-    control, control_fresh = watched(server, 4.0)
+    control = control_run(server)
     with (
-        Siege(server) as siege,
-        FreshClients(server.address) as fresh,
+        Siege(server, fresh_client_interval=FRESH_CLIENT_INTERVAL) as siege,
         IdleReflectionStreams(server.address, connections=6, streams_each=10) as flood,
     ):
         time.sleep(8.0)
-    summary = f"control: {describe(control)}, fresh {control_fresh.outcomes}; attack: {describe(siege)}, "
-    summary += f"fresh {fresh.outcomes}; reflection streams opened {flood.opened}, ended {flood.ended}"
+    summary = f"control: {describe(control)}, fresh {control.fresh.outcomes}; attack: {describe(siege)}, "
+    summary += f"fresh {siege.fresh.outcomes}; reflection streams opened {flood.opened}, ended {flood.ended}"
     assert flood.opened >= 60, summary
     assert siege.victim_ok_ratio() >= min(TARGET, control.victim_ok_ratio()), summary
-    assert fresh.ok_ratio() >= min(TARGET, control_fresh.ok_ratio()), summary
+    assert siege.fresh_client_ok_ratio() >= min(TARGET, control.fresh_client_ok_ratio()), summary
     assert siege.probes.overall().ratio >= min(TARGET, control.probes.overall().ratio), summary
     shed = siege.shed()
     assert shed.get("stream_limit", 0) >= 1 and shed.get("idle_stream", 0) >= 1, summary
@@ -61,18 +60,17 @@ def test_blocked_watch_streams_hold_no_delivery_thread(serve) -> None:
     IndexerClient, which health-checks its channels, succeeded 4.8-15 %, nothing counted). A status on its way
     to such a watcher holds no thread; the watcher is cancelled after 5 s, counted."""
     server = serve()
-    control, control_fresh = watched(server, 4.0)
+    control = control_run(server)
     with (
-        Siege(server) as siege,
-        FreshClients(server.address) as fresh,
+        Siege(server, fresh_client_interval=FRESH_CLIENT_INTERVAL) as siege,
         BlockedWatchers(LOOPBACK, server.grpc_port, rate=8.0) as flood,
     ):
         time.sleep(10.0)
         ended = flood.ended_by_server()
-    summary = f"control: {describe(control)}, fresh {control_fresh.outcomes}; attack: {describe(siege)}, "
-    summary += f"fresh {fresh.outcomes}; blocked Watch streams {flood.streams}, ended by the server {ended}"
+    summary = f"control: {describe(control)}, fresh {control.fresh.outcomes}; attack: {describe(siege)}, "
+    summary += f"fresh {siege.fresh.outcomes}; blocked Watch streams {flood.streams}, ended by the server {ended}"
     assert flood.streams >= 100, summary
-    assert fresh.ok_ratio() >= min(TARGET, control_fresh.ok_ratio()), summary
+    assert siege.fresh_client_ok_ratio() >= min(TARGET, control.fresh_client_ok_ratio()), summary
     assert siege.victim_ok_ratio() >= min(TARGET, control.victim_ok_ratio()), summary
     assert siege.probes.overall().ratio >= min(TARGET, control.probes.overall().ratio), summary
     assert ended >= 1 and siege.shed().get("unread_response", 0) >= 1, summary
