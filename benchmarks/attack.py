@@ -31,7 +31,7 @@ from pathlib import Path
 import grpc
 import psutil
 
-from testkit.h2raw import StalledStreams, attack_window, call_loop_parallel, merged_counts, rapid_reset_parallel
+from testkit.h2raw import StalledStreams, attack_window, call_loop_parallel, rapid_reset_parallel
 from testkit.harness import (
     FAST_START,
     LOOPBACK,
@@ -39,6 +39,7 @@ from testkit.harness import (
     channel,
     clean_env,
     closed_loop,
+    merged_counts,
     metric_total,
     mib,
     scrape,

@@ -19,7 +19,7 @@ import socket
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -431,14 +431,6 @@ def call_loop_parallel(
 
 
 # --- reports of attackers in parallel -----------------------------------------------------------------------
-
-
-def merged_counts(counts: Iterable[Mapping[str, int]]) -> dict[str, int]:
-    """Several reports' counts (their ``goaways``, their ``endings``) added up, by name."""
-    total: Counter[str] = Counter()
-    for one in counts:
-        total.update(one)
-    return dict(total)
 
 
 def attack_window(reports: Iterable[RapidResetReport | CallLoopReport], begin_wall: float) -> tuple[float, float]:

@@ -18,7 +18,8 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterable, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -328,6 +329,14 @@ def closed_loop(call: Call, in_flight: int, max_calls: int, max_seconds: float) 
     run = LoadRun(in_flight, time.perf_counter() - begin)
     run.records = sorted(records, key=lambda r: r.start)
     return run
+
+
+def merged_counts(counts: Iterable[Mapping[str, int]]) -> dict[str, int]:
+    """Several runs' counts by name (failed calls by code, an attacker's GOAWAYs or stream endings) added up."""
+    total: Counter[str] = Counter()
+    for one in counts:
+        total.update(one)
+    return dict(total)
 
 
 def percentile_us(seconds: np.ndarray, q: float) -> float:

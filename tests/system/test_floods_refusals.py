@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from testkit.h2raw import attack_window, call_loop_parallel, merged_counts
-from testkit.harness import LOOPBACK, ServiceProcess, poll, scrape
+from testkit.h2raw import attack_window, call_loop_parallel
+from testkit.harness import LOOPBACK, ServiceProcess, merged_counts, poll, scrape
 from testkit.observe import Callers
 from testkit.payloads import AMPLIFIER_PLAN_BATCH, BUILD_CHUNK_PATH, PLAN_BATCH_PATH, SMALL_BUILD_CHUNK
 from testkit.siege import ERRORS, SHED, Siege, counter_delta
