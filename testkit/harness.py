@@ -28,6 +28,7 @@ import numpy as np
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
+from indexer_service.service.addresses import host_port
 from testkit.paths import REPO
 
 INDEXER_SERVICE = str(Path(sys.executable).with_name("indexer-service"))
@@ -75,10 +76,6 @@ def wait_for(predicate: Callable[[], object], timeout: float, what: str, interva
     result = poll(predicate, timeout, interval)
     assert result, f"timed out after {timeout} s waiting for {what}"
     return result
-
-
-def host_port(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def listen_flags(grpc_host: str = LOOPBACK, http_host: str = LOOPBACK, grpc_port: int = 0) -> list[str]:

@@ -6,7 +6,8 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 
-from testkit.harness import LOOPBACK, RssSampler, ServiceProcess, host_port, mib, scrape
+from indexer_service.service.addresses import host_port
+from testkit.harness import LOOPBACK, RssSampler, ServiceProcess, mib, scrape
 from testkit.observe import Callers, FreshClients, Probes
 from testkit.payloads import BUILD_CHUNK_PATH, SMALL_BUILD_CHUNK
 
