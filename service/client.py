@@ -25,11 +25,10 @@ connection reached costs nothing but its share. The kernel picks a worker per co
 connections leave one of 2 workers without any with probability 2 / 2^8 (under 1 %); ask for more on replicas
 with many workers.
 
-Wait for ready: ``build_chunk`` and ``plan_batch`` wait, within the call's deadline, for a replica to be
-connected and SERVING (gRPC's ``wait_for_ready``), so a scheduler that starts beside replicas still warming
-up gets its answer once one is ready instead of UNAVAILABLE at once. ``IndexerClient(...,
-wait_for_ready=False)`` fails fast instead. ``health`` and ``warmup_status`` never wait: they report on the
-server as it is now.
+Wait for ready: ``build_chunk`` and ``plan_batch`` wait, within the call's deadline, for a replica to be connected and
+SERVING (gRPC's ``wait_for_ready``), so a scheduler that starts beside replicas still warming up gets its answer once
+one is ready instead of UNAVAILABLE at once. ``IndexerClient(..., wait_for_ready=False)`` fails fast instead. ``health``
+and ``warmup_status`` never wait: they report on the server as it is now.
 """
 
 from __future__ import annotations

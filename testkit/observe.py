@@ -165,10 +165,9 @@ class Probes(Paced):
 
 
 class Callers(Paced):
-    """``callers`` callers, each on its own connection, looping one unary call (``path``, serialized
-    ``message``) with a ``timeout`` deadline, ``pause`` seconds apart; every call is a :class:`CallRecord`.
-    A victim is one caller of a small request with a 1 s deadline; the heavy attackers are many callers of an
-    expensive one."""
+    """``callers`` callers, each on its own connection, looping one unary call (``path``, serialized ``message``) with a
+    ``timeout`` deadline, ``pause`` seconds apart; every call is a :class:`CallRecord`. A victim is one caller of a
+    small request with a 1 s deadline; the heavy attackers are many callers of an expensive one."""
 
     def __init__(
         self,
