@@ -1,5 +1,6 @@
-"""One attack on one server, observed: probes, a victim, RSS sampling, and the server's metrics before and after.
-The tests assert on a :class:`Siege`'s figures; ``python -m benchmarks.attack`` prints and saves them."""
+"""One attack on one server, observed: probes, a victim, fresh clients where asked, RSS sampling, and the server's
+metrics before and after. The tests assert on a :class:`Siege`'s figures, held against a :func:`control_run`'s;
+``python -m benchmarks.attack`` prints and saves them."""
 
 from __future__ import annotations
 
@@ -120,6 +121,22 @@ class Siege:
     def http_refused(self) -> dict[str, float]:
         return counter_delta(self.metrics_before, self.metrics_after, HTTP_REFUSED, "reason")
 
+    def probe_report(self) -> str:
+        """Each probe target's probes answered in time, and its slowest, as one line."""
+        return ", ".join(
+            f"{s.target} {s.in_time}/{s.probes} (worst {s.worst_seconds:.2f} s)"
+            for s in self.probes.summaries().values()
+        )
+
+    def summary(self) -> str:
+        """The siege's figures as one readable line for an assertion message."""
+        victim = self.victim.run().codes() if self.victim is not None else {}
+        fresh = f"fresh clients {self.fresh.outcomes}; " if self.fresh is not None else ""
+        return (
+            f"victim {victim}; {fresh}RSS +{mib(self.rss_peak_growth):.0f} MiB at peak; shed {self.shed()}; "
+            f"errors {self.errors()}; HTTP refused {self.http_refused()}; probes: {self.probe_report()}"
+        )
+
     def figures(self) -> dict[str, object]:
         """Everything measured, as plain numbers (JSON-ready)."""
         probes = {
@@ -150,3 +167,11 @@ class Siege:
             figures["fresh_client_ok_ratio"] = round(self.fresh_client_ok_ratio(), 4)
             figures["fresh_client_outcomes"] = {o: self.fresh.outcomes.count(o) for o in set(self.fresh.outcomes)}
         return figures
+
+
+def control_run(server: ServiceProcess, seconds: float, **options: object) -> Siege:
+    """A :class:`Siege` (with ``options``) of ``seconds`` on the server unattacked: the baseline, taken in the same
+    test on the same server just before the attack, that the attacked run's figures are held to."""
+    with Siege(server, **options) as siege:
+        time.sleep(seconds)
+    return siege

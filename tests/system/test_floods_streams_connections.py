@@ -17,29 +17,20 @@ import trustme
 from testkit.harness import LOOPBACK, ServiceProcess, mib, poll
 from testkit.http1raw import IdleConnections
 from testkit.payloads import CLIENT_HELLO_START, H2_PREFACE
-from testkit.siege import Siege
+from testkit.siege import Siege, control_run
 from testkit.streams import BlockedWatchers, IdleReflectionStreams
-from tests.system.test_hardening_abuse import describe, idle_rss, probe_report
+from tests.system.hardening_support import idle_rss
 
 pytestmark = pytest.mark.timeout(180)
 
 TARGET = 0.99  # the issue's: the victim's calls and a fresh client's, and the probes, in time
 FRESH_CLIENT_INTERVAL = 0.5  # seconds between two fresh IndexerClients (Siege's fresh_client_interval)
-
-
-def control_run(server: ServiceProcess) -> Siege:
-    """Probes, a victim and a fresh client every 0.5 s for 4 s on the unattacked server: the control run."""
-    with Siege(server, fresh_client_interval=FRESH_CLIENT_INTERVAL) as siege:
-        time.sleep(4.0)
-    return siege
+CONTROL_SECONDS = 4.0  # the control run: probes, a victim and a fresh client, unattacked
 
 
 def compared(control: Siege, siege: Siege, flood: str) -> str:
     """The control run's figures and the attacked run's, and what the ``flood`` did, for assertion messages."""
-    return (
-        f"control: {describe(control)}, fresh {control.fresh.outcomes}; attack: {describe(siege)}, "
-        f"fresh {siege.fresh.outcomes}; {flood}"
-    )
+    return f"control: {control.summary()}; attack: {siege.summary()}; {flood}"
 
 
 def assert_served_as_in_control(control: Siege, siege: Siege, summary: str) -> None:
@@ -56,7 +47,7 @@ def test_idle_reflection_streams_hold_no_rpc_thread(serve) -> None:
     pool: at most 4 streams, 2 per connection, each cut after reflection_idle_seconds; the rest refused and
     counted, the RPCs and fresh clients served as in the control run."""
     server = serve("--reflection-idle-seconds", "2")
-    control = control_run(server)
+    control = control_run(server, CONTROL_SECONDS, fresh_client_interval=FRESH_CLIENT_INTERVAL)
     with (
         Siege(server, fresh_client_interval=FRESH_CLIENT_INTERVAL) as siege,
         IdleReflectionStreams(server.address, connections=6, streams_each=10) as flood,
@@ -74,7 +65,7 @@ def test_blocked_watch_streams_hold_no_delivery_thread(serve) -> None:
     IndexerClient, which health-checks its channels, succeeded 4.8-15 %, nothing counted). A status on its way
     to such a watcher holds no thread; the watcher is cancelled after 5 s, counted."""
     server = serve()
-    control = control_run(server)
+    control = control_run(server, CONTROL_SECONDS, fresh_client_interval=FRESH_CLIENT_INTERVAL)
     with (
         Siege(server, fresh_client_interval=FRESH_CLIENT_INTERVAL) as siege,
         BlockedWatchers(LOOPBACK, server.grpc_port, rate=8.0) as flood,
@@ -134,13 +125,13 @@ def test_idle_connections_capped_closed_and_memory_back(serve, port: str) -> Non
     target = server.grpc_port if port == "grpc" else server.health_port
     with Siege(server) as siege, IdleConnections(LOOPBACK, target, 1000, greeting=H2_PREFACE) as flood:
         held = watch_closing(server, flood, 1.0, 15.0, 0.5)
-    summary = f"{held.at_first} of 1,000 held at first, {held.left} left; {describe(siege)}"
+    summary = f"{held.at_first} of 1,000 held at first, {held.left} left; {siege.summary()}"
     assert cap // 2 <= held.at_first <= cap, summary
     assert held.closed, summary
     # Probes on the ports the flood does not fill: a full RPC port turns new connections away, health too.
     others = {"grpc": ("grpc-health-port", "livez", "readyz"), "health": ("grpc-health", "livez", "readyz")}[port]
     summaries = siege.probes.summaries()
-    assert all(summaries[name].ratio >= TARGET for name in others), probe_report(siege)
+    assert all(summaries[name].ratio >= TARGET for name in others), siege.probe_report()
     assert siege.victim_ok_ratio() >= TARGET, summary
     assert_memory_back(server, idle_before, held, "connections")
 
@@ -171,7 +162,7 @@ def test_half_open_tls_handshakes_capped_timed_out_and_memory_back(serve, server
         IdleConnections(LOOPBACK, server.grpc_port, 1000, greeting=CLIENT_HELLO_START) as flood,
     ):
         held = watch_closing(server, flood, 0.5, 10.0, 0.25)
-    summary = f"{held.at_first} of 1,000 handshakes held at first, {held.left} left; {describe(siege)}"
+    summary = f"{held.at_first} of 1,000 handshakes held at first, {held.left} left; {siege.summary()}"
     assert 150 <= held.at_first <= 300, summary
     assert held.closed, summary
     summaries = siege.probes.summaries()
@@ -196,7 +187,7 @@ def test_full_rpc_port_leaves_workers_probe_sockets_answering(serve) -> None:
         time.sleep(4 * hang)
         still_held = flood.still_connected()
     log = server.log()
-    summary = f"{held} of 300 held at first, {still_held} after {4 * hang:.0f} s; {describe(siege)}"
+    summary = f"{held} of 300 held at first, {still_held} after {4 * hang:.0f} s; {siege.summary()}"
     assert cap <= held <= 2 * cap, summary
     assert still_held >= cap, summary  # the flood filled the port the whole time
     assert "worker hung" not in log and "worker exited" not in log, log
