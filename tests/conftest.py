@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from hypothesis import settings
 
-from tests.tiers import run_lock, tier_marks
+from tests.tiers import run_lock, spread_exclusive, tier_marks
 
 # Hypothesis: every example in CI (which sets CI=true, as do most CI systems), a fifth of them elsewhere so that
 # `make test-quick` stays a one-minute loop; HYPOTHESIS_PROFILE picks one by name. Tests that set max_examples
@@ -38,9 +38,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if isinstance(item, pytest.Function):
             for mark in tier_marks(item, seen, xdist):
                 item.add_marker(mark)
+    if hasattr(config, "workerinput"):  # a pytest-xdist worker: each computes the same order from the same items
+        items[:] = spread_exclusive(items)
 
 
-# `exclusive` under pytest-xdist: tests/tiers.py's run_lock. The controller makes the locks' folder and hands it to
+# `exclusive` under pytest-xdist: tests/tiers.py's run_lock (process tests share it, an exclusive one holds it alone,
+# in-process tests take none) and spread_exclusive's order. The controller makes the locks' folder and hands it to
 # its workers; a run without workers takes no lock.
 LOCK_DIR = pytest.StashKey[Path]()
 
@@ -63,7 +66,8 @@ def pytest_configure_node(node) -> None:  # pytest-xdist's hook: a worker is abo
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
     directory = getattr(item.config, "workerinput", {}).get("indexer_lock_dir")
-    with run_lock(directory, exclusive=item.get_closest_marker("exclusive") is not None):
+    exclusive, process = (item.get_closest_marker(m) is not None for m in ("exclusive", "process"))
+    with run_lock(directory, exclusive=exclusive, process=process):
         return (yield)
 
 

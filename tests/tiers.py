@@ -110,12 +110,33 @@ def spawns(modules: frozenset[str] | set[str]) -> bool:
     return bool(modules & SPAWNING_MODULES) or "os" in modules
 
 
+def spread_exclusive(items: list[pytest.Item]) -> list[pytest.Item]:
+    """The run's order for pytest-xdist: the `process` tests first (the long ones: a worker's last test sets the
+    run's end), then the in-process tests with the `exclusive` ones spread evenly among them. While one worker
+    runs an `exclusive` test, the other then finds in-process tests to run beside it (they take no run lock)
+    rather than a process test that would wait for the lock. Within each tier the collection order is kept; an
+    in-process module cut in two by an `exclusive` test sets its (in-process) module fixtures up twice, as a module
+    spread over two workers already does."""
+    exclusive = [i for i in items if i.get_closest_marker("exclusive")]
+    process = [i for i in items if i.get_closest_marker("process") and not i.get_closest_marker("exclusive")]
+    light = [i for i in items if not i.get_closest_marker("process") and not i.get_closest_marker("exclusive")]
+    every = len(light) / max(1, len(exclusive))  # in-process tests between two `exclusive` ones
+    ordered = list(process)
+    for k, item in enumerate(exclusive):
+        ordered.append(item)
+        ordered.extend(light[round(k * every) : round((k + 1) * every)])
+    return ordered if exclusive else [*process, *light]
+
+
 @contextlib.contextmanager
-def run_lock(directory: str | None, exclusive: bool) -> Iterator[None]:
-    """Held by every test of an xdist run from its setup to its teardown: shared, or alone for an `exclusive` one. A
-    test waiting to hold it alone holds the turnstile meanwhile, so that the other workers' next tests queue behind
-    it instead of keeping a shared hold forever. ``directory`` None (no workers): no lock."""
-    if directory is None:
+def run_lock(directory: str | None, exclusive: bool, process: bool = True) -> Iterator[None]:
+    """Held by every `process` test of an xdist run from its setup to its teardown: shared, or alone for an
+    `exclusive` one. A test waiting to hold it alone holds the turnstile meanwhile, so that the other workers' next
+    tests queue behind it instead of keeping a shared hold forever. An in-process test (``process`` False) takes
+    no lock: it starts no server, attack client or observer whose figures would cross an `exclusive` test's, and
+    so runs beside one (a CPU-bound in-process test takes at most its worker's core). ``directory`` None (no
+    workers): no lock."""
+    if directory is None or not (process or exclusive):
         yield
         return
     with open(Path(directory) / "turnstile", "a") as turnstile, open(Path(directory) / "run", "a") as run:
