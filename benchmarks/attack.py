@@ -31,7 +31,7 @@ from pathlib import Path
 import grpc
 import psutil
 
-from testkit.h2raw import CallLoopReport, StalledStreams, call_loop_parallel, rapid_reset_parallel
+from testkit.h2raw import StalledStreams, attack_window, call_loop_parallel, rapid_reset_parallel
 from testkit.harness import (
     FAST_START,
     LOOPBACK,
@@ -39,13 +39,14 @@ from testkit.harness import (
     channel,
     clean_env,
     closed_loop,
+    merged_counts,
     metric_total,
     mib,
     scrape,
     write_json,
 )
 from testkit.http1raw import IdleConnections, UnreadAnswers, huge_header
-from testkit.observe import Callers, FreshClients, HealthWatch
+from testkit.observe import Callers, HealthWatch
 from testkit.payloads import (
     AMPLIFIER_PLAN_BATCH,
     BUILD_CHUNK_PATH,
@@ -67,6 +68,7 @@ HEAVY_PLAN = one_row_chunks_plan_batch(1000).SerializeToString()
 FLOOD_CONNECTIONS = 10  # issue 19's floods: connections, one call in flight each
 FLOOD_SECONDS = 15.0
 FLOOD_VICTIM_PAUSE = 0.05  # issue 19's victim: one small call every 50 ms, 1 s deadline
+FRESH_CLIENT_INTERVAL = 1.0  # issue 19's stream floods: a fresh health-checking IndexerClient every second
 MEMORY_BACK_SECONDS = 60.0  # issue 10: idle RSS back within 1.2x of its value before, within 60 s of the end
 DEFAULT_IDLE_CONNECTION_SECONDS = 120.0  # connection_idle_seconds' default
 SCALE = {"factor": 1.0}  # --scale: the issue 19 floods' sizes
@@ -175,23 +177,13 @@ def rapid_reset(bench: Bench) -> dict:
         reports = rapid_reset_parallel(LOOPBACK, server.grpc_port, BUILD_CHUNK_PATH, small, 4, 5000, 120.0)
         time.sleep(1.0)
     figures = siege.figures()
-    goaways: dict[str, int] = {}
-    for report in reports:
-        for code, count in report.goaways.items():
-            goaways[code] = goaways.get(code, 0) + count
     figures.update(
         tried="4 x 5,000 HEADERS+DATA+RST_STREAM",
         streams_reset=sum(r.streams_reset for r in reports),
         attack_seconds=round(max(r.seconds for r in reports), 1),
-        goaways=goaways,
+        goaways=merged_counts(r.goaways for r in reports),
         connections_used=sum(r.connections_used for r in reports),
-        victim_ok_ratio_during_attack=round(
-            siege.victim.ok_ratio(
-                min(r.started_wall for r in reports) - siege.victim.begin_wall,
-                max(r.ended_wall for r in reports) - siege.victim.begin_wall,
-            ),
-            4,
-        ),
+        victim_ok_ratio_during_attack=round(siege.victim.ok_ratio(*attack_window(reports, siege.victim.begin_wall)), 4),
     )
     return figures
 
@@ -207,26 +199,12 @@ def _flood(bench: Bench, path: str, message: bytes, grpc_timeout: str | None) ->
         time.sleep(1.0)
     figures = siege.figures()
     figures.update(
-        flood_endings=_endings(reports),
+        flood_endings=merged_counts(r.endings for r in reports),
         flood_calls_per_second=round(sum(r.calls for r in reports) / FLOOD_SECONDS),
         goaways=[r.goaway for r in reports if r.goaway],
-        victim_ok_ratio_during_attack=round(
-            siege.victim.ok_ratio(
-                min(r.started_wall for r in reports) - siege.victim.begin_wall,
-                max(r.ended_wall for r in reports) - siege.victim.begin_wall,
-            ),
-            4,
-        ),
+        victim_ok_ratio_during_attack=round(siege.victim.ok_ratio(*attack_window(reports, siege.victim.begin_wall)), 4),
     )
     return figures
-
-
-def _endings(reports: list[CallLoopReport]) -> dict[str, int]:
-    endings: dict[str, int] = {}
-    for report in reports:
-        for name, count in report.endings.items():
-            endings[name] = endings.get(name, 0) + count
-    return endings
 
 
 def refused_flood(bench: Bench) -> dict:
@@ -399,22 +377,14 @@ def _scaled(n: int) -> int:
     return max(1, round(n * SCALE["factor"]))
 
 
-def _with_fresh_clients(server: ServiceProcess, seconds: float, flood: object, victim: bool = True) -> dict:
-    """Probes, the victim and a fresh IndexerClient every second, ``seconds`` under ``flood`` (a ``with``)."""
-    with Siege(server, victim=victim) as siege, FreshClients(server.address, interval=1.0) as fresh, flood:
-        time.sleep(seconds)
-    figures = siege.figures()
-    figures["fresh_client_ok_ratio"] = round(fresh.ok_ratio(), 4)
-    figures["fresh_client_outcomes"] = {o: fresh.outcomes.count(o) for o in set(fresh.outcomes)}
-    return figures
-
-
 def reflection_streams(bench: Bench) -> dict:
     """6 connections x 10 reflection streams that never send a request, each reopened 0.05 s after it ended, 30 s."""
     server = bench.serve()
     connections = _scaled(6)
     flood = IdleReflectionStreams(server.address, connections=connections, streams_each=10, reopen_pause=0.05)
-    figures = _with_fresh_clients(server, 30.0, flood)
+    with Siege(server, fresh_client_interval=FRESH_CLIENT_INTERVAL) as siege, flood:
+        time.sleep(30.0)
+    figures = siege.figures()
     figures.update(tried=f"{connections} connections x 10 idle reflection streams, 30 s", opened=flood.opened)
     figures["ended"] = flood.ended
     return figures
@@ -424,7 +394,9 @@ def blocked_watchers(bench: Bench) -> dict:
     """8 new connections a second, each with 2 health Watch streams whose flow-control window stays 0, 30 s."""
     server = bench.serve()
     flood = BlockedWatchers(LOOPBACK, server.grpc_port, rate=8.0 * SCALE["factor"], max_connections=_scaled(240))
-    figures = _with_fresh_clients(server, 30.0, flood)
+    with Siege(server, fresh_client_interval=FRESH_CLIENT_INTERVAL) as siege, flood:
+        time.sleep(30.0)
+    figures = siege.figures()
     figures.update(
         tried="8 connections a second x 2 Watch streams with windows 0, 30 s",
         watch_streams=flood.streams,

@@ -2,14 +2,13 @@
 
     python -m benchmarks.bench_kernel [--out results.json]
 
-Without a GPU: the numpy backend against ``np.copyto`` of the same output bytes (the memory-copy floor), and so
-is the compiled fast path that serves BuildChunk with the numpy backend (service/compute/fastpath.c), timed as the
-server calls it: request bytes in, response bytes out (parse, validation and encoding included).
-With a GPU, also: the kernel alone (CUDA-graph replay) against a device copy of its output bytes; the
-same kernel with Triton's default scalar specialization (what ``do_not_specialize`` costs or saves); the
-service's host round trip (validation, one copy in, launch, one copy out) against numpy; and a whole
-prefill plan built by one launch against vLLM's way (one launch and several torch ops per chunk,
-``benchmarks/vllm_baseline.py``).
+Without a GPU: the numpy backend against ``np.copyto`` of the same output bytes (the memory-copy floor), and so is the
+compiled fast path that serves BuildChunk with the numpy backend (service/compute/fastpath.c), timed as the server calls
+it: request bytes in, response bytes out (parse, validation and encoding included). With a GPU, also: the kernel alone
+(CUDA-graph replay) against a device copy of its output bytes; the same kernel with Triton's default scalar
+specialization (what ``do_not_specialize`` costs or saves); the service's host round trip (validation, one copy in,
+launch, one copy out) against numpy; and a whole prefill plan built by one launch against vLLM's way (one launch and
+several torch ops per chunk, ``benchmarks/vllm_baseline.py``).
 """
 
 from __future__ import annotations

@@ -37,7 +37,6 @@ import argparse
 import json
 import os
 import signal
-import subprocess
 import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
@@ -128,29 +127,22 @@ def record_responses(service: ServiceProcess, canned: Path) -> None:
             (canned / f"{n}.response").write_bytes(response)
 
 
-def run_loadgen(binary: Path, address: str, request_file: Path, in_flight: int, seconds: float) -> dict:
-    """One run of the Go load generator (pinned where this process is: off the servers' CPU); its JSON line."""
+def run_loadgen(binary: Path, server: ServiceProcess, request_file: Path, in_flight: int, seconds: float) -> dict:
+    """One run of the Go load generator (pinned where this process is: off the servers' CPU); its JSON row. A
+    latency benchmark allows no failed call."""
     connections = 1 if in_flight == 1 else LOADGEN_CONNECTIONS
-    command = [str(binary), "-address", address, "-request-file", str(request_file), "-method", METHOD]
-    command += ["-in-flight", str(in_flight), "-connections", str(connections), "-seconds", str(seconds)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=seconds + 60)
-    if done.returncode != 0:
-        raise SystemExit(f"the load generator failed: {done.stderr.strip()}")
-    row = json.loads(done.stdout)
-    if row["errors"]:
-        raise SystemExit(f"calls failed at {in_flight} in flight: {row['errors']}")
-    return row
+    return loadgen.run(binary, [server], METHOD, request_file, in_flight, connections, seconds, failures_allowed=0.0)
 
 
 def measure(binary: Path, server: ServiceProcess, request_file: Path, seconds: float) -> dict[str, float]:
     """p50/p99 with one call at a time, then calls/s and the server's CPU per call (user + system, microseconds:
     what a shared machine's neighbours disturb least) at each IN_FLIGHT, all from the Go load generator."""
-    single = run_loadgen(binary, server.address, request_file, 1, seconds)
+    single = run_loadgen(binary, server, request_file, 1, seconds)
     row = {"calls": single["calls"], "p50_us": single["p50_us"], "p99_us": single["p99_us"]}
     process = psutil.Process(server.pid)
     for k in IN_FLIGHT:
         before = sum(process.cpu_times()[:2])
-        loaded = run_loadgen(binary, server.address, request_file, k, seconds)
+        loaded = run_loadgen(binary, server, request_file, k, seconds)
         used = sum(process.cpu_times()[:2]) - before
         row[f"calls_per_s_{k}"] = loaded["calls"] / loaded["elapsed"]
         row[f"server_cpu_us_per_call_{k}"] = used / loaded["calls"] * 1e6

@@ -24,9 +24,7 @@ where the servers get CPUs 0..N-1 (one each, as a pod would) and the load genera
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -46,35 +44,14 @@ MANY_PER_ADDRESS = 4
 def drive(binary: Path, servers: list[ServiceProcess], client_conns: int, request: Path, args, cpus) -> dict:
     """One phase of the Go load generator over ``servers`` with ``client_conns`` ClientConns. A stray failed call
     (at most one in a thousand) is recorded and its servers' log lines printed; more ends the run."""
-    addresses = [s.address for s in servers]
-    flags = [
-        "-address", ",".join(addresses), "-method", METHOD, "-request-file", str(request),
-        "-in-flight", str(args.in_flight), "-connections", str(client_conns), "-seconds", str(args.seconds),
-    ]  # fmt: skip
-    pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
-    run = subprocess.run(
-        [str(binary), *flags], capture_output=True, text=True, timeout=args.seconds + 120, preexec_fn=pin
+    result = loadgen.run(
+        binary, servers, METHOD, request, args.in_flight, client_conns, args.seconds, loadgen.STRAY_FAILURES, cpus
     )
-    if run.returncode:
-        raise SystemExit(f"load generator exited {run.returncode}: {run.stderr.strip()[-2000:]}")
-    result = json.loads(run.stdout.strip().splitlines()[-1])
-    failed = sum(result["errors"].values())
-    if failed:
-        print(
-            f"{failed} of {result['calls']} calls failed: {result['error_messages']}; the servers logged:",
-            file=sys.stderr,
-        )
-        for server in servers:
-            print(
-                "\n".join(line for line in server.log().splitlines() if " INFO " not in line)[-3000:], file=sys.stderr
-            )
-        if failed > result["calls"] / 1000:
-            raise SystemExit("too many calls failed: the figures would not measure serving")
     return {
         "calls_per_s": result["calls"] / result["elapsed"],
         "p50_us": result["p50_us"],
         "per_address_calls": result["per_address_calls"],
-        "failed_calls": failed,
+        "failed_calls": sum(result["errors"].values()),
     }
 
 

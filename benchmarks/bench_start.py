@@ -1,7 +1,6 @@
-"""Where a start's time goes: ``indexer-service serve`` as ``make serve`` runs it (the default config and
-workers: one per CPU), from ``Popen`` to its first log line, to listening (the port file) and to ready (/readyz
-200, polled every 10 ms), with a warm Triton cache (a first, unreported start fills it); and
-``indexer-service keys``.
+"""Where a start's time goes: ``indexer-service serve`` as ``make serve`` runs it (the default config and workers: one
+per CPU), from ``Popen`` to its first log line, to listening (the port file) and to ready (/readyz 200, polled every
+10 ms), with a warm Triton cache (a first, unreported start fills it); and ``indexer-service keys``.
 
     python -m benchmarks.bench_start [--rounds 3] [--before TREE] [--out start.json]
 

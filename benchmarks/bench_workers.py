@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import threading
@@ -43,7 +42,7 @@ from benchmarks import loadgen
 from benchmarks.bench_rpc import METHOD, SERVICE_FLAGS
 from indexer_service.service.client import ChannelPool
 from testkit.batches import request_files
-from testkit.harness import ServiceProcess, channel, closed_loop, percentile_us, start_all, write_json
+from testkit.harness import ServiceProcess, channel, closed_loop, merged_counts, percentile_us, start_all, write_json
 
 IN_FLIGHT = 32  # the target's load
 TARGET = 0.8
@@ -113,18 +112,13 @@ def load(
     generator over the phase."""
     start = time.time() + 2.0
     if go:
-        flags = f"-address {server.address} -method {METHOD} -request-file {request_file} -in-flight {in_flight}"
-        flags += f" -connections {connections} -seconds {seconds} -start-at {start}"
-        commands = [[str(go), *flags.split()]]
+        commands = [loadgen.command(go, [server.address], METHOD, request_file, in_flight, connections, seconds, start)]
     else:
         each = [request_file, in_flight // clients, seconds, max(1, connections // clients), start]
         commands = [
             [sys.executable, "-m", "benchmarks.bench_workers", "--client", server.address, *map(str, each)]
         ] * clients
-    pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
-    processes = [
-        subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=pin) for c in commands
-    ]
+    processes = [loadgen.start(c, cpus) for c in commands]
     cpu = {}
 
     def sample() -> None:  # CPU over the load's window
@@ -142,23 +136,13 @@ def load(
 
     sampler = threading.Thread(target=sample)
     sampler.start()
-    results = []
-    for process in processes:
-        out, err = process.communicate(timeout=seconds + 120)
-        if process.returncode:
-            raise SystemExit(f"load generator exited {process.returncode}: {err.strip()[-2000:]}")
-        results.append(json.loads(out.strip().splitlines()[-1]))
+    results = [loadgen.result(process, seconds) for process in processes]
     sampler.join()
-    failed = [r for r in results if r["errors"]]
-    errors = sum(n for r in failed for n in r["errors"].values())
     calls = sum(r["calls"] for r in results)
-    if errors:
-        why = failed[0].get("error_messages") or failed[0].get("first_problem")
-        logged = [line for line in server.log().splitlines() if " ERROR " in line or "Traceback" in line]
-        print(f"{errors} of {calls} calls failed: {failed[0]['errors']} {why}; the server logged:", file=sys.stderr)
-        print("\n".join(logged[-40:]) or "(no error)", file=sys.stderr)
-        if errors > calls / 1000:  # more than a stray failure: the figures would not measure serving
-            raise SystemExit("too many calls failed")
+    why = [r["error_messages"] for r in results if r.get("error_messages")]  # the Go load generator's
+    errors = loadgen.judge_failures(
+        calls, merged_counts(r["errors"] for r in results), why, [server], loadgen.STRAY_FAILURES
+    )
     loaded_p50 = results[0]["p50_us"] if go else percentile_us(np.concatenate([r["latencies"] for r in results]), 50)
     rate = sum(r["calls"] / r["elapsed"] for r in results)
     return {"calls_per_s": rate, "loaded_p50_us": loaded_p50, "failed_calls": errors, **cpu}

@@ -1,15 +1,13 @@
 """A slow, literal reference of docs/spec.md: one chunk's metadata (section 1), the chunk plan (section 2) and the
 model's ratio set (section 3), written as the spec states them, one request and one row at a time.
 
-The one oracle: served by nothing, only tests import it (``tests/kernels/test_reference.py`` checks that no module
-of ``service/`` or ``kernels/`` does). Every backend is held to it: the numpy backend (``kernels/numpy_backend.py``,
-which serves), the compiled fast path (``service/compute/fastpath.c``) and the Triton kernel
-(``kernels/triton_kernel.py``).
-In the manner of
-flash-linear-attention's ``fla/ops/*/naive.py``: plain Python loops, no vectorisation, no shared helper. It calls
-none of the code it checks (not ``kernels/numpy_backend.py``, not the computations of ``kernels/inputs.py``, not the
-planner, not ``normalize_compress_ratio``); it takes only their dataclasses, so that a mistake in them cannot
-hide in both. Nothing here is fast, and nothing needs to be: keep the inputs small.
+The one oracle: served by nothing, only tests import it (``tests/kernels/test_reference.py`` checks that no module of
+``service/`` or ``kernels/`` does). Every backend is held to it: the numpy backend (``kernels/numpy_backend.py``, which
+serves), the compiled fast path (``service/compute/fastpath.c``) and the Triton kernel (``kernels/triton_kernel.py``).
+In the manner of flash-linear-attention's ``fla/ops/*/naive.py``: plain Python loops, no vectorisation, no shared
+helper. It calls none of the code it checks (not ``kernels/numpy_backend.py``, not the computations of
+``kernels/inputs.py``, not the planner, not ``normalize_compress_ratio``); it takes only their dataclasses, so that a
+mistake in them cannot hide in both. Nothing here is fast, and nothing needs to be: keep the inputs small.
 
 Inputs outside the spec's domain (section 5's refusals, section 8's checks) raise :class:`ValueError`; the
 reference does not reproduce the service's error messages, only that such inputs have no answer.

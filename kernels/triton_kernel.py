@@ -5,13 +5,11 @@ Order as in Triton's tutorials: the oracle lives in ``kernels/reference.py``; th
 program table, stages the copies and combines concurrent calls is ``kernels/triton_launcher.py`` and
 ``kernels/launch_combiner.py``.
 
-vLLM launches one program per request of one chunk and passes the chunk's query slice and DCP settings
-as scalars. Here the host first writes a *program table*: one row per (chunk, request), or several for a
-long request, holding where the request's ``token_to_seq`` entries and output rows go and the causal
-position of its first output row.
-The kernel then needs no per-chunk scalar, so every chunk of a prefill plan is built by **one launch**
-from one host-to-device copy, with one device-to-host copy back; the query slice stops being a
-specialization axis.
+vLLM launches one program per request of one chunk and passes the chunk's query slice and DCP settings as scalars. Here
+the host first writes a *program table*: one row per (chunk, request), or several for a long request, holding where the
+request's ``token_to_seq`` entries and output rows go and the causal position of its first output row. The kernel then
+needs no per-chunk scalar, so every chunk of a prefill plan is built by **one launch** from one host-to-device copy,
+with one device-to-host copy back; the query slice stops being a specialization axis.
 """
 
 from __future__ import annotations

@@ -2,12 +2,11 @@
 ``python -m indexer_service.protos.generate [--out DIR]``.
 
 Writes ``*_pb2.py``, ``*_pb2.pyi`` and ``*_pb2_grpc.py`` beside each ``.proto``, ``*_descriptor.binpb``, its
-FileDescriptorSet with the source comments (what server reflection sends, so ``grpcurl describe`` shows the
-comments; the descriptors compiled into ``*_pb2.py`` have none), and ``*_wire.h``, every message's field numbers,
-tags and types for C code that reads or writes the messages as raw bytes (service/compute/fastpath.c), or under
-``--out`` with the same layout, which the freshness test compares byte for byte with the committed files. grpcio-tools
-is
-pinned exactly in pyproject.toml: another version generates different bytes and a different runtime check.
+FileDescriptorSet with the source comments (what server reflection sends, so ``grpcurl describe`` shows the comments;
+the descriptors compiled into ``*_pb2.py`` have none), and ``*_wire.h``, every message's field numbers, tags and types
+for C code that reads or writes the messages as raw bytes (service/compute/fastpath.c), or under ``--out`` with the same
+layout, which the freshness test compares byte for byte with the committed files. grpcio-tools is pinned exactly in
+pyproject.toml: another version generates different bytes and a different runtime check.
 """
 
 from __future__ import annotations

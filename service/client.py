@@ -25,11 +25,10 @@ connection reached costs nothing but its share. The kernel picks a worker per co
 connections leave one of 2 workers without any with probability 2 / 2^8 (under 1 %); ask for more on replicas
 with many workers.
 
-Wait for ready: ``build_chunk`` and ``plan_batch`` wait, within the call's deadline, for a replica to be
-connected and SERVING (gRPC's ``wait_for_ready``), so a scheduler that starts beside replicas still warming
-up gets its answer once one is ready instead of UNAVAILABLE at once. ``IndexerClient(...,
-wait_for_ready=False)`` fails fast instead. ``health`` and ``warmup_status`` never wait: they report on the
-server as it is now.
+Wait for ready: ``build_chunk`` and ``plan_batch`` wait, within the call's deadline, for a replica to be connected and
+SERVING (gRPC's ``wait_for_ready``), so a scheduler that starts beside replicas still warming up gets its answer once
+one is ready instead of UNAVAILABLE at once. ``IndexerClient(..., wait_for_ready=False)`` fails fast instead. ``health``
+and ``warmup_status`` never wait: they report on the server as it is now.
 """
 
 from __future__ import annotations
@@ -49,6 +48,7 @@ from indexer_service.kernels.planner import BatchInputs, PrefillPlan
 from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
 from indexer_service.protos.indexer.v1 import indexer_pb2_grpc as pb_grpc
 from indexer_service.service import codec
+from indexer_service.service.addresses import split_host_port
 from indexer_service.service.codec import SERVICE_NAME
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 2**20  # the server's default max_message_bytes
@@ -57,19 +57,6 @@ DEFAULT_CONNECTIONS = 8  # per address: see the module docstring
 
 
 _SCHEMES = ("dns:", "ipv4:", "ipv6:", "unix:", "unix-abstract:", "vsock:", "xds:")
-
-
-def _host_port(address: str) -> tuple[str, str]:
-    """``host:port`` or ``[v6]:port`` split; a ValueError naming the item otherwise."""
-    if address.startswith("["):
-        host, sep, port = address[1:].partition("]:")
-    else:
-        host, sep, port = address.rpartition(":")
-        if ":" in host:
-            raise ValueError(f"{address!r}: write an IPv6 address in brackets, [addr]:port")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
-        raise ValueError(f"{address!r}: expected host:port")
-    return host, port
 
 
 def channel_target(addresses: str | Sequence[str]) -> str:
@@ -88,7 +75,7 @@ def channel_target(addresses: str | Sequence[str]) -> str:
     families: set[int] = set()
     names: list[str] = []
     for address in addresses:
-        host, port = _host_port(address)
+        host, port = split_host_port(address)
         try:
             families.add(ipaddress.ip_address(host).version)
         except ValueError:

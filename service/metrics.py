@@ -1,16 +1,16 @@
 """Every Prometheus metric of the service, defined in one place.
 
-Naming follows Prometheus conventions: base units (seconds, counts), ``_seconds`` and ``_total``
-suffixes, histograms rather than summaries. Every label set is bounded: ``method`` by the proto,
-``code`` by gRPC's status codes, ``key`` by the model's warmup set, ``backend`` by three values (numpy, triton, native).
+Naming follows Prometheus conventions: base units (seconds, counts), ``_seconds`` and ``_total`` suffixes, histograms
+rather than summaries. Every label set is bounded: ``method`` by the proto, ``code`` by gRPC's status codes, ``key`` by
+the model's warmup set, ``backend`` by three values (numpy, triton, native).
 
 With several worker processes (``workers``, service/process/supervisor.py) every process writes its metrics to the files
-of prometheus_client's multiprocess mode, in a private directory the supervisor names in
-``PROMETHEUS_MULTIPROC_DIR`` before any worker starts: counters and histograms add up over every worker that ever
-ran (a dead worker's counts are folded into one file of retired counts, :func:`retire_process`, so the directory,
-and a scrape's cost, stay the same size however often workers restart), and each gauge says how its workers'
-values combine (``multiprocess_mode``, ignored in a single process; a dead worker's gauges go with it).
-``/metrics`` of any worker serves the whole replica; ``indexer_ready`` there is the supervisor's verdict alone.
+of prometheus_client's multiprocess mode, in a private directory the supervisor names in ``PROMETHEUS_MULTIPROC_DIR``
+before any worker starts: counters and histograms add up over every worker that ever ran (a dead worker's counts are
+folded into one file of retired counts, :func:`retire_process`, so the directory, and a scrape's cost, stay the same
+size however often workers restart), and each gauge says how its workers' values combine (``multiprocess_mode``, ignored
+in a single process; a dead worker's gauges go with it). ``/metrics`` of any worker serves the whole replica;
+``indexer_ready`` there is the supervisor's verdict alone.
 """
 
 from __future__ import annotations

@@ -19,8 +19,10 @@ import socket
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable, Iterable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import h2.config
 import h2.connection
@@ -32,6 +34,8 @@ import h2.settings
 from testkit.payloads import grpc_frame
 
 _READ_BYTES = 65536
+
+_Report = TypeVar("_Report")
 
 
 @dataclass
@@ -353,18 +357,21 @@ def rapid_reset(
     return report
 
 
+def _in_processes(fn: Callable[..., _Report], args: tuple, copies: int, max_seconds: float) -> list[_Report]:
+    """``fn(*args)`` in ``copies`` spawned processes at once; their reports, in order (a TimeoutError for one
+    still running ``max_seconds`` + 60 s on). h2 is pure Python, and in separate processes the attackers
+    neither share one core's worth of interpreter nor slow the caller's own threads (its probes and victims)."""
+    context = multiprocessing.get_context("spawn")  # no fork of a process that runs gRPC threads
+    with ProcessPoolExecutor(copies, mp_context=context) as pool:
+        futures = [pool.submit(fn, *args) for _ in range(copies)]
+        return [future.result(timeout=max_seconds + 60.0) for future in futures]
+
+
 def rapid_reset_parallel(
     host: str, port: int, path: str, message: bytes, connections: int, streams_each: int, max_seconds: float
 ) -> list[RapidResetReport]:
-    """:func:`rapid_reset` from ``connections`` processes at once, one connection each: h2 is pure Python,
-    and in separate processes the attackers neither share one core's worth of interpreter nor slow the
-    caller's own threads (its probes and victims)."""
-    context = multiprocessing.get_context("spawn")  # no fork of a process that runs gRPC threads
-    with ProcessPoolExecutor(connections, mp_context=context) as pool:
-        futures = [
-            pool.submit(rapid_reset, host, port, path, message, streams_each, max_seconds) for _ in range(connections)
-        ]
-        return [future.result(timeout=max_seconds + 60.0) for future in futures]
+    """:func:`rapid_reset` from ``connections`` processes at once, one connection each (:func:`_in_processes`)."""
+    return _in_processes(rapid_reset, (host, port, path, message, streams_each, max_seconds), connections, max_seconds)
 
 
 @dataclass
@@ -419,11 +426,19 @@ def call_loop_parallel(
     max_seconds: float,
     grpc_timeout: str | None = None,
 ) -> list[CallLoopReport]:
-    """:func:`call_loop` from ``connections`` processes at once, one connection each (see
-    :func:`rapid_reset_parallel` for why processes)."""
-    context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(connections, mp_context=context) as pool:
-        futures = [
-            pool.submit(call_loop, host, port, path, message, max_seconds, grpc_timeout) for _ in range(connections)
-        ]
-        return [future.result(timeout=max_seconds + 60.0) for future in futures]
+    """:func:`call_loop` from ``connections`` processes at once, one connection each (:func:`_in_processes`)."""
+    return _in_processes(call_loop, (host, port, path, message, max_seconds, grpc_timeout), connections, max_seconds)
+
+
+# --- reports of attackers in parallel -----------------------------------------------------------------------
+
+
+def attack_window(reports: Iterable[RapidResetReport | CallLoopReport], begin_wall: float) -> tuple[float, float]:
+    """From the first report's start to the last one's end, in seconds since ``begin_wall`` (an observer's
+    ``begin_wall``: its records' times count from it), so the observer's records made during the attack can be
+    picked out (the attackers' processes take a while to start)."""
+    reports = list(reports)
+    return (
+        min(r.started_wall for r in reports) - begin_wall,
+        max(r.ended_wall for r in reports) - begin_wall,
+    )

@@ -18,7 +18,8 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterable, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,6 +28,7 @@ import numpy as np
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
+from indexer_service.service.addresses import host_port
 from testkit.paths import REPO
 
 INDEXER_SERVICE = str(Path(sys.executable).with_name("indexer-service"))
@@ -74,10 +76,6 @@ def wait_for(predicate: Callable[[], object], timeout: float, what: str, interva
     result = poll(predicate, timeout, interval)
     assert result, f"timed out after {timeout} s waiting for {what}"
     return result
-
-
-def host_port(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def listen_flags(grpc_host: str = LOOPBACK, http_host: str = LOOPBACK, grpc_port: int = 0) -> list[str]:
@@ -328,6 +326,14 @@ def closed_loop(call: Call, in_flight: int, max_calls: int, max_seconds: float) 
     run = LoadRun(in_flight, time.perf_counter() - begin)
     run.records = sorted(records, key=lambda r: r.start)
     return run
+
+
+def merged_counts(counts: Iterable[Mapping[str, int]]) -> dict[str, int]:
+    """Several runs' counts by name (failed calls by code, an attacker's GOAWAYs or stream endings) added up."""
+    total: Counter[str] = Counter()
+    for one in counts:
+        total.update(one)
+    return dict(total)
 
 
 def percentile_us(seconds: np.ndarray, q: float) -> float:

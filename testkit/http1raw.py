@@ -12,6 +12,7 @@ import select
 import socket
 import time
 from dataclasses import dataclass
+from typing import Self
 
 _PIECE_BYTES = 64 * 1024
 # The client's receive buffer for sockets that never read: small, so the answer stays on the server's side.
@@ -114,7 +115,27 @@ def _connected(sock: socket.socket) -> bool:
         sock.settimeout(timeout)
 
 
-class IdleConnections:
+class _Sockets:
+    """Client sockets held from :meth:`open` to :meth:`close` (a ``with`` block)."""
+
+    sockets: list[socket.socket]
+
+    def open(self) -> Self:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        for sock in self.sockets:
+            sock.close()
+        self.sockets = []
+
+    def __enter__(self) -> Self:
+        return self.open()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+class IdleConnections(_Sockets):
     """``count`` connections that send ``greeting`` (by default not a byte) and then nothing, open from
     :meth:`open` to :meth:`close` (a ``with``). Any protocol: an HTTP/2 preface makes an idle gRPC connection,
     the first bytes of a TLS ClientHello a handshake that never ends."""
@@ -144,17 +165,6 @@ class IdleConnections:
         """How many of the connections the server has neither closed nor answered (with a refusal)."""
         return sum(_silent(sock) for sock in self.sockets)
 
-    def close(self) -> None:
-        for sock in self.sockets:
-            sock.close()
-        self.sockets = []
-
-    def __enter__(self) -> IdleConnections:
-        return self.open()
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
 
 @dataclass
 class UnreadAnswer:
@@ -176,7 +186,7 @@ class UnreadAnswer:
         return self.closed_by_server and not self.complete
 
 
-class UnreadAnswers:
+class UnreadAnswers(_Sockets):
     """``count`` connections, each POSTing ``body`` to ``path`` and then not reading the answer until
     :meth:`collect` (or :meth:`close`, which never reads). The client's receive buffer is kept small, so the
     answer waits in the server's memory, not in the client's kernel."""
@@ -240,14 +250,3 @@ class UnreadAnswers:
         except OSError:
             closed = True  # reset
         return UnreadAnswer(status, length, body, closed)
-
-    def close(self) -> None:
-        for sock in self.sockets:
-            sock.close()
-        self.sockets = []
-
-    def __enter__(self) -> UnreadAnswers:
-        return self.open()
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()

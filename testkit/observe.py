@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Self
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -19,9 +20,9 @@ from testkit.harness import OWN_CONNECTION, CallRecord, LoadRun, channel, http_g
 PROBE_TIMEOUT_SECONDS = 1.0  # kubelet's default probe timeout, and issue 10's target
 
 
-class _Paced:
+class Paced:
     """``threads`` threads, each running ``step(thread_index)`` then sleeping ``interval``, until stopped or
-    ``max_seconds`` passed."""
+    ``max_seconds`` passed: the observers here and the stream floods of testkit.streams."""
 
     def __init__(self, name: str, threads: int, interval: float, max_seconds: float) -> None:
         self.name, self.threads, self.interval, self.max_seconds = name, threads, interval, max_seconds
@@ -39,7 +40,7 @@ class _Paced:
             self.step(thread_index)
             self._stop.wait(self.interval)
 
-    def start(self) -> _Paced:
+    def start(self) -> Self:
         self.begin, self.begin_wall = time.perf_counter(), time.time()
         self._threads = [
             threading.Thread(target=self._run, args=(n,), name=f"{self.name}-{n}", daemon=True)
@@ -54,7 +55,7 @@ class _Paced:
         for thread in self._threads:
             thread.join(60.0)
 
-    def __enter__(self):
+    def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(self, *exc_info: object) -> None:
@@ -103,7 +104,7 @@ def http_probe(url: str, timeout: float = PROBE_TIMEOUT_SECONDS) -> bool:
         return False
 
 
-class Probes(_Paced):
+class Probes(Paced):
     """Every ``interval`` seconds each target is probed, one thread per target so a stuck probe delays no
     other: gRPC health on the main port, on the health port (when the server has one), /livez and /readyz."""
 
@@ -163,11 +164,10 @@ class Probes(_Paced):
 # --- callers ------------------------------------------------------------------------------------------------
 
 
-class Callers(_Paced):
-    """``callers`` callers, each on its own connection, looping one unary call (``path``, serialized
-    ``message``) with a ``timeout`` deadline, ``pause`` seconds apart; every call is a :class:`CallRecord`.
-    A victim is one caller of a small request with a 1 s deadline; the heavy attackers are many callers of an
-    expensive one."""
+class Callers(Paced):
+    """``callers`` callers, each on its own connection, looping one unary call (``path``, serialized ``message``) with a
+    ``timeout`` deadline, ``pause`` seconds apart; every call is a :class:`CallRecord`. A victim is one caller of a
+    small request with a 1 s deadline; the heavy attackers are many callers of an expensive one."""
 
     def __init__(
         self,
@@ -220,7 +220,7 @@ class Callers(_Paced):
         return codes.count(grpc.StatusCode.OK) / len(codes) if codes else float("nan")
 
 
-class FreshClients(_Paced):
+class FreshClients(Paced):
     """Every ``interval`` seconds a new :class:`IndexerClient` (its own connections, client-side health checking
     on: a Watch stream must say SERVING before a call goes out) makes one small BuildChunk with a ``timeout``
     deadline and closes: what a scheduler that starts, or reconnects, sees. ``outcomes``: OK or the code."""

@@ -29,11 +29,10 @@ def make_plane(
     """A data plane over ``config`` (or the defaults with ``settings`` and a named ``backend``, no environment
     read).
 
-    ``backend``: a :class:`Backend`, or a name for ``make_backend(name, admit, native_fast_path)``. ``admit``:
-    strict mode's launch admission, the backend's and the data plane's (None: ``strict_admission`` of the
-    config, as a server builds it). ``warmup``
-    defaults to one over ``keys`` (the model's warmup keys when None), ahead of time for ``warmup_on`` and
-    disabled when that is None, with one worker. Nothing is run or refreshed: the caller decides."""
+    ``backend``: a :class:`Backend`, or a name for ``make_backend(name, admit, native_fast_path)``. ``admit``: strict
+    mode's launch admission, the backend's and the data plane's (None: ``strict_admission`` of the config, as a server
+    builds it). ``warmup`` defaults to one over ``keys`` (the model's warmup keys when None), ahead of time for
+    ``warmup_on`` and disabled when that is None, with one worker. Nothing is run or refreshed: the caller decides."""
     if config is None:
         config = load_config({"backend": backend, **settings} if isinstance(backend, str) else settings, env={})
     elif settings:

@@ -1,13 +1,15 @@
-"""One attack on one server, observed: probes, a victim, RSS sampling, and the server's metrics before and after.
-The tests assert on a :class:`Siege`'s figures; ``python -m benchmarks.attack`` prints and saves them."""
+"""One attack on one server, observed: probes, a victim, fresh clients where asked, RSS sampling, and the server's
+metrics before and after. The tests assert on a :class:`Siege`'s figures, held against a :func:`control_run`'s;
+``python -m benchmarks.attack`` prints and saves them."""
 
 from __future__ import annotations
 
 import time
 from collections import defaultdict
 
-from testkit.harness import LOOPBACK, RssSampler, ServiceProcess, host_port, mib, scrape
-from testkit.observe import Callers, Probes
+from indexer_service.service.addresses import host_port
+from testkit.harness import LOOPBACK, RssSampler, ServiceProcess, mib, scrape
+from testkit.observe import Callers, FreshClients, Probes
 from testkit.payloads import BUILD_CHUNK_PATH, SMALL_BUILD_CHUNK
 
 SHED = "indexer_requests_shed_total"
@@ -42,7 +44,9 @@ def health_address(server: ServiceProcess) -> str | None:
 class Siege:
     """From ``with`` to its end: probes of every kind every ``probe_interval`` seconds, one well-behaved victim
     (a small BuildChunk with a 1 s deadline every ``victim_pause`` seconds, on its own connection) unless
-    ``victim`` is False, and RSS samples. :meth:`figures` says what they saw and what the metrics counted."""
+    ``victim`` is False, with ``fresh_client_interval`` a fresh health-checking IndexerClient making one call
+    every that many seconds (:class:`FreshClients`: what a scheduler that starts or reconnects sees), and RSS
+    samples. :meth:`figures` says what they saw and what the metrics counted."""
 
     def __init__(
         self,
@@ -50,6 +54,7 @@ class Siege:
         victim: bool = True,
         probe_interval: float = 0.1,
         victim_pause: float = 0.02,
+        fresh_client_interval: float | None = None,
         max_seconds: float = 600.0,
     ) -> None:
         self.server = server
@@ -57,6 +62,11 @@ class Siege:
         victim_call = (BUILD_CHUNK_PATH, SMALL_BUILD_CHUNK.SerializeToString(), VICTIM_DEADLINE_SECONDS)
         self.victim = (
             Callers(server.address, *victim_call, pause=victim_pause, max_seconds=max_seconds) if victim else None
+        )
+        self.fresh = (
+            FreshClients(server.address, interval=fresh_client_interval, max_seconds=max_seconds)
+            if fresh_client_interval is not None
+            else None
         )
         self.rss = RssSampler(server.pid, interval=0.1)
         self.rss_before = 0
@@ -72,9 +82,13 @@ class Siege:
         self.probes.start()
         if self.victim is not None:
             self.victim.start()
+        if self.fresh is not None:
+            self.fresh.start()
         return self
 
     def __exit__(self, *exc_info: object) -> None:
+        if self.fresh is not None:
+            self.fresh.stop()
         if self.victim is not None:
             self.victim.stop()
         self.probes.stop()
@@ -93,6 +107,9 @@ class Siege:
     def victim_ok_ratio(self) -> float:
         return self.victim.ok_ratio() if self.victim is not None else float("nan")
 
+    def fresh_client_ok_ratio(self) -> float:
+        return self.fresh.ok_ratio() if self.fresh is not None else float("nan")
+
     def shed(self) -> dict[str, float]:
         """indexer_requests_shed_total's growth during the siege, per reason."""
         return counter_delta(self.metrics_before, self.metrics_after, SHED, "reason")
@@ -103,6 +120,22 @@ class Siege:
 
     def http_refused(self) -> dict[str, float]:
         return counter_delta(self.metrics_before, self.metrics_after, HTTP_REFUSED, "reason")
+
+    def probe_report(self) -> str:
+        """Each probe target's probes answered in time, and its slowest, as one line."""
+        return ", ".join(
+            f"{s.target} {s.in_time}/{s.probes} (worst {s.worst_seconds:.2f} s)"
+            for s in self.probes.summaries().values()
+        )
+
+    def summary(self) -> str:
+        """The siege's figures as one readable line for an assertion message."""
+        victim = self.victim.run().codes() if self.victim is not None else {}
+        fresh = f"fresh clients {self.fresh.outcomes}; " if self.fresh is not None else ""
+        return (
+            f"victim {victim}; {fresh}RSS +{mib(self.rss_peak_growth):.0f} MiB at peak; shed {self.shed()}; "
+            f"errors {self.errors()}; HTTP refused {self.http_refused()}; probes: {self.probe_report()}"
+        )
 
     def figures(self) -> dict[str, object]:
         """Everything measured, as plain numbers (JSON-ready)."""
@@ -130,4 +163,15 @@ class Siege:
             run = self.victim.run()
             figures["victim_ok_ratio"] = round(self.victim_ok_ratio(), 4)
             figures["victim_codes"] = run.codes()
+        if self.fresh is not None:
+            figures["fresh_client_ok_ratio"] = round(self.fresh_client_ok_ratio(), 4)
+            figures["fresh_client_outcomes"] = {o: self.fresh.outcomes.count(o) for o in set(self.fresh.outcomes)}
         return figures
+
+
+def control_run(server: ServiceProcess, seconds: float, **options: object) -> Siege:
+    """A :class:`Siege` (with ``options``) of ``seconds`` on the server unattacked: the baseline, taken in the same
+    test on the same server just before the attack, that the attacked run's figures are held to."""
+    with Siege(server, **options) as siege:
+        time.sleep(seconds)
+    return siege

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 # Markers applied at collection, so nobody has to remember them. A test "reaches" a module when its own code, its
-# fixtures, or the helpers of tests/ and testkit/ they call (followed transitively) name something of
-# it. Product code is not followed: what it spawns in process (ldconfig, ptxas) is part of a unit under test, not a
-# separate program the test runs.
+# fixtures, or the helpers of tests/ and testkit/ they call (followed transitively) name something of it. Product code
+# is not followed: what it spawns in process (ldconfig, ptxas) is part of a unit under test, not a separate program the
+# test runs.
 # `process`: reaches a way to start a process (servers, the CLI, compilers, other-language clients).
 SPAWNING_MODULES = frozenset({"subprocess", "multiprocessing", "concurrent.futures.process", "asyncio.subprocess"})
 SPAWNING_OS_CALLS = frozenset({"fork", "forkpty", "system", "popen", "posix_spawn", "posix_spawnp", "spawnv",

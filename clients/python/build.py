@@ -31,6 +31,7 @@ PACKAGE = "indexer_service_client"
 # closed: the wheel imports in an environment that has nothing else of this project).
 MODULES = {
     "service/client.py": "client.py",
+    "service/addresses.py": "addresses.py",
     "service/codec.py": "codec.py",
     "kernels/inputs.py": "kernels/inputs.py",
     "kernels/formulas.py": "kernels/formulas.py",
@@ -66,7 +67,7 @@ def package_files() -> dict[str, bytes]:
     for source, target in MODULES.items():
         text = (REPO / source).read_text()
         if source.endswith(".py"):
-            # service.client / service.codec sit at the package's top; the others keep their folders.
+            # service.client, .addresses and .codec sit at the package's top; the others keep their folders.
             text = _IMPORTS.sub(
                 lambda m: f"{m.group(1)}{m.group(2)} {PACKAGE}{'' if m.group(3) == '.service' else '.'}", text
             )

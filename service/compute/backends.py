@@ -82,9 +82,8 @@ def below_crossover(fast_path: BuildChunk, selector: AutoSelector) -> BuildChunk
 
 
 def make_backend(name: str, admit: Callable[[CompileKey], None] | None, native_fast_path: bool = False) -> Backend:
-    """The numpy implementation (with service/compute/fastpath.c for BuildChunk's common case when
-    ``native_fast_path`` and it is built), or the Triton kernel on the current CUDA device (``admit`` sees each
-    launch)."""
+    """The numpy implementation (with service/compute/fastpath.c for BuildChunk's common case when ``native_fast_path``
+    and it is built), or the Triton kernel on the current CUDA device (``admit`` sees each launch)."""
     fastpath = load_fast_path() if native_fast_path else None
     if native_fast_path and fastpath is None:
         log.warning("serving without the compiled fast path (service/compute/_fastpath not built)")

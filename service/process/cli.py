@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+from indexer_service.service.addresses import split_host_port
 from indexer_service.service.config import (
     ConfigError,
     ServiceConfig,
@@ -138,21 +139,14 @@ def _check_credentials(args: argparse.Namespace) -> object:
     return tls_credentials(args.tls_ca, args.tls_cert, args.tls_key)
 
 
-def _host_port(address: str) -> tuple[str, int] | None:
-    """``host:port`` or ``[v6]:port`` split, or None for any other gRPC target (``dns:///...``)."""
-    host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit() or not host or "/" in host:
-        return None
-    return host.removeprefix("[").removesuffix("]"), int(port)
-
-
 def tls_diagnosis(args: argparse.Namespace, credentials: object) -> str | None:
     """Why a connection failed, where a TLS handshake of this process's own can tell (gRPC says only "Socket
     closed" or an OpenSSL code): TLS spoken to a plaintext port, plaintext to a TLS port, a server certificate
     that does not chain to the CA given, a server that wants a client certificate. None when the handshake
     tells nothing (the port is closed, say)."""
-    where = _host_port(args.address)
-    if where is None:
+    try:
+        where = split_host_port(args.address)
+    except ValueError:  # another gRPC target (dns:///...): no one socket to try
         return None
     use_tls = credentials is not None
     if use_tls:

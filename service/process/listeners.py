@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import socket
 
+from indexer_service.service.addresses import host_port
 from indexer_service.service.config import ServiceConfig
 from indexer_service.service.workerproto import SHARED_LISTENERS
 
@@ -20,8 +21,6 @@ def socket_address(host: str, port: int) -> tuple[socket.AddressFamily, tuple]:
 def bind_tcp(host: str, port: int, what: str, option: int | None = None) -> socket.socket:
     """A TCP socket bound to ``host:port`` (0: any free port) with the SOL_SOCKET ``option`` set (SO_REUSEADDR,
     SO_REUSEPORT; None: no option), or OSError "cannot bind <what> to host:port"."""
-    from indexer_service.service.transport.grpc_server import host_port
-
     family, address = socket_address(host, port)
     sock = socket.socket(family, socket.SOCK_STREAM)
     if option is not None:

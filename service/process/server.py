@@ -24,6 +24,7 @@ from pathlib import Path
 import uvicorn
 
 from indexer_service.kernels.specialization import warmup_keys
+from indexer_service.service.addresses import host_port
 from indexer_service.service.compute.backends import make_backend
 from indexer_service.service.compute.devices import resolve_backend
 from indexer_service.service.compute.warmup import Warmup, use_triton_cache_dir
@@ -40,7 +41,6 @@ from indexer_service.service.transport.grpc_server import (
     GrpcServer,
     create_grpc_server,
     create_health_server,
-    host_port,
 )
 from indexer_service.service.transport.health import HealthServicer
 from indexer_service.service.transport.http_app import HttpRefusals, ProbeApp, RpcApp, limited_protocol

@@ -1,8 +1,8 @@
 """Several worker processes behind one replica's ports: ``serve`` with ``workers`` above 1.
 
-One Python process serves about one core (the GIL), so a replica with N CPUs runs N workers
-(service/process/worker.py), each a whole single-process server; service/workerproto.py is the protocol between
-them. This supervisor owns what the replica shares:
+One Python process serves about one core (the GIL), so a replica with N CPUs runs N workers (service/process/worker.py),
+each a whole single-process server; service/workerproto.py is the protocol between them. This supervisor owns what the
+replica shares:
 
 - **The gRPC port**, shared by the workers with SO_REUSEPORT: the kernel hands each new connection to one of
   them. Before any worker binds, the supervisor binds the port *without* SO_REUSEPORT (so a port anybody else

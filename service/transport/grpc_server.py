@@ -27,6 +27,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from indexer_service.service.addresses import host_port
 from indexer_service.service.codec import SERVICE_NAME
 from indexer_service.service.config import ServiceConfig
 from indexer_service.service.dataplane import DataPlane
@@ -50,10 +51,6 @@ Behavior = Callable[[object, grpc.ServicerContext], object]
 
 # The data plane's outcomes as gRPC statuses: the one place this transport maps them (same names).
 GRPC_STATUS: dict[Code, grpc.StatusCode] = {code: grpc.StatusCode[code.name] for code in Code}
-
-
-def host_port(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def abandoned_code(context: grpc.ServicerContext) -> Code | None:

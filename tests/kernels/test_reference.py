@@ -351,8 +351,7 @@ def test_plans_reach_the_corners_they_are_named_for() -> None:
 @pytest.fixture(scope="module")
 def fast_path() -> FastPath:
     """service/compute/fastpath.c's build_chunk with the default configuration's limits, any ratio admitted (a skip
-    where
-    the extension is not built: the kernel tests run without it, tests/service/ needs it)."""
+    where the extension is not built: the kernel tests run without it, tests/service/ needs it)."""
     _fastpath = pytest.importorskip(
         "indexer_service.service.compute._fastpath", reason="service/compute/_fastpath is not built"
     )

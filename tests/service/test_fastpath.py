@@ -336,8 +336,7 @@ def test_off_switch_sends_everything_the_general_way() -> None:
 
 def _outcome(paths: Paths, inputs: ChunkInputs, omit: bool = False) -> str:
     """Who answers ``inputs``: ``fast`` (service/compute/fastpath.c, with the general path's bytes), ``general`` (the
-    fast
-    path stepped aside and the general path served it), or the general path's refusal code."""
+    fast path stepped aside and the general path served it), or the general path's refusal code."""
     data = _wire(inputs, omit)
     if paths.check(data):
         return "fast"

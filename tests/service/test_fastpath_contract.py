@@ -1,6 +1,5 @@
 """service/compute/fastpath.c's contract held to its one Python definition (service/compute/fastpath.py): the limits'
-fields are
-the names the C file reads, the call's signature is the one the stub types it with, and the stub
+fields are the names the C file reads, the call's signature is the one the stub types it with, and the stub
 (service/compute/_fastpath.pyi) names exactly what the compiled module exports."""
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
-"""On a CUDA GPU, a real server process on the Triton backend: in-process warmup, answers equal numpy, no
-compile after ready for the warmed ratios, an unwarmed ratio counted (or refused in strict mode).
-Skipped without CUDA."""
+"""On a CUDA GPU, a real server process on the Triton backend: in-process warmup, answers equal numpy, no compile after
+ready for the warmed ratios, an unwarmed ratio counted (or refused in strict mode). Skipped without CUDA."""
 
 from __future__ import annotations
 

@@ -1,10 +1,9 @@
 """Worker processes (``workers`` above 1, service/process/supervisor.py) against real processes on 127.0.0.1: two
-workers
-share the gRPC port and both serve the client's calls; /metrics adds up over them; a worker killed with SIGKILL
-is logged, counted, takes the replica out of readiness (min_ready_workers 2) and comes back (hangs, crash loops,
-SIGHUP, leftovers: test_worker_faults.py); SIGTERM drains every worker and exits 0
-with none left; the port is guarded; the warmup compiles once; workers = 1 stays one process. And the parts:
-the CPU count from cgroup files, the client's choice of connection."""
+workers share the gRPC port and both serve the client's calls; /metrics adds up over them; a worker killed with SIGKILL
+is logged, counted, takes the replica out of readiness (min_ready_workers 2) and comes back (hangs, crash loops, SIGHUP,
+leftovers: test_worker_faults.py); SIGTERM drains every worker and exits 0 with none left; the port is guarded; the
+warmup compiles once; workers = 1 stays one process. And the parts: the CPU count from cgroup files, the client's choice
+of connection."""
 
 from __future__ import annotations
 

@@ -71,8 +71,7 @@ def go_missing() -> str | None:
 
 
 def build_go_client(workdir: Path) -> dict[str, Path]:
-    """Generates the Go package from protos/ and builds cmd/check and cmd/example in a GOPATH under
-    ``workdir``."""
+    """Generates the Go package from protos/ and builds cmd/check and cmd/example in a GOPATH under ``workdir``."""
     gopath = workdir / "gopath"
     source = gopath / "src" / GO_MODULE
     shutil.copytree(GO_DIR, source, ignore=shutil.ignore_patterns("indexer"))

@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
-from testkit.harness import ServiceProcess, metric_total, scrape
-from testkit.siege import Siege
+from testkit.harness import ServiceProcess, channel, metric_total, scrape
+from testkit.payloads import BUILD_CHUNK_PATH, SMALL_BUILD_CHUNK
+from testkit.siege import control_run
 
 SMALL = pb.BuildChunkRequest(
     query_start_loc=np.array([0, 1, 4, 9], "<i4").tobytes(),
@@ -71,8 +72,7 @@ QUIET_SECONDS = 3.0  # ~100 victim calls and ~30 rounds of probes
 
 def quiet_run(server: ServiceProcess, seconds: float = QUIET_SECONDS) -> Quiet:
     """The baseline of an attack test, taken in the same test against the same server just before the attack."""
-    with Siege(server) as siege:
-        time.sleep(seconds)
+    siege = control_run(server, seconds)
     return Quiet(siege.victim_ok_ratio(), siege.probes.overall().ratio)
 
 
@@ -81,3 +81,14 @@ def bar(required: float, quiet: float) -> float:
     ``required`` (a shared machine loaded by others), the quiet run's ratio less the same slack (1 - required).
     Never stricter than ``required``; it moves only as far as the machine, measured without the attack, did."""
     return min(required, quiet - (1.0 - required))
+
+
+def idle_rss(server: ServiceProcess) -> int:
+    """RSS of a server that has answered a few small calls (what a first call sets up once is not what an attack
+    leaves) and then been idle past its idle trim (``--idle-trim-seconds 1`` in these tests)."""
+    with channel(server.address) as chan:
+        call = chan.unary_unary(BUILD_CHUNK_PATH)
+        for _ in range(20):
+            call(SMALL_BUILD_CHUNK.SerializeToString(), timeout=10.0)
+    time.sleep(2.0)
+    return server.rss_bytes()

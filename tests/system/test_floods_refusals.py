@@ -10,11 +10,11 @@ import time
 
 import pytest
 
-from testkit.h2raw import call_loop_parallel
-from testkit.harness import LOOPBACK, ServiceProcess, poll, scrape
+from testkit.h2raw import attack_window, call_loop_parallel
+from testkit.harness import LOOPBACK, merged_counts, poll, scrape
 from testkit.observe import Callers
 from testkit.payloads import AMPLIFIER_PLAN_BATCH, BUILD_CHUNK_PATH, PLAN_BATCH_PATH, SMALL_BUILD_CHUNK
-from testkit.siege import ERRORS, SHED, Siege, counter_delta
+from testkit.siege import ERRORS, SHED, Siege, control_run, counter_delta
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -24,20 +24,6 @@ CONTROL_SECONDS = 2.0
 PROBES_IN_TIME = 0.99  # the issue's 99.9 %, with slack for a few seconds on a shared 2-core machine
 # The victim may miss at most this share more than in its control (the issue's target is 99 % OK).
 VICTIM_SLACK = 0.01
-
-
-def control(server: ServiceProcess) -> Siege:
-    """The victim and the probes on the idle server, for the flood's figures to be compared with."""
-    with Siege(server) as siege:
-        time.sleep(CONTROL_SECONDS)
-    return siege
-
-
-def describe(siege: Siege) -> str:
-    figures = siege.figures()
-    return f"victim {figures['victim_codes']}; shed {figures['shed']}; errors {figures['errors']}; probes " + ", ".join(
-        f"{name} {p['in_time']}/{p['probes']} (worst {p['worst_s']} s)" for name, p in figures["probes"].items()
-    )
 
 
 @pytest.mark.parametrize(
@@ -52,7 +38,7 @@ def test_refused_flood_stays_on_the_flooders_connections(serve, flags: tuple[str
     connections of their own, the refusals reach only the flooders, and every one is counted. With 16 streams
     per connection the shared connection failed the victim within a second (4.5 % OK)."""
     server = serve(*flags)
-    before = control(server)
+    before = control_run(server, CONTROL_SECONDS)
     amplifier = AMPLIFIER_PLAN_BATCH.SerializeToString()
     with Siege(server) as siege, Callers(server.address, PLAN_BATCH_PATH, amplifier, 30.0, FLOODERS, 0.0) as flood:
         time.sleep(1.0)
@@ -63,11 +49,11 @@ def test_refused_flood_stays_on_the_flooders_connections(serve, flags: tuple[str
     assert connections > FLOODERS, f"{connections} connections for {FLOODERS} flooders and a victim"
     assert seen.get("RESOURCE_EXHAUSTED", 0) >= 10 * FLOODERS, f"the flood did not run: {seen}"
     assert seen.get("UNAVAILABLE", 0) == 0, f"streams refused to callers with one call in flight: {seen}"
-    assert siege.shed().get("work_limit", 0) == seen["RESOURCE_EXHAUSTED"], describe(siege)
+    assert siege.shed().get("work_limit", 0) == seen["RESOURCE_EXHAUSTED"], siege.summary()
     assert siege.victim_ok_ratio() >= before.victim_ok_ratio() - VICTIM_SLACK, (
-        f"control: {describe(before)}; flood: {describe(siege)}"
+        f"control: {before.summary()}; flood: {siege.summary()}"
     )
-    assert siege.probes.overall().ratio >= PROBES_IN_TIME, describe(siege)
+    assert siege.probes.overall().ratio >= PROBES_IN_TIME, siege.summary()
 
 
 def test_expiring_flood_leaves_other_callers_served(serve) -> None:
@@ -76,25 +62,19 @@ def test_expiring_flood_leaves_other_callers_served(serve) -> None:
     (shed queue_deadline, or an error DEADLINE_EXCEEDED when it expired mid-work); gRPC core ends the others with
     RST_STREAM before the server sees them."""
     server = serve()
-    before = control(server)
+    before = control_run(server, CONTROL_SECONDS)
     small = SMALL_BUILD_CHUNK.SerializeToString()
     with Siege(server) as siege:
         reports = call_loop_parallel(LOOPBACK, server.grpc_port, BUILD_CHUNK_PATH, small, FLOODERS, FLOOD_SECONDS, "1u")
         time.sleep(0.5)
-    endings: dict[str, int] = {}
-    for report in reports:
-        for name, count in report.endings.items():
-            endings[name] = endings.get(name, 0) + count
+    endings = merged_counts(r.endings for r in reports)
     assert sum(endings.values()) >= 100 * FLOODERS, f"the flood did not run: {endings}"
-    window = (
-        min(r.started_wall for r in reports) - siege.victim.begin_wall,
-        max(r.ended_wall for r in reports) - siege.victim.begin_wall,
-    )
-    assert len(siege.victim.calls_in(*window)) >= 20, f"victim calls during the flood {window}: {describe(siege)}"
+    window = attack_window(reports, siege.victim.begin_wall)
+    assert len(siege.victim.calls_in(*window)) >= 20, f"victim calls during the flood {window}: {siege.summary()}"
     assert siege.victim.ok_ratio(*window) >= before.victim_ok_ratio() - VICTIM_SLACK, (
-        f"control: {describe(before)}; flood {endings}: {describe(siege)}"
+        f"control: {before.summary()}; flood {endings}: {siege.summary()}"
     )
-    assert siege.probes.overall().ratio >= PROBES_IN_TIME, describe(siege)
+    assert siege.probes.overall().ratio >= PROBES_IN_TIME, siege.summary()
 
     # Every call that ended DEADLINE_EXCEEDED (status 4) is counted once the server has taken it up: a call that
     # expired while queued for a thread is counted when a thread reaches it, which can be after the flood.
@@ -104,5 +84,5 @@ def test_expiring_flood_leaves_other_callers_served(serve) -> None:
         return shed + counter_delta(siege.metrics_before, after, ERRORS, "code").get("DEADLINE_EXCEEDED", 0)
 
     assert poll(lambda: counted() >= endings.get("grpc-4", 0), 10.0, interval=0.2), (
-        f"counted {counted()} of the flood's {endings}: {describe(siege)}"
+        f"counted {counted()} of the flood's {endings}: {siege.summary()}"
     )

@@ -9,28 +9,36 @@ server may take to close what it must (its own timeouts, with slack for a loaded
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import pytest
 import trustme
 
 from testkit.harness import LOOPBACK, ServiceProcess, mib, poll
 from testkit.http1raw import IdleConnections
-from testkit.observe import FreshClients
 from testkit.payloads import CLIENT_HELLO_START, H2_PREFACE
-from testkit.siege import Siege
+from testkit.siege import Siege, control_run
 from testkit.streams import BlockedWatchers, IdleReflectionStreams
-from tests.system.test_hardening_abuse import describe, idle_rss, probe_report
+from tests.system.hardening_support import idle_rss
 
 pytestmark = pytest.mark.timeout(180)
 
 TARGET = 0.99  # the issue's: the victim's calls and a fresh client's, and the probes, in time
+FRESH_CLIENT_INTERVAL = 0.5  # seconds between two fresh IndexerClients (Siege's fresh_client_interval)
+CONTROL_SECONDS = 4.0  # the control run: probes, a victim and a fresh client, unattacked
 
 
-def watched(server: ServiceProcess, seconds: float, victim: bool = True) -> tuple[Siege, FreshClients]:
-    """Probes, a victim and a fresh client every 0.5 s for ``seconds``: the control run."""
-    with Siege(server, victim=victim) as siege, FreshClients(server.address) as fresh:
-        time.sleep(seconds)
-    return siege, fresh
+def compared(control: Siege, siege: Siege, flood: str) -> str:
+    """The control run's figures and the attacked run's, and what the ``flood`` did, for assertion messages."""
+    return f"control: {control.summary()}; attack: {siege.summary()}; {flood}"
+
+
+def assert_served_as_in_control(control: Siege, siege: Siege, summary: str) -> None:
+    """The victim's calls, the fresh clients' and the probes succeed under the flood as in the control run (or
+    at TARGET, where the control run did better)."""
+    assert siege.victim_ok_ratio() >= min(TARGET, control.victim_ok_ratio()), summary
+    assert siege.fresh_client_ok_ratio() >= min(TARGET, control.fresh_client_ok_ratio()), summary
+    assert siege.probes.overall().ratio >= min(TARGET, control.probes.overall().ratio), summary
 
 
 def test_idle_reflection_streams_hold_no_rpc_thread(serve) -> None:
@@ -39,19 +47,15 @@ def test_idle_reflection_streams_hold_no_rpc_thread(serve) -> None:
     pool: at most 4 streams, 2 per connection, each cut after reflection_idle_seconds; the rest refused and
     counted, the RPCs and fresh clients served as in the control run."""
     server = serve("--reflection-idle-seconds", "2")
-    control, control_fresh = watched(server, 4.0)
+    control = control_run(server, CONTROL_SECONDS, fresh_client_interval=FRESH_CLIENT_INTERVAL)
     with (
-        Siege(server) as siege,
-        FreshClients(server.address) as fresh,
+        Siege(server, fresh_client_interval=FRESH_CLIENT_INTERVAL) as siege,
         IdleReflectionStreams(server.address, connections=6, streams_each=10) as flood,
     ):
         time.sleep(8.0)
-    summary = f"control: {describe(control)}, fresh {control_fresh.outcomes}; attack: {describe(siege)}, "
-    summary += f"fresh {fresh.outcomes}; reflection streams opened {flood.opened}, ended {flood.ended}"
+    summary = compared(control, siege, f"reflection streams opened {flood.opened}, ended {flood.ended}")
     assert flood.opened >= 60, summary
-    assert siege.victim_ok_ratio() >= min(TARGET, control.victim_ok_ratio()), summary
-    assert fresh.ok_ratio() >= min(TARGET, control_fresh.ok_ratio()), summary
-    assert siege.probes.overall().ratio >= min(TARGET, control.probes.overall().ratio), summary
+    assert_served_as_in_control(control, siege, summary)
     shed = siege.shed()
     assert shed.get("stream_limit", 0) >= 1 and shed.get("idle_stream", 0) >= 1, summary
 
@@ -61,21 +65,49 @@ def test_blocked_watch_streams_hold_no_delivery_thread(serve) -> None:
     IndexerClient, which health-checks its channels, succeeded 4.8-15 %, nothing counted). A status on its way
     to such a watcher holds no thread; the watcher is cancelled after 5 s, counted."""
     server = serve()
-    control, control_fresh = watched(server, 4.0)
+    control = control_run(server, CONTROL_SECONDS, fresh_client_interval=FRESH_CLIENT_INTERVAL)
     with (
-        Siege(server) as siege,
-        FreshClients(server.address) as fresh,
+        Siege(server, fresh_client_interval=FRESH_CLIENT_INTERVAL) as siege,
         BlockedWatchers(LOOPBACK, server.grpc_port, rate=8.0) as flood,
     ):
         time.sleep(10.0)
         ended = flood.ended_by_server()
-    summary = f"control: {describe(control)}, fresh {control_fresh.outcomes}; attack: {describe(siege)}, "
-    summary += f"fresh {fresh.outcomes}; blocked Watch streams {flood.streams}, ended by the server {ended}"
+    summary = compared(control, siege, f"blocked Watch streams {flood.streams}, ended by the server {ended}")
     assert flood.streams >= 100, summary
-    assert fresh.ok_ratio() >= min(TARGET, control_fresh.ok_ratio()), summary
-    assert siege.victim_ok_ratio() >= min(TARGET, control.victim_ok_ratio()), summary
-    assert siege.probes.overall().ratio >= min(TARGET, control.probes.overall().ratio), summary
+    assert_served_as_in_control(control, siege, summary)
     assert ended >= 1 and siege.shed().get("unread_response", 0) >= 1, summary
+
+
+@dataclass(frozen=True)
+class Held:
+    """What an idle-connection flood saw: how many connections the server held at first, its RSS then, whether
+    it closed them all in time, and how many were left."""
+
+    at_first: int
+    rss_held: int
+    closed: bool
+    left: int
+
+
+def watch_closing(
+    server: ServiceProcess, flood: IdleConnections, settle: float, within: float, interval: float
+) -> Held:
+    """``settle`` seconds into ``flood``, the connections held and the RSS; then up to ``within`` seconds for the
+    server to close them all (polled every ``interval``)."""
+    time.sleep(settle)
+    at_first, rss_held = flood.still_connected(), server.rss_bytes()
+    closed = poll(lambda: flood.still_connected() == 0, within, interval=interval)
+    return Held(at_first, rss_held, closed, flood.still_connected())
+
+
+def assert_memory_back(server: ServiceProcess, idle_before: int, held: Held, what: str) -> None:
+    """RSS within 1.2x of ``idle_before`` within 20 s, once the flood's ``what`` (connections) are gone."""
+    came_back = poll(lambda: server.rss_bytes() <= 1.2 * idle_before, 20.0, interval=0.5)
+    each = (held.rss_held - idle_before) / max(held.at_first, 1)
+    assert came_back, (
+        f"idle {mib(idle_before):.0f} MiB, {mib(held.rss_held):.0f} MiB with {held.at_first} {what} "
+        f"({each / 1024:.1f} KiB each), now {mib(server.rss_bytes()):.0f} MiB"
+    )
 
 
 @pytest.mark.parametrize("port", ["grpc", "health"])
@@ -92,25 +124,16 @@ def test_idle_connections_capped_closed_and_memory_back(serve, port: str) -> Non
     idle_before = idle_rss(server)
     target = server.grpc_port if port == "grpc" else server.health_port
     with Siege(server) as siege, IdleConnections(LOOPBACK, target, 1000, greeting=H2_PREFACE) as flood:
-        time.sleep(1.0)
-        held = flood.still_connected()
-        peak = server.rss_bytes()
-        closed = poll(lambda: flood.still_connected() == 0, 15.0, interval=0.5)
-        left = flood.still_connected()
-    summary = f"{held} of 1,000 held at first, {left} left; {describe(siege)}"
-    assert cap // 2 <= held <= cap, summary
-    assert closed, summary
+        held = watch_closing(server, flood, 1.0, 15.0, 0.5)
+    summary = f"{held.at_first} of 1,000 held at first, {held.left} left; {siege.summary()}"
+    assert cap // 2 <= held.at_first <= cap, summary
+    assert held.closed, summary
     # Probes on the ports the flood does not fill: a full RPC port turns new connections away, health too.
     others = {"grpc": ("grpc-health-port", "livez", "readyz"), "health": ("grpc-health", "livez", "readyz")}[port]
     summaries = siege.probes.summaries()
-    assert all(summaries[name].ratio >= TARGET for name in others), probe_report(siege)
+    assert all(summaries[name].ratio >= TARGET for name in others), siege.probe_report()
     assert siege.victim_ok_ratio() >= TARGET, summary
-    came_back = poll(lambda: server.rss_bytes() <= 1.2 * idle_before, 20.0, interval=0.5)
-    per_connection = (peak - idle_before) / max(held, 1)
-    assert came_back, (
-        f"idle {mib(idle_before):.0f} MiB, {mib(peak):.0f} MiB with {held} connections "
-        f"({per_connection / 1024:.1f} KiB each), now {mib(server.rss_bytes()):.0f} MiB"
-    )
+    assert_memory_back(server, idle_before, held, "connections")
 
 
 @pytest.fixture(scope="module")
@@ -138,22 +161,13 @@ def test_half_open_tls_handshakes_capped_timed_out_and_memory_back(serve, server
         Siege(server, victim=False) as siege,
         IdleConnections(LOOPBACK, server.grpc_port, 1000, greeting=CLIENT_HELLO_START) as flood,
     ):
-        time.sleep(0.5)
-        held = flood.still_connected()
-        peak = server.rss_bytes()
-        closed = poll(lambda: flood.still_connected() == 0, 10.0, interval=0.25)
-        left = flood.still_connected()
-    summary = f"{held} of 1,000 handshakes held at first, {left} left; {describe(siege)}"
-    assert 150 <= held <= 300, summary
-    assert closed, summary
+        held = watch_closing(server, flood, 0.5, 10.0, 0.25)
+    summary = f"{held.at_first} of 1,000 handshakes held at first, {held.left} left; {siege.summary()}"
+    assert 150 <= held.at_first <= 300, summary
+    assert held.closed, summary
     summaries = siege.probes.summaries()
     assert all(summaries[name].ratio >= TARGET for name in ("grpc-health-port", "livez", "readyz")), summary
-    came_back = poll(lambda: server.rss_bytes() <= 1.2 * idle_before, 20.0, interval=0.5)
-    per_handshake = (peak - idle_before) / max(held, 1)
-    assert came_back, (
-        f"idle {mib(idle_before):.0f} MiB, {mib(peak):.0f} MiB with {held} handshakes "
-        f"({per_handshake / 1024:.1f} KiB each), now {mib(server.rss_bytes()):.0f} MiB"
-    )
+    assert_memory_back(server, idle_before, held, "handshakes")
 
 
 def test_full_rpc_port_leaves_workers_probe_sockets_answering(serve) -> None:
@@ -173,7 +187,7 @@ def test_full_rpc_port_leaves_workers_probe_sockets_answering(serve) -> None:
         time.sleep(4 * hang)
         still_held = flood.still_connected()
     log = server.log()
-    summary = f"{held} of 300 held at first, {still_held} after {4 * hang:.0f} s; {describe(siege)}"
+    summary = f"{held} of 300 held at first, {still_held} after {4 * hang:.0f} s; {siege.summary()}"
     assert cap <= held <= 2 * cap, summary
     assert still_held >= cap, summary  # the flood filled the port the whole time
     assert "worker hung" not in log and "worker exited" not in log, log
