@@ -2,6 +2,10 @@
 watched by probes, a well-behaved victim and RSS sampling (testkit.siege):
 
     python -m benchmarks.attack [--out FILE] [--only NAME ...] [--server-pythonpath DIR] [--scale F]
+        [--deployed-start]
+
+Servers start with the numpy backend and no warmup (FAST_START: ready at once, and the smallest idle RSS, so the
+memory ratios are the strictest); ``--deployed-start`` starts them as deployed (default backend and warmup).
 
 Prints per attack what was tried, the RSS before and after, the victim's success, the probes answered within
 1 s, what the server's metrics counted, and for each server still running how long its RSS took to come back
@@ -75,16 +79,20 @@ SCALE = {"factor": 1.0}  # --scale: the issue 19 floods' sizes
 
 
 class Bench:
-    """Starts servers (from ``pythonpath`` when given) and keeps every one for the final kill."""
+    """Starts servers (from ``pythonpath`` when given) and keeps every one for the final kill. Each starts
+    FAST_START (the numpy backend, no warmup: ready in about a second, the smallest idle RSS, so memory ratios are
+    the strictest), or as deployed with ``deployed_start`` (the default backend and warmup: the idle RSS a
+    replica really has, against which ``memory_back`` then measures)."""
 
-    def __init__(self, pythonpath: str | None) -> None:
+    def __init__(self, pythonpath: str | None, deployed_start: bool = False) -> None:
         self.pythonpath = pythonpath
+        self.start_flags = () if deployed_start else FAST_START
         self.servers: list[ServiceProcess] = []
         self.idle_rss: dict[ServiceProcess, int] = {}
 
     def serve(self, *flags: str) -> ServiceProcess:
         env = clean_env(PYTHONPATH=self.pythonpath) if self.pythonpath else None
-        server = ServiceProcess(*FAST_START, *flags, env=env)
+        server = ServiceProcess(*self.start_flags, *flags, env=env)
         self.servers.append(server)
         server.__enter__()
         self.idle_rss[server] = server.rss_bytes()
@@ -405,12 +413,20 @@ def blocked_watchers(bench: Bench) -> dict:
     return figures
 
 
-def _idle_connections(server: ServiceProcess, port: int, count: int, greeting: bytes, hold: float) -> dict:
+def _idle_connections(
+    server: ServiceProcess,
+    port: int,
+    count: int,
+    greeting: bytes,
+    hold: float,
+    credentials: grpc.ChannelCredentials | None = None,
+) -> dict:
     """``count`` connections sending ``greeting`` then nothing, watched for ``hold`` seconds (the server's own
-    timeout plus 30 s): how many it held, for how long, what RSS each cost, and the probes meanwhile."""
+    timeout plus 30 s): how many it held, for how long, what RSS each cost, and the probes meanwhile (the RPC
+    port's over TLS with ``credentials``)."""
     idle = server.rss_bytes()
     with (
-        Siege(server, victim=greeting == H2_PREFACE) as siege,
+        Siege(server, victim=greeting == H2_PREFACE, grpc_credentials=credentials) as siege,
         IdleConnections(LOOPBACK, port, count, greeting) as flood,
     ):
         time.sleep(1.0)
@@ -459,13 +475,15 @@ def tls_half_open(bench: Bench) -> dict:
     import trustme
 
     with tempfile.TemporaryDirectory(prefix="attack-pki-") as folder:
-        leaf = trustme.CA().issue_cert("127.0.0.1", "localhost")
+        ca = trustme.CA()
+        leaf = ca.issue_cert("127.0.0.1", "localhost")
         cert, key = Path(folder) / "cert.pem", Path(folder) / "key.pem"
         leaf.cert_chain_pems[0].write_to_path(str(cert))
         leaf.private_key_pem.write_to_path(str(key))
         server = bench.serve("--tls-cert-file", str(cert), "--tls-key-file", str(key))
     count = _scaled(15_000)
-    figures = _idle_connections(server, server.grpc_port, count, CLIENT_HELLO_START, 150.0)
+    probe_credentials = grpc.ssl_channel_credentials(root_certificates=ca.cert_pem.bytes())
+    figures = _idle_connections(server, server.grpc_port, count, CLIENT_HELLO_START, 150.0, probe_credentials)
     figures["tried"] = f"{count} TLS handshakes that stall after 11 bytes"
     return figures
 
@@ -496,9 +514,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", action="append", choices=sorted(ATTACKS), help="run only this attack (repeatable)")
     parser.add_argument("--server-pythonpath", help="serve from this source tree (for 'before' figures)")
     parser.add_argument("--scale", type=float, default=1.0, help="size of the stream and connection floods")
+    parser.add_argument(
+        "--deployed-start",
+        action="store_true",
+        help="start each server with the default backend and warmup (its deployed idle RSS), not FAST_START",
+    )
     args = parser.parse_args(argv)
     SCALE["factor"] = args.scale
-    bench = Bench(args.server_pythonpath)
+    bench = Bench(args.server_pythonpath, args.deployed_start)
     results: dict[str, dict] = {}
     try:
         for name in args.only or ATTACKS:

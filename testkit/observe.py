@@ -85,9 +85,17 @@ class ProbeSummary:
         return self.in_time / self.probes if self.probes else float("nan")
 
 
-def grpc_health_check(address: str, timeout: float = PROBE_TIMEOUT_SECONDS) -> bool:
-    """One grpc.health.v1 Check over a fresh connection, as kubelet's gRPC probe makes it: SERVING in time?"""
-    with grpc.insecure_channel(address, options=[OWN_CONNECTION]) as probe_channel:
+def grpc_health_check(
+    address: str, timeout: float = PROBE_TIMEOUT_SECONDS, credentials: grpc.ChannelCredentials | None = None
+) -> bool:
+    """One grpc.health.v1 Check over a fresh connection, as kubelet's gRPC probe makes it (or, with
+    ``credentials``, a TLS client): SERVING in time?"""
+    options = [OWN_CONNECTION]
+    with (
+        grpc.secure_channel(address, credentials, options=options)
+        if credentials is not None
+        else grpc.insecure_channel(address, options=options)
+    ) as probe_channel:
         stub = health_pb2_grpc.HealthStub(probe_channel)
         try:
             answer = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
@@ -106,7 +114,8 @@ def http_probe(url: str, timeout: float = PROBE_TIMEOUT_SECONDS) -> bool:
 
 class Probes(Paced):
     """Every ``interval`` seconds each target is probed, one thread per target so a stuck probe delays no
-    other: gRPC health on the main port, on the health port (when the server has one), /livez and /readyz."""
+    other: gRPC health on the main port (over TLS with ``grpc_credentials``), on the health port (when the server
+    has one), /livez and /readyz."""
 
     def __init__(
         self,
@@ -115,9 +124,10 @@ class Probes(Paced):
         health_address: str | None = None,
         interval: float = 0.1,
         max_seconds: float = 600.0,
+        grpc_credentials: grpc.ChannelCredentials | None = None,
     ) -> None:
         self.targets: dict[str, Callable[[], bool]] = {
-            "grpc-health": lambda: grpc_health_check(grpc_address),
+            "grpc-health": lambda: grpc_health_check(grpc_address, credentials=grpc_credentials),
             "livez": lambda: http_probe(f"{http_url}/livez"),
             "readyz": lambda: http_probe(f"{http_url}/readyz"),
         }

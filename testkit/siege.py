@@ -7,6 +7,8 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 
+import grpc
+
 from indexer_service.service.addresses import host_port
 from testkit.harness import LOOPBACK, RssSampler, ServiceProcess, mib, scrape
 from testkit.observe import Callers, FreshClients, Probes
@@ -46,7 +48,8 @@ class Siege:
     (a small BuildChunk with a 1 s deadline every ``victim_pause`` seconds, on its own connection) unless
     ``victim`` is False, with ``fresh_client_interval`` a fresh health-checking IndexerClient making one call
     every that many seconds (:class:`FreshClients`: what a scheduler that starts or reconnects sees), and RSS
-    samples. :meth:`figures` says what they saw and what the metrics counted."""
+    samples; ``grpc_credentials``: the RPC port's probe over TLS (a TLS server's). :meth:`figures` says what they saw
+    and what the metrics counted."""
 
     def __init__(
         self,
@@ -56,9 +59,12 @@ class Siege:
         victim_pause: float = 0.02,
         fresh_client_interval: float | None = None,
         max_seconds: float = 600.0,
+        grpc_credentials: grpc.ChannelCredentials | None = None,
     ) -> None:
         self.server = server
-        self.probes = Probes(server.address, server.http_url, health_address(server), probe_interval, max_seconds)
+        self.probes = Probes(
+            server.address, server.http_url, health_address(server), probe_interval, max_seconds, grpc_credentials
+        )
         victim_call = (BUILD_CHUNK_PATH, SMALL_BUILD_CHUNK.SerializeToString(), VICTIM_DEADLINE_SECONDS)
         self.victim = (
             Callers(server.address, *victim_call, pause=victim_pause, max_seconds=max_seconds) if victim else None

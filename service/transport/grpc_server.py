@@ -232,10 +232,13 @@ class UnknownMethodHandler(grpc.GenericRpcHandler):
     """Registered last, after health and reflection: any method nobody else has is answered UNIMPLEMENTED (as
     gRPC would), counted as method ``unknown`` and logged, rate-limited, with the method's name. A streaming
     handler, so a call of any shape is refused before its request is read; made per call, as such calls are
-    rare and each names its own method."""
+    rare and each names its own method. The refusal runs on ``pool`` (the RPC handler's ``refusals``), never on
+    the RPC pool: a flood of unknown methods then neither takes the RPC threads nor counts against
+    ``max_concurrent_rpcs``, so it cannot get other callers' calls shed as ``concurrency``."""
 
-    def __init__(self, plane: DataPlane) -> None:
+    def __init__(self, plane: DataPlane, pool: ThreadPoolExecutor) -> None:
         self.plane = plane
+        self.pool = pool
 
     def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
         plane, name = self.plane, handler_call_details.method
@@ -244,7 +247,9 @@ class UnknownMethodHandler(grpc.GenericRpcHandler):
             plane.unknown_method()
             raise UnknownMethod(f"unknown method {name[:200]!r}: this server has {SERVICE_NAME}'s {', '.join(RPCS)}")
 
-        return grpc.stream_stream_rpc_method_handler(access_logged(plane, UNKNOWN_METHOD, refuse))
+        refusing = access_logged(plane, UNKNOWN_METHOD, refuse)
+        refusing.experimental_thread_pool = self.pool  # grpcio runs a behaviour on the pool it names
+        return grpc.stream_stream_rpc_method_handler(refusing)
 
 
 def connection_age_options(seconds: float) -> list[tuple[str, int]]:
@@ -351,7 +356,7 @@ def create_grpc_server(
         (SERVICE_NAME, HEALTH_SERVICE_NAME), config.reflection_max_streams, config.reflection_idle_seconds, plane.shed
     )
     server.add_generic_rpc_handlers(reflection.handlers)
-    server.add_generic_rpc_handlers((UnknownMethodHandler(plane),))  # last: only what nobody else serves
+    server.add_generic_rpc_handlers((UnknownMethodHandler(plane, handler.refusals),))  # last: what nobody else serves
     address = host_port(config.grpc_host, config.grpc_port)
     try:
         credentials = server_credentials(config)
