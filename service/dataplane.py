@@ -165,13 +165,15 @@ class DataPlane:
             )
             for method in RPCS
         }
-        # The compiled fast path (None: the backend has none) and its three observations' children, resolved once.
+        # The compiled fast path (None: the backend has none) and its three observations' children, resolved once
+        # (only with a fast path: its backend series exists only where one can serve).
         self._build_chunk_fast = backend.build_chunk_fast
-        self._fast_metrics = (
-            metrics.child(metrics.backend_duration_seconds, "BuildChunk", FAST_PATH_BACKEND),
-            metrics.child(metrics.request_batch_requests, "BuildChunk"),
-            metrics.child(metrics.request_query_tokens, "BuildChunk"),
-        )
+        if self._build_chunk_fast is not None:
+            self._fast_metrics = (
+                metrics.child(metrics.backend_duration_seconds, "BuildChunk", FAST_PATH_BACKEND),
+                metrics.child(metrics.request_batch_requests, "BuildChunk"),
+                metrics.child(metrics.request_query_tokens, "BuildChunk"),
+            )
         self._handlers: dict[str, Callable[[Message], bytes]] = {
             "BuildChunk": self._build_chunk,
             "PlanBatch": self._plan_batch,
