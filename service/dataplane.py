@@ -17,9 +17,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from contextlib import ExitStack
 from contextvars import ContextVar
-from dataclasses import dataclass
 
 from google.protobuf.message import Message
 
@@ -72,19 +70,9 @@ log = logging.getLogger(__name__)
 CHUNK_COST_BYTES = 64 * 2**10
 
 
-@dataclass
-class _CallState:
-    """The current call, for the phases of its handler: who calls, what it holds until it returns (a heavy-lane
-    slot), and whether the server's shutdown grace has ended."""
-
-    caller: Caller
-    held: ExitStack
-    shutdown_cut: threading.Event
-    in_heavy_lane: bool = False
-
-
-# Set by DataPlane.call for the call's duration, on its thread.
-_CALL: ContextVar[_CallState | None] = ContextVar("call", default=None)
+# The current call, set by DataPlane.call for the call's duration, on its thread: the admission steps deep in a
+# handler (the planner's chunk count, the fast path's answer size) find their caller here.
+_CALL: ContextVar[Caller | None] = ContextVar("call", default=None)
 
 
 def _as_error(refused: Refused, caller: Caller, hint: str = "") -> ServiceError:
@@ -94,19 +82,6 @@ def _as_error(refused: Refused, caller: Caller, hint: str = "") -> ServiceError:
     if refused.gone:
         return CallerGone(caller.gone() or Code.CANCELLED, refused.message, refused.reason)
     return Shed(refused.reason, refused.message + hint)
-
-
-def stop_if_abandoned() -> None:
-    """Stop the current call's work when its caller has cancelled or its deadline has passed (or the shutdown
-    grace has ended and the server cancelled it): nobody would read the answer, and the thread is better spent
-    on calls whose callers wait."""
-    state = _CALL.get()
-    code = state.caller.gone() if state is not None else None
-    if code is None:
-        return
-    if state.shutdown_cut.is_set():
-        raise CallerGone(code, "the server shut down before the call finished; work stopped", ShedReason.SHUTDOWN)
-    raise CallerGone(code, "the caller went away (cancelled or past its deadline); work stopped")
 
 
 def as_service_error(method: str, exc: Exception) -> ServiceError:
@@ -171,8 +146,10 @@ class DataPlane:
             max_waiting=config.grpc_workers // 4,
             metrics=metrics,
         )
+        self._warmed = False  # warmup.finished_ok, read until it is True (two property frames per call)
         self._fast_limits = fast_path_limits(config)
-        self._fast_admitted: tuple[int, ...] | None = None
+        self._fast_admitted: tuple[int, ...] | None = None  # strict mode's admitted ratios for the fast path
+        self._fast_admitted_known = self.limits.admit_launch is None  # None (any) known from the start
         # Set when the shutdown grace ends: calls still running were cut by the shutdown, not by their callers.
         self.shutdown_cut = threading.Event()
         self.last_call_end = time.monotonic()
@@ -188,6 +165,15 @@ class DataPlane:
             )
             for method in RPCS
         }
+        # The compiled fast path (None: the backend has none) and its three observations' children, resolved once
+        # (only with a fast path: its backend series exists only where one can serve).
+        self._build_chunk_fast = backend.build_chunk_fast
+        if self._build_chunk_fast is not None:
+            self._fast_metrics = (
+                metrics.child(metrics.backend_duration_seconds, "BuildChunk", FAST_PATH_BACKEND),
+                metrics.child(metrics.request_batch_requests, "BuildChunk"),
+                metrics.child(metrics.request_query_tokens, "BuildChunk"),
+            )
         self._handlers: dict[str, Callable[[Message], bytes]] = {
             "BuildChunk": self._build_chunk,
             "PlanBatch": self._plan_batch,
@@ -200,15 +186,31 @@ class DataPlane:
         INVALID_ARGUMENT naming ``where``). ``caller`` is the transport's view of the call (see
         :class:`~service.overload.admission.Caller`): a build checks ``caller.gone()`` between its phases and stops, and
         on success ``caller.ticket`` holds the answer's bytes in the response budget until the transport
-        releases it. Without a caller the ticket is released on return."""
+        releases it. Without a caller the ticket is released on return.
+
+        One frame for the whole call around the handler (no ExitStack, no per-call state object besides the
+        caller): every Python call on this path costs 1-2 us of server CPU under load, several times what it
+        costs in a loop (benchmarks/RESULTS.md, issue 20)."""
         in_flight, served_ok = self._call_metrics[method]
         in_flight.inc()
         start = time.perf_counter()
         code = Code.OK
         local = caller is None
-        caller = Caller() if caller is None else caller
+        if local:
+            caller = Caller()
+        token = _CALL.set(caller)
         try:
-            return self._serve(method, request, where, caller)
+            if RPCS[method].needs_ready and not self._warmed:
+                # Gated on the warmup, not on readiness: while draining, calls already on their way still get
+                # answered (gRPC itself refuses new ones once the server stops).
+                if not self.warmup.finished_ok:
+                    raise NotReady(f"not ready: {self.readiness.not_ready_reason()}")
+                self._warmed = True  # for good: a warmup that finished well never runs again
+            answer = self._answer(method, request, where)
+            ticket = caller.ticket
+            if ticket is not None and ticket.nbytes > len(answer) * caller.held_per_answer_byte:
+                ticket.shrink(caller.held_bytes(len(answer)))  # only when smaller: two frames saved on most calls
+            return answer
         except Exception as exc:
             error = as_service_error(method, exc)
             code = error.code
@@ -218,6 +220,10 @@ class DataPlane:
                 raise
             raise error from exc
         finally:
+            _CALL.reset(token)
+            if caller.in_heavy_lane:
+                caller.in_heavy_lane = False
+                self.admission.lane.release()
             if caller.ticket is not None and (local or code is not Code.OK):
                 caller.ticket.release()
             served = (
@@ -231,27 +237,19 @@ class DataPlane:
             in_flight.dec()
             self.last_call_end = time.monotonic()
 
-    def _serve(self, method: str, request: object, where: str, caller: Caller) -> bytes:
-        if RPCS[method].needs_ready and not self.warmup.finished_ok:
-            # Gated on the warmup, not on readiness: while draining, calls already on their way still get
-            # answered (gRPC itself refuses new ones once the server stops).
-            raise NotReady(f"not ready: {self.readiness.not_ready_reason()}")
-        with ExitStack() as held:
-            token = _CALL.set(_CallState(caller, held, self.shutdown_cut))
-            try:
-                answer = self._answer(method, request, where)
-            finally:
-                _CALL.reset(token)
-        if caller.ticket is not None:
-            caller.ticket.shrink(caller.held_bytes(len(answer)))
-        return answer
-
     def _answer(self, method: str, request: object, where: str) -> bytes:
         if isinstance(request, bytes):
-            if method == "BuildChunk" and self.backend.build_chunk_fast is not None:
-                answer = self._build_chunk_fast(request)
-                if answer is not None:
-                    return answer
+            if method == "BuildChunk" and self._build_chunk_fast is not None:
+                # service/compute/fastpath.c's answer; admission is the general path's (_admit_work)
+                ratios = self._fast_admitted if self._fast_admitted_known else self._admitted_ratios()
+                served = self._build_chunk_fast(request, self._fast_limits, ratios, self._admit_work)
+                if served is not None:  # else the request needs the general path (errors included)
+                    response, requests, tokens, seconds = served
+                    backend_seconds, batch_requests, query_tokens = self._fast_metrics
+                    backend_seconds.observe(seconds)
+                    batch_requests.observe(requests)
+                    query_tokens.observe(tokens)
+                    return response
             request = parse_request(method, request, where)
         return self._handlers[method](request)
 
@@ -263,33 +261,50 @@ class DataPlane:
         """Count and log a call the transport refused or cut before or after the data plane saw it."""
         self.admission.shed.record(method, reason, detail)
 
-    def _admit_heavy(self, cost_bytes: int) -> None:
+    def _stop_if_abandoned(self, caller: Caller | None) -> None:
+        """Stop the call's work when its caller has cancelled or its deadline has passed (or the shutdown grace
+        has ended and the server cancelled it): nobody would read the answer, and the thread is better spent on
+        calls whose callers wait. ``caller`` None: a handler called outside DataPlane.call (tests)."""
+        code = None if caller is None else caller.gone()
+        if code is None:
+            return
+        if self.shutdown_cut.is_set():
+            raise CallerGone(code, "the server shut down before the call finished; work stopped", ShedReason.SHUTDOWN)
+        raise CallerGone(code, "the caller went away (cancelled or past its deadline); work stopped")
+
+    def _admit_heavy(self, caller: Caller, cost_bytes: int) -> None:
         """Take a heavy-lane slot, held until the call returns, when the work's estimated cost passes
         heavy_request_bytes (once per call: a plan asks as soon as its chunk count is known, before the
         per-chunk work, and again with its answer's size); or refuse."""
-        state = _CALL.get()
-        if state is None or state.in_heavy_lane or cost_bytes <= self.admission.heavy_request_bytes:
+        if caller.in_heavy_lane or cost_bytes <= self.admission.heavy_request_bytes:
             return
         try:
-            state.held.enter_context(self.admission.lane.slot(state.caller))
+            self.admission.lane.acquire(caller)
         except Refused as refused:
-            raise _as_error(refused, state.caller) from None
-        state.in_heavy_lane = True
+            raise _as_error(refused, caller) from None
+        caller.in_heavy_lane = True
 
     def _admit_plan(self, num_chunks: int) -> None:
         """The chunk count is a plan's first known cost: a plan of many small chunks is heavy before its answer's
         size is (the per-chunk host work is most of such a call). Called by the planner before any chunk exists."""
-        self._admit_heavy(CHUNK_COST_BYTES * num_chunks)
+        caller = _CALL.get()
+        if caller is not None:
+            self._admit_heavy(caller, CHUNK_COST_BYTES * num_chunks)
 
-    def _admit_work(self, response_bytes: int, num_chunks: int) -> None:
+    def _admit_work(self, response_bytes: int, num_chunks: int = 1) -> Caller | None:
         """The heavy lane when the work is heavy, then the answer's bytes in the response budget until the
-        transport releases them; or refuse (Shed, or CallerGone when the caller left while waiting)."""
-        state = _CALL.get()
-        if state is None:  # a handler called outside DataPlane.call (tests): nothing to hold
-            return
-        self._admit_heavy(response_bytes + CHUNK_COST_BYTES * num_chunks)
-        caller = state.caller
-        held = caller.held_bytes(response_bytes)
+        transport releases them, then a last look at the caller (a wait may have outlived it); or refuse (Shed, or
+        CallerGone when the caller left). The call's caller, None outside DataPlane.call (a handler called by a
+        test: nothing to hold). The compiled fast path calls it with its answer's size once the request is known
+        valid (one chunk): a large answer waits for its budget and the heavy lane like any other, and is then
+        written without the GIL."""
+        caller = _CALL.get()
+        if caller is None:
+            return None
+        cost_bytes = response_bytes + CHUNK_COST_BYTES * num_chunks
+        if cost_bytes > self.admission.heavy_request_bytes:  # tested here too: no frame for a light call
+            self._admit_heavy(caller, cost_bytes)
+        held = response_bytes if caller.held_per_answer_byte == 1.0 else caller.held_bytes(response_bytes)
         try:
             caller.ticket = self.admission.budget.reserve(caller.peer, held, caller)
         except Refused as refused:
@@ -300,6 +315,9 @@ class DataPlane:
                 else ""
             )
             raise _as_error(refused, caller, hint) from None
+        if caller.gone() is not None:  # _stop_if_abandoned's test written out: a frame fewer per call
+            self._stop_if_abandoned(caller)
+        return caller
 
     def _build(
         self, method: str, chunks: Sequence[ChunkInputs], valid: ValidBatch, omit_token_to_seq: bool
@@ -308,8 +326,7 @@ class DataPlane:
         and the response size, checked on the host parts before any array is computed."""
         hosts = chunk_host_parts(chunks, valid)
         response_bytes = self.limits.check_sizes(chunks, hosts, omit_token_to_seq)
-        self._admit_work(response_bytes, len(chunks))
-        stop_if_abandoned()
+        caller = self._admit_work(response_bytes, len(chunks))
         present = [host for host in hosts if host is not None]
         backend = self.backend.for_request(present, not omit_token_to_seq)
         start = time.perf_counter()
@@ -317,7 +334,7 @@ class DataPlane:
         self.metrics.child(self.metrics.backend_duration_seconds, method, backend.name).observe(
             time.perf_counter() - start
         )
-        stop_if_abandoned()
+        self._stop_if_abandoned(caller)
         return [
             None if host is None else assemble(inputs, host, *next(arrays))
             for inputs, host in zip(chunks, hosts, strict=True)
@@ -327,32 +344,15 @@ class DataPlane:
         self.metrics.child(self.metrics.request_batch_requests, method).observe(requests)
         self.metrics.child(self.metrics.request_query_tokens, method).observe(tokens)
 
-    def _build_chunk_fast(self, data: bytes) -> bytes | None:
-        """The response from service/compute/fastpath.c, or None where the request needs the general path (errors
-        included: their messages are all the general path's). Admission is the general path's, called by the
-        fast path with the answer's size once the request is known valid: a large answer waits for its budget
-        and the heavy lane like any other, and is then written without the GIL."""
-        served = self.backend.build_chunk_fast(data, self._fast_limits, self._admitted_ratios(), self._admit_fast)
-        if served is None:
-            return None
-        response, requests, tokens, seconds = served
-        self.metrics.child(self.metrics.backend_duration_seconds, "BuildChunk", FAST_PATH_BACKEND).observe(seconds)
-        self._observe_size("BuildChunk", requests, tokens)
-        return response
-
-    def _admit_fast(self, response_bytes: int) -> None:
-        self._admit_work(response_bytes, 1)
-        stop_if_abandoned()
-
     def _admitted_ratios(self) -> tuple[int, ...] | None:
-        """Strict mode's admitted compress ratios for the fast path (None: any). Read once the warmup is over:
-        the numpy backend compiles nothing after it, so the warmed set no longer changes."""
-        if self.limits.admit_launch is None:
-            return None
-        if self._fast_admitted is None:
+        """Strict mode's admitted compress ratios for the fast path (None: any). Read once the warmup is over (the
+        fast path serves only then): the numpy backend compiles nothing after it, so the warmed set no longer
+        changes."""
+        if not self._fast_admitted_known:
             # The keys a fast-path request can need: the service's own (aligned buffers, int32 scalars).
             launchable = {k.compress_ratio for k in self.warmup.compiled_keys() if k == CompileKey(k.compress_ratio)}
             self._fast_admitted = tuple(sorted(launchable))
+            self._fast_admitted_known = True
         return self._fast_admitted
 
     def _build_chunk(self, request: pb.BuildChunkRequest) -> bytes:
@@ -385,7 +385,7 @@ class DataPlane:
         decodes = batch.num_decodes  # validated by the planner
         tokens = int(batch.query_start_loc[-1] - batch.query_start_loc[decodes])
         self._observe_size("PlanBatch", batch.seq_lens.size - decodes, tokens)
-        stop_if_abandoned()
+        self._stop_if_abandoned(_CALL.get())
         return codec.plan_response_bytes(plan, request.omit_token_to_seq)
 
     def _warmup_status(self, request: pb.GetWarmupStatusRequest) -> bytes:

@@ -40,15 +40,11 @@ _ID_PREFIX = os.urandom(6).hex()
 _ID_COUNTER = itertools.count(1)
 
 
-def new_request_id() -> str:
-    return f"{_ID_PREFIX}-{next(_ID_COUNTER):x}"
-
-
 def request_id_from(supplied: str | None) -> str:
     """The caller's id when it is a safe one, else a new one."""
     if supplied and _VALID_REQUEST_ID(supplied):
         return supplied
-    return new_request_id()
+    return f"{_ID_PREFIX}-{next(_ID_COUNTER):x}"
 
 
 def utc_timestamp(created: float) -> str:

@@ -12,11 +12,12 @@ its threads), and by a scrape. The exposition is prometheus_client's: the same s
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 import time
 from bisect import bisect_left
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.metrics_core import GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -107,15 +108,21 @@ class _Family:
 
 
 class HistogramChild:
-    __slots__ = ("_bounds", "_cells", "created")
+    __slots__ = ("_bounds", "_cells", "_local", "created")
 
     def __init__(self, bounds: tuple[float, ...]) -> None:
         self._bounds = bounds
         self._cells = _Cells(len(bounds) + 1)  # a count per bucket (not cumulative), then the sum
+        self._local = self._cells._local
         self.created = time.time()
 
     def observe(self, amount: float) -> None:
-        cells = self._cells.mine()
+        # The thread's cells read here, not through _Cells.mine() but on a thread's first record: a Python frame
+        # fewer per observation (~1 us of server CPU each under load, four to six per call).
+        try:
+            cells = self._local.cells
+        except AttributeError:
+            cells = self._cells.mine()
         cells[bisect_left(self._bounds, amount)] += 1  # the first bucket whose bound is >= amount: le
         cells[-1] += amount
 
@@ -159,16 +166,25 @@ class ThreadHistogram(_Family):
 
 
 class GaugeChild:
-    __slots__ = ("_cells",)
+    __slots__ = ("_cells", "_local")
 
     def __init__(self) -> None:
         self._cells = _Cells(1)
+        self._local = self._cells._local
 
     def inc(self, amount: float = 1.0) -> None:
-        self._cells.mine()[0] += amount
+        try:  # as HistogramChild.observe
+            cells = self._local.cells
+        except AttributeError:
+            cells = self._cells.mine()
+        cells[0] += amount
 
     def dec(self, amount: float = 1.0) -> None:
-        self._cells.mine()[0] -= amount
+        try:  # written out, not inc(-amount): a frame fewer on every call's end
+            cells = self._local.cells
+        except AttributeError:
+            cells = self._cells.mine()
+        cells[0] -= amount
 
     def value(self) -> float:
         return self._cells.totals()[0]
@@ -192,20 +208,19 @@ class ThreadGauge(_Family):
 
 
 class LevelGauge:
-    """An unlabelled gauge whose ``set`` takes no lock: the value is one attribute, stored whole (its writers are
-    ordered by a lock of their own: the response budget's)."""
+    """An unlabelled gauge whose ``set`` takes no lock: the value is one list item, stored whole (its writers are
+    ordered by a lock of their own: the response budget's). ``set(value)`` is the list's ``__setitem__`` bound to
+    item 0, a C call without a Python frame (the budget sets it twice per call)."""
 
     def __init__(self, name: str, documentation: str, registry: CollectorRegistry) -> None:
         self._name = name
         self._documentation = documentation
-        self._value = 0.0
+        self._value = [0.0]
+        self.set: Callable[[float], None] = functools.partial(self._value.__setitem__, 0)
         registry.register(self)
-
-    def set(self, value: float) -> None:
-        self._value = value
 
     def describe(self) -> list[Metric]:
         return [GaugeMetricFamily(self._name, self._documentation)]
 
     def collect(self) -> Iterator[Metric]:
-        yield GaugeMetricFamily(self._name, self._documentation, value=float(self._value))
+        yield GaugeMetricFamily(self._name, self._documentation, value=float(self._value[0]))

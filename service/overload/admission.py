@@ -75,7 +75,7 @@ class ShedLog:
         self.log.note("shed", reason, detail, f"method={method}")
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Ticket:
     """Bytes of the response budget held for one call, by one connection. Released once, by whoever is first."""
 
@@ -120,8 +120,9 @@ class ResponseBudget:
         self._waiters = 0  # threads in the wait loop: a release notifies only when there are some
         self._held = 0
         self._by_peer: dict[str, int] = {}
+        self._set_held = metrics.response_bytes_held.set
         metrics.response_budget_bytes.set(limit)
-        metrics.response_bytes_held.set(0)
+        self._set_held(0)
 
     @property
     def held(self) -> int:
@@ -135,7 +136,7 @@ class ResponseBudget:
     def _grant(self, peer: str, nbytes: int) -> Ticket:
         self._held += nbytes
         self._by_peer[peer] = self._by_peer.get(peer, 0) + nbytes
-        self.metrics.response_bytes_held.set(self._held)
+        self._set_held(self._held)
         return Ticket(self, peer, nbytes)
 
     def reserve(self, peer: str, nbytes: int, caller: Caller) -> Ticket:
@@ -146,8 +147,14 @@ class ResponseBudget:
                 f"response: about {nbytes} bytes, above response_budget_bytes {self.limit}; send a smaller batch",
             )
         with self._lock:
-            if self._fits(peer, nbytes):
-                return self._grant(peer, nbytes)
+            mine = self._by_peer.get(peer, 0)
+            if self._held + nbytes <= self.limit and (mine == 0 or mine + nbytes <= self.share):
+                # _fits and _grant written out for the call that need not wait (nearly all): two Python frames
+                # fewer per call (~2 us of server CPU under load)
+                self._held += nbytes
+                self._by_peer[peer] = mine + nbytes
+                self._set_held(self._held)
+                return Ticket(self, peer, nbytes)
             with _waiting_room(self._waiting, ShedReason.MEMORY):
                 give_up = time.monotonic() + self.wait_seconds
                 self._waiters += 1
@@ -194,13 +201,16 @@ class ResponseBudget:
             self._by_peer[peer] = left
         else:
             self._by_peer.pop(peer, None)
-        self.metrics.response_bytes_held.set(self._held)
+        self._set_held(self._held)
         if self._waiters:
             self._cond.notify_all()
 
 
 class HeavyLane:
-    """At most ``slots`` heavy requests computed at once."""
+    """At most ``slots`` heavy requests computed at once: :meth:`acquire` a slot (or be refused), :meth:`release` it
+    when the work is done (or hold it for a block: :meth:`slot`). The data plane takes a slot in the middle of a
+    call and gives it back when the call returns, without a context manager: an ExitStack per call to hold it cost
+    three Python frames on every call, heavy or not."""
 
     def __init__(self, slots: int, waiting: _Waiting, wait_seconds: float) -> None:
         self.slots = slots
@@ -209,8 +219,7 @@ class HeavyLane:
         self._cond = threading.Condition()
         self._busy = 0
 
-    @contextmanager
-    def slot(self, caller: Caller) -> Iterator[None]:
+    def acquire(self, caller: Caller) -> None:
         with self._cond:
             if self._busy >= self.slots:
                 message = (
@@ -222,27 +231,45 @@ class HeavyLane:
                     while self._busy >= self.slots:
                         _wait(self._cond, give_up, caller, ShedReason.HEAVY_LANE, message)
             self._busy += 1
+
+    def release(self) -> None:
+        with self._cond:
+            self._busy -= 1
+            self._cond.notify()
+
+    @contextmanager
+    def slot(self, caller: Caller) -> Iterator[None]:
+        """A slot held for the ``with`` block."""
+        self.acquire(caller)
         try:
             yield
         finally:
-            with self._cond:
-                self._busy -= 1
-                self._cond.notify()
+            self.release()
 
 
-@dataclass
 class Caller:
     """Who a call is for, as its transport sees it: which connection (``peer``), whether the caller still waits
-    (``gone()`` returns the :class:`~service.errors.Code` the call ends with once it has cancelled or passed
-    its deadline: CANCELLED or DEADLINE_EXCEEDED), how many bytes the transport holds per byte of the protobuf
-    answer until it is sent (``held_per_answer_byte``: 1 for protobuf; more for JSON, which holds the answer,
-    the message parsed from it and its text at once), and, once the data plane has answered, the budget
-    ``ticket`` of the answer: the transport releases it when the answer has been handed over."""
+    (:meth:`gone` returns the :class:`~service.errors.Code` the call ends with once it has cancelled or passed
+    its deadline: CANCELLED or DEADLINE_EXCEEDED; ``gone``, when given, answers it), how many bytes the transport
+    holds per byte of the protobuf answer until it is sent (``held_per_answer_byte``: 1 for protobuf; more for
+    JSON, which holds the answer, the message parsed from it and its text at once), and, once the data plane has
+    answered, the budget ``ticket`` of the answer: the transport releases it when the answer has been handed over.
+    ``in_heavy_lane`` is the data plane's: whether the call holds a heavy-lane slot, given back when it returns.
+    Slotted, one per call (a transport may subclass it: service/transport/grpc_server.py)."""
 
-    peer: str = "local"
-    gone: Callable[[], Any] = field(default=lambda: None)
-    held_per_answer_byte: float = 1.0
-    ticket: Ticket | None = None
+    __slots__ = ("_gone", "held_per_answer_byte", "in_heavy_lane", "peer", "ticket")
+
+    def __init__(
+        self, peer: str = "local", gone: Callable[[], Any] | None = None, held_per_answer_byte: float = 1.0
+    ) -> None:
+        self.peer = peer
+        self._gone = gone
+        self.held_per_answer_byte = held_per_answer_byte
+        self.ticket: Ticket | None = None
+        self.in_heavy_lane = False
+
+    def gone(self) -> Any:
+        return None if self._gone is None else self._gone()
 
     def held_bytes(self, answer_bytes: int) -> int:
         """What an answer of ``answer_bytes`` protobuf bytes holds in the budget for this caller."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -53,20 +54,52 @@ Behavior = Callable[[object, grpc.ServicerContext], object]
 GRPC_STATUS: dict[Code, grpc.StatusCode] = {code: grpc.StatusCode[code.name] for code in Code}
 
 
-def abandoned_code(context: grpc.ServicerContext) -> Code | None:
-    """None while the caller waits; else DEADLINE_EXCEEDED or CANCELLED. The deadline is read first: a call
-    stays "active" until the server's polling thread has handled its expiry, which under load comes late."""
-    remaining = context.time_remaining()
-    if remaining is not None and remaining <= 0:
-        return Code.DEADLINE_EXCEEDED
-    return None if context.is_active() else Code.CANCELLED
+class GrpcCaller(Caller):
+    """A gRPC call as the data plane sees it, one per call. Whether its caller still waits is known without asking
+    gRPC each time (``is_active()`` takes the call's lock and is three Python frames; a build asks twice): the
+    deadline is read once, and :meth:`end`, added with ``add_callback`` when the behaviour starts, runs when the
+    call is over, answered or not (gRPC runs the callbacks once the call has ended, on its polling thread: a
+    cancel, an expiry, or after the status is sent). While the behaviour runs, the call can only end by its caller
+    cancelling or its deadline passing, so ``ended`` then means CANCELLED (or DEADLINE_EXCEEDED: the deadline is
+    read first, as gRPC may handle an expiry late under load). :meth:`end` also releases the answer's budget ticket,
+    so one callback per call does both; a ticket granted after :meth:`end` ran is released by the data plane, whose
+    last look at the caller after the reservation (``gone()``) then sees ``ended``. :meth:`cancel_unread` is what
+    the drain watchdog calls for an answer not read in time."""
+
+    __slots__ = ("_context", "_deadline", "_method", "_plane", "ended")
+
+    def __init__(self, context: grpc.ServicerContext, plane: DataPlane, method: str) -> None:
+        super().__init__(context.peer())
+        remaining = context.time_remaining()
+        self._deadline = math.inf if remaining is None else time.time() + remaining
+        self._context = context
+        self._plane = plane
+        self._method = method
+        self.ended = False
+
+    def gone(self) -> Code | None:
+        if time.time() >= self._deadline:
+            return Code.DEADLINE_EXCEEDED
+        return Code.CANCELLED if self.ended else None
+
+    def end(self) -> None:
+        self.ended = True
+        if self.ticket is not None:
+            self.ticket.release()
+
+    def cancel_unread(self) -> None:
+        ticket = self.ticket
+        nbytes = 0 if ticket is None else ticket.nbytes
+        self._plane.shed(self._method, ShedReason.UNREAD_RESPONSE, f"{nbytes} bytes unread by {self.peer}")
+        self._context.cancel()
 
 
 class RpcThreadPool(ThreadPoolExecutor):
     """The gRPC server's pool, counting the calls it holds (queued or running) the way gRPC does for
     ``maximum_concurrent_rpcs``, and noticing calls that end without their handler ever starting: the caller
     cancelled, reset the stream or passed its deadline while the call waited for a thread. gRPC submits each
-    call with its handler's behaviour among the arguments; ``behaviors`` names the ones to watch.
+    call with its handler's behaviour among the arguments; ``behaviors`` names the ones to watch, and each of them
+    sets ``started.value`` (this thread's) when it starts.
 
     No lock per call: a call is an entry in ``_live`` from submit to its end, and a dict's item assignment,
     deletion and ``len`` are each one step under the GIL (two ``threading.Lock`` rounds per call cost ~5 % of a
@@ -77,15 +110,13 @@ class RpcThreadPool(ThreadPoolExecutor):
         self._ids = itertools.count()
         self._live: dict[int, None] = {}
         self.behaviors: dict[Callable, str] = {}
-        self._started = threading.local()
+        # Per thread: whether the call the thread runs has started its behaviour (each behaviour sets ``value``).
+        self.started = threading.local()
         self.on_never_started: Callable[[str], None] = lambda method: None
 
     @property
     def calls(self) -> int:
         return len(self._live)
-
-    def note_started(self) -> None:
-        self._started.value = True
 
     def submit(self, fn: Callable, /, *args: object, **kwargs: object) -> Future:
         call = next(self._ids)
@@ -93,7 +124,7 @@ class RpcThreadPool(ThreadPoolExecutor):
         return super().submit(self._run, call, fn, args, kwargs)
 
     def _run(self, call: int, fn: Callable, args: tuple, kwargs: dict) -> object:
-        started = self._started
+        started = self.started
         started.value = False
         try:
             return fn(*args, **kwargs)
@@ -150,32 +181,23 @@ class PrefillMetadataHandler(grpc.GenericRpcHandler):
         return grpc.unary_unary_rpc_method_handler(refusing)
 
     def _unary(self, method: str) -> grpc.RpcMethodHandler:
-        plane, pool, watchdog = self.plane, self.pool, self.watchdog
+        plane, started, watchdog = self.plane, self.pool.started, self.watchdog
 
         def behavior(data: bytes, context: grpc.ServicerContext) -> bytes:
-            pool.note_started()
-            gone = abandoned_code(context)
+            started.value = True  # RpcThreadPool's flag, set here rather than by a method: a frame fewer
+            call = GrpcCaller(context, plane, method)
+            gone = call.gone() if context.add_callback(call.end) else Code.CANCELLED
             if gone is not None:  # it waited for a thread past its deadline, or its caller cancelled meanwhile
                 plane.shed(method, ShedReason.QUEUE_DEADLINE, f"{gone.name} before the call started")
                 context.abort(GRPC_STATUS[gone], "the caller went away (cancelled, or past its deadline) first")
-            caller = Caller(context.peer(), lambda: abandoned_code(context))
-            response = plane.call(method, data, caller=caller)
-            ticket = caller.ticket
-            if ticket is not None:
-                # Held until the call ends (the answer read, or the call cancelled); cancelled unread.
-                if not context.add_callback(ticket.release):
-                    ticket.release()
-
-                def cancel_unread() -> None:
-                    plane.shed(method, ShedReason.UNREAD_RESPONSE, f"{ticket.nbytes} bytes unread by {caller.peer}")
-                    context.cancel()
-
-                watchdog.watch(ticket, cancel_unread)
+            response = plane.call(method, data, caller=call)
+            if call.ticket is not None:  # held until the call ends (call.end); cancelled if unread meanwhile
+                watchdog.watch(call.ticket, call.cancel_unread)
             return response
 
         # no (de)serializers: bytes both ways
         handler = grpc.unary_unary_rpc_method_handler(access_logged(plane, method, behavior))
-        pool.behaviors[handler.unary_unary] = method
+        self.pool.behaviors[handler.unary_unary] = method
         return handler
 
 
@@ -205,12 +227,16 @@ def access_logged(plane: DataPlane, method: str, behavior: Behavior) -> Behavior
         context.set_trailing_metadata(((REQUEST_ID_HEADER, request_id),))
         token = REQUEST_ID.set(request_id)
         span = None if tracer is None else tracer.start("grpc", method, request_id, dict(metadata))
+        code = None
         try:
-            return behavior(request, context)
+            response = behavior(request, context)
+            code = grpc.StatusCode.OK  # known here: no context.code() (a Python frame) on the success path
+            return response
         except ServiceError as exc:
             context.abort(GRPC_STATUS[exc.code], exc.message)
         finally:
-            code = context.code() or grpc.StatusCode.OK
+            if code is None:  # aborted, or an exception gRPC answers with UNKNOWN
+                code = context.code() or grpc.StatusCode.UNKNOWN
             details = ""
             if code is not grpc.StatusCode.OK:
                 details = context.details()  # the sync server keeps them encoded
