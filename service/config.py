@@ -163,7 +163,8 @@ class ServiceConfig:
     )
     http_max_connections: int = _setting("most open HTTP connections; more get 503 and close")
     idle_trim_seconds: float = _setting(
-        "seconds with no call ending and no connection closing before free heap is handed back to the OS (0: never)"
+        "seconds with no call ending and no connection closing before free heap is handed back to the OS (also "
+        "while calls go on, once 256 or more connections have closed and none closed for that long; 0: never)"
     )
     backend: str = _setting(
         "`auto` (on a CUDA GPU each request on numpy or Triton, whichever the warmup measured faster for its "

@@ -117,14 +117,20 @@ def open_fds() -> int:
         return 0
 
 
+# Connections that must have closed since the last trim for a trim while calls go on: a flood's worth, not the
+# churn of clients reconnecting every max_connection_age (a trim under traffic hands back memory that the next
+# large answers then fault in again).
+FLOOD_CONNECTIONS = 256
+
+
 class IdleTrim:
     """Reads the process's open file descriptors every second (``on_fds(count)``: the ``indexer_open_fds`` gauge;
-    each connection is one) and, with ``idle_seconds`` above 0, hands free heap back to the OS
-    (:func:`trim_heap`) once the process has been idle that long: no call ended (``last_call_end``, a
-    ``time.monotonic()`` reading) and no connection closed (its descriptors did not fall). Without the second,
-    memory that thousands of connections held (gRPC core's buffers, about 18 KiB each idle) stayed resident
-    after they left: they end no call. Trims once per idle spell, on a daemon thread (:meth:`start`,
-    :meth:`stop`)."""
+    each connection is one) and, with ``idle_seconds`` above 0, hands free heap back to the OS (:func:`trim_heap`)
+    once per quiet spell of that long, on a daemon thread (:meth:`start`, :meth:`stop`). Quiet: no call ended
+    (``last_call_end``, a ``time.monotonic()`` reading) and no connection closed (its descriptors did not fall); or,
+    while calls go on, at least ``FLOOD_CONNECTIONS`` descriptors fewer than at their peak since the last trim and
+    none closed for ``idle_seconds``. Without the closing connections, memory that thousands of them held (gRPC
+    core's buffers, about 18 KiB each idle) stayed resident after they left, under steady traffic for good."""
 
     def __init__(
         self,
@@ -137,25 +143,39 @@ class IdleTrim:
         self.on_fds = on_fds
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="idle-trim", daemon=True)
+        self._fds = self._peak_fds = 0
+        self._connections_closed = 0.0
+        self._trimmed_at: tuple[float, float] = (0.0, 0.0)
 
     def start(self) -> None:
+        self._fds = self._peak_fds = open_fds()
+        self.on_fds(self._fds)
+        self._connections_closed = time.monotonic()
+        self._trimmed_at = (self.last_call_end(), self._connections_closed)
         self._thread.start()
 
     def stop(self) -> None:
         self._stop.set()
 
+    def due(self, now: float, fds: int) -> bool:
+        """One reading (``now`` a ``time.monotonic()`` value, ``fds`` the open descriptors): whether to trim now."""
+        if fds < self._fds:
+            self._connections_closed = now
+        self._fds, self._peak_fds = fds, max(self._peak_fds, fds)
+        last = (self.last_call_end(), self._connections_closed)
+        if self.idle_seconds <= 0 or last == self._trimmed_at:
+            return False
+        quiet = now - max(last) >= self.idle_seconds
+        flood_left = self._peak_fds - fds >= FLOOD_CONNECTIONS and now - self._connections_closed >= self.idle_seconds
+        if not (quiet or flood_left):
+            return False
+        self._trimmed_at, self._peak_fds = last, fds
+        return True
+
     def _run(self) -> None:
-        fds, connections_closed = open_fds(), time.monotonic()
-        self.on_fds(fds)
-        trimmed_at = (self.last_call_end(), connections_closed)
         interval = min(1.0, self.idle_seconds / 2) if self.idle_seconds > 0 else 1.0
         while not self._stop.wait(interval):
-            now, fds_now = time.monotonic(), open_fds()
-            self.on_fds(fds_now)
-            if fds_now < fds:
-                connections_closed = now
-            fds = fds_now
-            last = (self.last_call_end(), connections_closed)
-            if self.idle_seconds > 0 and last != trimmed_at and now - max(last) >= self.idle_seconds:
-                trimmed_at = last
+            fds = open_fds()
+            self.on_fds(fds)
+            if self.due(time.monotonic(), fds):
                 log.debug("idle trim released=%s open_fds=%d", trim_heap(), fds)

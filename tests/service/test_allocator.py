@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from indexer_service.service.config import ConfigError, load_config
-from indexer_service.service.overload.allocator import configure_malloc, idle_trim_caveat
+from indexer_service.service.overload.allocator import FLOOD_CONNECTIONS, IdleTrim, configure_malloc, idle_trim_caveat
 
 # Fill four fresh 8 MiB buffers 20 times, on worker threads like the gRPC server's; count minor page faults.
 PROBE = """
@@ -161,3 +161,41 @@ def test_settings_are_c_ints_and_zeros_leave_glibc_alone(monkeypatch: pytest.Mon
     for name in ("MALLOC_ARENA_MAX", "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_"):
         monkeypatch.delenv(name, raising=False)
     assert configure_malloc(0, 0) == {"arena_max": "glibc default", "retain_bytes": "glibc default"}
+
+
+class _Clock:
+    """The last call's end as IdleTrim reads it, moved by the test."""
+
+    def __init__(self) -> None:
+        self.last_call_end = 0.0
+
+
+def _readings(trim: IdleTrim, clock: _Clock, readings: list[tuple[float, int, float]]) -> list[float]:
+    """Feeds (now, open fds, last call end) readings; the times at which IdleTrim said to trim."""
+    trimmed = []
+    for now, fds, last_call_end in readings:
+        clock.last_call_end = last_call_end
+        if trim.due(now, fds):
+            trimmed.append(now)
+    return trimmed
+
+
+def test_the_idle_trim_runs_once_per_quiet_spell() -> None:
+    clock = _Clock()
+    trim = IdleTrim(5.0, last_call_end=lambda: clock.last_call_end)
+    # Calls until t=10, then none: one trim at t=15, none after; calls again, then quiet again: a second trim.
+    readings = [(t, 20, min(t, 10.0)) for t in range(1, 30)] + [(t, 20, min(t, 40.0)) for t in range(30, 50)]
+    assert _readings(trim, clock, readings) == [15, 45]
+
+
+def test_the_idle_trim_runs_after_a_flood_of_connections_leaves_while_calls_go_on() -> None:
+    """Calls every second throughout: no quiet spell. 1,000 connections come and go at t=10: one trim 5 s after
+    the last of them closed; the churn of a few clients reconnecting (fewer than FLOOD_CONNECTIONS) none."""
+    clock = _Clock()
+    trim = IdleTrim(5.0, last_call_end=lambda: clock.last_call_end)
+    fds = {t: 20 for t in range(1, 40)} | {t: 1020 for t in range(5, 10)} | {10: 520}
+    readings = [(t, fds[t], float(t)) for t in range(1, 40)]
+    assert _readings(trim, clock, readings) == [16]
+    churn = IdleTrim(5.0, last_call_end=lambda: clock.last_call_end)
+    readings = [(t, 20 + (FLOOD_CONNECTIONS - 1) * (t % 7 == 0), float(t)) for t in range(1, 60)]
+    assert _readings(churn, clock, readings) == []
