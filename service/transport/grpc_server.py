@@ -1,12 +1,12 @@
 """The gRPC transport: a thin servicer over the data plane, wrapped for access logs and error mapping; health
 (overall and per service, also on a probe-only listener) and reflection.
 
-Abuse and overload (docs/overload.md): each connection opens at most
-``max_streams_per_connection`` calls; a request message is at most what a valid request at the configured
-limits can be; past ``max_concurrent_rpcs`` gRPC refuses a call before it takes a thread (counted here as shed
-"concurrency"); a call whose caller leaves before it starts is counted as shed "queue_deadline" (a stream reset
-flood shows there); an answer is held in the response budget until the call ends, and cancelled if its caller
-has not read it within ``response_drain_seconds``.
+Abuse and overload (docs/overload.md): each connection opens at most ``max_streams_per_connection`` calls; a
+request message is at most what a valid request at the configured limits can be; past ``max_concurrent_rpcs`` a
+call is refused before it takes an RPC thread, on a refusal pool of its own (counted here as shed "concurrency"),
+as is a call to a method the server does not have; a call whose caller leaves before it starts is counted as shed
+"queue_deadline" (a stream reset flood shows there); an answer is held in the response budget until the call ends,
+and cancelled if its caller has not read it within ``response_drain_seconds``.
 
 The server is the sync ``grpc.server`` with a thread pool, not ``grpc.aio``: the work is CPU-bound numpy (or a
 GPU launch) and, measured on the target machines, the sync server answered a medium request in 486 us against
