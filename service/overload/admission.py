@@ -24,8 +24,9 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
+from indexer_service.service.errors import Code
 from indexer_service.service.logs import RateLimitedLog
 from indexer_service.service.metrics import Metrics
 from indexer_service.service.reasons import ShedReason
@@ -247,26 +248,24 @@ class HeavyLane:
 class Caller:
     """Who a call is for, as its transport sees it: which connection (``peer``), whether the caller still waits
     (:meth:`gone` returns the :class:`~service.errors.Code` the call ends with once it has cancelled or passed
-    its deadline: CANCELLED or DEADLINE_EXCEEDED; ``gone``, when given, answers it), how many bytes the transport
-    holds per byte of the protobuf answer until it is sent (``held_per_answer_byte``: 1 for protobuf; more for
-    JSON, which holds the answer, the message parsed from it and its text at once), and, once the data plane has
-    answered, the budget ``ticket`` of the answer: the transport releases it when the answer has been handed over.
+    its deadline: CANCELLED or DEADLINE_EXCEEDED; a transport that can tell subclasses it, as
+    service/transport/grpc_server.py's GrpcCaller; this one never knows and answers None), how many bytes the
+    transport holds per byte of the protobuf answer until it is sent (``held_per_answer_byte``: 1 for protobuf;
+    more for JSON, which holds the answer, the message parsed from it and its text at once), and, once the data plane
+    has answered, the budget ``ticket`` of the answer: the transport releases it when the answer has been handed over.
     ``in_heavy_lane`` is the data plane's: whether the call holds a heavy-lane slot, given back when it returns.
-    Slotted, one per call (a transport may subclass it: service/transport/grpc_server.py)."""
+    Slotted, one per call."""
 
-    __slots__ = ("_gone", "held_per_answer_byte", "in_heavy_lane", "peer", "ticket")
+    __slots__ = ("held_per_answer_byte", "in_heavy_lane", "peer", "ticket")
 
-    def __init__(
-        self, peer: str = "local", gone: Callable[[], Any] | None = None, held_per_answer_byte: float = 1.0
-    ) -> None:
+    def __init__(self, peer: str = "local", held_per_answer_byte: float = 1.0) -> None:
         self.peer = peer
-        self._gone = gone
         self.held_per_answer_byte = held_per_answer_byte
         self.ticket: Ticket | None = None
         self.in_heavy_lane = False
 
-    def gone(self) -> Any:
-        return None if self._gone is None else self._gone()
+    def gone(self) -> Code | None:
+        return None
 
     def held_bytes(self, answer_bytes: int) -> int:
         """What an answer of ``answer_bytes`` protobuf bytes holds in the budget for this caller."""

@@ -18,7 +18,7 @@ from indexer_service.kernels.planner import PlanTooLargeError, plan_prefill_chun
 from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
 from indexer_service.service import codec, dataplane
 from indexer_service.service.dataplane import DataPlane
-from indexer_service.service.errors import ServiceError
+from indexer_service.service.errors import Code, ServiceError
 from indexer_service.service.metrics import Metrics
 from indexer_service.service.overload.admission import (
     DEFAULT_BUDGET_BYTES,
@@ -93,10 +93,19 @@ def test_an_answer_larger_than_the_budget_is_refused_at_once() -> None:
         admission(budget=100, wait=5.0).budget.reserve("a", 101, Caller())
 
 
+class _PastItsDeadline(Caller):
+    """A caller whose deadline has passed, as a transport that can tell would report it."""
+
+    __slots__ = ()
+
+    def gone(self) -> Code:
+        return Code.DEADLINE_EXCEEDED
+
+
 def test_a_caller_that_leaves_while_waiting_is_shed_as_queue_deadline() -> None:
     budget = admission(budget=10, wait=5.0).budget
     budget.reserve("a", 10, Caller())
-    gone = Caller("b", lambda: grpc.StatusCode.DEADLINE_EXCEEDED)
+    gone = _PastItsDeadline("b")
     with pytest.raises(Refused) as refused:
         budget.reserve("b", 10, gone)
     assert refused.value.reason == "queue_deadline" and refused.value.gone
