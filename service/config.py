@@ -126,6 +126,13 @@ class ServiceConfig:
     worker_hang_seconds: float = _setting(
         "with workers: a worker that answers no health probe for this long is killed and restarted (0: never)"
     )
+    worker_restart_backoff_seconds: float = _setting(
+        "with workers: seconds before a dead worker's first restart; doubles with each death in a row (a worker that "
+        "lived 30 s starts over)"
+    )
+    worker_restart_backoff_max_seconds: float = _setting(
+        "with workers: the longest wait before a restart (the doubling's ceiling)"
+    )
     shutdown_grace_seconds: float = _setting("seconds in-flight calls get to finish on SIGTERM")
     shutdown_delay_seconds: float = _setting("seconds to keep serving while `NOT_SERVING` before refusing new calls")
     compress_ratios: tuple[int, ...] = _setting(
@@ -323,6 +330,8 @@ RULES: dict[str, Rule] = {
     "pin_workers": Rule(choices=PIN_WORKERS, fold_case=True),
     "min_ready_workers": Rule(1, MAX_WORKERS, zero="a majority of the workers"),  # above workers: all of them
     "worker_hang_seconds": Rule(0.5, MAX_SECONDS, zero="never"),  # probes go every quarter of it
+    "worker_restart_backoff_seconds": Rule(0.01, MAX_SECONDS),  # 0 would restart a crash loop flat out
+    "worker_restart_backoff_max_seconds": Rule(0.01, MAX_SECONDS),
     "max_message_bytes": Rule(4096, _INT32_MAX),  # gRPC takes message limits as a C int
     "max_concurrent_rpcs": _COUNT32,
     "max_connection_age_seconds": Rule(0.001, MAX_SECONDS, zero="never"),  # int32 milliseconds in gRPC
@@ -554,6 +563,13 @@ def _validate(config: ServiceConfig, sources: Mapping[str, str], needs_warmup: s
             fail("warmup_target", f"{_one_line(exc)} (or '{NO_WARMUP}')")
     elif needs_warmup:
         fail("warmup_target", f"{needs_warmup} needs a target such as cuda:90, got {NO_WARMUP!r}")
+    first, ceiling = config.worker_restart_backoff_seconds, config.worker_restart_backoff_max_seconds
+    if ceiling < first:  # blame the one the user set (both set: the ceiling)
+        if sources.get("worker_restart_backoff_max_seconds") == "default":
+            fail("worker_restart_backoff_seconds", f"must be at most worker_restart_backoff_max_seconds "
+                 f"({ceiling:g}), got {first:g}")
+        fail("worker_restart_backoff_max_seconds", f"must be at least worker_restart_backoff_seconds ({first:g}), "
+             f"got {ceiling:g}")
     if config.strict and not config.warmup_enabled:
         fail("strict", f"needs a warmup, but warmup_target is none ({sources.get('warmup_target')})")
     _validate_tls(config, sources)

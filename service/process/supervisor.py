@@ -31,7 +31,8 @@ replica shares:
   left by a supervisor killed by SIGKILL (which cannot clean up) is removed by the next supervisor's start.
 
 A worker that dies is logged (``worker exited``), counted by reason (``exit``, ``killed``, ``hung``), and
-restarted after a backoff (0.5 s doubling to 10 s; back to 0.5 s once a worker has lived 30 s). A worker that
+restarted after a backoff (``worker_restart_backoff_seconds``, 0.5 s, doubling to
+``worker_restart_backoff_max_seconds``, 10 s; back to the first once a worker has lived 30 s). A worker that
 fails (exit 1) on its first start before it was ever ready (a bind error, say) stops the replica with exit 1.
 SIGTERM (or SIGINT, SIGHUP): the health port turns NOT_SERVING, every worker gets SIGTERM and drains as a single
 process does, and the supervisor exits 0 once all have ended (SIGKILL for any still running after delay + grace +
@@ -78,7 +79,7 @@ from indexer_service.service.workerproto import (
 
 log = logging.getLogger(__name__)
 
-BACKOFF_FIRST_SECONDS, BACKOFF_MAX_SECONDS, STABLE_SECONDS = 0.5, 10.0, 30.0
+STABLE_SECONDS = 30.0  # a worker that lived this long starts the restart backoff over
 _POLL_SECONDS = 0.2
 _PROBE_INTERVAL_SECONDS = 1.0  # the most time between two probes of a worker
 # A gap this long between two steps (which come every _POLL_SECONDS) means the supervisor itself did not run.
@@ -454,11 +455,15 @@ class Supervisor:
         if slot.lives == 1 and not slot.ever_ready and code == 1:
             raise RuntimeError(f"worker {slot.number} failed to start (exit {code}; its log is above)")
         slot.failures_in_a_row = 0 if lived >= STABLE_SECONDS else slot.failures_in_a_row
-        backoff = min(BACKOFF_MAX_SECONDS, BACKOFF_FIRST_SECONDS * 2**slot.failures_in_a_row)
+        config = self.config
+        backoff = min(
+            config.worker_restart_backoff_max_seconds,
+            config.worker_restart_backoff_seconds * 2**slot.failures_in_a_row,
+        )
         slot.failures_in_a_row += 1
         slot.restart_at = time.monotonic() + backoff
         log.error(
-            "worker exited worker=%d pid=%d code=%d %s reason=%s lived_seconds=%.1f restart_in_seconds=%.1f",
+            "worker exited worker=%d pid=%d code=%d %s reason=%s lived_seconds=%.1f restart_in_seconds=%g",
             slot.number,
             process.pid,
             code,

@@ -262,6 +262,8 @@ INVALID: dict[str, tuple[list[str], dict[str, str]]] = {
     "pin_workers": (["always", "ON "], {}),
     "min_ready_workers": (["-1", "257"], {}),
     "worker_hang_seconds": (["0.1", "-1", "inf"], {}),
+    "worker_restart_backoff_seconds": (["0", "-1", "nan", "20"], {}),  # 20: above the maximum (10)
+    "worker_restart_backoff_max_seconds": (["0.001", "inf", "0.2"], {}),  # 0.2: below the first backoff (0.5)
 }
 LAYERS = ("flag", "env", "file")
 
@@ -349,6 +351,11 @@ def test_every_invalid_value_stops_the_start_naming_setting_and_source(
         ({"tls_key_file": "{key}"}, "tls_cert_file", "tls_key_file is (flag --tls-key-file)"),
         ({"tls_client_ca_file": "{ca}"}, "tls_client_ca_file", "from flag --tls-client-ca-file"),
         ({"strict": True, "warmup_target": "none"}, "strict", "warmup_target is none (flag --warmup-target)"),
+        (
+            {"worker_restart_backoff_seconds": "2", "worker_restart_backoff_max_seconds": "1"},
+            "worker_restart_backoff_max_seconds",
+            "must be at least worker_restart_backoff_seconds (2), got 1",
+        ),
     ],
 )
 def test_settings_that_go_together_blame_the_missing_one(
