@@ -566,10 +566,14 @@ def _validate(config: ServiceConfig, sources: Mapping[str, str], needs_warmup: s
     first, ceiling = config.worker_restart_backoff_seconds, config.worker_restart_backoff_max_seconds
     if ceiling < first:  # blame the one the user set (both set: the ceiling)
         if sources.get("worker_restart_backoff_max_seconds") == "default":
-            fail("worker_restart_backoff_seconds", f"must be at most worker_restart_backoff_max_seconds "
-                 f"({ceiling:g}), got {first:g}")
-        fail("worker_restart_backoff_max_seconds", f"must be at least worker_restart_backoff_seconds ({first:g}), "
-             f"got {ceiling:g}")
+            fail(
+                "worker_restart_backoff_seconds",
+                f"must be at most worker_restart_backoff_max_seconds ({ceiling:g}), got {first:g}",
+            )
+        fail(
+            "worker_restart_backoff_max_seconds",
+            f"must be at least worker_restart_backoff_seconds ({first:g}), got {ceiling:g}",
+        )
     if config.strict and not config.warmup_enabled:
         fail("strict", f"needs a warmup, but warmup_target is none ({sources.get('warmup_target')})")
     _validate_tls(config, sources)
