@@ -34,9 +34,9 @@ SMALL = pb.BuildChunkRequest(
     req_start=0,
     req_end=64,
 )
-# One request of 32,768 query rows cut into one chunk per row by a one-element logits budget: seconds of
+# One request of 65,536 query rows cut into one chunk per row by a one-element logits budget: seconds of
 # real work (each chunk is planned, built and encoded), not a sleep.
-LONG_ROWS = 32_768
+LONG_ROWS = 65_536
 LONG = pb.PlanBatchRequest(
     query_start_loc=encode_int32(np.array([0, LONG_ROWS])),
     seq_lens=encode_int32(np.array([1_000_000])),
@@ -91,7 +91,8 @@ def test_sigterm_during_a_burst_drains_and_exits_0(start_server: StartServer) ->
     long_result: dict[str, object] = {}
 
     def long_call() -> None:
-        with grpc.insecure_channel(server.address) as channel:
+        # its answer (~5.5 MB) is above gRPC clients' 4 MiB default
+        with grpc.insecure_channel(server.address, options=[("grpc.max_receive_message_length", 2**26)]) as channel:
             try:
                 long_result["response"] = pb_grpc.PrefillMetadataStub(channel).PlanBatch(LONG, timeout=GRACE)
             except grpc.RpcError as exc:
