@@ -75,6 +75,9 @@ FLOOD_VICTIM_PAUSE = 0.05  # issue 19's victim: one small call every 50 ms, 1 s 
 FRESH_CLIENT_INTERVAL = 1.0  # issue 19's stream floods: a fresh health-checking IndexerClient every second
 MEMORY_BACK_SECONDS = 60.0  # issue 10: idle RSS back within 1.2x of its value before, within 60 s of the end
 DEFAULT_IDLE_CONNECTION_SECONDS = 120.0  # connection_idle_seconds' default
+# The idle-connection floods come from another address than the probes and the victim (any of 127.0.0.0/8 reaches
+# the server): another tenant's pod, as max_connections_per_peer sees it.
+FLOOD_PEER = "127.0.0.2"
 SCALE = {"factor": 1.0}  # --scale: the issue 19 floods' sizes
 
 
@@ -421,13 +424,14 @@ def _idle_connections(
     hold: float,
     credentials: grpc.ChannelCredentials | None = None,
 ) -> dict:
-    """``count`` connections sending ``greeting`` then nothing, watched for ``hold`` seconds (the server's own
-    timeout plus 30 s): how many it held, for how long, what RSS each cost, and the probes meanwhile (the RPC
-    port's over TLS with ``credentials``)."""
+    """``count`` connections sending ``greeting`` then nothing, from another peer than the probes and the victim
+    (``FLOOD_PEER``: another tenant's pod), watched for ``hold`` seconds (the server's own timeout plus 30 s): how
+    many it held, for how long, what RSS each cost, and the probes meanwhile (the RPC port's over TLS with
+    ``credentials``)."""
     idle = server.rss_bytes()
     with (
         Siege(server, victim=greeting == H2_PREFACE, grpc_credentials=credentials) as siege,
-        IdleConnections(LOOPBACK, port, count, greeting) as flood,
+        IdleConnections(LOOPBACK, port, count, greeting, source=FLOOD_PEER) as flood,
     ):
         time.sleep(1.0)
         held, peak = flood.still_connected(), server.rss_bytes()

@@ -100,6 +100,11 @@ class ServiceConfig:
         "accept ([overload.md](overload.md#connections))"
     )
     health_max_connections: int = _setting("most open connections on the health port; more are closed at accept")
+    max_connections_per_peer: int = _setting(
+        "most connections one peer (IP address) may hold on each port of a process; the newest past it are closed "
+        "within a second of accept and counted (0: no cap; behind a proxy all clients are one peer) "
+        "([overload.md](overload.md#connections))"
+    )
     connection_idle_seconds: float = _setting(
         "seconds a connection to either gRPC port may carry no call before it is closed (GOAWAY) (0: never)"
     )
@@ -339,6 +344,7 @@ RULES: dict[str, Rule] = {
     "health_port": _PORT,
     "grpc_max_connections": _COUNT32,  # grpc.max_allowed_incoming_connections, a C int
     "health_max_connections": _COUNT32,
+    "max_connections_per_peer": Rule(1, _INT32_MAX, zero="no cap"),
     "connection_idle_seconds": Rule(0.001, MAX_SECONDS, zero="never"),  # int32 milliseconds in gRPC
     "handshake_timeout_seconds": Rule(0.001, MAX_SECONDS),  # int32 milliseconds in gRPC
     "reflection_max_streams": _COUNT32,

@@ -23,7 +23,7 @@ from typing import TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
-from indexer_service.service.reasons import HttpRefusal, RestartReason
+from indexer_service.service.reasons import HttpRefusal, Port, RestartReason
 from indexer_service.service.threadmetrics import LevelGauge, ThreadGauge, ThreadHistogram
 from indexer_service.service.version import build_labels
 
@@ -186,6 +186,7 @@ class Metrics:
             "indexer_http_connections", "Open HTTP connections.", registry=r, multiprocess_mode="livesum"
         )
         self.open_fds = _open_fds_gauge(r)
+        self.peer_connections_closed_total = _peer_closed_counter(r)
         self.http_refused_total = Counter(
             "indexer_http_refused_total",
             "HTTP connections or requests refused by a limit, by reason.",
@@ -229,6 +230,20 @@ def _open_fds_gauge(registry: CollectorRegistry) -> Gauge:
         registry=registry,
         multiprocess_mode="livesum",
     )
+
+
+def _peer_closed_counter(registry: CollectorRegistry) -> Counter:
+    """Connections shut down because their peer held more than ``max_connections_per_peer`` on a port
+    (service/overload/peers.py), by port: grpc, health, http, http_rpc."""
+    counter = Counter(
+        "indexer_peer_connections_closed_total",
+        "Connections closed because their peer held more than max_connections_per_peer on the port, by port.",
+        ["port"],
+        registry=registry,
+    )
+    for port in Port:
+        counter.labels(port=port)
+    return counter
 
 
 def multiprocess_dir() -> str | None:
@@ -370,6 +385,7 @@ class SupervisorMetrics:
         )
         self.ready = _ready_gauge(r)
         self.open_fds = _open_fds_gauge(r)
+        self.peer_connections_closed_total = _peer_closed_counter(r)
         # The health port's refusals (Watch streams over their cap, watchers that do not read): admission.ShedLog.
         self.requests_shed_total = _shed_counter(r)
         for n in range(workers):

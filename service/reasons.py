@@ -42,3 +42,13 @@ class RestartReason(StrEnum):
     EXIT = "exit"  # it exited by itself (a fatal error, or a SIGTERM not from the supervisor)
     KILLED = "killed"  # a signal ended it (the OOM killer's SIGKILL, a segfault...)
     HUNG = "hung"  # it did not answer the supervisor's probes for worker_hang_seconds: the supervisor killed it
+
+
+class Port(StrEnum):
+    """The ports a process serves, by name (indexer_peer_connections_closed_total's port label, and the
+    ``port=`` of the connection cap's log line)."""
+
+    GRPC = "grpc"
+    HEALTH = "health"
+    HTTP = "http"
+    HTTP_RPC = "http_rpc"

@@ -19,9 +19,13 @@ _PIECE_BYTES = 64 * 1024
 _SMALL_RCVBUF = 4096
 
 
-def _connect(host: str, port: int, rcvbuf: int | None = None, timeout: float = 5.0) -> socket.socket:
+def _connect(
+    host: str, port: int, rcvbuf: int | None = None, timeout: float = 5.0, source: str | None = None
+) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
+    if source is not None:  # another peer address (any of 127.0.0.0/8 reaches 127.0.0.1)
+        sock.bind((source, 0))
     if rcvbuf is not None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)  # before connect: it sizes the TCP window
     sock.settimeout(timeout)
@@ -138,17 +142,18 @@ class _Sockets:
 class IdleConnections(_Sockets):
     """``count`` connections that send ``greeting`` (by default not a byte) and then nothing, open from
     :meth:`open` to :meth:`close` (a ``with``). Any protocol: an HTTP/2 preface makes an idle gRPC connection,
-    the first bytes of a TLS ClientHello a handshake that never ends."""
+    the first bytes of a TLS ClientHello a handshake that never ends. ``source``: the address they come from
+    (another peer than the default)."""
 
-    def __init__(self, host: str, port: int, count: int, greeting: bytes = b"") -> None:
-        self.host, self.port, self.count, self.greeting = host, port, count, greeting
+    def __init__(self, host: str, port: int, count: int, greeting: bytes = b"", source: str | None = None) -> None:
+        self.host, self.port, self.count, self.greeting, self.source = host, port, count, greeting, source
         self.sockets: list[socket.socket] = []
         self.refused = 0  # connections the server refused outright
 
     def open(self) -> IdleConnections:
         for _ in range(self.count):
             try:
-                sock = _connect(self.host, self.port)
+                sock = _connect(self.host, self.port, source=self.source)
                 if self.greeting:
                     sock.sendall(self.greeting)
                 self.sockets.append(sock)

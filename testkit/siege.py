@@ -17,6 +17,7 @@ from testkit.payloads import BUILD_CHUNK_PATH, SMALL_BUILD_CHUNK
 SHED = "indexer_requests_shed_total"
 ERRORS = "indexer_request_errors_total"
 HTTP_REFUSED = "indexer_http_refused_total"
+PEER_CLOSED = "indexer_peer_connections_closed_total"
 BYTES_HELD = "indexer_response_bytes_held"
 VICTIM_DEADLINE_SECONDS = 1.0
 
@@ -127,6 +128,10 @@ class Siege:
     def http_refused(self) -> dict[str, float]:
         return counter_delta(self.metrics_before, self.metrics_after, HTTP_REFUSED, "reason")
 
+    def peer_connections_closed(self) -> dict[str, float]:
+        """indexer_peer_connections_closed_total's growth during the siege, per port."""
+        return counter_delta(self.metrics_before, self.metrics_after, PEER_CLOSED, "port")
+
     def probe_report(self) -> str:
         """Each probe target's probes answered in time, and its slowest, as one line."""
         return ", ".join(
@@ -164,6 +169,7 @@ class Siege:
             "shed": self.shed(),
             "errors": self.errors(),
             "http_refused": self.http_refused(),
+            "peer_connections_closed": self.peer_connections_closed(),
         }
         if self.victim is not None:
             run = self.victim.run()

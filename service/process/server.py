@@ -33,8 +33,10 @@ from indexer_service.service.dataplane import DataPlane
 from indexer_service.service.metrics import Metrics
 from indexer_service.service.overload.allocator import IdleTrim, configure_malloc, idle_trim_caveat
 from indexer_service.service.overload.limits import strict_admission
+from indexer_service.service.overload.peers import PeerCap
 from indexer_service.service.process.lifecycle import ShutdownSignals, raise_open_files_limit
 from indexer_service.service.process.listeners import bind_shared
+from indexer_service.service.reasons import Port
 from indexer_service.service.tracing import start_tracing
 from indexer_service.service.transport.grpc_server import (
     HEALTH_NAMES,
@@ -176,9 +178,18 @@ class IndexerServer:
         # Free heap back to the OS once no call has ended and no connection closed for idle_trim_seconds: a
         # burst's peak does not stay as idle RSS (glibc keeps freed memory for reuse, see
         # service/overload/allocator.py).
-        self._idle_trim = IdleTrim(
-            config.idle_trim_seconds, lambda: self.plane.last_call_end, self.metrics.open_fds.set
-        )
+        self._idle_trim = IdleTrim(config.idle_trim_seconds, lambda: self.plane.last_call_end, self._on_fds)
+        ports = {self.http_port: Port.HTTP}
+        if self.http_rpc_port is not None:
+            ports[self.http_rpc_port] = Port.HTTP_RPC
+        if worker is None:
+            ports |= {self.grpc_port: Port.GRPC, self.health_port: Port.HEALTH}
+        self.peer_cap = PeerCap(config.max_connections_per_peer, ports, self.metrics.peer_connections_closed_total)
+
+    def _on_fds(self, count: int) -> None:
+        """Each reading of the open descriptors (every second, on the idle trim's thread)."""
+        self.metrics.open_fds.set(count)
+        self.peer_cap.check(count)
 
     def start(self) -> None:
         if self.grpc is not None:
@@ -226,6 +237,7 @@ class IndexerServer:
             self.config, self.plane, self.health, share_port=True, probe_socket=self.worker.probe_socket()
         )
         self.grpc.server.start()
+        self.peer_cap.add_port(self.grpc.port, Port.GRPC)
         address = host_port(self.config.grpc_host, self.grpc.port)
         if self.http_rpc is not None:  # the RPCs over HTTP too: the shared socket's connections go to ready workers
             self.http_rpc.start()

@@ -59,9 +59,10 @@ from indexer_service.service import cgroups
 from indexer_service.service.config import ServiceConfig
 from indexer_service.service.metrics import retire_process
 from indexer_service.service.overload.allocator import IdleTrim, configure_malloc
+from indexer_service.service.overload.peers import PeerCap
 from indexer_service.service.process.lifecycle import ShutdownSignals
 from indexer_service.service.process.listeners import bind_shared, bind_tcp
-from indexer_service.service.reasons import RestartReason
+from indexer_service.service.reasons import Port, RestartReason
 from indexer_service.service.workerproto import (
     CONFIG_FILE,
     MAX_PID,
@@ -271,6 +272,7 @@ class Supervisor:
         self.health = self.health_server = None
         self.metrics = None
         self._idle_trim: IdleTrim | None = None
+        self.peer_cap: PeerCap | None = None
         self._to_retire: list[int] = []  # dead workers whose metrics files are still to fold in
         self._last_step = time.monotonic()
         self._status_written: str | None = None
@@ -305,7 +307,10 @@ class Supervisor:
         (self.runtime.path / CONFIG_FILE).write_text(config_to_json(self.config))
         self.health_server.start()
         # The health port's connections come and go here too: counted, and their memory handed back.
-        self._idle_trim = IdleTrim(config.idle_trim_seconds, on_fds=self.metrics.open_fds.set)
+        self.peer_cap = PeerCap(
+            config.max_connections_per_peer, {health_port: Port.HEALTH}, self.metrics.peer_connections_closed_total
+        )
+        self._idle_trim = IdleTrim(config.idle_trim_seconds, on_fds=self._on_fds)
         self._idle_trim.start()
         rpc_listener = self.listeners.get("http_rpc")
         self.listening = listening_addresses(
@@ -472,6 +477,12 @@ class Supervisor:
             lived,
             backoff,
         )
+
+    def _on_fds(self, count: int) -> None:
+        """Each reading of the open descriptors (every second, on the idle trim's thread)."""
+        self.metrics.open_fds.set(count)
+        if self.peer_cap is not None:
+            self.peer_cap.check(count)
 
     def ready_workers(self) -> int:
         return sum(slot.ready for slot in self.slots)

@@ -76,6 +76,8 @@ ISSUE_ALERTS = {
     "IndexerProcessRestarts",  # a one-worker pod has no supervisor: its container restarts
     "IndexerCallersRefused",
     "IndexerUnknownMethodCalls",
+    # Issue 19.
+    "IndexerPeerConnectionsCut",
 }
 # Codes the caller causes (issue 11): no alert that pages may count them as errors.
 CALLER_CODES = {"INVALID_ARGUMENT", "FAILED_PRECONDITION", "NOT_FOUND", "CANCELLED", "DEADLINE_EXCEEDED"}

@@ -262,6 +262,7 @@ INVALID: dict[str, tuple[list[str], dict[str, str]]] = {
     "pin_workers": (["always", "ON "], {}),
     "min_ready_workers": (["-1", "257"], {}),
     "worker_hang_seconds": (["0.1", "-1", "inf"], {}),
+    "max_connections_per_peer": (["-1", "2147483648", "many"], {}),
     "worker_restart_backoff_seconds": (["0", "-1", "nan", "20"], {}),  # 20: above the maximum (10)
     "worker_restart_backoff_max_seconds": (["0.001", "inf", "0.2"], {}),  # 0.2: below the first backoff (0.5)
 }

@@ -9,12 +9,13 @@ server may take to close what it must (its own timeouts, with slack for a loaded
 from __future__ import annotations
 
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass
 
 import pytest
 import trustme
 
-from testkit.harness import LOOPBACK, ServiceProcess, mib, poll
+from testkit.harness import LOOPBACK, ServiceProcess, metric_total, mib, poll, scrape
 from testkit.http1raw import IdleConnections
 from testkit.payloads import CLIENT_HELLO_START, H2_PREFACE
 from testkit.siege import Siege, control_run
@@ -120,6 +121,7 @@ def test_idle_connections_capped_closed_and_memory_back(serve, port: str) -> Non
     server = serve(
         "--grpc-max-connections", "300", "--health-max-connections", "50",
         "--connection-idle-seconds", "3", "--idle-trim-seconds", "1",
+        "--max-connections-per-peer", "0",  # the port's own cap, as from many peers
     )  # fmt: skip
     idle_before = idle_rss(server)
     target = server.grpc_port if port == "grpc" else server.health_port
@@ -134,6 +136,37 @@ def test_idle_connections_capped_closed_and_memory_back(serve, port: str) -> Non
     assert all(summaries[name].ratio >= TARGET for name in others), siege.probe_report()
     assert siege.victim_ok_ratio() >= TARGET, summary
     assert_memory_back(server, idle_before, held, "connections")
+
+
+@pytest.mark.parametrize("port", ["grpc", "health"])
+def test_one_peer_cannot_fill_a_port(serve, port: str) -> None:
+    """1,000 idle connections (HTTP/2 preface) from one peer, 127.0.0.2, against a port capped at 300 (before:
+    the flood took all 300 and new connections from everyone else were turned away at accept: the RPC port's
+    probe 18.6 % in the full-size row). Within a few seconds the peer holds max_connections_per_peer (50), the
+    rest shut down, counted and logged; a second wave from it is cut the same way; then the victim, a fresh
+    client and every probe, all from 127.0.0.1 and opening connections as they go, are served as in the control
+    run, though the port would be full without the per-peer cap."""
+    server = serve(
+        "--grpc-max-connections", "300", "--health-max-connections", "300", "--max-connections-per-peer", "50",
+        "--connection-idle-seconds", "60",
+    )  # fmt: skip
+    target = server.grpc_port if port == "grpc" else server.health_port
+    control = control_run(server, CONTROL_SECONDS, fresh_client_interval=FRESH_CLIENT_INTERVAL)
+    with ExitStack() as flood:
+        waves = [flood.enter_context(IdleConnections(LOOPBACK, target, 1000, H2_PREFACE, source="127.0.0.2"))]
+        cut = poll(lambda: waves[0].still_connected() <= 50, 10.0, interval=0.25)
+        waves.append(flood.enter_context(IdleConnections(LOOPBACK, target, 300, H2_PREFACE, source="127.0.0.2")))
+        cut_again = poll(lambda: sum(w.still_connected() for w in waves) <= 50, 10.0, interval=0.25)
+        with Siege(server, fresh_client_interval=FRESH_CLIENT_INTERVAL) as siege:
+            time.sleep(CONTROL_SECONDS)
+        held = sum(w.still_connected() for w in waves)
+    closed = metric_total(scrape(server.http_url), "indexer_peer_connections_closed_total", port=port)
+    summary = compared(control, siege, f"the peer holds {held}; closed {closed:.0f}")
+    assert cut and cut_again, summary
+    assert 1 <= held <= 50, summary  # the peer keeps its share: a cap, not a ban
+    assert closed >= 300 + 300 - 50 - 50, summary  # past the port's cap, gRPC core refused the rest at accept
+    assert_served_as_in_control(control, siege, summary)
+    assert f"peer over its connection cap port={port} peer=127.0.0.2" in server.log(), server.log()
 
 
 @pytest.fixture(scope="module")
@@ -154,6 +187,7 @@ def test_half_open_tls_handshakes_capped_timed_out_and_memory_back(serve, server
     server = serve(
         "--tls-cert-file", cert, "--tls-key-file", key, "--grpc-max-connections", "300",
         "--handshake-timeout-seconds", "2", "--idle-trim-seconds", "1",
+        "--max-connections-per-peer", "0",  # the port's own cap, as from many peers
     )  # fmt: skip
     time.sleep(2.0)
     idle_before = server.rss_bytes()
@@ -179,7 +213,7 @@ def test_full_rpc_port_leaves_workers_probe_sockets_answering(serve) -> None:
     cap, hang = 50, 2.0
     server = serve(
         "--workers", "2", "--grpc-max-connections", str(cap), "--worker-hang-seconds", str(hang),
-        "--connection-idle-seconds", "60",
+        "--connection-idle-seconds", "60", "--max-connections-per-peer", "0",
     )  # fmt: skip
     with Siege(server, victim=False) as siege, IdleConnections(LOOPBACK, server.grpc_port, 300, H2_PREFACE) as flood:
         time.sleep(1.0)

@@ -20,7 +20,7 @@ CONNECTIONS = 1500  # above the trim's FLOOD_CONNECTIONS (256), under grpc_max_c
 
 
 def test_a_connection_floods_memory_comes_back_while_calls_go_on(serve) -> None:
-    server = serve("--idle-trim-seconds", "2")
+    server = serve("--idle-trim-seconds", "2", "--max-connections-per-peer", "0")  # one peer's flood, held whole
     call = (BUILD_CHUNK_PATH, SMALL_BUILD_CHUNK.SerializeToString(), 1.0)
     with Callers(server.address, *call, pause=0.05) as caller:
         time.sleep(2.0)

@@ -1,0 +1,162 @@
+"""Connections per peer: a cap that gRPC core cannot apply, applied just after accept.
+
+gRPC core caps a port's connections (``grpc.max_allowed_incoming_connections``) but knows nothing of who opened
+them, and grpcio offers no hook at accept; so one peer that opens connections and holds them could fill a port
+and turn every other client (and the probes) away. The kernel knows each connection's peer: every reading of
+this process's descriptors (once a second, service/overload/allocator.py's loop), while the process holds more
+descriptors than ``max_connections_per_peer``, :class:`PeerCap` reads its sockets' inodes (/proc/self/fd) and the
+established TCP connections of its ports (/proc/net/tcp and tcp6), and shuts down the newest connections of a peer
+(an IP address) past the cap on a port. ``shutdown(2)`` on a duplicate of the descriptor: the owner (gRPC core,
+uvicorn) sees the connection end and closes its own descriptor; nothing is closed under it, and a descriptor
+reused meanwhile by another connection is told apart by its inode. Each process caps its own connections (with
+workers, each worker's share of the shared port, as ``grpc_max_connections``). Counted in
+``indexer_peer_connections_closed_total{port}`` and logged, rate-limited.
+
+A peer that reconnects as fast as it is cut can still hold up to the cap plus what it opens in one second; the
+port's own cap still bounds the total (docs/overload.md, "Connections").
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import socket
+import sys
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+
+from prometheus_client import Counter
+
+from indexer_service.service.logs import RateLimitedLog
+from indexer_service.service.reasons import Port
+
+log = logging.getLogger(__name__)
+
+TCP_TABLES = ("/proc/net/tcp", "/proc/net/tcp6")
+_ESTABLISHED = "01"  # st in /proc/net/tcp: TCP_ESTABLISHED
+LOG_INTERVAL_SECONDS = 10.0
+
+
+def socket_inodes(fd_dir: str = "/proc/self/fd") -> dict[int, int]:
+    """This process's sockets: inode -> descriptor (none where /proc is missing)."""
+    found: dict[int, int] = {}
+    try:
+        names = os.listdir(fd_dir)
+    except OSError:
+        return found
+    for name in names:
+        try:
+            target = os.readlink(f"{fd_dir}/{name}")
+        except OSError:  # closed meanwhile
+            continue
+        if target.startswith("socket:["):
+            found[int(target[8:-1])] = int(name)
+    return found
+
+
+def peer_address(hex_address: str) -> str:
+    """An address as /proc/net/tcp{,6} writes it (each 32-bit word in the host's byte order, in hex) as text;
+    an IPv4 peer of a dual-stack listener (``::ffff:a.b.c.d``) as IPv4."""
+    raw = bytes.fromhex(hex_address)
+    if sys.byteorder == "little":
+        raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+    address = ipaddress.ip_address(raw)
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return str(address)
+
+
+def established(ports: Iterable[int], tables: Iterable[str] = TCP_TABLES) -> list[tuple[int, int, str]]:
+    """``(local port, inode, peer)`` of each established TCP connection to one of ``ports`` in this network
+    namespace, any process's; the peer as /proc writes it (:func:`peer_address` reads it)."""
+    wanted = set(ports)
+    rows = []
+    for table in tables:
+        try:
+            lines = open(table)  # noqa: SIM115 - closed below; a missing table (no IPv6) is skipped
+        except OSError:
+            continue
+        with lines:
+            next(lines, None)  # the header
+            for line in lines:
+                fields = line.split()
+                if len(fields) < 10 or fields[3] != _ESTABLISHED:
+                    continue
+                local, remote = fields[1], fields[2]
+                port = int(local[local.rindex(":") + 1 :], 16)
+                if port in wanted:
+                    rows.append((port, int(fields[9]), remote[: remote.rindex(":")]))
+    return rows
+
+
+def shut_down(fd: int, inode: int) -> bool:
+    """Shut the connection on ``fd`` down both ways if ``fd`` is still the socket ``inode``; its owner closes it."""
+    try:
+        duplicate = os.dup(fd)
+    except OSError:  # closed meanwhile
+        return False
+    try:
+        if os.fstat(duplicate).st_ino != inode:  # the descriptor now holds another connection
+            return False
+        connection = socket.socket(fileno=duplicate)
+    except OSError:
+        os.close(duplicate)
+        return False
+    try:
+        connection.shutdown(socket.SHUT_RDWR)
+        return True
+    except OSError:  # already gone
+        return False
+    finally:
+        connection.close()  # the duplicate only
+
+
+class PeerCap:
+    """At most ``cap`` established connections per peer on each of ``ports`` (local port -> its name) among this
+    process's own; ``cap`` 0: no cap. :meth:`check` is one reading; ``closed_total`` (a counter by ``port``)
+    counts what it shut down."""
+
+    def __init__(self, cap: int, ports: Mapping[int, Port], closed_total: Counter) -> None:
+        self.cap = cap
+        self.ports = dict(ports)
+        self.closed_total = closed_total
+        self._log = RateLimitedLog(log, LOG_INTERVAL_SECONDS)
+
+    def add_port(self, port: int, name: Port) -> None:
+        """A port bound after start (a worker joins the gRPC port once warmed up)."""
+        self.ports = {**self.ports, port: name}
+
+    def check(self, fds: int) -> int:
+        """With ``fds`` open descriptors: shut down each peer's connections past the cap; how many."""
+        if self.cap <= 0 or fds <= self.cap or not self.ports:
+            return 0  # no peer can hold more connections than the process has descriptors
+        by_peer: dict[tuple[int, str], list[int]] = defaultdict(list)
+        for port, inode, peer in established(self.ports):
+            by_peer[port, peer].append(inode)
+        over = {key: inodes for key, inodes in by_peer.items() if len(inodes) > self.cap}
+        if not over:
+            return 0
+        mine = socket_inodes()
+        closed_total = 0
+        for (port, peer), inodes in over.items():
+            own = sorted(inode for inode in inodes if inode in mine)  # inodes grow with time: the newest last
+            surplus = own[self.cap :]
+            closed = sum(shut_down(mine[inode], inode) for inode in surplus)
+            if closed:
+                name = self.ports[port]
+                self.closed_total.labels(port=name).inc(closed)
+                closed_total += closed
+                count = self._log.due((name, peer))
+                if count is not None:
+                    log.warning(
+                        "peer over its connection cap port=%s peer=%s held=%d max_connections_per_peer=%d closed=%d "
+                        "count=%d",
+                        name,
+                        peer_address(peer),
+                        len(own),
+                        self.cap,
+                        closed,
+                        count,
+                    )
+        return closed_total

@@ -1,0 +1,117 @@
+"""The per-peer connection cap (service/overload/peers.py) on real sockets in this process: /proc read as the
+server reads it, the newest connections of a peer past the cap shut down (their owner sees the end), other peers
+and other ports untouched, a descriptor reused by another connection never shut, every closing counted."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry, Counter
+
+from indexer_service.service.overload.peers import PeerCap, established, peer_address, shut_down, socket_inodes
+from indexer_service.service.reasons import Port
+
+pytestmark = pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="needs Linux /proc")
+
+
+def closed_counter() -> Counter:
+    return Counter("closed", "test", ["port"], registry=CollectorRegistry())
+
+
+@contextmanager
+def listener() -> Iterator[socket.socket]:
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(64)
+    with server:
+        yield server
+
+
+def connect(stack: ExitStack, server: socket.socket, source: str) -> tuple[socket.socket, socket.socket]:
+    """A connection from ``source``: (the client's end, the accepted end this process serves)."""
+    client = stack.enter_context(socket.socket())
+    client.bind((source, 0))
+    client.connect(server.getsockname())
+    accepted = stack.enter_context(server.accept()[0])
+    return client, accepted
+
+
+def ended(client: socket.socket) -> bool:
+    """Whether the server side shut the connection down (the client reads the end of the stream: at once over
+    loopback, as the shutdown happened before this is asked)."""
+    client.settimeout(0.2)
+    try:
+        return client.recv(1) == b""
+    except TimeoutError:
+        return False
+
+
+@pytest.mark.parametrize(
+    ("written", "address"),
+    [
+        ("0100007F", "127.0.0.1"),
+        ("0200007F", "127.0.0.2"),
+        ("00000000000000000000000001000000", "::1"),
+        ("0000000000000000FFFF00000300007F", "127.0.0.3"),  # an IPv4 peer of a dual-stack listener
+        ("B80D0120000000000000000001000000", "2001:db8::1"),
+    ],
+)
+def test_addresses_read_as_proc_writes_them(written: str, address: str) -> None:
+    if sys.byteorder != "little":
+        pytest.skip("the table above is written as a little-endian host writes it")
+    assert peer_address(written) == address
+
+
+def test_tables_keep_established_connections_to_the_ports_asked(tmp_path: Path) -> None:
+    table = tmp_path / "tcp"
+    table.write_text(
+        "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n"
+        "   0: 0100007F:C351 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 100 1\n"
+        "   1: 0100007F:C351 0200007F:9C40 01 00000000:00000000 00:00000000 00000000     0        0 101 1\n"
+        "   2: 0100007F:C351 0300007F:9C41 06 00000000:00000000 00:00000000 00000000     0        0 0 1\n"
+        "   3: 0100007F:1F90 0200007F:9C42 01 00000000:00000000 00:00000000 00000000     0        0 102 1\n"
+    )
+    # The listener (0A) and a TIME_WAIT (06) are not connections a peer holds; port 8080 was not asked for.
+    assert established([0xC351], [str(table), str(tmp_path / "missing")]) == [(0xC351, 101, "0200007F")]
+
+
+def test_the_newest_connections_of_a_peer_past_the_cap_are_shut_down() -> None:
+    counter = closed_counter()
+    with listener() as server, listener() as other_port, ExitStack() as stack:
+        port = server.getsockname()[1]
+        flood = [connect(stack, server, "127.0.0.2") for _ in range(5)]
+        neighbour = [connect(stack, server, "127.0.0.3") for _ in range(2)]
+        elsewhere = [connect(stack, other_port, "127.0.0.2") for _ in range(4)]  # a port not capped here
+        cap = PeerCap(2, {port: Port.GRPC}, counter)
+        assert cap.check(fds=len(os.listdir("/proc/self/fd"))) == 3
+        assert [ended(client) for client, _ in flood] == [False, False, True, True, True]
+        assert not any(ended(client) for client, _ in neighbour + elsewhere)
+        assert counter.labels(port="grpc")._value.get() == 3
+        assert cap.check(fds=len(os.listdir("/proc/self/fd"))) == 0  # the shut ones are no longer established
+
+
+def test_nothing_is_read_while_the_process_holds_fewer_descriptors_than_the_cap(monkeypatch) -> None:
+    def unexpected(*args: object) -> list:
+        raise AssertionError("read /proc although no peer can be over the cap")
+
+    monkeypatch.setattr("indexer_service.service.overload.peers.established", unexpected)
+    assert PeerCap(256, {1: Port.GRPC}, closed_counter()).check(fds=100) == 0
+    assert PeerCap(0, {1: Port.GRPC}, closed_counter()).check(fds=100_000) == 0
+
+
+def test_a_descriptor_that_now_holds_another_connection_is_not_shut() -> None:
+    with listener() as server, ExitStack() as stack:
+        client, accepted = connect(stack, server, "127.0.0.2")
+        inode = os.fstat(accepted.fileno()).st_ino
+        assert socket_inodes()[inode] == accepted.fileno()
+        assert not shut_down(accepted.fileno(), inode + 1)  # what the scan saw is gone, the number reused
+        assert not ended(client)
+        assert shut_down(accepted.fileno(), inode)
+        assert ended(client)
+        assert os.fstat(accepted.fileno()).st_ino == inode  # the descriptor itself stays open: its owner closes it
