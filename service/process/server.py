@@ -178,18 +178,15 @@ class IndexerServer:
         # Free heap back to the OS once no call has ended and no connection closed for idle_trim_seconds: a
         # burst's peak does not stay as idle RSS (glibc keeps freed memory for reuse, see
         # service/overload/allocator.py).
-        self._idle_trim = IdleTrim(config.idle_trim_seconds, lambda: self.plane.last_call_end, self._on_fds)
+        self._idle_trim = IdleTrim(
+            config.idle_trim_seconds, lambda: self.plane.last_call_end, self.metrics.open_fds.set
+        )
         ports = {self.http_port: Port.HTTP}
         if self.http_rpc_port is not None:
             ports[self.http_rpc_port] = Port.HTTP_RPC
         if worker is None:
             ports |= {self.grpc_port: Port.GRPC, self.health_port: Port.HEALTH}
         self.peer_cap = PeerCap(config.max_connections_per_peer, ports, self.metrics.peer_connections_closed_total)
-
-    def _on_fds(self, count: int) -> None:
-        """Each reading of the open descriptors (every second, on the idle trim's thread)."""
-        self.metrics.open_fds.set(count)
-        self.peer_cap.check(count)
 
     def start(self) -> None:
         if self.grpc is not None:
@@ -209,6 +206,7 @@ class IndexerServer:
             if caveat is not None:
                 log.warning("%s", caveat)
         self._idle_trim.start()
+        self.peer_cap.start()
         if self.backend != "numpy":
             # Only a GPU backend launches kernels after ready; numpy never compiles.
             from indexer_service.kernels.compile_engine import watch_compiles
@@ -273,6 +271,7 @@ class IndexerServer:
             self.health_server.stop(0).wait()
         self.health.close()
         self._idle_trim.stop()
+        self.peer_cap.stop()
         if self._unwatch is not None:
             self._unwatch()
         if self.tracer is not None:

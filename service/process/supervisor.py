@@ -310,8 +310,9 @@ class Supervisor:
         self.peer_cap = PeerCap(
             config.max_connections_per_peer, {health_port: Port.HEALTH}, self.metrics.peer_connections_closed_total
         )
-        self._idle_trim = IdleTrim(config.idle_trim_seconds, on_fds=self._on_fds)
+        self._idle_trim = IdleTrim(config.idle_trim_seconds, on_fds=self.metrics.open_fds.set)
         self._idle_trim.start()
+        self.peer_cap.start()
         rpc_listener = self.listeners.get("http_rpc")
         self.listening = listening_addresses(
             self.config,
@@ -478,12 +479,6 @@ class Supervisor:
             backoff,
         )
 
-    def _on_fds(self, count: int) -> None:
-        """Each reading of the open descriptors (every second, on the idle trim's thread)."""
-        self.metrics.open_fds.set(count)
-        if self.peer_cap is not None:
-            self.peer_cap.check(count)
-
     def ready_workers(self) -> int:
         return sum(slot.ready for slot in self.slots)
 
@@ -571,6 +566,8 @@ class Supervisor:
             self.health_server = None
         if self._idle_trim is not None:
             self._idle_trim.stop()
+        if self.peer_cap is not None:
+            self.peer_cap.stop()
         for sock in (self._grpc_hold, *self.listeners.values()):
             if sock is not None:
                 sock.close()

@@ -14,7 +14,15 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry, Counter
 
-from indexer_service.service.overload.peers import PeerCap, established, peer_address, shut_down, socket_inodes
+from indexer_service.service.overload.peers import (
+    CHECK_SECONDS,
+    CUTTING_CHECK_SECONDS,
+    PeerCap,
+    established,
+    peer_address,
+    shut_down,
+    socket_inodes,
+)
 from indexer_service.service.reasons import Port
 
 pytestmark = pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="needs Linux /proc")
@@ -115,3 +123,28 @@ def test_a_descriptor_that_now_holds_another_connection_is_not_shut() -> None:
         assert shut_down(accepted.fileno(), inode)
         assert ended(client)
         assert os.fstat(accepted.fileno()).st_ino == inode  # the descriptor itself stays open: its owner closes it
+
+
+def test_checks_come_every_tenth_of_a_second_while_a_flood_is_being_cut(monkeypatch) -> None:
+    """A peer that reconnects as fast as it is cut takes the port's free room between two checks: while the last
+    check cut something the next comes after CUTTING_CHECK_SECONDS, else after CHECK_SECONDS."""
+    cap = PeerCap(2, {1: Port.GRPC}, closed_counter())
+    cut = iter([0, 5, 3, 0, 0])
+    monkeypatch.setattr(cap, "check", lambda fds: next(cut))
+    waits: list[float] = []
+
+    class Stop:
+        def wait(self, seconds: float) -> bool:
+            waits.append(seconds)
+            return len(waits) > 5  # stop after five checks
+
+    monkeypatch.setattr(cap, "_stop", Stop())
+    cap._run()
+    assert waits == [
+        CHECK_SECONDS,
+        CHECK_SECONDS,
+        CUTTING_CHECK_SECONDS,
+        CUTTING_CHECK_SECONDS,
+        CHECK_SECONDS,
+        CHECK_SECONDS,
+    ]
