@@ -26,7 +26,7 @@ END = "<!-- end of the settings table -->"
 def _default(value: object) -> str:
     if value == "":
         return "empty"
-    if isinstance(value, list):  # compress_ratios: DeepSeek-V4-Flash's 43 layers
+    if isinstance(value, list):  # compress_ratios: DeepSeek-V4-Flash's 44 layers
         return f"{len(value)} layers of {', '.join(str(v) for v in dict.fromkeys(value))}"
     if isinstance(value, bool):
         return f"`{str(value).lower()}`"

@@ -11,8 +11,10 @@ replica shares:
   join. A worker joins only once warmed up, so no connection lands on a worker that cannot serve it yet (after a
   restart the Triton cache is warm: a restarted worker joins within its start-up time). Left open: a process of the
   same user that sets SO_REUSEPORT itself can still join the group; the kernel refuses one of another user.
-- **The HTTP port** (and any other of workerproto.SHARED_LISTENERS): one listening socket, inherited by every
-  worker, which all accept on (``/metrics``, ``/livez``, ``/readyz`` are answered by whichever worker accepts).
+- **The HTTP ports** (workerproto.SHARED_LISTENERS: ``http_port``, and ``http_rpc_port`` unless ``http_rpcs`` is
+  false): one listening socket each, inherited by every worker, which all accept on (``/metrics``, ``/livez``,
+  ``/readyz`` are answered by whichever worker accepts); on ``http_rpc_port`` a worker accepts only once it has
+  joined the gRPC port (warmed up).
 - **Readiness** (the health port's grpc.health.v1 for the kubelet, served here; ``/readyz``, each worker reading
   the supervisor's verdict; ``indexer_ready``): ready the first time once every worker is, then while at least
   ``min_ready_workers`` are (0: a majority) and not draining; so a replica that can serve says so while a worker
