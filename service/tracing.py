@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping
+from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
 import grpc
@@ -46,12 +47,26 @@ def exporter_names(env: Mapping[str, str] | None = None) -> list[str]:
     return [_OTLP_BY_PROTOCOL[protocol] if name == "otlp" else name for name in names if name != "none"]
 
 
+def exporter_entry_points(env: Mapping[str, str] | None = None) -> list[EntryPoint]:
+    """The installed span exporters the environment asks for ([] when tracing is off: nothing imported), or a
+    ConfigError naming what is wrong. The command line checks this before it starts anything, so a mistake stops
+    the start with exit 2 with one worker or several (a worker's failure would be the replica's exit 1)."""
+    names = exporter_names(env)
+    if not names:
+        return []
+    found = []
+    for name in names:
+        points = entry_points(group=_EXPORTER_GROUP, name=name)
+        if not points:
+            raise ConfigError("OTEL_TRACES_EXPORTER", f"no span exporter {name!r} is installed", "env")
+        found.append(next(iter(points)))
+    return found
+
+
 class RpcTracer:
     """The tracer of one serving process: :meth:`start` a server span per call, :meth:`shutdown` to flush."""
 
-    def __init__(self, names: list[str]) -> None:
-        from importlib.metadata import entry_points
-
+    def __init__(self, exporters: list[EntryPoint]) -> None:
         from opentelemetry import propagate, trace
         from opentelemetry.sdk.resources import SERVICE_VERSION, Resource
         from opentelemetry.sdk.trace import TracerProvider
@@ -60,11 +75,8 @@ class RpcTracer:
         # TracerProvider reads the sampler from OTEL_TRACES_SAMPLER(_ARG); Resource.create the OTEL_SERVICE_NAME
         # and OTEL_RESOURCE_ATTRIBUTES (service.name is "unknown_service" without them).
         self.provider = TracerProvider(resource=Resource.create({SERVICE_VERSION: VERSION}))
-        for name in names:
-            found = entry_points(group=_EXPORTER_GROUP, name=name)
-            if not found:
-                raise ConfigError("OTEL_TRACES_EXPORTER", f"no span exporter {name!r} is installed", "env")
-            self.provider.add_span_processor(BatchSpanProcessor(next(iter(found)).load()()))
+        for exporter in exporters:
+            self.provider.add_span_processor(BatchSpanProcessor(exporter.load()()))
         self.tracer = self.provider.get_tracer("indexer_service", VERSION)
         self._extract = propagate.extract
         self._server = trace.SpanKind.SERVER
@@ -101,9 +113,9 @@ class RpcTracer:
 
 def start_tracing() -> RpcTracer | None:
     """The process's tracer when the environment turns tracing on, else None (nothing imported)."""
-    names = exporter_names()
-    if not names:
+    exporters = exporter_entry_points()
+    if not exporters:
         return None
-    tracer = RpcTracer(names)
-    log.info("tracing exporters=%s", ",".join(names))
+    tracer = RpcTracer(exporters)
+    log.info("tracing exporters=%s", ",".join(exporter.name for exporter in exporters))
     return tracer

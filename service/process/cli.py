@@ -52,6 +52,9 @@ def _serve(args: argparse.Namespace) -> int:
     signals = ShutdownSignals()
     try:
         config = _configure(args)
+        from indexer_service.service.tracing import exporter_entry_points
+
+        exporter_entry_points()  # an OTEL_* mistake stops the start with exit 2, one worker or several
     except BaseException:
         signals.close()
         raise

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import shlex
 import shutil
 import signal
@@ -325,9 +324,6 @@ def test_image_healthcheck_with_tls_on(workdir: Path, image_cache: Path, tmp_pat
         assert server.stop() == 0, server.log()
 
 
-# Metrics with labels that get a sample only once something happens: a healthy server under normal traffic
-# sheds nothing, so it exports the family (HELP and TYPE) but no sample. Only these may lack data below.
-EVENT_ONLY = {"indexer_requests_shed_total"}
 # Written by a supervisor of several workers only. The deployed pod runs one process (deploy/base/deployment.yaml),
 # so it has none; tests/service/test_worker_faults.py and test_workers.py hold a replica of workers to them.
 WORKER_MODE_ONLY = {"indexer_worker_restarts_total", "indexer_worker_up", "indexer_worker_ready"}
@@ -338,12 +334,6 @@ def not_served_by(server: Server) -> set[str]:
     return WORKER_MODE_ONLY if server.workers == 1 else set()
 
 
-def declared_families(server: Server) -> set[str]:
-    status, body = server.http("/metrics")
-    assert status == 200
-    return set(re.findall(r"^# TYPE (\S+) ", body.decode(), re.M))
-
-
 def test_every_metric_of_the_alerts_and_the_dashboard_is_exported(pod: Server) -> None:
     with IndexerClient(pod.address) as client:
         send_traffic(client, 2)
@@ -351,9 +341,8 @@ def test_every_metric_of_the_alerts_and_the_dashboard_is_exported(pod: Server) -
     wanted = {name for rule in alert_rules() for name in metric_names(rule["expr"])}
     wanted |= {name for _, expr in dashboard_targets() for name in metric_names(expr)}
     assert wanted, "no metric found in the alerts and the dashboard"
-    declared = declared_families(pod)
-    # Declared but without a sample: allowed only for event-only families.
-    missing = wanted - exported - (EVENT_ONLY & declared) - not_served_by(pod)
+    # Every series of a reason or a port is created at 0 at start: named means exported, events or not.
+    missing = wanted - exported - not_served_by(pod)
     assert not missing, f"named but not exported: {sorted(missing)}"
 
 
@@ -378,11 +367,11 @@ def test_prometheus_scrapes_the_server_and_answers_every_dashboard_query(pod: Se
     sender = threading.Thread(target=traffic, daemon=True)
     sender.start()
     try:
-        # Queries that can only have data once the server sheds something.
+        # Every query but those of series only a supervisor of several workers writes.
         queries = [
             (title, expand_grafana(expr))
             for title, expr in dashboard_targets()
-            if not metric_names(expr) <= EVENT_ONLY | not_served_by(pod)
+            if not metric_names(expr) <= not_served_by(pod)
         ]
         pending = dict(enumerate(queries))
         deadline = time.monotonic() + 45

@@ -170,13 +170,23 @@ def test_the_exporters_come_from_the_standard_variables() -> None:
         exporter_names({"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"})
 
 
-def test_an_exporter_that_is_not_installed_stops_the_start() -> None:
+@pytest.mark.parametrize(
+    ("workers", "env"),
+    [
+        ("1", {"OTEL_TRACES_EXPORTER": "zipkin_json"}),
+        # With workers the supervisor checks first: before, the first worker failed and the replica exited 1.
+        ("2", {"OTEL_TRACES_EXPORTER": "zipkin_json"}),
+        ("2", {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"}),
+    ],
+)
+def test_an_exporter_that_is_not_installed_stops_the_start(workers: str, env: dict[str, str]) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "indexer_service.service.process.cli", "serve", *FAST_START, "--grpc-port", "0",
-         "--http-port", "0", "--http-rpc-port", "0", "--health-port", "0"],
-        env=clean_env(OTEL_TRACES_EXPORTER="zipkin_json"),
+         "--http-port", "0", "--http-rpc-port", "0", "--health-port", "0", "--workers", workers],
+        env=clean_env(**env),
         capture_output=True,
         text=True,
         timeout=120,
     )  # fmt: skip
-    assert done.returncode == 2 and "OTEL_TRACES_EXPORTER" in done.stderr and "zipkin_json" in done.stderr
+    setting, value = next(reversed(env.items()))
+    assert done.returncode == 2 and setting in done.stderr and value in done.stderr, done.stderr
