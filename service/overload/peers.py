@@ -24,6 +24,7 @@ import os
 import socket
 import sys
 import threading
+import time
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 
@@ -42,6 +43,11 @@ LOG_INTERVAL_SECONDS = 10.0
 # that reconnects as fast as it is cut fills the port's free room between two checks; measured, 15,000 stalled
 # TLS handshakes from one peer: the RPC port's probe from another peer 84 % with checks a second apart).
 CHECK_SECONDS, CUTTING_CHECK_SECONDS = 1.0, 0.1
+# A check takes at most this share of the time between checks (of a CPU and of the GIL): the tables it reads grow
+# with the sockets of the network namespace, TIME_WAIT ones included (a long reconnecting flood leaves up to
+# net.ipv4.tcp_max_tw_buckets of them: 262,144 read in 75 ms here), so a costly check waits longer for the next.
+CHECK_SHARE = 0.05
+_clock = time.monotonic  # what a check's cost is measured with (a test's fake clock)
 
 
 def socket_inodes(fd_dir: str = "/proc/self/fd") -> dict[int, int]:
@@ -145,12 +151,14 @@ class PeerCap:
     def _run(self) -> None:
         interval = CHECK_SECONDS
         while not self._stop.wait(interval):
+            started = _clock()
             try:
                 closed = self.check(open_fds())
             except Exception:  # a /proc format it does not know: say so, keep serving
                 log.exception("connection cap check failed")
                 closed = 0
-            interval = CUTTING_CHECK_SECONDS if closed else CHECK_SECONDS
+            spent = _clock() - started
+            interval = max(CUTTING_CHECK_SECONDS if closed else CHECK_SECONDS, spent / CHECK_SHARE)
 
     def add_port(self, port: int, name: Port) -> None:
         """A port bound after start (a worker joins the gRPC port once warmed up)."""

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.timeout(180)
 
 TARGET = 0.99  # the issue's: the victim's calls and a fresh client's, and the probes, in time
 FRESH_CLIENT_INTERVAL = 0.5  # seconds between two fresh IndexerClients (Siege's fresh_client_interval)
-CONTROL_SECONDS = 4.0  # the control run: probes, a victim and a fresh client, unattacked
+CONTROL_SECONDS = 3.0  # the control run: probes, a victim and a fresh client, unattacked
 
 
 def compared(control: Siege, siege: Siege, flood: str) -> str:
@@ -53,7 +53,7 @@ def test_idle_reflection_streams_hold_no_rpc_thread(serve) -> None:
         Siege(server, fresh_client_interval=FRESH_CLIENT_INTERVAL) as siege,
         IdleReflectionStreams(server.address, connections=6, streams_each=10) as flood,
     ):
-        time.sleep(8.0)
+        time.sleep(5.0)  # the 60 streams at once, then each cut after 2 s and reopened: both refusals happen
     summary = compared(control, siege, f"reflection streams opened {flood.opened}, ended {flood.ended}")
     assert flood.opened >= 60, summary
     assert_served_as_in_control(control, siege, summary)
@@ -71,10 +71,10 @@ def test_blocked_watch_streams_hold_no_delivery_thread(serve) -> None:
         Siege(server, fresh_client_interval=FRESH_CLIENT_INTERVAL) as siege,
         BlockedWatchers(LOOPBACK, server.grpc_port, rate=8.0) as flood,
     ):
-        time.sleep(10.0)
+        time.sleep(7.0)  # 16 streams a second; the first ones cancelled after 5 s
         ended = flood.ended_by_server()
     summary = compared(control, siege, f"blocked Watch streams {flood.streams}, ended by the server {ended}")
-    assert flood.streams >= 100, summary
+    assert flood.streams >= 80, summary
     assert_served_as_in_control(control, siege, summary)
     assert ended >= 1 and siege.shed().get("unread_response", 0) >= 1, summary
 
