@@ -101,8 +101,9 @@ class ServiceConfig:
     )
     health_max_connections: int = _setting("most open connections on the health port; more are closed at accept")
     max_connections_per_peer: int = _setting(
-        "most connections one peer (IP address) may hold on each port of a process; the newest past it are closed "
-        "within a second of accept and counted (0: no cap; behind a proxy all clients are one peer) "
+        "most connections one peer (an IPv4 address, an IPv6 /64) may hold on each port of a process; those past it "
+        "are closed, the latest first, about a second after accept, and counted (0: no cap; behind a proxy all "
+        "clients are one peer) "
         "([overload.md](overload.md#connections))"
     )
     connection_idle_seconds: float = _setting(

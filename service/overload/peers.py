@@ -1,19 +1,19 @@
 """Connections per peer: a cap that gRPC core cannot apply, applied just after accept.
 
 gRPC core caps a port's connections (``grpc.max_allowed_incoming_connections``) but knows nothing of who opened
-them, and grpcio offers no hook at accept; so one peer that opens connections and holds them could fill a port
-and turn every other client (and the probes) away. The kernel knows each connection's peer: every second (every
-tenth of one while it is cutting a flood), while the process holds more descriptors than
-``max_connections_per_peer``, :class:`PeerCap` reads its sockets' inodes (/proc/self/fd) and the established TCP
-connections of its ports (/proc/net/tcp and tcp6), and shuts down the newest connections of a peer (an IP
-address) past the cap on a port. ``shutdown(2)`` on a duplicate of the descriptor: the owner (gRPC core,
-uvicorn) sees the connection end and closes its own descriptor; nothing is closed under it, and a descriptor
-reused meanwhile by another connection is told apart by its inode. Each process caps its own connections (with
-workers, each worker's share of the shared port, as ``grpc_max_connections``). Counted in
-``indexer_peer_connections_closed_total{port}`` and logged, rate-limited.
+them, and grpcio offers no hook at accept; so one peer that opens connections and holds them could fill a port and
+turn every other client (and the probes) away. The kernel knows each connection's peer: every second (every tenth of
+one while it is cutting a flood, less often while the tables cost more to read), while the process holds more
+descriptors than ``max_connections_per_peer``, :class:`PeerCap` reads its sockets' inodes (/proc/self/fd) and the
+established TCP connections of its ports (/proc/net/tcp and tcp6), and shuts down the connections of a peer (an IPv4
+address, or an IPv6 /64) past the cap on a port, those that came since the last check first. ``shutdown(2)`` on a
+duplicate of the descriptor: the owner (gRPC core, uvicorn) sees the connection end and closes its own descriptor;
+nothing is closed under it, and a descriptor reused meanwhile by another connection is told apart by its inode. Each
+process caps its own connections (with workers, each worker's share of the shared port, as
+``grpc_max_connections``). Counted in ``indexer_peer_connections_closed_total{port}`` and logged, rate-limited.
 
-A peer that reconnects as fast as it is cut can still take the port's free room for a tenth of a second at a
-time; the port's own cap still bounds the total (docs/overload.md, "Connections").
+A peer that reconnects as fast as it is cut still takes the room each cut frees, at its own connection rate;
+the port's own cap still bounds the total (docs/overload.md, "Connections").
 """
 
 from __future__ import annotations
@@ -47,7 +47,8 @@ CHECK_SECONDS, CUTTING_CHECK_SECONDS = 1.0, 0.1
 # with the sockets of the network namespace, TIME_WAIT ones included (a long reconnecting flood leaves up to
 # net.ipv4.tcp_max_tw_buckets of them: 262,144 read in 75 ms here), so a costly check waits longer for the next.
 CHECK_SHARE = 0.05
-_clock = time.monotonic  # what a check's cost is measured with (a test's fake clock)
+MAX_CHECK_SECONDS = 5.0  # however costly the check, the cap is applied at least this often
+_clock = time.thread_time  # a check's cost: its thread's CPU time (a test's fake clock)
 
 
 def socket_inodes(fd_dir: str = "/proc/self/fd") -> dict[int, int]:
@@ -77,6 +78,15 @@ def peer_address(hex_address: str) -> str:
     if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
         address = address.ipv4_mapped
     return str(address)
+
+
+def peer_of(address: str) -> str:
+    """Whom a connection from ``address`` counts against: an IPv4 address, or an IPv6 address's /64 (a host picks
+    any address of its /64 at will, so a cap per IPv6 address would cap nothing)."""
+    parsed = ipaddress.ip_address(address)
+    if isinstance(parsed, ipaddress.IPv6Address):
+        return str(ipaddress.IPv6Network((parsed, 64), strict=False))
+    return address
 
 
 def established(ports: Iterable[int], tables: Iterable[str] = TCP_TABLES) -> list[tuple[int, int, str]]:
@@ -134,8 +144,11 @@ class PeerCap:
 
     def __init__(self, cap: int, ports: Mapping[int, Port], closed_total: Counter) -> None:
         self.cap = cap
-        self.ports = dict(ports)
+        self.ports: dict[int, Port] = {}
+        for port, name in ports.items():
+            self.add_port(port, name)
         self.closed_total = closed_total
+        self._seen: set[int] = set()  # the inodes of the last check's connections
         self._log = RateLimitedLog(log, LOG_INTERVAL_SECONDS)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="peer-cap", daemon=True)
@@ -154,46 +167,63 @@ class PeerCap:
             started = _clock()
             try:
                 closed = self.check(open_fds())
-            except Exception:  # a /proc format it does not know: say so, keep serving
-                log.exception("connection cap check failed")
+            except Exception:  # a /proc format it does not know: say so (rate-limited), keep serving
+                if self._log.due("failed") is not None:
+                    log.exception("connection cap check failed")
                 closed = 0
             spent = _clock() - started
-            interval = max(CUTTING_CHECK_SECONDS if closed else CHECK_SECONDS, spent / CHECK_SHARE)
+            interval = min(
+                MAX_CHECK_SECONDS, max(CUTTING_CHECK_SECONDS if closed else CHECK_SECONDS, spent / CHECK_SHARE)
+            )
 
     def add_port(self, port: int, name: Port) -> None:
         """A port bound after start (a worker joins the gRPC port once warmed up)."""
+        if self.ports.get(port, name) != name:  # two listeners on other addresses, the same number
+            log.warning(
+                "ports %s and %s share the number %d: their connections count together", self.ports[port], name, port
+            )
         self.ports = {**self.ports, port: name}
 
     def check(self, fds: int) -> int:
-        """With ``fds`` open descriptors: shut down each peer's connections past the cap; how many."""
+        """With ``fds`` open descriptors: shut down each peer's connections past the cap; how many. A peer's
+        connections that were there at the last check are kept before those that came since (then by inode,
+        roughly in the order they came: the kernel hands inodes out in blocks per CPU)."""
         if self.cap <= 0 or fds <= self.cap or not self.ports:
+            self._seen = set()
             return 0  # no peer can hold more connections than the process has descriptors
-        by_peer: dict[tuple[int, str], list[int]] = defaultdict(list)
-        for port, inode, peer in established(self.ports):
-            by_peer[port, peer].append(inode)
+        peers: dict[str, str] = {}  # each remote address, read once per check
+        by_peer: dict[tuple[int, str], set[int]] = defaultdict(set)  # a set: a busy table may list a row twice
+        for port, inode, remote in established(self.ports):
+            peer = peers.get(remote)
+            if peer is None:
+                peer = peers[remote] = peer_of(peer_address(remote))
+            by_peer[port, peer].add(inode)
+        seen, self._seen = self._seen, set().union(*by_peer.values())
         over = {key: inodes for key, inodes in by_peer.items() if len(inodes) > self.cap}
         if not over:
             return 0
         mine = socket_inodes()
-        closed_total = 0
+        cut: dict[int, list[tuple[int, str, int]]] = defaultdict(list)  # port -> (held, peer, closed)
         for (port, peer), inodes in over.items():
-            own = sorted(inode for inode in inodes if inode in mine)  # inodes grow with time: the newest last
-            surplus = own[self.cap :]
-            closed = sum(shut_down(mine[inode], inode) for inode in surplus)
+            own = sorted((inode for inode in inodes if inode in mine), key=lambda inode: (inode not in seen, inode))
+            closed = sum(shut_down(mine[inode], inode) for inode in own[self.cap :])
             if closed:
-                name = self.ports[port]
-                self.closed_total.labels(port=name).inc(closed)
-                closed_total += closed
-                count = self._log.due((name, peer))
-                if count is not None:
-                    log.warning(
-                        "peer over its connection cap port=%s peer=%s held=%d max_connections_per_peer=%d closed=%d "
-                        "count=%d",
-                        name,
-                        peer_address(peer),
-                        len(own),
-                        self.cap,
-                        closed,
-                        count,
-                    )
-        return closed_total
+                cut[port].append((len(own), peer, closed))
+        for port, peers_cut in cut.items():
+            name, closed = self.ports[port], sum(closed for _, _, closed in peers_cut)
+            self.closed_total.labels(port=name).inc(closed)
+            count = self._log.due(name)  # per port, not per peer: many peers make one line, not many
+            if count is not None:
+                held, worst, _ = max(peers_cut)
+                log.warning(
+                    "peers over their connection cap port=%s peers=%d worst_peer=%s held=%d "
+                    "max_connections_per_peer=%d closed=%d count=%d",
+                    name,
+                    len(peers_cut),
+                    worst,
+                    held,
+                    self.cap,
+                    closed,
+                    count,
+                )
+        return sum(closed for peers_cut in cut.values() for _, _, closed in peers_cut)

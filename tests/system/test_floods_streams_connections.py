@@ -178,7 +178,30 @@ def test_one_peer_cannot_fill_a_port(serve) -> None:
     assert all(n >= (300 - 50) * 2 for n in closed.values()), summary
     assert_served_as_in_control(control, siege, summary)
     log = server.log()
-    assert all(f"peer over its connection cap port={name} peer=127.0.0.2" in log for name in ports), log
+    assert all(f"peers over their connection cap port={name} peers=1 worst_peer=127.0.0.2" in log for name in ports)
+
+
+def test_each_worker_caps_its_share_and_the_supervisor_the_health_port(serve) -> None:
+    """The per-peer cap with 2 workers: each worker caps its own connections of the shared gRPC port (it joins
+    the port once warmed up), the supervisor those of the health port; the peer keeps at most the cap per worker,
+    and the counter is the replica's."""
+    cap = 20
+    server = serve("--workers", "2", "--max-connections-per-peer", str(cap), "--connection-idle-seconds", "60")
+    with (
+        IdleConnections(LOOPBACK, server.grpc_port, 200, H2_PREFACE, "127.0.0.2") as grpc_flood,
+        IdleConnections(LOOPBACK, server.health_port, 100, H2_PREFACE, "127.0.0.2") as health_flood,
+    ):
+        cut = poll(
+            lambda: grpc_flood.still_connected() <= 2 * cap and health_flood.still_connected() <= cap,
+            10.0,
+            interval=0.25,
+        )
+        held = {"grpc": grpc_flood.still_connected(), "health": health_flood.still_connected()}
+    samples = scrape(server.http_url)
+    closed = {name: metric_total(samples, "indexer_peer_connections_closed_total", port=name) for name in held}
+    summary = f"held {held}, closed {closed}"
+    assert cut and held["grpc"] >= cap and held["health"] >= 1, summary  # cut to the cap, not to nothing
+    assert closed["grpc"] >= 200 - 2 * cap and closed["health"] >= 100 - cap, summary
 
 
 @pytest.fixture(scope="module")
