@@ -139,18 +139,20 @@ def test_idle_connections_capped_closed_and_memory_back(serve, port: str) -> Non
 
 
 def test_one_peer_cannot_fill_a_port(serve) -> None:
-    """1,000 idle connections (HTTP/2 preface) from one peer, 127.0.0.2, against each gRPC port, capped at 300
-    (before: the flood took all 300 and new connections from everyone else were turned away at accept: the RPC
-    port's probe 18.6 % in the full-size row). Within a few seconds the peer holds max_connections_per_peer (50)
-    on each port, the rest shut down, counted and logged; a second wave from it is cut the same way; then the
-    victim, a fresh client and every probe, all from 127.0.0.1 and opening connections as they go, are served as
-    in the control run, though both ports would be full without the per-peer cap."""
+    """1,000 idle connections from one peer, 127.0.0.2, against each gRPC port (HTTP/2 preface) capped at 300 and
+    the HTTP port (nothing sent) capped at 300 too (before: the flood took all 300 and new connections from
+    everyone else were turned away: the RPC port's probe 18.6 % in the full-size row). Within a few seconds the
+    peer holds max_connections_per_peer (50) on each port, the rest shut down (gRPC core and uvicorn close their
+    side), counted and logged; a second wave from it is cut the same way; then the victim, a fresh client and
+    every probe, all from 127.0.0.1 and opening connections as they go, are served as in the control run, though
+    every port would be full without the per-peer cap."""
     server = serve(
-        "--grpc-max-connections", "300", "--health-max-connections", "300", "--max-connections-per-peer", "50",
-        "--connection-idle-seconds", "60",
+        "--grpc-max-connections", "300", "--health-max-connections", "300", "--http-max-connections", "300",
+        "--max-connections-per-peer", "50", "--connection-idle-seconds", "60", "--http-idle-timeout-seconds", "60",
     )  # fmt: skip
     control = control_run(server, CONTROL_SECONDS, fresh_client_interval=FRESH_CLIENT_INTERVAL)
-    ports = {"grpc": server.grpc_port, "health": server.health_port}
+    ports = {"grpc": server.grpc_port, "health": server.health_port, "http": server.http_port}
+    greetings = {"grpc": H2_PREFACE, "health": H2_PREFACE, "http": b""}
     waves: dict[str, list[IdleConnections]] = {name: [] for name in ports}
 
     def held(name: str) -> int:
@@ -159,7 +161,8 @@ def test_one_peer_cannot_fill_a_port(serve) -> None:
     def flood(stack: ExitStack, count: int) -> bool:
         """A wave of ``count`` on each port; whether each port is back to the peer's cap within 10 s."""
         for name, port in ports.items():
-            waves[name].append(stack.enter_context(IdleConnections(LOOPBACK, port, count, H2_PREFACE, "127.0.0.2")))
+            wave = IdleConnections(LOOPBACK, port, count, greetings[name], "127.0.0.2")
+            waves[name].append(stack.enter_context(wave))
         return poll(lambda: all(held(name) <= 50 for name in ports), 10.0, interval=0.25)
 
     with ExitStack() as stack:
@@ -174,7 +177,8 @@ def test_one_peer_cannot_fill_a_port(serve) -> None:
     summary = compared(control, siege, f"the peer holds {kept}; closed {closed}")
     assert cut and cut_again, summary
     assert all(1 <= n <= 50 for n in kept.values()), summary  # the peer keeps its share: a cap, not a ban
-    # Each wave filled the port to its cap (gRPC core refused the rest at accept), then all but 50 were cut.
+    # Each wave filled the port to its cap (gRPC core refused the rest at accept, uvicorn answered them 503), then
+    # all but 50 were cut.
     assert all(n >= (300 - 50) * 2 for n in closed.values()), summary
     assert_served_as_in_control(control, siege, summary)
     log = server.log()
