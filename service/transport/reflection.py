@@ -10,8 +10,8 @@ A reflection stream reads its requests on a thread it holds while open (grpcio's
 read a stream), so streams are bounded (docs/overload.md, "Long-lived streams"): they run on a pool of their own,
 never on the RPC threads; at most ``reflection_max_streams`` are open at once and two per connection
 (streams.REFLECTION_STREAMS_PER_CONNECTION; more are refused with RESOURCE_EXHAUSTED before they take a thread,
-shed ``stream_limit``); a stream that waits longer than
-``reflection_idle_seconds`` for a request is cancelled (shed ``idle_stream``).
+shed ``stream_limit``); a stream that waits longer than ``reflection_idle_seconds`` for a request is cancelled
+(shed ``idle_stream``).
 """
 
 from __future__ import annotations
