@@ -127,8 +127,9 @@ def tls_credentials(
 
 class ChannelPool:
     """``size`` channels to one target, each its own connection to every address the target resolves to
-    (gRPC would otherwise share one connection per address between channels); :meth:`pick` gives the one with
-    the fewest calls in flight, the ties in turn. Use as ``with pool.use() as channel_index: ...``."""
+    (gRPC would otherwise share one connection per address between channels); :meth:`acquire` gives the index of
+    the one with the fewest calls in flight, the ties in turn, and :meth:`release` gives it back once the call is
+    over (``try``/``finally``, as :meth:`IndexerClient._call`)."""
 
     def __init__(self, make_channel, size: int) -> None:
         if size < 1:

@@ -78,7 +78,8 @@ class UnknownMethod(ServiceError):
 
 
 class NotReady(ServiceError):
-    """The server cannot answer yet (warming up) or any more (draining, its warmup failed)."""
+    """The server cannot answer yet (warming up) or at all (its warmup failed). Not raised while draining: the
+    data plane gates on the warmup, and gRPC itself refuses new calls once the server stops."""
 
     code = Code.UNAVAILABLE
 

@@ -182,7 +182,7 @@ class RateLimitedLog:
         self.logger.warning("%s reason=%s count=%d%s last=%r", event, reason, count, more, detail)
 
 
-# One line per (method, code) at most this often; the line counts every failure in between.
+# One line per (transport, method, code) at most this often; the line counts every failure in between.
 FAILED_CALL_LOG_INTERVAL_SECONDS = 10.0
 
 

@@ -359,7 +359,8 @@ def retire_process(pid: int, path: str) -> bool:
 
 class SupervisorMetrics:
     """What the supervisor of several workers writes into the shared multiprocess directory: each worker slot's
-    state, its restarts by reason, and the replica's readiness (``indexer_ready``, which workers leave to it)."""
+    state, its restarts by reason, the replica's readiness (``indexer_ready``, which workers leave to it), and its
+    own open descriptors and health port's refusals (peer cap, Watch streams), added to the workers'."""
 
     def __init__(self, workers: int) -> None:
         r = CollectorRegistry()  # never served: the workers' /metrics read the files

@@ -67,9 +67,9 @@ SHARED_LISTENERS: dict[str, SharedListener] = {
 class Status(StrEnum):
     """What a worker tells its supervisor, one line each."""
 
-    LISTENING = "listening"  # its HTTP server accepts on the inherited sockets
+    LISTENING = "listening"  # its http_port server accepts on the inherited socket (http_rpc_port's once joined)
     READY = "ready 1"  # warmed up, and its gRPC server serves the shared port and its probe socket
-    NOT_READY = "ready 0"  # draining
+    NOT_READY = "ready 0"  # not ready: said once at start (Readiness.add_listener), then when it drains
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """Whether the server takes calls: ready once the warmup finished well, not ready again when it drains.
 
-Listeners (the health service, the readiness gauge, a worker's report to its supervisor) hear every change.
+Listeners (the health service, a worker's report to its supervisor) hear every change; the readiness gauge
+(a single process's) is set here with it.
 Compiles after ready are counted here too: each one means a launch missed the warmed set.
 """
 
@@ -43,7 +44,7 @@ class Readiness:
             return self._compiles_after_ready
 
     def add_listener(self, listener: Callable[[bool], None]) -> None:
-        """``listener(ready)`` now and on every change (health service, readiness gauge)."""
+        """``listener(ready)`` now and on every change (health service, a worker's report to its supervisor)."""
         with self._lock:
             self._listeners.append(listener)
             ready = self._ready

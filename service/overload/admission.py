@@ -343,7 +343,8 @@ class Watched:
 
 class DrainWatchdog:
     """Acts on responses their callers have not read within ``seconds`` (cancels them, in practice). One thread
-    scans what is held now (released ones drop out at the next scan): a watched call costs a dict entry, not a
+    scans what is held now (a released one has dropped its entry at once, through ``forget``; the scan drops any
+    left): a watched call costs a dict entry, not a
     timer, and no lock: the entry's assignment and removal (``dict.pop``, called through a ``functools.partial``,
     no Python frame) are each one step under the GIL, and the scan reads a ``copy()`` of the dict, also one step,
     so it never iterates a dict another thread changes (a lock taken twice per call cost ~4 % of a small call's

@@ -124,9 +124,10 @@ FLOOD_CONNECTIONS = 256
 
 
 class IdleTrim:
-    """Reads the process's open file descriptors every second (``on_fds(count)``: the ``indexer_open_fds`` gauge;
-    each connection is one) and, with ``idle_seconds`` above 0, hands free heap back to the OS (:func:`trim_heap`)
-    once per quiet spell of that long, on a daemon thread (:meth:`start`, :meth:`stop`). Quiet: no call ended
+    """Reads the process's open file descriptors every second, or every ``idle_seconds / 2`` when that is shorter
+    (``on_fds(count)``: the ``indexer_open_fds`` gauge; each connection is one) and, with ``idle_seconds`` above 0,
+    hands free heap back to the OS (:func:`trim_heap`) once per quiet spell of that long, on a daemon thread
+    (:meth:`start`, :meth:`stop`). Quiet: no call ended
     (``last_call_end``, a ``time.monotonic()`` reading) and no connection closed (its descriptors did not fall); or,
     while calls go on, at least ``FLOOD_CONNECTIONS`` descriptors fewer than at their peak since the last trim and
     none closed for ``idle_seconds``. Without the closing connections, memory that thousands of them held (gRPC

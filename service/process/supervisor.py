@@ -25,7 +25,9 @@ replica shares:
   answered for ``worker_hang_seconds`` is killed (SIGKILL), logged (``worker hung``) and restarted.
 - **Metrics**: prometheus_client's multiprocess mode in the runtime directory (``PROMETHEUS_MULTIPROC_DIR``), so
   ``/metrics`` of any worker is the replica's; here ``indexer_ready``, ``indexer_worker_up``,
-  ``indexer_worker_ready`` and ``indexer_worker_restarts_total{worker,reason}``. A dead worker's files are retired
+  ``indexer_worker_ready`` and ``indexer_worker_restarts_total{worker,reason}``, and this process's share of
+  ``indexer_open_fds`` and of the health port's ``indexer_peer_connections_closed_total`` and
+  ``indexer_requests_shed_total`` (:class:`~service.metrics.SupervisorMetrics`). A dead worker's files are retired
   (service/metrics.py :func:`retire_process`): the directory does not grow with restarts.
 - **The warmup**: workers warm up one at a time under a file lock; the first compiles into the Triton cache,
   the others load what it wrote.

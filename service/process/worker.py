@@ -2,14 +2,15 @@
 ``python -m indexer_service.service.process.worker HANDOFF`` (service/workerproto.py says what it holds).
 
 A worker is the single-process server (:class:`service.process.server.IndexerServer`) with a :class:`WorkerLink` to its
-supervisor: HTTP accepts at once on the supervisor's listening socket (inherited), so ``/livez``, ``/readyz`` (the
-replica's readiness, read from the supervisor's ``pod-status`` file) and ``/metrics`` answer from the start; the
-warmup takes the replica's compile lock (the first worker compiles into the shared Triton cache, the others
-load from it); only once warmed up does the worker's gRPC server bind the shared gRPC port (SO_REUSEPORT,
-reserved by the supervisor) and its private probe socket, then say ``ready 1``: the kernel hands a worker gRPC
-connections only once it can serve them, after a restart too. The supervisor's health probes come through the
-probe socket; the health port is the supervisor's. The worker dies with its supervisor (``PR_SET_PDEATHSIG``),
-and drains on SIGTERM (or SIGINT, SIGHUP) as the single process does.
+supervisor: ``http_port`` accepts at once on the supervisor's listening socket (inherited), so ``/livez``, ``/readyz``
+(the replica's readiness, read from the supervisor's ``pod-status`` file) and ``/metrics`` answer from the start
+(``http_rpc_port``'s inherited socket only once the worker has joined the gRPC port, below); the warmup takes the
+replica's compile lock (the first worker compiles into the shared Triton cache, the others load from it); only once
+warmed up does the worker's gRPC server bind the shared gRPC port (SO_REUSEPORT, reserved by the supervisor) and its
+private probe socket, then say ``ready 1``: the kernel hands a worker gRPC connections only once it can serve them,
+after a restart too. The supervisor's health probes come through the probe socket; the health port is the supervisor's.
+The worker dies with its supervisor (``PR_SET_PDEATHSIG``), and drains on SIGTERM (or SIGINT, SIGHUP) as the single
+process does.
 """
 
 from __future__ import annotations

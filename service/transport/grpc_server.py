@@ -280,7 +280,7 @@ class UnknownMethodHandler(grpc.GenericRpcHandler):
 
 def connection_age_options(seconds: float) -> list[tuple[str, int]]:
     """Ask clients to reconnect after ``seconds``, so they re-resolve DNS and spread onto new replicas; calls
-    in flight then get the shutdown grace to finish."""
+    in flight then get 10 s to finish (``grpc.max_connection_age_grace_ms``, fixed: not ``shutdown_grace_seconds``)."""
     if seconds <= 0:
         return []
     return [("grpc.max_connection_age_ms", int(seconds * 1000)), ("grpc.max_connection_age_grace_ms", 10_000)]

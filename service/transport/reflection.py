@@ -7,10 +7,11 @@ int32 bytes). Here the files come from ``indexer_descriptor.binpb`` (``make prot
 comments), plus health and reflection's own.
 
 A reflection stream reads its requests on a thread it holds while open (grpcio's sync server has no other way to
-read a stream), so streams are bounded (docs/overload.md, "Streams"): they run on a pool of their own, never on
-the RPC threads; at most ``reflection_max_streams`` are open at once and one per connection (more are refused
-with RESOURCE_EXHAUSTED before they take a thread, shed ``stream_limit``); a stream that waits longer than
-``reflection_idle_seconds`` for a request is cancelled (shed ``idle_stream``).
+read a stream), so streams are bounded (docs/overload.md, "Long-lived streams"): they run on a pool of their own,
+never on the RPC threads; at most ``reflection_max_streams`` are open at once and two per connection
+(streams.REFLECTION_STREAMS_PER_CONNECTION; more are refused with RESOURCE_EXHAUSTED before they take a thread,
+shed ``stream_limit``); a stream that waits longer than ``reflection_idle_seconds`` for a request is cancelled
+(shed ``idle_stream``).
 """
 
 from __future__ import annotations
