@@ -4,7 +4,8 @@ Both paths go through Triton's own ``JITFunction.warmup``, so a variant is compi
 launch would ask for it: on a GPU that fills the in-process launch cache (later launches of those keys
 compile nothing); with no GPU, a stand-in driver that only reports the target lets the same call run the
 whole compiler (PTX and cubin for ``cuda:90``, hsaco for ``hip:gfx942``) and fill ``TRITON_CACHE_DIR``.
-A cache built that way in the serving image is hit by the serving process (see the measured facts).
+A cache built that way in the serving image is hit by the serving process (deploy/README.md, and
+``scripts/check-prebuilt-cache.sh`` that replays it).
 
 A key that compiled is then *proved* (:func:`prove_key`): one launch of it on a tiny input, every output element
 checked against numpy. In process that launch runs on the serving GPU (which also fills the launch cache, whatever

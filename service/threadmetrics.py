@@ -1,12 +1,12 @@
 """Histograms and gauges of the per-call path whose updates take no lock (service/metrics.py uses them
 in a single process; with workers, prometheus_client's own, which write the multiprocess files).
 
-prometheus_client's Histogram takes a lock twice per observation (its sum, then its bucket) and its Gauge once
-per ``inc``/``dec``/``set``: a small BuildChunk touched nine of them, 9-10 us of its ~20 us in the data plane measured
-in process (benchmarks/RESULTS.md, "issue 20 item 1"). Here each thread that records into a child owns its cells (a
-list nobody else writes), found through a ``threading.local``; a scrape sums every thread's cells. A lock is
-taken only when a thread records into a child for the first time, which also folds the cells of threads that
-have ended into the child's base (so the cells stay as many as the live threads, however often a pool replaces
+prometheus_client's Histogram takes a lock twice per observation (its sum, then its bucket) and its Gauge once per
+``inc``/``dec``/``set``: a small BuildChunk touched nine of them before these, 9-10 us of its ~20 us in the data
+plane measured in process (benchmarks/RESULTS.md, "issue 20 item 1"). Here each thread that records into a child
+owns its cells (a list nobody else writes), found through a ``threading.local``; a scrape sums every thread's cells.
+A lock is taken only when a thread records into a child for the first time, which also folds the cells of threads
+that have ended into the child's base (so the cells stay as many as the live threads, however often a pool replaces
 its threads), and by a scrape. The exposition is prometheus_client's: the same samples, ``_created`` included.
 """
 

@@ -27,7 +27,7 @@ VERSION = _installed(PACKAGE) or "unknown"
 
 @functools.cache
 def build_labels() -> dict[str, str]:
-    """indexer_build_info's labels: one fixed set of names, one value each per build. Read once per process (six
+    """indexer_build_info's labels: one fixed set of names, one value each per build. Read once per process (five
     metadata look-ups, milliseconds: a server's metrics ask for the names and then the values)."""
     return {
         "version": VERSION,

@@ -278,7 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--version", action="version", version=f"indexer-service {VERSION}")
     add_config_arguments(serve)
     serve.add_argument(
-        "--port-file", type=Path, metavar="PATH", help="write the bound ports as JSON here once both listeners are up"
+        "--port-file", type=Path, metavar="PATH", help="write the bound ports as JSON here once every listener is up"
     )
     serve.set_defaults(run=_serve)
 
