@@ -170,10 +170,8 @@ def test_one_peer_cannot_fill_a_port(serve) -> None:
         with Siege(server, fresh_client_interval=FRESH_CLIENT_INTERVAL) as siege:
             time.sleep(CONTROL_SECONDS)
         kept = {name: held(name) for name in ports}
-    closed = {
-        name: metric_total(scrape(server.http_url), "indexer_peer_connections_closed_total", port=name)
-        for name in ports
-    }
+    samples = scrape(server.http_url)
+    closed = {name: metric_total(samples, "indexer_peer_connections_closed_total", port=name) for name in ports}
     summary = compared(control, siege, f"the peer holds {kept}; closed {closed}")
     assert cut and cut_again, summary
     assert all(1 <= n <= 50 for n in kept.values()), summary  # the peer keeps its share: a cap, not a ban
