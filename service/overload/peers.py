@@ -68,30 +68,29 @@ def socket_inodes(fd_dir: str = "/proc/self/fd") -> dict[int, int]:
     return found
 
 
-def peer_address(hex_address: str) -> str:
-    """An address as /proc/net/tcp{,6} writes it (each 32-bit word in the host's byte order, in hex) as text;
-    an IPv4 peer of a dual-stack listener (``::ffff:a.b.c.d``) as IPv4."""
+def proc_address(hex_address: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    """An address as /proc/net/tcp{,6} writes it (each 32-bit word in the host's byte order, in hex); an IPv4 peer
+    of a dual-stack listener (``::ffff:a.b.c.d``) as IPv4."""
     raw = bytes.fromhex(hex_address)
     if sys.byteorder == "little":
         raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
     address = ipaddress.ip_address(raw)
     if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        address = address.ipv4_mapped
-    return str(address)
-
-
-def peer_of(address: str) -> str:
-    """Whom a connection from ``address`` counts against: an IPv4 address, or an IPv6 address's /64 (a host picks
-    any address of its /64 at will, so a cap per IPv6 address would cap nothing)."""
-    parsed = ipaddress.ip_address(address)
-    if isinstance(parsed, ipaddress.IPv6Address):
-        return str(ipaddress.IPv6Network((parsed, 64), strict=False))
+        return address.ipv4_mapped
     return address
+
+
+def peer_of(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str:
+    """Whom a connection from ``address`` counts against, as text: an IPv4 address, or an IPv6 address's /64 (a
+    host picks any address of its /64 at will, so a cap per IPv6 address would cap nothing)."""
+    if isinstance(address, ipaddress.IPv6Address):
+        return str(ipaddress.IPv6Network((address, 64), strict=False))
+    return str(address)
 
 
 def established(ports: Iterable[int], tables: Iterable[str] = TCP_TABLES) -> list[tuple[int, int, str]]:
     """``(local port, inode, peer)`` of each established TCP connection to one of ``ports`` in this network
-    namespace, any process's; the peer as /proc writes it (:func:`peer_address` reads it)."""
+    namespace, any process's; the peer as /proc writes it (:func:`proc_address` reads it)."""
     wanted = set(ports)
     rows = []
     for table in tables:
@@ -196,7 +195,7 @@ class PeerCap:
         for port, inode, remote in established(self.ports):
             peer = peers.get(remote)
             if peer is None:
-                peer = peers[remote] = peer_of(peer_address(remote))
+                peer = peers[remote] = peer_of(proc_address(remote))
             by_peer[port, peer].add(inode)
         seen, self._seen = self._seen, set().union(*by_peer.values())
         over = {key: inodes for key, inodes in by_peer.items() if len(inodes) > self.cap}
@@ -209,8 +208,10 @@ class PeerCap:
             closed = sum(shut_down(mine[inode], inode) for inode in own[self.cap :])
             if closed:
                 cut[port].append((len(own), peer, closed))
+        total = 0
         for port, peers_cut in cut.items():
             name, closed = self.ports[port], sum(closed for _, _, closed in peers_cut)
+            total += closed
             self.closed_total.labels(port=name).inc(closed)
             count = self._log.due(name)  # per port, not per peer: many peers make one line, not many
             if count is not None:
@@ -226,4 +227,4 @@ class PeerCap:
                     closed,
                     count,
                 )
-        return sum(closed for peers_cut in cut.values() for _, _, closed in peers_cut)
+        return total

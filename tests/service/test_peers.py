@@ -5,6 +5,7 @@ and other ports untouched, a descriptor reused by another connection never shut,
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import socket
 import sys
@@ -22,8 +23,8 @@ from indexer_service.service.overload.peers import (
     MAX_CHECK_SECONDS,
     PeerCap,
     established,
-    peer_address,
     peer_of,
+    proc_address,
     shut_down,
     socket_inodes,
 )
@@ -77,7 +78,7 @@ def ended(client: socket.socket) -> bool:
 def test_addresses_read_as_proc_writes_them(written: str, address: str) -> None:
     if sys.byteorder != "little":
         pytest.skip("the table above is written as a little-endian host writes it")
-    assert peer_address(written) == address
+    assert str(proc_address(written)) == address
 
 
 def test_tables_keep_established_connections_to_the_ports_asked(tmp_path: Path) -> None:
@@ -116,7 +117,7 @@ def test_a_peers_connections_past_the_cap_are_shut_down_those_that_came_since_th
     [("10.0.3.7", "10.0.3.7"), ("2001:db8::1", "2001:db8::/64"), ("2001:db8::ffff:1:2", "2001:db8::/64")],
 )
 def test_an_ipv6_peer_is_its_64(address: str, peer: str) -> None:
-    assert peer_of(address) == peer
+    assert peer_of(ipaddress.ip_address(address)) == peer
 
 
 def test_nothing_is_read_while_the_process_holds_fewer_descriptors_than_the_cap(monkeypatch) -> None:
