@@ -21,9 +21,10 @@ import math
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from queue import SimpleQueue
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -94,46 +95,108 @@ class GrpcCaller(Caller):
         self._context.cancel()
 
 
-class RpcThreadPool(ThreadPoolExecutor):
-    """The gRPC server's pool, counting the calls it holds (queued or running) the way gRPC does for
-    ``maximum_concurrent_rpcs``, and noticing calls that end without their handler ever starting: the caller
-    cancelled, reset the stream or passed its deadline while the call waited for a thread. gRPC submits each
-    call with its handler's behaviour among the arguments; ``behaviors`` names the ones to watch, and each of them
-    sets ``started.value`` (this thread's) when it starts.
+class CallDone:
+    """What :meth:`RpcThreadPool.submit` returns for a call: grpcio asks of it only ``add_done_callback`` (its
+    callback counts the call out of the server's active calls), never a result or an exception, so it is not a
+    ``concurrent.futures.Future`` (a ``Condition`` per call, notified on completion). No lock either: whichever of
+    :meth:`add_done_callback` (the polling thread) and :meth:`finish` (the pool thread) comes second runs the
+    callbacks, and ``list.pop`` (one step, atomic) hands each callback to exactly one of them; ``done`` is set
+    before the finishing thread looks at the list, and a callback is appended before the adding thread looks at
+    ``done``, so none is left behind."""
 
-    No lock per call: a call is an entry in ``_live`` from submit to its end, and a dict's item assignment,
-    deletion and ``len`` are each one step under the GIL (two ``threading.Lock`` rounds per call cost ~5 % of a
-    small call's server CPU). The arguments are searched for the behaviour only for a call that never started."""
+    __slots__ = ("_callbacks", "done")
 
-    def __init__(self, max_workers: int) -> None:
-        super().__init__(max_workers=max_workers, thread_name_prefix="grpc")
+    def __init__(self) -> None:
+        self._callbacks: list[Callable[[CallDone], object]] = []
+        self.done = False
+
+    def add_done_callback(self, fn: Callable[[CallDone], object]) -> None:
+        self._callbacks.append(fn)
+        if self.done:
+            self._run_callbacks()
+
+    def finish(self) -> None:
+        self.done = True
+        self._run_callbacks()
+
+    def _run_callbacks(self) -> None:
+        while True:
+            try:
+                fn = self._callbacks.pop()
+            except IndexError:
+                return
+            try:
+                fn(self)
+            except Exception:
+                log.exception("a call's completion callback failed")
+
+
+class RpcThreadPool:
+    """The gRPC server's pool for the RPCs: ``workers`` threads taking calls from one queue, counting the calls it
+    holds (queued or running) the way gRPC does for ``maximum_concurrent_rpcs``, and noticing calls that end
+    without their handler ever starting: the caller cancelled, reset the stream or passed its deadline while the
+    call waited for a thread. gRPC submits each call with its handler's behaviour among the arguments;
+    ``behaviors`` names the ones to watch, and each of them sets ``started.value`` (this thread's) when it starts.
+
+    Not a ``ThreadPoolExecutor``: grpcio only submits to its server's pool and adds one callback to what it gets
+    back, and the executor's machinery per call (a ``Future`` with its ``Condition``, a work item, the idle
+    semaphore, the check for more threads) was a fifth of the service's server CPU per small call beyond a
+    plain gRPC echo's (benchmarks/RESULTS.md, issue 20). The threads start at once and are daemons; :meth:`shutdown`
+    ends them once the server has stopped. No lock per call: a call is an entry in ``_live`` from submit to its end,
+    and a dict's item assignment, deletion and ``len`` are each one step under the GIL. The arguments are searched
+    for the behaviour only for a call that never started. An exception that escapes a call (grpcio's own
+    wrappers catch the behaviour's) is logged, never silently dropped, and the thread goes on."""
+
+    def __init__(self, workers: int) -> None:
+        self._queue: SimpleQueue[tuple[int, Callable, tuple, CallDone] | None] = SimpleQueue()
         self._ids = itertools.count()
         self._live: dict[int, None] = {}
         self.behaviors: dict[Callable, str] = {}
         # Per thread: whether the call the thread runs has started its behaviour (each behaviour sets ``value``).
         self.started = threading.local()
         self.on_never_started: Callable[[str], None] = lambda method: None
+        self._threads = [threading.Thread(target=self._work, name=f"grpc_{i}", daemon=True) for i in range(workers)]
+        for thread in self._threads:
+            thread.start()
 
     @property
     def calls(self) -> int:
         return len(self._live)
 
-    def submit(self, fn: Callable, /, *args: object, **kwargs: object) -> Future:
+    def submit(self, fn: Callable, /, *args: object) -> CallDone:
         call = next(self._ids)
         self._live[call] = None
-        return super().submit(self._run, call, fn, args, kwargs)
+        done = CallDone()
+        self._queue.put((call, fn, args, done))
+        return done
 
-    def _run(self, call: int, fn: Callable, args: tuple, kwargs: dict) -> object:
-        started = self.started
-        started.value = False
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            del self._live[call]
-            if not started.value:
-                method = next((self.behaviors[a] for a in args if callable(a) and a in self.behaviors), None)
-                if method is not None:
-                    self.on_never_started(method)
+    def shutdown(self, timeout: float) -> int:
+        """Stop each thread once the calls queued before this are done (the server has stopped, so gRPC has
+        already ended them: each is counted as never started, or sees its caller gone at once); wait up to
+        ``timeout`` seconds in all. Returns how many threads were still busy when the wait ended."""
+        for _ in self._threads:
+            self._queue.put(None)
+        end = time.monotonic() + timeout
+        for thread in self._threads:
+            thread.join(max(0.0, end - time.monotonic()))
+        return sum(thread.is_alive() for thread in self._threads)
+
+    def _work(self) -> None:
+        take, live, started = self._queue.get, self._live, self.started
+        while (item := take()) is not None:
+            call, fn, args, done = item
+            started.value = False
+            try:
+                fn(*args)
+            except BaseException:
+                log.exception("a gRPC call's handler raised past gRPC's own handling")
+            finally:
+                del live[call]
+                if not started.value:
+                    method = next((self.behaviors[a] for a in args if callable(a) and a in self.behaviors), None)
+                    if method is not None:
+                        self.on_never_started(method)
+                done.finish()
 
 
 class PrefillMetadataHandler(grpc.GenericRpcHandler):
@@ -343,6 +406,11 @@ def server_credentials(config: ServiceConfig) -> grpc.ServerCredentials | None:
     )
 
 
+# How long, once gRPC has stopped (and cancelled what still ran), the RPC threads get to leave the calls they
+# were in: a computation is milliseconds; a thread stuck longer is logged and left (the threads are daemons).
+POOL_STOP_SECONDS = 2.0
+
+
 @dataclass
 class GrpcServer:
     """The RPC server and its parts that outlive start-up (the drain watchdog and reflection stop with it)."""
@@ -354,6 +422,9 @@ class GrpcServer:
 
     def stop(self, grace: float) -> None:
         self.server.stop(grace).wait()
+        busy = self.handler.pool.shutdown(POOL_STOP_SECONDS)
+        if busy:
+            log.warning("rpc_threads_still_busy count=%d after_seconds=%.1f", busy, POOL_STOP_SECONDS)
         self.handler.watchdog.stop()
         self.reflection.close()
 
@@ -370,7 +441,7 @@ def create_grpc_server(
     server also listens on, plaintext, for the supervisor's health probes (service/process/supervisor.py)."""
     pool = RpcThreadPool(config.grpc_workers)
     server = grpc.server(
-        pool,
+        pool,  # not a ThreadPoolExecutor, though grpcio names one: it only submits to it (see RpcThreadPool)
         # No maximum_concurrent_rpcs: PrefillMetadataHandler refuses over max_concurrent_rpcs itself, counted,
         # and health is never refused.
         options=server_options(config, share_port),
