@@ -209,7 +209,9 @@ class DataPlane:
             answer = self._answer(method, request, where)
             ticket = caller.ticket
             if ticket is not None and ticket.nbytes > len(answer) * caller.held_per_answer_byte:
-                ticket.shrink(caller.held_bytes(len(answer)))  # only when smaller: two frames saved on most calls
+                # smaller than reserved (the fast path reserves an estimate); protobuf's held bytes without a frame
+                held = len(answer) if caller.held_per_answer_byte == 1.0 else caller.held_bytes(len(answer))
+                ticket.budget.give_back(ticket, held)
             return answer
         except Exception as exc:
             error = as_service_error(method, exc)

@@ -86,12 +86,8 @@ class Ticket:
     released: bool = False
     forget: Callable[[], None] | None = None
 
-    def shrink(self, nbytes: int) -> None:
-        """Hold only ``nbytes`` (the response turned out smaller than reserved)."""
-        self.budget._resize(self, nbytes)
-
     def release(self) -> None:
-        self.budget._release(self)
+        self.budget.give_back(self, None)
         if self.forget is not None:
             self.forget()
 
@@ -175,33 +171,30 @@ class ResponseBudget:
             f"response_budget_bytes {self.limit}; retry with backoff"
         )
 
-    def _resize(self, ticket: Ticket, nbytes: int) -> None:
-        if nbytes >= ticket.nbytes:  # as reserved (most calls): only the call's own thread changes nbytes
-            return
-        with self._lock:
-            if ticket.released or nbytes >= ticket.nbytes:
-                return
-            delta = ticket.nbytes - nbytes
-            ticket.nbytes = nbytes
-            self._take_back(ticket.peer, delta)
-
-    def _release(self, ticket: Ticket) -> None:
+    def give_back(self, ticket: Ticket, keep: int | None) -> None:
+        """``ticket`` down to ``keep`` bytes (the response turned out smaller than reserved), or released (``keep``
+        None; :meth:`Ticket.release`): once released, it gives back nothing more. One frame for the rule and the
+        books, called as it is (not through a method of the ticket): a shrink and a release on most calls."""
         with self._lock:
             if ticket.released:
                 return
-            ticket.released = True
-            self._take_back(ticket.peer, ticket.nbytes)
-
-    def _take_back(self, peer: str, nbytes: int) -> None:
-        self._held -= nbytes
-        left = self._by_peer.get(peer, 0) - nbytes
-        if left > 0:
-            self._by_peer[peer] = left
-        else:
-            self._by_peer.pop(peer, None)
-        self._set_held(self._held)
-        if self._waiters:
-            self._cond.notify_all()
+            if keep is None:
+                ticket.released = True
+                nbytes = ticket.nbytes
+            elif keep < ticket.nbytes:
+                nbytes = ticket.nbytes - keep
+                ticket.nbytes = keep
+            else:
+                return
+            self._held -= nbytes
+            left = self._by_peer.get(ticket.peer, 0) - nbytes
+            if left > 0:
+                self._by_peer[ticket.peer] = left
+            else:
+                self._by_peer.pop(ticket.peer, None)
+            self._set_held(self._held)
+            if self._waiters:
+                self._cond.notify_all()
 
 
 class HeavyLane:

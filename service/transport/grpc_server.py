@@ -70,7 +70,12 @@ class GrpcCaller(Caller):
     __slots__ = ("_context", "_deadline", "_method", "_plane", "ended")
 
     def __init__(self, context: grpc.ServicerContext, plane: DataPlane, method: str) -> None:
-        super().__init__(context.peer())
+        # Caller's fields set here rather than by its __init__, a frame fewer per call (tests/service/test_rpc_pool.py
+        # holds the two equal)
+        self.peer = context.peer()
+        self.held_per_answer_byte = 1.0
+        self.ticket = None
+        self.in_heavy_lane = False
         remaining = context.time_remaining()
         self._deadline = math.inf if remaining is None else time.time() + remaining
         self._context = context
@@ -95,34 +100,29 @@ class GrpcCaller(Caller):
         self._context.cancel()
 
 
-class CallDone:
+class CallDone(list):
     """What :meth:`RpcThreadPool.submit` returns for a call: grpcio asks of it only ``add_done_callback`` (its
     callback counts the call out of the server's active calls), never a result or an exception, so it is not a
-    ``concurrent.futures.Future`` (a ``Condition`` per call, notified on completion). No lock either: whichever of
-    :meth:`add_done_callback` (the polling thread) and :meth:`finish` (the pool thread) comes second runs the
-    callbacks, and ``list.pop`` (one step, atomic) hands each callback to exactly one of them; ``done`` is set
-    before the finishing thread looks at the list, and a callback is appended before the adding thread looks at
-    ``done``, so none is left behind."""
+    ``concurrent.futures.Future`` (a ``Condition`` per call, notified on completion). The list of the callbacks not
+    yet run, itself (made without a Python frame); ``done`` once the call has ended.
 
-    __slots__ = ("_callbacks", "done")
+    No lock: whichever of :meth:`add_done_callback` (the polling thread) and :meth:`finish` (the pool thread) comes
+    second runs the callbacks, and ``list.pop`` (one step, atomic) hands each to exactly one of them: ``done`` is
+    set before the finishing thread looks at the list, and a callback is appended before the adding thread looks
+    at ``done``, so none is left behind."""
 
-    def __init__(self) -> None:
-        self._callbacks: list[Callable[[CallDone], object]] = []
-        self.done = False
+    done = False
 
     def add_done_callback(self, fn: Callable[[CallDone], object]) -> None:
-        self._callbacks.append(fn)
+        self.append(fn)
         if self.done:
-            self._run_callbacks()
+            self.finish()
 
     def finish(self) -> None:
         self.done = True
-        self._run_callbacks()
-
-    def _run_callbacks(self) -> None:
         while True:
             try:
-                fn = self._callbacks.pop()
+                fn = self.pop()
             except IndexError:
                 return
             try:
@@ -142,7 +142,7 @@ class RpcThreadPool:
     back, and the executor's machinery per call (a ``Future`` with its ``Condition``, a work item, the idle
     semaphore, the check for more threads) was a fifth of the service's server CPU per small call beyond a
     plain gRPC echo's (benchmarks/RESULTS.md, issue 20). The threads start at once and are daemons; :meth:`shutdown`
-    ends them once the server has stopped. No lock per call: a call is an entry in ``_live`` from submit to its end,
+    ends them once the server has stopped. No lock per call: a call is an entry in ``live`` from submit to its end,
     and a dict's item assignment, deletion and ``len`` are each one step under the GIL. The arguments are searched
     for the behaviour only for a call that never started. An exception that escapes a call (grpcio's own
     wrappers catch the behaviour's) is logged, never silently dropped, and the thread goes on."""
@@ -150,7 +150,8 @@ class RpcThreadPool:
     def __init__(self, workers: int) -> None:
         self._queue: SimpleQueue[tuple[int, Callable, tuple, CallDone] | None] = SimpleQueue()
         self._ids = itertools.count()
-        self._live: dict[int, None] = {}
+        # The calls it holds, queued or running (``len``, read without a method: the handler reads it per call).
+        self.live: dict[int, None] = {}
         self.behaviors: dict[Callable, str] = {}
         # Per thread: whether the call the thread runs has started its behaviour (each behaviour sets ``value``).
         self.started = threading.local()
@@ -159,13 +160,9 @@ class RpcThreadPool:
         for thread in self._threads:
             thread.start()
 
-    @property
-    def calls(self) -> int:
-        return len(self._live)
-
     def submit(self, fn: Callable, /, *args: object) -> CallDone:
         call = next(self._ids)
-        self._live[call] = None
+        self.live[call] = None
         done = CallDone()
         self._queue.put((call, fn, args, done))
         return done
@@ -182,7 +179,7 @@ class RpcThreadPool:
         return sum(thread.is_alive() for thread in self._threads)
 
     def _work(self) -> None:
-        take, live, started = self._queue.get, self._live, self.started
+        take, live, started = self._queue.get, self.live, self.started
         while (item := take()) is not None:
             call, fn, args, done = item
             started.value = False
@@ -229,13 +226,13 @@ class PrefillMetadataHandler(grpc.GenericRpcHandler):
         if found is None:
             return None
         method, handler = found
-        return self._refusing[method] if self.pool.calls >= self.max_concurrent_rpcs else handler
+        return self._refusing[method] if len(self.pool.live) >= self.max_concurrent_rpcs else handler
 
     def _refusing_handler(self, method: str) -> grpc.RpcMethodHandler:
         plane, pool, limit = self.plane, self.pool, self.max_concurrent_rpcs
 
         def refuse(data: bytes, context: grpc.ServicerContext) -> bytes:
-            message = f"busy: {pool.calls} calls in the server (max_concurrent_rpcs {limit}); retry with backoff"
+            message = f"busy: {len(pool.live)} calls in the server (max_concurrent_rpcs {limit}); retry with backoff"
             plane.shed(method, ShedReason.CONCURRENCY, message)  # the data plane never sees this call
             raise Shed(ShedReason.CONCURRENCY, message)
 

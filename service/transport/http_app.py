@@ -307,8 +307,9 @@ class RpcApp:
             if caller.ticket is not None:
                 caller.ticket.release()
             raise
-        if caller.ticket is not None:
-            caller.ticket.shrink(len(text))  # from the peak of the encoding down to the text that is sent
+        ticket = caller.ticket
+        if ticket is not None:
+            ticket.budget.give_back(ticket, len(text))  # from the peak of the encoding down to the text that is sent
         return text
 
     async def _send_answer(

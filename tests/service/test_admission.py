@@ -84,8 +84,13 @@ def test_one_connection_holds_at_most_a_quarter_once_it_holds_anything() -> None
     with pytest.raises(Refused, match="share 25"):
         budget.reserve("reader", 10, Caller())
     assert budget.reserve("other", 10, Caller()).nbytes == 10
-    small.shrink(5)
+    budget.give_back(small, 5)
     assert budget.held == 15
+    budget.give_back(small, 10)  # never back up
+    assert small.nbytes == 5 and budget.held == 15
+    small.release()
+    budget.give_back(small, 1)  # nor anything after its release
+    assert budget.held == 10
 
 
 def test_an_answer_larger_than_the_budget_is_refused_at_once() -> None:

@@ -16,7 +16,14 @@ from indexer_service.kernels.inputs import ChunkInputs
 from indexer_service.protos.indexer.v1 import indexer_pb2_grpc as pb_grpc
 from indexer_service.service import codec
 from indexer_service.service.config import load_config
-from indexer_service.service.transport.grpc_server import HEALTH_NAMES, CallDone, RpcThreadPool, create_grpc_server
+from indexer_service.service.overload.admission import Caller
+from indexer_service.service.transport.grpc_server import (
+    HEALTH_NAMES,
+    CallDone,
+    GrpcCaller,
+    RpcThreadPool,
+    create_grpc_server,
+)
 from indexer_service.service.transport.health import HealthServicer
 from testkit.harness import wait_for
 from testkit.planes import make_plane
@@ -39,10 +46,10 @@ def test_a_call_runs_on_a_pool_thread_and_counts_until_it_ends(pool: RpcThreadPo
     done = pool.submit(call)
     done.add_done_callback(ended.append)
     wait_for(lambda: ran_on, 5, "the call to start")
-    assert pool.calls == 1 and not ended
+    assert len(pool.live) == 1 and not ended
     release.set()
     wait_for(lambda: ended, 5, "the call's completion callback")
-    assert ended == [done] and done.done and pool.calls == 0
+    assert ended == [done] and done.done and len(pool.live) == 0
     assert ran_on[0].startswith("grpc_")
 
 
@@ -55,7 +62,7 @@ def test_each_completion_callback_runs_exactly_once_however_it_races_the_end(poo
 
     for index in range(2000):
         pool.submit(lambda: None).add_done_callback(lambda done, index=index: count(index))
-    wait_for(lambda: len(runs) == 2000 and pool.calls == 0, 10, "every call's callback")
+    wait_for(lambda: len(runs) == 2000 and len(pool.live) == 0, 10, "every call's callback")
     assert set(runs.values()) == {1}
     # Added once the call has ended, it runs at once, on the adding thread.
     done = pool.submit(lambda: None)
@@ -90,7 +97,7 @@ def test_an_exception_escaping_a_call_is_logged_and_its_thread_serves_on(caplog)
         assert logged and "past grpcio's handling" in str(logged[0].exc_info[1])
         pool.submit(lambda: None).add_done_callback(ended.append)  # the one thread is still there
         wait_for(lambda: len(ended) == 2, 5, "the next call on the same thread")
-        assert pool.calls == 0
+        assert len(pool.live) == 0
     finally:
         assert pool.shutdown(5.0) == 0
 
@@ -147,3 +154,22 @@ def test_stopping_the_server_ends_its_rpc_threads() -> None:
         server.stop(1.0)
     threads = server.handler.pool._threads
     assert len(threads) == config.grpc_workers and not any(thread.is_alive() for thread in threads)
+
+
+class _Context:
+    """What GrpcCaller reads of a gRPC call's context when it is made."""
+
+    def peer(self) -> str:
+        return "ipv4:127.0.0.1:5000"
+
+    def time_remaining(self) -> None:
+        return None
+
+
+def test_a_grpc_caller_starts_as_a_caller_would() -> None:
+    # GrpcCaller sets Caller's fields itself (a frame fewer per call than Caller.__init__): every one, as it does.
+    made, plain = GrpcCaller(_Context(), None, "BuildChunk"), Caller("ipv4:127.0.0.1:5000")
+    assert {name: getattr(made, name) for name in Caller.__slots__} == {
+        name: getattr(plain, name) for name in Caller.__slots__
+    }
+    assert made.gone() is None
