@@ -21,7 +21,7 @@ import math
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from queue import SimpleQueue
@@ -132,11 +132,15 @@ class CallDone(list):
 
 
 class RpcThreadPool:
-    """The gRPC server's pool for the RPCs: ``workers`` threads taking calls from one queue, counting the calls it
-    holds (queued or running) the way gRPC does for ``maximum_concurrent_rpcs``, and noticing calls that end
-    without their handler ever starting: the caller cancelled, reset the stream or passed its deadline while the
-    call waited for a thread. gRPC submits each call with its handler's behaviour among the arguments;
-    ``behaviors`` names the ones to watch, and each of them sets ``started.value`` (this thread's) when it starts.
+    """The gRPC server's pool for the RPCs: ``workers`` threads taking calls from one queue. It counts the calls it
+    holds (queued or running) and refuses past ``max_calls`` (``max_concurrent_rpcs``): such a call runs on a small
+    pool of its own (``refusals``) with its behaviour swapped for the method's refusing one, so it is counted (shed
+    ``concurrency``), answered RESOURCE_EXHAUSTED, and never waits behind RPC work. It also notices calls that end
+    without their behaviour ever starting: the caller cancelled, reset the stream or passed its deadline while the
+    call waited for a thread. gRPC submits each call with its handler's behaviour among the arguments; :meth:`watch`
+    names the behaviours (and their refusing twins), and each behaviour sets ``started.value`` (this thread's) when
+    it starts. grpcio's own ``maximum_concurrent_rpcs`` is not used: it counts every call (health too) and
+    refuses without a trace.
 
     Not a ``ThreadPoolExecutor``: grpcio only submits to its server's pool and adds one callback to what it gets
     back, and the executor's machinery per call (a ``Future`` with its ``Condition``, a work item, the idle
@@ -144,15 +148,18 @@ class RpcThreadPool:
     plain gRPC echo's (benchmarks/RESULTS.md, issue 20). The threads start at once and are daemons; :meth:`shutdown`
     ends them once the server has stopped. No lock per call: a call is an entry in ``live`` from submit to its end,
     and a dict's item assignment, deletion and ``len`` are each one step under the GIL. The arguments are searched
-    for the behaviour only for a call that never started. An exception that escapes a call (grpcio's own
-    wrappers catch the behaviour's) is logged, never silently dropped, and the thread goes on."""
+    for the behaviour only for a call that is refused or never started. An exception that escapes a call (grpcio's
+    own wrappers catch the behaviour's) is logged, never silently dropped, and the thread goes on."""
 
-    def __init__(self, workers: int) -> None:
+    def __init__(self, workers: int, max_calls: int) -> None:
+        self.max_calls = max_calls
         self._queue: SimpleQueue[tuple[int, Callable, tuple, CallDone] | None] = SimpleQueue()
         self._ids = itertools.count()
-        # The calls it holds, queued or running (``len``, read without a method: the handler reads it per call).
+        # The calls it holds, queued or running (their number read with ``len``: no method per call).
         self.live: dict[int, None] = {}
-        self.behaviors: dict[Callable, str] = {}
+        self._methods: dict[Callable, str] = {}
+        self._refusing: dict[Callable, Callable] = {}
+        self.refusals = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grpc-refuse")
         # Per thread: whether the call the thread runs has started its behaviour (each behaviour sets ``value``).
         self.started = threading.local()
         self.on_never_started: Callable[[str], None] = lambda method: None
@@ -160,7 +167,17 @@ class RpcThreadPool:
         for thread in self._threads:
             thread.start()
 
-    def submit(self, fn: Callable, /, *args: object) -> CallDone:
+    def watch(self, behavior: Callable, method: str, refusing: Callable) -> None:
+        """Calls of ``behavior`` (``method``'s) are counted; past ``max_calls`` they get ``refusing`` instead."""
+        self._methods[behavior] = method
+        self._refusing[behavior] = refusing
+
+    def submit(self, fn: Callable, /, *args: object) -> CallDone | Future:
+        if len(self.live) >= self.max_calls:
+            for i, arg in enumerate(args):
+                refusing = self._refusing.get(arg) if callable(arg) else None
+                if refusing is not None:
+                    return self.refusals.submit(fn, *args[:i], refusing, *args[i + 1 :])
         call = next(self._ids)
         self.live[call] = None
         done = CallDone()
@@ -171,6 +188,7 @@ class RpcThreadPool:
         """Stop each thread once the calls queued before this are done (the server has stopped, so gRPC has
         already ended them: each is counted as never started, or sees its caller gone at once); wait up to
         ``timeout`` seconds in all. Returns how many threads were still busy when the wait ended."""
+        self.refusals.shutdown(wait=False)
         for _ in self._threads:
             self._queue.put(None)
         end = time.monotonic() + timeout
@@ -190,84 +208,55 @@ class RpcThreadPool:
             finally:
                 del live[call]
                 if not started.value:
-                    method = next((self.behaviors[a] for a in args if callable(a) and a in self.behaviors), None)
+                    method = next((self._methods[a] for a in args if callable(a) and a in self._methods), None)
                     if method is not None:
                         self.on_never_started(method)
                 done.finish()
 
 
-class PrefillMetadataHandler(grpc.GenericRpcHandler):
-    """PrefillMetadata's methods, each the data plane's, bytes in and bytes out, each wrapped once in
-    :func:`access_logged` (KServe's interceptors, composed at start: grpcio's own interceptor pipeline rebuilds
-    its wrappers on every call). The data plane parses requests: grpcio's own
-    deserializer would answer undecodable bytes with INTERNAL and a traceback, where the caller deserves
-    INVALID_ARGUMENT (as over HTTP). It answers with wire bytes written from the result arrays (one copy, see
-    service/codec.py). Health and reflection are registered apart and pass unwrapped.
+def rpc_handlers(plane: DataPlane, pool: RpcThreadPool, watchdog: DrainWatchdog) -> dict[str, grpc.RpcMethodHandler]:
+    """PrefillMetadata's methods by name, registered with gRPC as such (``add_registered_method_handlers``: gRPC
+    core matches a call's path, where a generic handler is asked in Python on every call), bytes in and bytes out:
+    the data plane parses requests (grpcio's own deserializer would answer undecodable bytes with INTERNAL and a
+    traceback, where the caller deserves INVALID_ARGUMENT, as over HTTP) and answers with wire bytes written from
+    the result arrays (one copy, see service/codec.py). Each method's behaviour is the data plane's ``call`` in
+    :func:`served`; its refusing twin, which the pool runs past ``max_concurrent_rpcs``, is counted as shed
+    ``concurrency``. A call that ends before it starts is counted as shed ``queue_deadline``."""
+    limit = pool.max_calls
 
-    ``max_concurrent_rpcs`` is enforced here, not by gRPC's own ``maximum_concurrent_rpcs``, which counts every
-    call (health too) and refuses without a trace: gRPC looks a handler up (:meth:`service`) on its polling
-    thread before it hands the call to a pool, so a call over the limit gets a refusing handler that runs on a
-    small pool of its own (``refusals``), is counted as shed ``concurrency`` and never waits behind RPC work;
-    health runs on its own pool too (service/transport/health.py)."""
+    def refuse(method: str, request: object, caller: Caller) -> bytes:
+        message = f"busy: {len(pool.live)} calls in the server (max_concurrent_rpcs {limit}); retry with backoff"
+        plane.shed(method, ShedReason.CONCURRENCY, message)  # the data plane never sees this call
+        raise Shed(ShedReason.CONCURRENCY, message)
 
-    def __init__(self, plane: DataPlane, pool: RpcThreadPool, max_concurrent_rpcs: int, drain_seconds: float) -> None:
-        self.plane = plane
-        self.pool = pool
-        self.max_concurrent_rpcs = max_concurrent_rpcs
-        self.watchdog = DrainWatchdog(drain_seconds)
-        self._handlers = {f"/{SERVICE_NAME}/{method}": (method, self._unary(method)) for method in RPCS}
-        self.refusals = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grpc-refuse")
-        self._refusing = {method: self._refusing_handler(method) for method, _ in self._handlers.values()}
-        never_started = "the caller cancelled, reset the stream or passed its deadline before the call started"
-        pool.on_never_started = lambda method: plane.shed(method, ShedReason.QUEUE_DEADLINE, never_started)
-
-    def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
-        found = self._handlers.get(handler_call_details.method)
-        if found is None:
-            return None
-        method, handler = found
-        return self._refusing[method] if len(self.pool.live) >= self.max_concurrent_rpcs else handler
-
-    def _refusing_handler(self, method: str) -> grpc.RpcMethodHandler:
-        plane, pool, limit = self.plane, self.pool, self.max_concurrent_rpcs
-
-        def refuse(data: bytes, context: grpc.ServicerContext) -> bytes:
-            message = f"busy: {len(pool.live)} calls in the server (max_concurrent_rpcs {limit}); retry with backoff"
-            plane.shed(method, ShedReason.CONCURRENCY, message)  # the data plane never sees this call
-            raise Shed(ShedReason.CONCURRENCY, message)
-
-        refusing = access_logged(plane, method, refuse)
-        refusing.experimental_thread_pool = self.refusals  # grpcio runs a behaviour on the pool it names
-        return grpc.unary_unary_rpc_method_handler(refusing)
-
-    def _unary(self, method: str) -> grpc.RpcMethodHandler:
-        plane, started, watchdog = self.plane, self.pool.started, self.watchdog
-
-        def behavior(data: bytes, context: grpc.ServicerContext) -> bytes:
-            started.value = True  # RpcThreadPool's flag, set here rather than by a method: a frame fewer
-            call = GrpcCaller(context, plane, method)
-            gone = call.gone() if context.add_callback(call.end) else Code.CANCELLED
-            if gone is not None:  # it waited for a thread past its deadline, or its caller cancelled meanwhile
-                plane.shed(method, ShedReason.QUEUE_DEADLINE, f"{gone.name} before the call started")
-                context.abort(GRPC_STATUS[gone], "the caller went away (cancelled, or past its deadline) first")
-            response = plane.call(method, data, caller=call)
-            if call.ticket is not None:  # held until the call ends (call.end); cancelled if unread meanwhile
-                watchdog.watch(call.ticket, call.cancel_unread)
-            return response
-
-        # no (de)serializers: bytes both ways
-        handler = grpc.unary_unary_rpc_method_handler(access_logged(plane, method, behavior))
-        self.pool.behaviors[handler.unary_unary] = method
-        return handler
+    never_started = "the caller cancelled, reset the stream or passed its deadline before the call started"
+    pool.on_never_started = lambda method: plane.shed(method, ShedReason.QUEUE_DEADLINE, never_started)
+    handlers = {}
+    for method in RPCS:
+        behavior = served(plane, method, plane.call, watchdog, pool.started)
+        pool.watch(behavior, method, served(plane, method, refuse, watchdog, pool.started))
+        handlers[method] = grpc.unary_unary_rpc_method_handler(behavior)  # no (de)serializers: bytes both ways
+    return handlers
 
 
-def access_logged(plane: DataPlane, method: str, behavior: Behavior) -> Behavior:
-    """The one wrapper of a behaviour (KServe's interceptors in one function: each nested wrapper is a Python
-    frame per call). The data plane's error as its gRPC status: the data plane raises nothing else, whatever went
-    wrong inside it is already an InternalError there (logged with its traceback). Each call's request id (the
-    caller's ``x-request-id`` metadata when it is a safe one, else a new one) in its log lines and returned in the
-    trailing metadata; its span when tracing is on; a failure in the data plane's rate-limited log of failed calls
-    (INTERNAL always), a success at DEBUG.
+def served(
+    plane: DataPlane,
+    method: str,
+    serve: Callable[..., bytes],
+    watchdog: DrainWatchdog,
+    started: threading.local,
+) -> Behavior:
+    """The one behaviour of a call to this server (KServe's interceptors in one function: each wrapper is a Python
+    frame per call; grpcio's own interceptor pipeline rebuilds its wrappers on every call): ``serve(method, request,
+    caller=...)`` (the data plane's ``call``, or a refusal) with its caller, a :class:`GrpcCaller`, whose end is
+    known from ``add_callback``; a caller already gone when the call starts (it waited for a thread past its
+    deadline, or cancelled meanwhile) is shed as ``queue_deadline`` without work; an answer's budget ticket is
+    watched until the call ends and cancelled if unread within ``response_drain_seconds``. The data plane's error
+    as its gRPC status: the data plane raises nothing else, whatever went wrong inside it is already an
+    InternalError there (logged with its traceback). Each call's request id (the caller's ``x-request-id``
+    metadata when it is a safe one, else a new one) in its log lines and returned in the trailing metadata; its
+    span when tracing is on; a failure in the data plane's rate-limited log of failed calls (INTERNAL always), a
+    success at DEBUG.
 
     Trailing, not initial, metadata: the trailers go out in the one batch that carries the answer and the
     status, where ``send_initial_metadata`` starts a batch of its own per call (one more completion on the
@@ -275,7 +264,8 @@ def access_logged(plane: DataPlane, method: str, behavior: Behavior) -> Behavior
     way, the trailers nothing above the noise (docs/service.md, "Request ids")."""
     failed, tracer = plane.failed_calls, plane.tracer
 
-    def logged(request: bytes, context: grpc.ServicerContext) -> object:
+    def behavior(request: object, context: grpc.ServicerContext) -> object:
+        started.value = True  # RpcThreadPool's flag, set here rather than by a method: a frame fewer
         start = time.perf_counter()
         metadata = context.invocation_metadata()
         supplied = None
@@ -289,7 +279,14 @@ def access_logged(plane: DataPlane, method: str, behavior: Behavior) -> Behavior
         span = None if tracer is None else tracer.start("grpc", method, request_id, dict(metadata))
         code = None
         try:
-            response = behavior(request, context)
+            call = GrpcCaller(context, plane, method)
+            gone = call.gone() if context.add_callback(call.end) else Code.CANCELLED
+            if gone is not None:
+                plane.shed(method, ShedReason.QUEUE_DEADLINE, f"{gone.name} before the call started")
+                context.abort(GRPC_STATUS[gone], "the caller went away (cancelled, or past its deadline) first")
+            response = serve(method, request, caller=call)
+            if call.ticket is not None:  # held until the call ends (call.end); cancelled if unread meanwhile
+                watchdog.watch(call.ticket, call.cancel_unread)
             code = grpc.StatusCode.OK  # known here: no context.code() (a Python frame) on the success path
             return response
         except ServiceError as exc:
@@ -311,29 +308,31 @@ def access_logged(plane: DataPlane, method: str, behavior: Behavior) -> Behavior
                 tracer.end(span, code.name, details)
             REQUEST_ID.reset(token)
 
-    return logged
+    return behavior
 
 
 class UnknownMethodHandler(grpc.GenericRpcHandler):
-    """Registered last, after health and reflection: any method nobody else has is answered UNIMPLEMENTED (as
-    gRPC would), counted as method ``unknown`` and logged, rate-limited, with the method's name. A streaming
-    handler, so a call of any shape is refused before its request is read; made per call, as such calls are
-    rare and each names its own method. The refusal runs on ``pool`` (the RPC handler's ``refusals``), never on
-    the RPC pool: a flood of unknown methods then neither takes the RPC threads nor counts against
-    ``max_concurrent_rpcs``, so it cannot get other callers' calls shed as ``concurrency``."""
+    """The last generic handler (after reflection's): any method nobody else serves is answered UNIMPLEMENTED (as gRPC
+    would), counted as method ``unknown`` and logged, rate-limited, with the method's name. A streaming handler,
+    so a call of any shape is refused before its request is read; made per call, as such calls are rare and each
+    names its own method. The refusal runs on ``pool`` (the RPC pool's ``refusals``), never on the RPC pool: a
+    flood of unknown methods then neither takes the RPC threads nor counts against ``max_concurrent_rpcs``, so it
+    cannot get other callers' calls shed as ``concurrency``."""
 
-    def __init__(self, plane: DataPlane, pool: ThreadPoolExecutor) -> None:
+    def __init__(self, plane: DataPlane, pool: ThreadPoolExecutor, watchdog: DrainWatchdog) -> None:
         self.plane = plane
         self.pool = pool
+        self.watchdog = watchdog
+        self.started = threading.local()  # not the RPC pool's: these calls never run there
 
     def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
         plane, name = self.plane, handler_call_details.method
 
-        def refuse(requests: object, context: grpc.ServicerContext) -> object:
+        def refuse(method: str, requests: object, caller: Caller) -> object:
             plane.unknown_method()
             raise UnknownMethod(f"unknown method {name[:200]!r}: this server has {SERVICE_NAME}'s {', '.join(RPCS)}")
 
-        refusing = access_logged(plane, UNKNOWN_METHOD, refuse)
+        refusing = served(plane, UNKNOWN_METHOD, refuse, self.watchdog, self.started)
         refusing.experimental_thread_pool = self.pool  # grpcio runs a behaviour on the pool it names
         return grpc.stream_stream_rpc_method_handler(refusing)
 
@@ -410,19 +409,21 @@ POOL_STOP_SECONDS = 2.0
 
 @dataclass
 class GrpcServer:
-    """The RPC server and its parts that outlive start-up (the drain watchdog and reflection stop with it)."""
+    """The RPC server and its parts that outlive start-up (the RPC pool, the drain watchdog and reflection stop
+    with it)."""
 
     server: grpc.Server
     port: int
-    handler: PrefillMetadataHandler
+    pool: RpcThreadPool
+    watchdog: DrainWatchdog
     reflection: Reflection
 
     def stop(self, grace: float) -> None:
         self.server.stop(grace).wait()
-        busy = self.handler.pool.shutdown(POOL_STOP_SECONDS)
+        busy = self.pool.shutdown(POOL_STOP_SECONDS)
         if busy:
             log.warning("rpc_threads_still_busy count=%d after_seconds=%.1f", busy, POOL_STOP_SECONDS)
-        self.handler.watchdog.stop()
+        self.watchdog.stop()
         self.reflection.close()
 
 
@@ -436,21 +437,22 @@ def create_grpc_server(
     """The RPC server, bound (and, as gRPC binds, listening: it takes connections into its backlog from here on)
     but not started. ``share_port``: SO_REUSEPORT, for a worker of several; ``probe_socket``: a unix socket the
     server also listens on, plaintext, for the supervisor's health probes (service/process/supervisor.py)."""
-    pool = RpcThreadPool(config.grpc_workers)
+    pool = RpcThreadPool(config.grpc_workers, config.max_concurrent_rpcs)
     server = grpc.server(
         pool,  # not a ThreadPoolExecutor, though grpcio names one: it only submits to it (see RpcThreadPool)
-        # No maximum_concurrent_rpcs: PrefillMetadataHandler refuses over max_concurrent_rpcs itself, counted,
-        # and health is never refused.
+        # No maximum_concurrent_rpcs: the pool refuses past max_concurrent_rpcs itself, counted, and health is
+        # never refused.
         options=server_options(config, share_port),
     )
-    handler = PrefillMetadataHandler(plane, pool, config.max_concurrent_rpcs, config.response_drain_seconds)
-    server.add_generic_rpc_handlers((handler,))
+    watchdog = DrainWatchdog(config.response_drain_seconds)
+    server.add_registered_method_handlers(SERVICE_NAME, rpc_handlers(plane, pool, watchdog))
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection = Reflection(
         (SERVICE_NAME, HEALTH_SERVICE_NAME), config.reflection_max_streams, config.reflection_idle_seconds, plane.shed
     )
     server.add_generic_rpc_handlers(reflection.handlers)
-    server.add_generic_rpc_handlers((UnknownMethodHandler(plane, handler.refusals),))  # last: what nobody else serves
+    unknown = UnknownMethodHandler(plane, pool.refusals, watchdog)
+    server.add_generic_rpc_handlers((unknown,))  # last: what nobody else serves
     address = host_port(config.grpc_host, config.grpc_port)
     try:
         credentials = server_credentials(config)
@@ -464,7 +466,7 @@ def create_grpc_server(
             server.add_insecure_port(f"unix:{probe_socket}")
         except RuntimeError as exc:
             raise OSError(f"cannot bind the probe socket {probe_socket}: {exc}") from None
-    return GrpcServer(server, port, handler, reflection)
+    return GrpcServer(server, port, pool, watchdog, reflection)
 
 
 def create_health_server(config: ServiceConfig, health_servicer: HealthServicer) -> tuple[grpc.Server, int]:

@@ -31,7 +31,7 @@ from testkit.planes import make_plane
 
 @pytest.fixture
 def pool() -> RpcThreadPool:
-    pool = RpcThreadPool(2)
+    pool = RpcThreadPool(2, 100)
     yield pool
     assert pool.shutdown(5.0) == 0
 
@@ -83,7 +83,7 @@ def test_a_failing_completion_callback_is_logged_and_the_others_still_run(caplog
 
 
 def test_an_exception_escaping_a_call_is_logged_and_its_thread_serves_on(caplog) -> None:
-    pool = RpcThreadPool(1)
+    pool = RpcThreadPool(1, 100)
     try:
         ended = []
 
@@ -110,7 +110,7 @@ def test_a_call_whose_behaviour_never_started_is_reported_with_its_method(pool: 
     def behavior() -> None:
         pool.started.value = True
 
-    pool.behaviors[behavior] = "BuildChunk"
+    pool.watch(behavior, "BuildChunk", lambda: None)
 
     def cancelled_first(behaviour, request) -> None:  # gRPC's wrapper, when the caller went away meanwhile
         pass
@@ -124,6 +124,42 @@ def test_a_call_whose_behaviour_never_started_is_reported_with_its_method(pool: 
     assert never_started == ["BuildChunk"]  # not the served one, nor a call of a behaviour nobody watches
 
 
+def test_past_max_calls_a_call_runs_its_refusing_twin_on_the_refusal_pool() -> None:
+    pool = RpcThreadPool(1, max_calls=1)
+    try:
+        release, ran = threading.Event(), []
+
+        def behavior() -> None:
+            pool.started.value = True
+            ran.append(("served", threading.current_thread().name))
+            release.wait(10)
+
+        def refusing() -> None:
+            ran.append(("refused", threading.current_thread().name))
+
+        pool.watch(behavior, "BuildChunk", refusing)
+
+        def grpc_wrapper(event: str, behaviour) -> None:  # gRPC's, with the behaviour among its arguments
+            behaviour()
+
+        ended = []
+        pool.submit(grpc_wrapper, "first", behavior).add_done_callback(ended.append)
+        wait_for(lambda: ran, 5, "the first call to start")
+        # Full: a watched behaviour is swapped for its refusing twin, run apart (never queued behind the first).
+        pool.submit(grpc_wrapper, "second", behavior).add_done_callback(ended.append)
+        # A behaviour nobody watches (health has a pool of its own) is never refused here.
+        pool.submit(lambda: ran.append(("unwatched", threading.current_thread().name))).add_done_callback(ended.append)
+        wait_for(lambda: len(ended) == 1, 5, "the refusal, while the first call still runs")
+        assert ran[1][0] == "refused" and ran[1][1].startswith("grpc-refuse")
+        assert len(pool.live) == 2  # the first and the unwatched one, queued behind it; not the refused call
+        release.set()
+        wait_for(lambda: len(ended) == 3, 5, "the first call and the unwatched one")
+        assert [what for what, _ in ran] == ["served", "refused", "unwatched"]
+    finally:
+        release.set()
+        assert pool.shutdown(5.0) == 0
+
+
 def test_shutdown_waits_for_running_calls_and_reports_the_stuck() -> None:
     stuck, started = threading.Event(), threading.Event()
 
@@ -131,7 +167,7 @@ def test_shutdown_waits_for_running_calls_and_reports_the_stuck() -> None:
         started.set()
         stuck.wait(30)
 
-    hung = RpcThreadPool(2)
+    hung = RpcThreadPool(2, 100)
     hung.submit(hang)
     started.wait(5)
     assert hung.shutdown(0.2) == 1  # one thread still in its call; the idle one has stopped
@@ -152,7 +188,7 @@ def test_stopping_the_server_ends_its_rpc_threads() -> None:
             pb_grpc.PrefillMetadataStub(channel).BuildChunk(request, timeout=5)
     finally:
         server.stop(1.0)
-    threads = server.handler.pool._threads
+    threads = server.pool._threads
     assert len(threads) == config.grpc_workers and not any(thread.is_alive() for thread in threads)
 
 
