@@ -188,9 +188,9 @@ class DataPlane:
         on success ``caller.ticket`` holds the answer's bytes in the response budget until the transport
         releases it. Without a caller the ticket is released on return.
 
-        One frame for the whole call around the handler (no ExitStack, no per-call state object besides the
-        caller): every Python call on this path costs 1-2 us of server CPU under load, several times what it
-        costs in a loop (benchmarks/RESULTS.md, issue 20)."""
+        One frame for the whole call around the handler, the compiled fast path's included (no ExitStack, no
+        per-call state object besides the caller): every Python call on this path costs 1-2 us of server CPU under
+        load, several times what it costs in a loop (benchmarks/RESULTS.md, issue 20)."""
         in_flight, served_ok = self._call_metrics[method]
         in_flight.inc()
         start = time.perf_counter()
@@ -206,7 +206,20 @@ class DataPlane:
                 if not self.warmup.finished_ok:
                     raise NotReady(f"not ready: {self.readiness.not_ready_reason()}")
                 self._warmed = True  # for good: a warmup that finished well never runs again
-            answer = self._answer(method, request, where)
+            answer = None
+            if self._build_chunk_fast is not None and method == "BuildChunk" and isinstance(request, bytes):
+                # service/compute/fastpath.c's answer; admission is the general path's (_admit_work)
+                ratios = self._fast_admitted if self._fast_admitted_known else self._admitted_ratios()
+                fast = self._build_chunk_fast(request, self._fast_limits, ratios, self._admit_work)
+                if fast is not None:  # else the request needs the general path (errors included)
+                    answer, requests, tokens, seconds = fast
+                    backend_seconds, batch_requests, query_tokens = self._fast_metrics
+                    backend_seconds.observe(seconds)
+                    batch_requests.observe(requests)
+                    query_tokens.observe(tokens)
+            if answer is None:
+                parsed = parse_request(method, request, where) if isinstance(request, bytes) else request
+                answer = self._handlers[method](parsed)
             ticket = caller.ticket
             if ticket is not None and ticket.nbytes > len(answer) * caller.held_per_answer_byte:
                 # smaller than reserved (the fast path reserves an estimate); protobuf's held bytes without a frame
@@ -238,22 +251,6 @@ class DataPlane:
                 self.metrics.child(self.metrics.request_errors_total, method, code.name).inc()
             in_flight.dec()
             self.last_call_end = time.monotonic()
-
-    def _answer(self, method: str, request: object, where: str) -> bytes:
-        if isinstance(request, bytes):
-            if method == "BuildChunk" and self._build_chunk_fast is not None:
-                # service/compute/fastpath.c's answer; admission is the general path's (_admit_work)
-                ratios = self._fast_admitted if self._fast_admitted_known else self._admitted_ratios()
-                served = self._build_chunk_fast(request, self._fast_limits, ratios, self._admit_work)
-                if served is not None:  # else the request needs the general path (errors included)
-                    response, requests, tokens, seconds = served
-                    backend_seconds, batch_requests, query_tokens = self._fast_metrics
-                    backend_seconds.observe(seconds)
-                    batch_requests.observe(requests)
-                    query_tokens.observe(tokens)
-                    return response
-            request = parse_request(method, request, where)
-        return self._handlers[method](request)
 
     def unknown_method(self) -> None:
         """Count a call to a method the service does not have (the transport answers UNIMPLEMENTED)."""

@@ -34,17 +34,17 @@ REQUEST_ID_HEADER = "x-request-id"
 # replaced by a generated id.
 MAX_REQUEST_ID_CHARS = 128
 _VALID_REQUEST_ID = re.compile(rf"[A-Za-z0-9._:/+=@-]{{1,{MAX_REQUEST_ID_CHARS}}}").fullmatch
-# Generated ids: a random prefix per process and a counter, unique across the replicas without a random draw
-# per call (itertools.count's next() is atomic under the GIL).
-_ID_PREFIX = os.urandom(6).hex()
-_ID_COUNTER = itertools.count(1)
+# Generated ids, ``next(NEW_REQUEST_IDS)``: a random prefix per process and a counter, unique across the replicas
+# without a random draw per call; a map over itertools.count, so a new id is made in C, without a Python frame, and
+# atomically under the GIL.
+NEW_REQUEST_IDS = map(f"{os.urandom(6).hex()}-{{:x}}".format, itertools.count(1))
 
 
 def request_id_from(supplied: str | None) -> str:
     """The caller's id when it is a safe one, else a new one."""
     if supplied and _VALID_REQUEST_ID(supplied):
         return supplied
-    return f"{_ID_PREFIX}-{next(_ID_COUNTER):x}"
+    return next(NEW_REQUEST_IDS)
 
 
 def utc_timestamp(created: float) -> str:

@@ -34,7 +34,7 @@ from indexer_service.service.codec import SERVICE_NAME
 from indexer_service.service.config import ServiceConfig
 from indexer_service.service.dataplane import DataPlane
 from indexer_service.service.errors import Code, ServiceError, Shed, UnknownMethod
-from indexer_service.service.logs import REQUEST_ID, REQUEST_ID_HEADER, request_id_from
+from indexer_service.service.logs import NEW_REQUEST_IDS, REQUEST_ID, REQUEST_ID_HEADER, request_id_from
 from indexer_service.service.metrics import UNKNOWN_METHOD
 from indexer_service.service.overload.admission import Caller, DrainWatchdog
 from indexer_service.service.overload.limits import max_request_bytes
@@ -263,6 +263,7 @@ def served(
     polling thread); a small BuildChunk cost +40-60 us of server CPU and +120-150 us of wall time per call that
     way, the trailers nothing above the noise (docs/service.md, "Request ids")."""
     failed, tracer = plane.failed_calls, plane.tracer
+    debug = log.isEnabledFor(logging.DEBUG)  # the level is set once, at start, before the server is made
 
     def behavior(request: object, context: grpc.ServicerContext) -> object:
         started.value = True  # RpcThreadPool's flag, set here rather than by a method: a frame fewer
@@ -273,7 +274,7 @@ def served(
             if key == REQUEST_ID_HEADER:
                 supplied = value
                 break
-        request_id = request_id_from(supplied)
+        request_id = next(NEW_REQUEST_IDS) if supplied is None else request_id_from(supplied)
         context.set_trailing_metadata(((REQUEST_ID_HEADER, request_id),))
         token = REQUEST_ID.set(request_id)
         span = None if tracer is None else tracer.start("grpc", method, request_id, dict(metadata))
@@ -301,7 +302,7 @@ def served(
                     details = details.decode(errors="replace")
                 milliseconds = (time.perf_counter() - start) * 1e3
                 failed.record("rpc", method, code.name, details, context.peer(), milliseconds)
-            elif log.isEnabledFor(logging.DEBUG):
+            elif debug:
                 milliseconds = (time.perf_counter() - start) * 1e3
                 log.debug("rpc method=%s code=OK ms=%.3f peer=%s", method, milliseconds, context.peer())
             if span is not None:
