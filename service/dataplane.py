@@ -55,7 +55,7 @@ from indexer_service.service.errors import (
     Shed,
 )
 from indexer_service.service.logs import FailedCallLog
-from indexer_service.service.metrics import UNKNOWN_METHOD, Metrics
+from indexer_service.service.metrics import UNKNOWN_METHOD, Metrics, observe_together
 from indexer_service.service.overload.admission import Admission, Caller, Refused, default_response_budget
 from indexer_service.service.overload.limits import RequestLimits, fast_path_limits
 from indexer_service.service.reasons import ShedReason
@@ -165,14 +165,17 @@ class DataPlane:
             )
             for method in RPCS
         }
-        # The compiled fast path (None: the backend has none) and its three observations' children, resolved once
-        # (only with a fast path: its backend series exists only where one can serve).
+        # The compiled fast path (None: the backend has none) and a served call's four observations, recorded
+        # together (only with a fast path: its backend series exists only where one can serve).
         self._build_chunk_fast = backend.build_chunk_fast
         if self._build_chunk_fast is not None:
-            self._fast_metrics = (
-                metrics.child(metrics.backend_duration_seconds, "BuildChunk", FAST_PATH_BACKEND),
-                metrics.child(metrics.request_batch_requests, "BuildChunk"),
-                metrics.child(metrics.request_query_tokens, "BuildChunk"),
+            self._observe_fast_call = observe_together(
+                (
+                    self._call_metrics["BuildChunk"][1],
+                    metrics.child(metrics.backend_duration_seconds, "BuildChunk", FAST_PATH_BACKEND),
+                    metrics.child(metrics.request_batch_requests, "BuildChunk"),
+                    metrics.child(metrics.request_query_tokens, "BuildChunk"),
+                )
             )
         self._handlers: dict[str, Callable[[Message], bytes]] = {
             "BuildChunk": self._build_chunk,
@@ -195,6 +198,7 @@ class DataPlane:
         in_flight.inc()
         start = time.perf_counter()
         code = Code.OK
+        fast = None  # the fast path's (answer, requests, query tokens, seconds), once it has answered
         local = caller is None
         if local:
             caller = Caller()
@@ -206,18 +210,13 @@ class DataPlane:
                 if not self.warmup.finished_ok:
                     raise NotReady(f"not ready: {self.readiness.not_ready_reason()}")
                 self._warmed = True  # for good: a warmup that finished well never runs again
-            answer = None
             if self._build_chunk_fast is not None and method == "BuildChunk" and isinstance(request, bytes):
                 # service/compute/fastpath.c's answer; admission is the general path's (_admit_work)
                 ratios = self._fast_admitted if self._fast_admitted_known else self._admitted_ratios()
                 fast = self._build_chunk_fast(request, self._fast_limits, ratios, self._admit_work)
-                if fast is not None:  # else the request needs the general path (errors included)
-                    answer, requests, tokens, seconds = fast
-                    backend_seconds, batch_requests, query_tokens = self._fast_metrics
-                    backend_seconds.observe(seconds)
-                    batch_requests.observe(requests)
-                    query_tokens.observe(tokens)
-            if answer is None:
+            if fast is not None:  # else the request needs the general path (errors included)
+                answer = fast[0]
+            else:
                 parsed = parse_request(method, request, where) if isinstance(request, bytes) else request
                 answer = self._handlers[method](parsed)
             ticket = caller.ticket
@@ -241,14 +240,14 @@ class DataPlane:
                 self.admission.lane.release()
             if caller.ticket is not None and (local or code is not Code.OK):
                 caller.ticket.release()
-            served = (
-                served_ok
-                if code is Code.OK
-                else self.metrics.child(self.metrics.request_duration_seconds, method, code.name)
-            )
-            served.observe(time.perf_counter() - start)
+            duration = time.perf_counter() - start
             if code is not Code.OK:
+                self.metrics.child(self.metrics.request_duration_seconds, method, code.name).observe(duration)
                 self.metrics.child(self.metrics.request_errors_total, method, code.name).inc()
+            elif fast is not None:  # (nothing after the fast path's answer can fail)
+                self._observe_fast_call(duration, fast[3], fast[1], fast[2])
+            else:
+                served_ok.observe(duration)
             in_flight.dec()
             self.last_call_end = time.monotonic()
 
