@@ -104,7 +104,8 @@ class CallDone(list):
     """What :meth:`RpcThreadPool.submit` returns for a call: grpcio asks of it only ``add_done_callback`` (its
     callback counts the call out of the server's active calls), never a result or an exception, so it is not a
     ``concurrent.futures.Future`` (a ``Condition`` per call, notified on completion). The list of the callbacks not
-    yet run, itself (made without a Python frame); ``done`` once the call has ended.
+    yet run, itself (made without a Python frame); ``done`` once the call has ended. grpcio tests what ``submit``
+    returned with ``is not None``, never by its truth (an empty list is false) nor as a key (a list has no hash).
 
     No lock: whichever of :meth:`add_done_callback` (the polling thread) and :meth:`finish` (the pool thread) comes
     second runs the callbacks, and ``list.pop`` (one step, atomic) hands each to exactly one of them: ``done`` is
