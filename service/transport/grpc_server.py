@@ -158,8 +158,8 @@ class RpcThreadPool:
         self._ids = itertools.count()
         # The calls it holds, queued or running (their number read with ``len``: no method per call).
         self.live: dict[int, None] = {}
-        self._methods: dict[Callable, str] = {}
-        self._refusing: dict[Callable, Callable] = {}
+        # Each watched behaviour's method and refusing twin.
+        self._watched: dict[Callable, tuple[str, Callable]] = {}
         self.refusals = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grpc-refuse")
         # Per thread: whether the call the thread runs has started its behaviour (each behaviour sets ``value``).
         self.started = threading.local()
@@ -170,15 +170,14 @@ class RpcThreadPool:
 
     def watch(self, behavior: Callable, method: str, refusing: Callable) -> None:
         """Calls of ``behavior`` (``method``'s) are counted; past ``max_calls`` they get ``refusing`` instead."""
-        self._methods[behavior] = method
-        self._refusing[behavior] = refusing
+        self._watched[behavior] = (method, refusing)
 
     def submit(self, fn: Callable, /, *args: object) -> CallDone | Future:
         if len(self.live) >= self.max_calls:
-            for i, arg in enumerate(args):
-                refusing = self._refusing.get(arg) if callable(arg) else None
-                if refusing is not None:
-                    return self.refusals.submit(fn, *args[:i], refusing, *args[i + 1 :])
+            i = self._behavior_at(args)
+            if i is not None:
+                refusing = self._watched[args[i]][1]
+                return self.refusals.submit(fn, *args[:i], refusing, *args[i + 1 :])
         call = next(self._ids)
         self.live[call] = None
         done = CallDone()
@@ -197,6 +196,10 @@ class RpcThreadPool:
             thread.join(max(0.0, end - time.monotonic()))
         return sum(thread.is_alive() for thread in self._threads)
 
+    def _behavior_at(self, args: tuple) -> int | None:
+        """Where among grpcio's arguments for a call its watched behaviour is (None: it has none, health say)."""
+        return next((i for i, arg in enumerate(args) if callable(arg) and arg in self._watched), None)
+
     def _work(self) -> None:
         take, live, started = self._queue.get, self.live, self.started
         while (item := take()) is not None:
@@ -209,9 +212,9 @@ class RpcThreadPool:
             finally:
                 del live[call]
                 if not started.value:
-                    method = next((self._methods[a] for a in args if callable(a) and a in self._methods), None)
-                    if method is not None:
-                        self.on_never_started(method)
+                    i = self._behavior_at(args)
+                    if i is not None:
+                        self.on_never_started(self._watched[args[i]][0])
                 done.finish()
 
 
