@@ -221,7 +221,7 @@ class DataPlane:
                 answer = self._handlers[method](parsed)
             ticket = caller.ticket
             if ticket is not None and ticket.nbytes > len(answer) * caller.held_per_answer_byte:
-                # smaller than reserved (the fast path reserves an estimate); protobuf's held bytes without a frame
+                # smaller than reserved (the general path reserves an estimate); protobuf's held bytes without a frame
                 held = len(answer) if caller.held_per_answer_byte == 1.0 else caller.held_bytes(len(answer))
                 ticket.budget.give_back(ticket, held)
             return answer
@@ -289,19 +289,22 @@ class DataPlane:
         if caller is not None:
             self._admit_heavy(caller, CHUNK_COST_BYTES * num_chunks)
 
-    def _admit_work(self, response_bytes: int, num_chunks: int = 1) -> Caller | None:
-        """The heavy lane when the work is heavy, then the answer's bytes in the response budget until the
-        transport releases them, then a last look at the caller (a wait may have outlived it); or refuse (Shed, or
-        CallerGone when the caller left). The call's caller, None outside DataPlane.call (a handler called by a
-        test: nothing to hold). The compiled fast path calls it with its answer's size once the request is known
-        valid (one chunk): a large answer waits for its budget and the heavy lane like any other, and is then
-        written without the GIL."""
+    def _admit_work(self, response_bytes: int, answer_bytes: int | None = None, num_chunks: int = 1) -> Caller | None:
+        """The heavy lane when the work is heavy (by ``response_bytes``, the limits' estimate of the answer), then the
+        answer's bytes in the response budget until the transport releases them (``answer_bytes`` when its exact
+        size is known, else the estimate, given back down to the answer's size once it is written), then a last
+        look at the caller (a wait may have outlived it); or refuse (Shed, or CallerGone when the caller left). The
+        call's caller, None outside DataPlane.call (a handler called by a test: nothing to hold). The compiled fast
+        path calls it with both sizes once the request is known valid (one chunk): a large answer waits for its
+        budget and the heavy lane like any other, and is then written without the GIL."""
         caller = _CALL.get()
         if caller is None:
             return None
         cost_bytes = response_bytes + CHUNK_COST_BYTES * num_chunks
         if cost_bytes > self.admission.heavy_request_bytes:  # tested here too: no frame for a light call
             self._admit_heavy(caller, cost_bytes)
+        if answer_bytes is not None:
+            response_bytes = answer_bytes
         held = response_bytes if caller.held_per_answer_byte == 1.0 else caller.held_bytes(response_bytes)
         try:
             caller.ticket = self.admission.budget.reserve(caller.peer, held, caller)
@@ -324,7 +327,7 @@ class DataPlane:
         and the response size, checked on the host parts before any array is computed."""
         hosts = chunk_host_parts(chunks, valid)
         response_bytes = self.limits.check_sizes(chunks, hosts, omit_token_to_seq)
-        caller = self._admit_work(response_bytes, len(chunks))
+        caller = self._admit_work(response_bytes, num_chunks=len(chunks))
         present = [host for host in hosts if host is not None]
         backend = self.backend.for_request(present, not omit_token_to_seq)
         start = time.perf_counter()

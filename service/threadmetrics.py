@@ -2,12 +2,13 @@
 in a single process; with workers, prometheus_client's own, which write the multiprocess files).
 
 prometheus_client's Histogram takes a lock twice per observation (its sum, then its bucket) and its Gauge once per
-``inc``/``dec``/``set``: a small BuildChunk touched nine of them before these, 9-10 us of its ~20 us in the data
-plane measured in process (benchmarks/RESULTS.md, "issue 20 item 1"). Here each thread that records into a child
-owns its cells (a list nobody else writes), found through a ``threading.local``; a scrape sums every thread's cells.
-A lock is taken only when a thread records into a child for the first time, which also folds the cells of threads
-that have ended into the child's base (so the cells stay as many as the live threads, however often a pool replaces
-its threads), and by a scrape. The exposition is prometheus_client's: the same samples, ``_created`` included.
+``inc``/``dec``/``set``: a small BuildChunk touched nine of them before these, 9-10 us of its ~20 us in the data plane
+measured in process (benchmarks/RESULTS.md, "issue 20 item 1"). Here a gauge of calls in progress is the length of a
+list (:class:`GaugeChild`), and each thread that records into a histogram's child owns its cells (a list nobody else
+writes), found through a ``threading.local``; a scrape sums every thread's cells. A lock is taken only when a thread
+records into a child for the first time, which also folds the cells of threads that have ended into the child's base (so
+the cells stay as many as the live threads, however often a pool replaces its threads), and by a scrape. The exposition
+is prometheus_client's: the same samples, ``_created`` included.
 """
 
 from __future__ import annotations
@@ -178,33 +179,26 @@ class ThreadHistogram(_Family):
 
 
 class GaugeChild:
-    __slots__ = ("_cells", "_local")
+    """A count of things in progress (calls in flight): ``inc()`` one more, ``dec()`` one fewer, by one only. The
+    count is the length of a list that ``inc`` appends to and ``dec`` pops from: both are the list's own methods,
+    C calls without a Python frame (each call of the service moves the gauge twice; a frame is ~1 us of server CPU
+    under load, benchmarks/RESULTS.md, issue 20), and each is one step under the GIL, so no lock and no per-thread
+    cells."""
+
+    __slots__ = ("_moves", "dec", "inc")
 
     def __init__(self) -> None:
-        self._cells = _Cells(1)
-        self._local = self._cells._local
-
-    def inc(self, amount: float = 1.0) -> None:
-        try:  # as HistogramChild.observe
-            cells = self._local.cells
-        except AttributeError:
-            cells = self._cells.mine()
-        cells[0] += amount
-
-    def dec(self, amount: float = 1.0) -> None:
-        try:  # written out, not inc(-amount): a frame fewer on every call's end
-            cells = self._local.cells
-        except AttributeError:
-            cells = self._cells.mine()
-        cells[0] -= amount
+        self._moves: list[None] = []
+        self.inc: Callable[[], None] = functools.partial(self._moves.append, None)
+        self.dec: Callable[[], object] = self._moves.pop
 
     def value(self) -> float:
-        return self._cells.totals()[0]
+        return float(len(self._moves))
 
 
 class ThreadGauge(_Family):
-    """An up-down gauge (``labels(...).inc()`` / ``.dec()``, no ``set``: a set cannot be split over threads)
-    whose updates take no lock."""
+    """An up-down gauge of things in progress (``labels(...).inc()`` / ``.dec()``, by one; no ``set``) whose
+    updates take no lock."""
 
     def _child(self) -> GaugeChild:
         return GaugeChild()

@@ -417,19 +417,27 @@ static void emit_response_head(Writer *w, Py_ssize_t metadata_bytes) {
     put_varint(w, (uint64_t)metadata_bytes);
 }
 
-/* The response bytes with everything but the arrays written, sized by a counting run and then written
- * bounds-checked; the write must end exactly at the end. NULL with RuntimeError when it does not. `size_skew`
- * is 0 except through the test builds' seam, which makes the size pass wrong on purpose. */
-static PyObject *write_response(const Chunk *c, Layout *l, Py_ssize_t size_skew) {
+/* The answer's exact size (a counting run of the code that writes it), and its metadata's part of it. */
+static Py_ssize_t answer_size(const Chunk *c, Py_ssize_t *metadata_bytes) {
     Writer metadata = COUNTING, head = COUNTING;
-    emit_metadata(&metadata, c, l);
+    Layout unused = {.c = c};
+    emit_metadata(&metadata, c, &unused);
     emit_response_head(&head, metadata.count);
-    Py_ssize_t size = head.count + metadata.count + size_skew;
+    *metadata_bytes = metadata.count;
+    return head.count + metadata.count;
+}
+
+/* The response bytes, `size` of them as answer_size counted, with everything but the arrays written, bounds-checked;
+ * the write must end exactly at the end. NULL with RuntimeError when it does not. `size_skew` is 0 except through
+ * the test builds' seam, which makes the size pass wrong on purpose. */
+static PyObject *write_response(const Chunk *c, Layout *l, Py_ssize_t size, Py_ssize_t metadata_bytes,
+                                Py_ssize_t size_skew) {
+    size += size_skew;
     PyObject *response = PyBytes_FromStringAndSize(NULL, size > 0 ? size : 0);
     if (!response) return NULL;
     Writer w = {(uint8_t *)PyBytes_AS_STRING(response), NULL, 0, 0};
     w.end = w.pos + PyBytes_GET_SIZE(response);
-    emit_response_head(&w, metadata.count);
+    emit_response_head(&w, metadata_bytes);
     emit_metadata(&w, c, l);
     if (!w.overrun && w.pos == w.end) return response;
     Py_DECREF(response);
@@ -526,8 +534,9 @@ static int fill_arrays(const Layout *l, double *seconds) {
 
 /* ---- the call ------------------------------------------------------------------------------------------- */
 
-/* Parse, check, admit, size and write: the answer tuple, None to step aside, or NULL with an exception.
- * `admit` (None: no admission) is called with the answer's size estimate once the request is known valid and
+/* Parse, check, size, admit and write: the answer tuple, None to step aside, or NULL with an exception.
+ * `admit` (None: no admission) is called with the general path's estimate of the answer's bytes (what the heavy
+ * lane is decided on) and its exact size (what the response budget holds) once the request is known valid and
  * in limits, before any array is written: it reserves the response budget and the heavy lane, or raises. After
  * it returns, the call no longer steps aside, so what it reserved is the caller's to release. */
 static PyObject *serve(const Py_buffer *request, const Limits *lim, PyObject *admitted, PyObject *admit,
@@ -540,17 +549,20 @@ static PyObject *serve(const Py_buffer *request, const Limits *lim, PyObject *ad
     int rc = check_chunk(&r, batch, admitted, &c);
     if (rc < 0) return NULL;
     if (rc > 0 || check_response(&c, lim)) Py_RETURN_NONE;
+    /* no chunk metadata when there is nothing to build: an empty BuildChunkResponse */
+    Py_ssize_t metadata_bytes = 0, size = c.total == 0 ? 0 : answer_size(&c, &metadata_bytes);
     if (admit != Py_None) {
-        PyObject *admitted_ok = PyObject_CallFunction(admit, "n", (Py_ssize_t)response_estimate(&c, lim));
+        PyObject *admitted_ok =
+            PyObject_CallFunction(admit, "nn", (Py_ssize_t)response_estimate(&c, lim), size);
         if (!admitted_ok) return NULL;
         Py_DECREF(admitted_ok);
     }
-    if (c.total == 0) { /* nothing to build: a BuildChunkResponse without metadata */
+    if (c.total == 0) {
         PyObject *empty = PyBytes_FromStringAndSize(NULL, 0);
         return empty ? Py_BuildValue("(Nnnd)", empty, c.reqs, (Py_ssize_t)0, 0.0) : NULL;
     }
     Layout layout = {.c = &c};
-    PyObject *response = write_response(&c, &layout, size_skew);
+    PyObject *response = write_response(&c, &layout, size, metadata_bytes, size_skew);
     if (!response) return NULL;
     double seconds;
     if (fill_arrays(&layout, &seconds)) {

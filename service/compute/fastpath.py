@@ -35,9 +35,11 @@ class BuildChunk(Protocol):
     None when it is not the common case the C code proves valid (any error, DCP, a limit reached, an unusual
     encoding): the caller then takes the general path.
 
-    ``admitted_ratios``: the normalised compress ratios strict mode admits, or None for any. ``admit(estimate)``:
-    called once the request is valid and within the limits, before any array is written, with an upper bound of
-    the response's bytes; it reserves or raises, and from then on the call never steps aside.
+    ``admitted_ratios``: the normalised compress ratios strict mode admits, or None for any.
+    ``admit(estimate, answer_bytes)``: called once the request is valid and within the limits, before any array is
+    written, with the general path's upper bound of the response's bytes (RequestLimits.check_sizes': what the
+    heavy lane is decided on) and the response's exact size (what the response budget holds); it reserves or
+    raises, and from then on the call never steps aside.
     """
 
     def __call__(
@@ -45,6 +47,6 @@ class BuildChunk(Protocol):
         request: bytes,
         limits: FastPathLimits,
         admitted_ratios: tuple[int, ...] | None,
-        admit: Callable[[int], None] | None = None,
+        admit: Callable[[int, int], None] | None = None,
         /,
     ) -> FastPathAnswer | None: ...

@@ -100,6 +100,17 @@ class _Waiting:
     count: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
 
+    def enter(self, reason: ShedReason) -> None:
+        """One more waiter, or Refused (``reason``'s) when the room is full; :meth:`leave` when the wait is over."""
+        with self.lock:
+            if self.count >= self.limit:
+                raise Refused(reason, f"busy: {self.count} calls already wait for admission; retry with backoff")
+            self.count += 1
+
+    def leave(self) -> None:
+        with self.lock:
+            self.count -= 1
+
 
 class ResponseBudget:
     """The bytes of responses held at once, overall and per connection (see the module docstring)."""
@@ -126,38 +137,34 @@ class ResponseBudget:
         with self._lock:
             return self._held
 
-    def _grant_if_room(self, peer: str, nbytes: int) -> Ticket | None:
-        """``nbytes`` for ``peer`` when they fit (the server's budget, and the connection's share unless it holds
-        nothing yet), else None; under the lock. The rule and the grant in one frame: the call that need not wait
-        (nearly all) pays one Python call here, not two."""
-        mine = self._by_peer.get(peer, 0)
-        if self._held + nbytes > self.limit or (mine and mine + nbytes > self.share):
-            return None
-        self._held += nbytes
-        self._by_peer[peer] = mine + nbytes
-        self._set_held(self._held)
-        return Ticket(self, peer, nbytes)
-
     def reserve(self, peer: str, nbytes: int, caller: Caller) -> Ticket:
-        """``nbytes``, waiting up to ``wait_seconds`` (never past the caller's deadline) for room."""
+        """``nbytes`` for ``peer`` when they fit (the server's budget, and the connection's share unless it holds
+        nothing yet), waiting up to ``wait_seconds`` (never past the caller's deadline) for room. The rule, the grant
+        and the wait in one frame: the call that need not wait (nearly all) pays one Python call here."""
         if nbytes > self.limit:
             raise Refused(
                 ShedReason.MEMORY,
                 f"response: about {nbytes} bytes, above response_budget_bytes {self.limit}; send a smaller batch",
             )
         with self._lock:
-            ticket = self._grant_if_room(peer, nbytes)
-            if ticket is not None:
-                return ticket
-            with _waiting_room(self._waiting, ShedReason.MEMORY):
-                give_up = time.monotonic() + self.wait_seconds
-                self._waiters += 1
-                try:
-                    while (ticket := self._grant_if_room(peer, nbytes)) is None:
-                        _wait(self._cond, give_up, caller, ShedReason.MEMORY, self._full_message(peer, nbytes))
-                finally:
+            give_up = None  # set once the call waits, in the waiting room
+            try:
+                while True:
+                    mine = self._by_peer.get(peer, 0)
+                    if self._held + nbytes <= self.limit and not (mine and mine + nbytes > self.share):
+                        self._held += nbytes
+                        self._by_peer[peer] = mine + nbytes
+                        self._set_held(self._held)
+                        return Ticket(self, peer, nbytes)
+                    if give_up is None:
+                        self._waiting.enter(ShedReason.MEMORY)
+                        give_up = time.monotonic() + self.wait_seconds
+                        self._waiters += 1
+                    _wait(self._cond, give_up, caller, ShedReason.MEMORY, self._full_message(peer, nbytes))
+            finally:
+                if give_up is not None:
                     self._waiters -= 1
-                return ticket
+                    self._waiting.leave()
 
     def _full_message(self, peer: str, nbytes: int) -> str:
         mine = self._by_peer.get(peer, 0)
@@ -217,10 +224,13 @@ class HeavyLane:
                     f"busy: {self.slots} heavy requests (estimated cost above heavy_request_bytes) are being "
                     "computed; retry with backoff or send smaller batches"
                 )
-                with _waiting_room(self._waiting, ShedReason.HEAVY_LANE):
+                self._waiting.enter(ShedReason.HEAVY_LANE)
+                try:
                     give_up = time.monotonic() + self.wait_seconds
                     while self._busy >= self.slots:
                         _wait(self._cond, give_up, caller, ShedReason.HEAVY_LANE, message)
+                finally:
+                    self._waiting.leave()
             self._busy += 1
 
     def release(self) -> None:
@@ -263,19 +273,6 @@ class Caller:
     def held_bytes(self, answer_bytes: int) -> int:
         """What an answer of ``answer_bytes`` protobuf bytes holds in the budget for this caller."""
         return math.ceil(answer_bytes * self.held_per_answer_byte)
-
-
-@contextmanager
-def _waiting_room(waiting: _Waiting, reason: ShedReason) -> Iterator[None]:
-    with waiting.lock:
-        if waiting.count >= waiting.limit:
-            raise Refused(reason, f"busy: {waiting.count} calls already wait for admission; retry with backoff")
-        waiting.count += 1
-    try:
-        yield
-    finally:
-        with waiting.lock:
-            waiting.count -= 1
 
 
 def _wait(cond: threading.Condition, give_up: float, caller: Caller, reason: ShedReason, message: str) -> None:

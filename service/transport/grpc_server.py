@@ -56,18 +56,18 @@ GRPC_STATUS: dict[Code, grpc.StatusCode] = {code: grpc.StatusCode[code.name] for
 
 
 class GrpcCaller(Caller):
-    """A gRPC call as the data plane sees it, one per call. Whether its caller still waits is known without asking
-    gRPC each time (``is_active()`` takes the call's lock and is three Python frames; a build asks twice): the
-    deadline is read once, and :meth:`end`, added with ``add_callback`` when the behaviour starts, runs when the
-    call is over, answered or not (gRPC runs the callbacks once the call has ended, on its polling thread: a
-    cancel, an expiry, or after the status is sent). While the behaviour runs, the call can only end by its caller
-    cancelling or its deadline passing, so ``ended`` then means CANCELLED (or DEADLINE_EXCEEDED: the deadline is
-    read first, as gRPC may handle an expiry late under load). :meth:`end` also releases the answer's budget ticket,
-    so one callback per call does both; a ticket granted after :meth:`end` ran is released by the data plane, whose
-    last look at the caller after the reservation (``gone()``) then sees ``ended``. :meth:`cancel_unread` is what
-    the drain watchdog calls for an answer not read in time."""
+    """A gRPC call as the data plane sees it, one per call. Whether its caller still waits is known without asking gRPC
+    each time (``is_active()`` takes the call's lock and is three Python frames; a build asks twice): the deadline is
+    read once, and :meth:`end`, added with ``add_callback`` when the caller is made (as the behaviour starts), runs when
+    the call is over, answered or not (gRPC runs the callbacks once the call has ended, on its polling thread: a cancel,
+    an expiry, or after the status is sent). While the behaviour runs, the call can only end by its caller cancelling or
+    its deadline passing, so ``ended`` then means CANCELLED (or DEADLINE_EXCEEDED: the deadline is read first, as gRPC
+    may handle an expiry late under load). :meth:`end` also releases the answer's budget ticket, so one callback per
+    call does both; a ticket granted after :meth:`end` ran is released by the data plane, whose last look at the caller
+    after the reservation (``gone()``) then sees ``ended``. ``gone_at_start``: what ``gone()`` said when the caller was
+    made. :meth:`cancel_unread` is what the drain watchdog calls for an answer not read in time."""
 
-    __slots__ = ("_context", "_deadline", "_method", "_plane", "ended")
+    __slots__ = ("_context", "_deadline", "_method", "_plane", "ended", "gone_at_start")
 
     def __init__(self, context: grpc.ServicerContext, plane: DataPlane, method: str) -> None:
         # Caller's fields set here rather than by its __init__, a frame fewer per call (tests/service/test_rpc_pool.py
@@ -81,7 +81,16 @@ class GrpcCaller(Caller):
         self._context = context
         self._plane = plane
         self._method = method
-        self.ended = False
+        self.ended = not context.add_callback(self.end)  # False: the call had already ended
+        # What gone() says now, from what was just read (not by calling it: a frame fewer per call): a call that
+        # waited for a thread may start past its deadline or after its caller left.
+        self.gone_at_start = (
+            Code.DEADLINE_EXCEEDED
+            if remaining is not None and remaining <= 0
+            else Code.CANCELLED
+            if self.ended
+            else None
+        )
 
     def gone(self) -> Code | None:
         if time.time() >= self._deadline:
@@ -285,7 +294,7 @@ def served(
         code = None
         try:
             call = GrpcCaller(context, plane, method)
-            gone = call.gone() if context.add_callback(call.end) else Code.CANCELLED
+            gone = call.gone_at_start
             if gone is not None:
                 plane.shed(method, ShedReason.QUEUE_DEADLINE, f"{gone.name} before the call started")
                 context.abort(GRPC_STATUS[gone], "the caller went away (cancelled, or past its deadline) first")

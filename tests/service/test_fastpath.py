@@ -429,15 +429,18 @@ def test_every_check_answers_as_the_general_path_at_and_past_its_boundary(case: 
 
 
 def test_fast_path_is_admitted_with_the_general_paths_estimate_and_its_heavy_lane() -> None:
-    """The fast path asks admission with the general path's own estimate once the request is known valid, and
-    serves large answers too (written without the GIL): a heavy one takes the heavy lane like any other, and
-    with the lane full it is shed, counted, before any array is written."""
+    """The fast path asks admission with the general path's own estimate (the heavy lane's measure) and its
+    answer's exact size (what the budget holds) once the request is known valid, and serves large answers too
+    (written without the GIL): a heavy one takes the heavy lane like any other, and with the lane full it is shed,
+    counted, before any array is written."""
     data, invalid = _wire(PLAIN), _wire(_replace(PLAIN, req_end=3))
-    estimates: list[int] = []
+    asked: list[tuple[int, int]] = []
     limits = Paths(BASE).fast._fast_limits
-    assert _fastpath.build_chunk(data, limits, None, estimates.append) is not None
-    assert _fastpath.build_chunk(invalid, limits, None, estimates.append) is None
-    assert estimates == [ESTIMATE]  # the invalid request stepped aside before admission
+    answer = _fastpath.build_chunk(data, limits, None, lambda *sizes: asked.append(sizes))
+    assert answer is not None
+    assert _fastpath.build_chunk(invalid, limits, None, lambda *sizes: asked.append(sizes)) is None
+    assert asked == [(ESTIMATE, len(answer[0]))]  # the invalid request stepped aside before admission
+    assert len(answer[0]) < ESTIMATE
 
     lane = {"heavy_request_bytes": ESTIMATE - 1, "heavy_lane_slots": 1, "admission_wait_seconds": 0.05}
     heavy = Paths(dataclasses.replace(BASE, **lane))
