@@ -10,7 +10,8 @@ A reflection stream reads its requests on a thread it holds while open (grpcio's
 read a stream), so streams are bounded (docs/overload.md, "Long-lived streams"): they run on a pool of their own,
 never on the RPC threads; at most ``reflection_max_streams`` are open at once and two per connection
 (streams.REFLECTION_STREAMS_PER_CONNECTION; more are refused with RESOURCE_EXHAUSTED before they take a thread,
-shed ``stream_limit``); a stream that waits longer than ``reflection_idle_seconds`` for a request is cancelled
+shed ``stream_limit``, but for one at a time that waits up to streams.REFLECTION_LAG_SECONDS for its connection's
+last stream to end); a stream that waits longer than ``reflection_idle_seconds`` for a request is cancelled
 (shed ``idle_stream``).
 """
 
@@ -27,7 +28,13 @@ from grpc_reflection.v1alpha import reflection_pb2 as rpb
 
 from indexer_service.service.overload.admission import DrainWatchdog, Watched
 from indexer_service.service.reasons import ShedReason
-from indexer_service.service.transport.streams import REFLECTION_STREAMS_PER_CONNECTION, ShedFn, StreamSlots, on_pool
+from indexer_service.service.transport.streams import (
+    REFLECTION_LAG_SECONDS,
+    REFLECTION_STREAMS_PER_CONNECTION,
+    ShedFn,
+    StreamSlots,
+    on_pool,
+)
 
 V1ALPHA = rpb.DESCRIPTOR.services_by_name["ServerReflection"].full_name
 V1 = V1ALPHA.replace(".v1alpha.", ".v1.")
@@ -133,12 +140,15 @@ class Reflection:
 
     def __init__(self, service_names: Sequence[str], max_streams: int, idle_seconds: float, shed: ShedFn) -> None:
         self.servicer = ReflectionServicer([*service_names, *REFLECTION_NAMES], served_files())
-        self.slots = StreamSlots("reflection streams", REFLECTION_STREAMS_PER_CONNECTION, max_streams)
+        self.slots = StreamSlots(
+            "reflection streams", REFLECTION_STREAMS_PER_CONNECTION, max_streams, REFLECTION_LAG_SECONDS
+        )
         self.shed = shed
         self._idle = DrainWatchdog(idle_seconds)
-        # One thread beyond the slots: open streams hold at most max_streams threads, so a stream over a limit is
-        # always refused at once, never queued behind the open ones.
-        self.pool = ThreadPoolExecutor(max_workers=max_streams + 1, thread_name_prefix="reflection")
+        # Two threads beyond the slots: open streams hold at most max_streams threads and the one stream that waits
+        # for its connection's lagging slot (StreamSlots.lag_seconds) one more, so a stream over a limit is always
+        # refused at once, never queued behind the open ones.
+        self.pool = ThreadPoolExecutor(max_workers=max_streams + 2, thread_name_prefix="reflection")
         method = grpc.stream_stream_rpc_method_handler(
             on_pool(self._serve, self.pool),
             request_deserializer=rpb.ServerReflectionRequest.FromString,

@@ -22,26 +22,40 @@ ShedFn = Callable[[str, ShedReason, str], None]  # (method, reason, detail): Dat
 
 # Health Watch streams one connection may hold at once: one per name a client watches ("" and the service).
 WATCH_STREAMS_PER_CONNECTION = 4
-# Server reflection streams one connection may hold at once: 2, not 1, because a client that asks one question per
+# Server reflection streams one connection may hold at once: 2, not 1, and a stream over it waits up to
+# REFLECTION_LAG_SECONDS for one of its connection's streams to end, because a client that asks one question per
 # stream (grpcio's ProtoReflectionDescriptorDatabase, as grpcurl's commands) opens its next stream as soon as it has
-# the last answer, before the server's handler has returned and released the last stream's slot: with 1, the
-# standard Python client's second question was refused now and then (a fresh-clone CI run).
+# the last answer, before the server's handler has returned and released the last stream's slot: with 1 and no
+# wait, the standard Python client's second question was refused now and then; with 2 and no wait, on a loaded
+# machine, now and then its third (fresh-clone CI runs).
 REFLECTION_STREAMS_PER_CONNECTION = 2
+REFLECTION_LAG_SECONDS = 0.5
 
 
 class StreamSlots:
     """Open streams of one kind, per connection (at most ``per_connection``) and in all (at most ``total``,
-    None: no total beyond what the connection caps allow)."""
+    None: no total beyond what the connection caps allow). ``lag_seconds`` above 0: a stream over its connection's
+    cap waits up to that long for one of the connection's streams to end before it is refused (a client that opens
+    its next stream as the last one's answer arrives is ahead of the server's release); one such wait at a time in
+    all, so waits hold at most one thread, and any other stream over a cap is refused at once."""
 
-    def __init__(self, kind: str, per_connection: int, total: int | None = None) -> None:
+    def __init__(self, kind: str, per_connection: int, total: int | None = None, lag_seconds: float = 0.0) -> None:
         self.kind, self.per_connection, self.total = kind, per_connection, total
-        self._lock = threading.Lock()
+        self.lag_seconds = lag_seconds
+        self._lock = threading.Condition()  # notified by give_back while a stream waits
         self._by_peer: Counter[str] = Counter()
         self.open = 0
+        self._waiting = False
 
     def take(self, peer: str) -> str | None:
         """Take a slot for a stream of ``peer``: None when taken, else why not (the caller's error message)."""
         with self._lock:
+            if self._by_peer[peer] >= self.per_connection and self.lag_seconds > 0 and not self._waiting:
+                self._waiting = True
+                try:
+                    self._lock.wait_for(lambda: self._by_peer[peer] < self.per_connection, self.lag_seconds)
+                finally:
+                    self._waiting = False
             if self._by_peer[peer] >= self.per_connection:
                 return f"{self.kind}: this connection already has {self.per_connection} open; close one first"
             if self.total is not None and self.open >= self.total:
@@ -66,6 +80,8 @@ class StreamSlots:
             self._by_peer[peer] -= 1
             if self._by_peer[peer] <= 0:
                 del self._by_peer[peer]
+            if self._waiting:
+                self._lock.notify_all()
 
 
 def on_pool(behaviour: Callable, pool: ThreadPoolExecutor, non_blocking: bool = False) -> Callable:
