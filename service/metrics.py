@@ -17,20 +17,14 @@ from __future__ import annotations
 
 import fcntl
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
 from indexer_service.service.reasons import HttpRefusal, Port, RestartReason
-from indexer_service.service.threadmetrics import (
-    HistogramChild,
-    LevelGauge,
-    ObservationGroup,
-    ThreadGauge,
-    ThreadHistogram,
-)
+from indexer_service.service.threadmetrics import LevelGauge, ThreadGauge, ThreadHistogram
 from indexer_service.service.version import build_labels
 
 M = TypeVar("M", Counter, Gauge, Histogram, ThreadGauge, ThreadHistogram)
@@ -59,19 +53,6 @@ def per_call_histogram(
     if multiprocess_dir() is None:
         return ThreadHistogram(name, documentation, labelnames, buckets, registry)
     return Histogram(name, documentation, labelnames, buckets=buckets, registry=registry)
-
-
-def observe_together(children: Sequence[Histogram | HistogramChild]) -> Callable[..., None]:
-    """``observe(*amounts)``, an amount into each of ``children`` (of :func:`per_call_histogram`) in order: in one
-    Python frame for the lock-free children of a single process, else through each child's own ``observe``."""
-    if all(isinstance(child, HistogramChild) for child in children):
-        return ObservationGroup(children).observe
-
-    def observe(*amounts: float) -> None:
-        for child, amount in zip(children, amounts, strict=True):
-            child.observe(amount)
-
-    return observe
 
 
 def per_call_gauge(

@@ -1,14 +1,14 @@
-"""Histograms and gauges of the per-call path whose updates take no lock (service/metrics.py uses them
-in a single process; with workers, prometheus_client's own, which write the multiprocess files).
+"""Histograms and gauges of the per-call path whose updates take no lock and run no Python frame (service/metrics.py
+uses them in a single process; with workers, prometheus_client's own, which write the multiprocess files).
 
 prometheus_client's Histogram takes a lock twice per observation (its sum, then its bucket) and its Gauge once per
-``inc``/``dec``/``set``: a small BuildChunk touched nine of them before these, 9-10 us of its ~20 us in the data plane
-measured in process (benchmarks/RESULTS.md, "issue 20 item 1"). Here a gauge of calls in progress is the length of a
-list (:class:`GaugeChild`), and each thread that records into a histogram's child owns its cells (a list nobody else
-writes), found through a ``threading.local``; a scrape sums every thread's cells. A lock is taken only when a thread
-records into a child for the first time, which also folds the cells of threads that have ended into the child's base (so
-the cells stay as many as the live threads, however often a pool replaces its threads), and by a scrape. The exposition
-is prometheus_client's: the same samples, ``_created`` included.
+``inc``/``dec``/``set``; a small BuildChunk touched nine of them, 9-10 us of its ~20 us in the data plane measured in
+process (benchmarks/RESULTS.md, "issue 20 item 1"). Here an observation is appended to the child's queue of amounts
+not yet counted (``observe`` is the deque's own ``append``: a C call, one step under the GIL), and the amounts are
+counted into buckets and the sum, in bulk, by whoever reads the child (a scrape) and by a fold every
+:data:`FOLD_SECONDS` on a thread of this module, so the queue holds at most about a second of observations whether
+anything scrapes or not. A gauge of calls in progress is the length of a list (:class:`GaugeChild`). The exposition is
+prometheus_client's: the same samples, ``_created`` included.
 """
 
 from __future__ import annotations
@@ -17,54 +17,17 @@ import functools
 import math
 import threading
 import time
+import weakref
 from bisect import bisect_left
+from collections import Counter, deque
 from collections.abc import Callable, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.metrics_core import GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
 
-
-class _Cells:
-    """One child's cells: each recording thread's list (only it writes), and the base that ended threads' were
-    folded into."""
-
-    __slots__ = ("_base", "_local", "_lock", "_size", "_threads")
-
-    def __init__(self, size: int) -> None:
-        self._size = size
-        self._local = threading.local()
-        self._lock = threading.Lock()
-        self._threads: list[tuple[threading.Thread, list[float]]] = []
-        self._base = [0.0] * size
-
-    def mine(self) -> list[float]:
-        """The calling thread's cells."""
-        try:
-            return self._local.cells
-        except AttributeError:
-            cells = self._local.cells = [0.0] * self._size
-            with self._lock:
-                self._fold_ended()
-                self._threads.append((threading.current_thread(), cells))
-            return cells
-
-    def totals(self) -> list[float]:
-        """Every thread's cells summed (a scrape; a thread may add to its cells meanwhile, as with any
-        unlocked read: each cell is read once, whole)."""
-        with self._lock:
-            self._fold_ended()
-            rows = [self._base, *(cells for _, cells in self._threads)]
-        return [math.fsum(column) for column in zip(*rows, strict=True)]
-
-    def _fold_ended(self) -> None:
-        """Under the lock: the cells of threads that have ended (no writer left) added into the base."""
-        ended = [cells for thread, cells in self._threads if not thread.is_alive()]
-        if ended:
-            self._threads = [(thread, cells) for thread, cells in self._threads if thread.is_alive()]
-            for cells in ended:
-                for i, value in enumerate(cells):
-                    self._base[i] += value
+# How often the queued observations of every histogram child are counted when nothing reads them.
+FOLD_SECONDS = 1.0
 
 
 class _Family:
@@ -109,40 +72,69 @@ class _Family:
 
 
 class HistogramChild:
-    __slots__ = ("_bounds", "_cells", "_local", "created", "observe")
+    """One label set's histogram. ``observe(amount)`` queues the amount (the deque's ``append``: four per small
+    BuildChunk on the fast path, where a Python frame each cost ~1 us of server CPU under load and more on a lone
+    call, benchmarks/RESULTS.md, issue 20); :meth:`totals` counts what is queued, then answers. One counting at a
+    time (the child's lock); the amounts are taken off the queue one ``popleft`` each, so an amount appended meanwhile
+    stays queued for the next, never lost."""
+
+    __slots__ = ("__weakref__", "_bounds", "_counts", "_lock", "_queued", "_sum", "created", "observe")
 
     def __init__(self, bounds: tuple[float, ...]) -> None:
         self._bounds = bounds
-        self._cells = _Cells(len(bounds) + 1)  # a count per bucket (not cumulative), then the sum
-        self._local = self._cells._local
+        self._counts = [0] * len(bounds)  # per bucket, not cumulative
+        self._sum = 0.0
+        self._lock = threading.Lock()
+        self._queued: deque[float] = deque()
+        self.observe: Callable[[float], None] = self._queued.append
         self.created = time.time()
-        # ``observe(amount)``: the one way an observation is recorded, a group of this child alone.
-        self.observe: Callable[[float], None] = ObservationGroup((self,)).observe
+        _FOLDER.add(self)
 
-    def totals(self) -> tuple[list[float], float]:
-        """Each bucket's count (not cumulative) and the sum."""
-        cells = self._cells.totals()
-        return cells[:-1], cells[-1]
+    def fold(self) -> None:
+        """Count the queued amounts into the buckets and the sum."""
+        with self._lock:
+            take = self._queued.popleft
+            amounts = [take() for _ in range(len(self._queued))]
+            if amounts:
+                # the first bucket whose bound is >= the amount: le
+                for bucket, count in Counter(map(functools.partial(bisect_left, self._bounds), amounts)).items():
+                    self._counts[bucket] += count
+                self._sum += math.fsum(amounts)
+
+    def totals(self) -> tuple[list[int], float]:
+        """Each bucket's count (not cumulative) and the sum, what was queued included."""
+        self.fold()
+        with self._lock:
+            return list(self._counts), self._sum
 
 
-class ObservationGroup:
-    """Histogram children a call records into together: ``observe(*amounts)``, one amount per child in order, in
-    one Python frame (~1 us of server CPU each under load: a small BuildChunk on the fast path records four). Each
-    child's cells are the thread's, read here rather than through _Cells.mine() but on a thread's first record."""
+class _Folder:
+    """The thread that counts every live histogram child's queued observations each :data:`FOLD_SECONDS`, started
+    with the first child; children are held weakly (a registry that is dropped takes its children with it)."""
 
-    __slots__ = ("_children",)
+    def __init__(self) -> None:
+        self._children: weakref.WeakSet[HistogramChild] = weakref.WeakSet()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
 
-    def __init__(self, children: Sequence[HistogramChild]) -> None:
-        self._children = tuple(children)
+    def add(self, child: HistogramChild) -> None:
+        with self._lock:
+            self._children.add(child)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="metrics-fold", daemon=True)
+                self._thread.start()
 
-    def observe(self, *amounts: float) -> None:
-        for child, amount in zip(self._children, amounts, strict=True):
-            try:
-                cells = child._local.cells
-            except AttributeError:
-                cells = child._cells.mine()
-            cells[bisect_left(child._bounds, amount)] += 1  # the first bucket whose bound is >= amount: le
-            cells[-1] += amount
+    def _run(self) -> None:
+        while True:
+            time.sleep(FOLD_SECONDS)
+            with self._lock:
+                children = list(self._children)
+            for child in children:
+                child.fold()
+            del children  # no strong reference kept while sleeping
+
+
+_FOLDER = _Folder()
 
 
 class ThreadHistogram(_Family):

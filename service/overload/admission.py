@@ -250,25 +250,30 @@ class HeavyLane:
 
 class Caller:
     """Who a call is for, as its transport sees it: which connection (``peer``), whether the caller still waits
-    (:meth:`gone` returns the :class:`~service.errors.Code` the call ends with once it has cancelled or passed
-    its deadline: CANCELLED or DEADLINE_EXCEEDED; a transport that can tell subclasses it, as
-    service/transport/grpc_server.py's GrpcCaller; this one never knows and answers None), how many bytes the
+    (:meth:`gone` returns the :class:`~service.errors.Code` the call ends with once it has passed its ``deadline``,
+    ``time.time()`` seconds, or ``ended``, set by a transport that learns the caller cancelled: DEADLINE_EXCEEDED or
+    CANCELLED; a transport that cannot tell, as HTTP, leaves no deadline and never ends it), how many bytes the
     transport holds per byte of the protobuf answer until it is sent (``held_per_answer_byte``: 1 for protobuf;
     more for JSON, which holds the answer, the message parsed from it and its text at once), and, once the data plane
     has answered, the budget ``ticket`` of the answer: the transport releases it when the answer has been handed over.
     ``in_heavy_lane`` is the data plane's: whether the call holds a heavy-lane slot, given back when it returns.
     Slotted, one per call."""
 
-    __slots__ = ("held_per_answer_byte", "in_heavy_lane", "peer", "ticket")
+    __slots__ = ("deadline", "ended", "held_per_answer_byte", "in_heavy_lane", "peer", "ticket")
 
     def __init__(self, peer: str = "local", held_per_answer_byte: float = 1.0) -> None:
         self.peer = peer
         self.held_per_answer_byte = held_per_answer_byte
         self.ticket: Ticket | None = None
         self.in_heavy_lane = False
+        self.deadline = math.inf
+        self.ended = False
 
     def gone(self) -> Code | None:
-        return None
+        """The deadline is read first: a transport may learn of an expiry late, as gRPC does under load."""
+        if time.time() >= self.deadline:
+            return Code.DEADLINE_EXCEEDED
+        return Code.CANCELLED if self.ended else None
 
     def held_bytes(self, answer_bytes: int) -> int:
         """What an answer of ``answer_bytes`` protobuf bytes holds in the budget for this caller."""

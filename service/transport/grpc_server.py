@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable
@@ -50,52 +49,59 @@ HEALTH_SERVICE_NAME = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 HEALTH_NAMES = ("", SERVICE_NAME)
 
 Behavior = Callable[[object, grpc.ServicerContext], object]
+Metadata = tuple[tuple[str, str | bytes], ...]
 
 # The data plane's outcomes as gRPC statuses: the one place this transport maps them (same names).
 GRPC_STATUS: dict[Code, grpc.StatusCode] = {code: grpc.StatusCode[code.name] for code in Code}
 
 
 class GrpcCaller(Caller):
-    """A gRPC call as the data plane sees it, one per call. Whether its caller still waits is known without asking gRPC
-    each time (``is_active()`` takes the call's lock and is three Python frames; a build asks twice): the deadline is
-    read once, and :meth:`end`, added with ``add_callback`` when the caller is made (as the behaviour starts), runs when
-    the call is over, answered or not (gRPC runs the callbacks once the call has ended, on its polling thread: a cancel,
-    an expiry, or after the status is sent). While the behaviour runs, the call can only end by its caller cancelling or
-    its deadline passing, so ``ended`` then means CANCELLED (or DEADLINE_EXCEEDED: the deadline is read first, as gRPC
-    may handle an expiry late under load). :meth:`end` also releases the answer's budget ticket, so one callback per
-    call does both; a ticket granted after :meth:`end` ran is released by the data plane, whose last look at the caller
-    after the reservation (``gone()``) then sees ``ended``. ``gone_at_start``: what ``gone()`` said when the caller was
-    made. :meth:`cancel_unread` is what the drain watchdog calls for an answer not read in time."""
+    """A gRPC call as the data plane sees it, one per call, made as the behaviour starts. Whether its caller still
+    waits is known without asking gRPC each time (``is_active()`` takes the call's lock and is three Python frames; a
+    build asks twice): the ``deadline`` is read once, and :meth:`end`, added to the call's callbacks here, runs when
+    the call is over, answered or not (gRPC runs the callbacks once the call has ended, on its polling thread: a
+    cancel, an expiry, or after the status is sent). While the behaviour runs, the call can only end by its caller
+    cancelling or its deadline passing, so ``ended`` then means CANCELLED (or DEADLINE_EXCEEDED: :meth:`gone` reads
+    the deadline first). :meth:`end` also releases the answer's budget ticket, so one callback per call does both; a
+    ticket granted after :meth:`end` ran is released by the data plane, whose last look at the caller after the
+    reservation then sees ``ended``. ``trailers``: the call's trailing metadata, set with the callback under the
+    call's lock. ``gone_at_start``: what :meth:`gone` said when the caller was made. :meth:`cancel_unread` is what the
+    drain watchdog calls for an answer not read in time.
 
-    __slots__ = ("_context", "_deadline", "_method", "_plane", "ended", "gone_at_start")
+    The call's own state in grpcio (``grpc._server``'s ``_Context`` and ``_RPCState``, grpcio 1.85, as
+    service/transport/health.py uses them) is read and written as its public methods do (``peer()``,
+    ``time_remaining()``, ``set_trailing_metadata()``, ``add_callback()``): those were ten Python frames per call,
+    ~6 us of a lone small call (benchmarks/RESULTS.md, issue 20). tests/service/test_grpc_caller.py holds this to
+    the public methods against a real server."""
 
-    def __init__(self, context: grpc.ServicerContext, plane: DataPlane, method: str) -> None:
-        # Caller's fields set here rather than by its __init__, a frame fewer per call (tests/service/test_rpc_pool.py
-        # holds the two equal)
-        self.peer = context.peer()
+    __slots__ = ("_context", "_method", "_plane", "gone_at_start")
+
+    def __init__(self, context: grpc.ServicerContext, plane: DataPlane, method: str, trailers: Metadata) -> None:
+        # Caller's fields set here rather than by its __init__, a frame fewer per call (the tests hold the two equal)
         self.held_per_answer_byte = 1.0
         self.ticket = None
         self.in_heavy_lane = False
-        remaining = context.time_remaining()
-        self._deadline = math.inf if remaining is None else time.time() + remaining
+        call = context._rpc_event
+        self.peer = call.call.peer().decode("utf8", "replace")
+        self.deadline = deadline = call.call_details.deadline  # time.time() seconds (no deadline: ~9.2e18)
         self._context = context
         self._plane = plane
         self._method = method
-        self.ended = not context.add_callback(self.end)  # False: the call had already ended
+        state = context._state
+        state.condition.acquire()  # the call's lock, as grpcio's own methods take it
+        try:
+            state.trailing_metadata = trailers
+            callbacks = state.callbacks  # None: the call has already ended
+            if callbacks is not None:
+                callbacks.append(self.end)
+        finally:
+            state.condition.release()
+        self.ended = callbacks is None
         # What gone() says now, from what was just read (not by calling it: a frame fewer per call): a call that
         # waited for a thread may start past its deadline or after its caller left.
         self.gone_at_start = (
-            Code.DEADLINE_EXCEEDED
-            if remaining is not None and remaining <= 0
-            else Code.CANCELLED
-            if self.ended
-            else None
+            Code.DEADLINE_EXCEEDED if time.time() >= deadline else Code.CANCELLED if self.ended else None
         )
-
-    def gone(self) -> Code | None:
-        if time.time() >= self._deadline:
-            return Code.DEADLINE_EXCEEDED
-        return Code.CANCELLED if self.ended else None
 
     def end(self) -> None:
         self.ended = True
@@ -281,19 +287,18 @@ def served(
     def behavior(request: object, context: grpc.ServicerContext) -> object:
         started.value = True  # RpcThreadPool's flag, set here rather than by a method: a frame fewer
         start = time.perf_counter()
-        metadata = context.invocation_metadata()
+        metadata = context._rpc_event.invocation_metadata  # invocation_metadata() without its frame (GrpcCaller)
         supplied = None
         for key, value in metadata:  # a loop, not next() over a generator: half the cost
             if key == REQUEST_ID_HEADER:
                 supplied = value
                 break
         request_id = next(NEW_REQUEST_IDS) if supplied is None else request_id_from(supplied)
-        context.set_trailing_metadata(((REQUEST_ID_HEADER, request_id),))
         token = REQUEST_ID.set(request_id)
         span = None if tracer is None else tracer.start("grpc", method, request_id, dict(metadata))
         code = None
         try:
-            call = GrpcCaller(context, plane, method)
+            call = GrpcCaller(context, plane, method, ((REQUEST_ID_HEADER, request_id),))
             gone = call.gone_at_start
             if gone is not None:
                 plane.shed(method, ShedReason.QUEUE_DEADLINE, f"{gone.name} before the call started")

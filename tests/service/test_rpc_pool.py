@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
 
 import grpc
 import numpy as np
@@ -17,12 +16,9 @@ from indexer_service.kernels.inputs import ChunkInputs
 from indexer_service.protos.indexer.v1 import indexer_pb2_grpc as pb_grpc
 from indexer_service.service import codec
 from indexer_service.service.config import load_config
-from indexer_service.service.errors import Code
-from indexer_service.service.overload.admission import Caller
 from indexer_service.service.transport.grpc_server import (
     HEALTH_NAMES,
     CallDone,
-    GrpcCaller,
     RpcThreadPool,
     create_grpc_server,
 )
@@ -192,52 +188,3 @@ def test_stopping_the_server_ends_its_rpc_threads() -> None:
         server.stop(1.0)
     threads = server.pool._threads
     assert len(threads) == config.grpc_workers and not any(thread.is_alive() for thread in threads)
-
-
-class _Context:
-    """What GrpcCaller reads of a gRPC call's context when it is made: a call still open (``ended`` False), with
-    ``remaining`` seconds to its deadline (None: none)."""
-
-    def __init__(self, remaining: float | None = None, ended: bool = False) -> None:
-        self.remaining, self.ended, self.callbacks = remaining, ended, []
-
-    def peer(self) -> str:
-        return "ipv4:127.0.0.1:5000"
-
-    def time_remaining(self) -> float | None:
-        return self.remaining
-
-    def add_callback(self, callback: Callable[[], None]) -> bool:  # as grpcio's: False once the call has ended
-        if self.ended:
-            return False
-        self.callbacks.append(callback)
-        return True
-
-
-def test_a_grpc_caller_starts_as_a_caller_would() -> None:
-    # GrpcCaller sets Caller's fields itself (a frame fewer per call than Caller.__init__): every one, as it does.
-    made, plain = GrpcCaller(_Context(), None, "BuildChunk"), Caller("ipv4:127.0.0.1:5000")
-    assert {name: getattr(made, name) for name in Caller.__slots__} == {
-        name: getattr(plain, name) for name in Caller.__slots__
-    }
-    assert made.gone() is None
-
-
-@pytest.mark.parametrize(
-    ("remaining", "ended", "gone"),
-    [
-        (None, False, None),
-        (5.0, False, None),
-        (0.0, False, Code.DEADLINE_EXCEEDED),
-        (-1.0, True, Code.DEADLINE_EXCEEDED),  # the deadline is read first, as gone() does
-        (5.0, True, Code.CANCELLED),
-    ],
-    ids=["no-deadline", "in-time", "deadline-now", "past-deadline-and-ended", "ended"],
-)
-def test_a_grpc_caller_knows_at_start_whether_its_caller_has_gone(
-    remaining: float | None, ended: bool, gone: Code | None
-) -> None:
-    context = _Context(remaining, ended)
-    caller = GrpcCaller(context, None, "BuildChunk")
-    assert caller.gone_at_start is gone and caller.gone() is gone  # the two readings agree
-    assert context.callbacks == ([] if ended else [caller.end])  # end() runs when the call ends

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 
 import pytest
 from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from indexer_service.service.metrics import LATENCY_BUCKETS
-from indexer_service.service.threadmetrics import LevelGauge, ThreadGauge, ThreadHistogram
+from indexer_service.service.threadmetrics import FOLD_SECONDS, LevelGauge, ThreadGauge, ThreadHistogram
 
 
 def samples(registry: CollectorRegistry) -> dict[tuple[str, tuple], float]:
@@ -26,7 +27,7 @@ def samples(registry: CollectorRegistry) -> dict[tuple[str, tuple], float]:
 
 
 def same(ours: CollectorRegistry, theirs: CollectorRegistry) -> bool:
-    """The same samples with the same values (sums to rounding: ours adds each thread's apart)."""
+    """The same samples with the same values (sums to rounding: ours adds the queued amounts in batches)."""
     mine, reference = samples(ours), samples(theirs)
     return mine.keys() == reference.keys() and all(math.isclose(mine[k], reference[k]) for k in mine)
 
@@ -44,14 +45,14 @@ def test_thread_histogram_exposes_what_prometheus_client_does() -> None:
                 reference.labels(method, "OK").observe(value * n)
 
     threads = [threading.Thread(target=record, args=(n,)) for n in range(1, 9)]
-    for thread in threads[:4]:  # these end before the others start: their cells are folded into the base
+    for thread in threads[:4]:  # these end before the others start
         thread.start()
         thread.join()
     for thread in threads[4:]:
         thread.start()
     for thread in threads[4:]:
         thread.join()
-    record(1)  # this thread's own cells, still alive
+    record(1)  # and this thread's own
     assert same(ours, theirs)
     assert 'x_seconds_created{code="OK",method="BuildChunk"}' in generate_latest(ours).decode()
 
@@ -101,3 +102,41 @@ def test_level_gauge_exposes_its_last_value_as_prometheus_client_does() -> None:
         reference.set(value)
     assert same(ours, theirs)
     assert samples(ours)[("held_bytes", ())] == 3
+
+
+def test_observations_queued_while_others_are_counted_are_never_lost() -> None:
+    histogram = ThreadHistogram("z_seconds", "Help.", ["method"], LATENCY_BUCKETS, CollectorRegistry())
+    child, per_thread, stop = histogram.labels("BuildChunk"), 20_000, threading.Event()
+
+    def record() -> None:
+        for _ in range(per_thread):
+            child.observe(0.003)
+
+    def count() -> None:  # a scrape, over and over, while the observations are made
+        while not stop.is_set():
+            child.totals()
+
+    counter = threading.Thread(target=count)
+    counter.start()
+    threads = [threading.Thread(target=record) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    stop.set()
+    counter.join()
+    counts, total = child.totals()
+    assert sum(counts) == 4 * per_thread and counts[LATENCY_BUCKETS.index(0.005)] == 4 * per_thread
+    assert total == pytest.approx(4 * per_thread * 0.003)
+
+
+def test_queued_observations_are_counted_without_a_scrape() -> None:
+    # The module's fold thread keeps the queue to about a second of observations where nothing scrapes.
+    child = ThreadHistogram("w_seconds", "Help.", [], LATENCY_BUCKETS, CollectorRegistry()).labels()
+    for _ in range(1000):
+        child.observe(0.5)
+    deadline = time.monotonic() + 5 * FOLD_SECONDS
+    while len(child._queued) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not child._queued
+    assert sum(child.totals()[0]) == 1000
