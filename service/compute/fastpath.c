@@ -115,7 +115,17 @@ static const struct {
 /* The names as interned strings, made once at import: a lookup per call then hashes nothing. */
 static PyObject *limit_names[NUM_LIMIT_FIELDS];
 
+/* The last limits object read and what it held: the data plane passes the same FastPathLimits on every call, so its
+ * six attributes are read once, not per call (each lookup ~0.1 us). Only a tuple (a NamedTuple) is remembered: its
+ * fields cannot change; any other object is read each time. Under the GIL, as every call here. */
+static PyObject *last_limits;
+static Limits last_lim;
+
 static int read_limits(PyObject *limits, Limits *lim) {
+    if (limits == last_limits) {
+        *lim = last_lim;
+        return 0;
+    }
     for (size_t i = 0; i < NUM_LIMIT_FIELDS; i++) {
         PyObject *value = PyObject_GetAttr(limits, limit_names[i]);
         if (!value) return -1;
@@ -123,6 +133,11 @@ static int read_limits(PyObject *limits, Limits *lim) {
         Py_DECREF(value);
         if (number == -1 && PyErr_Occurred()) return -1;
         *(long long *)((char *)lim + LIMIT_FIELDS[i].offset) = number;
+    }
+    if (PyTuple_Check(limits)) {
+        Py_INCREF(limits);
+        Py_XSETREF(last_limits, limits);
+        last_lim = *lim;
     }
     return 0;
 }
@@ -534,6 +549,18 @@ static int fill_arrays(const Layout *l, double *seconds) {
 
 /* ---- the call ------------------------------------------------------------------------------------------- */
 
+/* The answer tuple (response, requests, query rows, seconds), taking over `response`; NULL with an exception. */
+static PyObject *answer(PyObject *response, Py_ssize_t reqs, Py_ssize_t rows, double seconds) {
+    if (!response) return NULL;
+    PyObject *items[4] = {response, PyLong_FromSsize_t(reqs), PyLong_FromSsize_t(rows), PyFloat_FromDouble(seconds)};
+    PyObject *tuple = items[1] && items[2] && items[3] ? PyTuple_New(4) : NULL;
+    for (Py_ssize_t i = 0; i < 4; i++) {
+        if (tuple) PyTuple_SET_ITEM(tuple, i, items[i]);
+        else Py_XDECREF(items[i]);
+    }
+    return tuple;
+}
+
 /* Parse, check, size, admit and write: the answer tuple, None to step aside, or NULL with an exception.
  * `admit` (None: no admission) is called with the general path's estimate of the answer's bytes (what the heavy
  * lane is decided on) and its exact size (what the response budget holds) once the request is known valid and
@@ -552,15 +579,14 @@ static PyObject *serve(const Py_buffer *request, const Limits *lim, PyObject *ad
     /* no chunk metadata when there is nothing to build: an empty BuildChunkResponse */
     Py_ssize_t metadata_bytes = 0, size = c.total == 0 ? 0 : answer_size(&c, &metadata_bytes);
     if (admit != Py_None) {
-        PyObject *admitted_ok =
-            PyObject_CallFunction(admit, "nn", (Py_ssize_t)response_estimate(&c, lim), size);
+        PyObject *sizes[2] = {PyLong_FromSsize_t((Py_ssize_t)response_estimate(&c, lim)), PyLong_FromSsize_t(size)};
+        PyObject *admitted_ok = sizes[0] && sizes[1] ? PyObject_Vectorcall(admit, sizes, 2, NULL) : NULL;
+        Py_XDECREF(sizes[0]);
+        Py_XDECREF(sizes[1]);
         if (!admitted_ok) return NULL;
         Py_DECREF(admitted_ok);
     }
-    if (c.total == 0) {
-        PyObject *empty = PyBytes_FromStringAndSize(NULL, 0);
-        return empty ? Py_BuildValue("(Nnnd)", empty, c.reqs, (Py_ssize_t)0, 0.0) : NULL;
-    }
+    if (c.total == 0) return answer(PyBytes_FromStringAndSize(NULL, 0), c.reqs, 0, 0.0);
     Layout layout = {.c = &c};
     PyObject *response = write_response(&c, &layout, size, metadata_bytes, size_skew);
     if (!response) return NULL;
@@ -570,14 +596,21 @@ static PyObject *serve(const Py_buffer *request, const Limits *lim, PyObject *ad
         return PyErr_Format(PyExc_RuntimeError, "_fastpath: the arrays disagree with their size pass (the "
                                                 "request's buffer changed during the call?)");
     }
-    return Py_BuildValue("(Nnnd)", response, c.reqs, (Py_ssize_t)(c.rows_stop - c.rows_start), seconds);
+    return answer(response, c.reqs, (Py_ssize_t)(c.rows_stop - c.rows_start), seconds);
 }
 
-static PyObject *build_chunk_skewed(PyObject *args, Py_ssize_t size_skew) {
+/* build_chunk's arguments (request, limits, admitted_ratios, admit=None), positional, as a fast call: what
+ * PyArg_ParseTuple's "y*OO|O" would accept, without building an argument tuple per call. */
+static PyObject *build_chunk_skewed(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t size_skew) {
+    if (nargs < 3 || nargs > 4) {
+        return PyErr_Format(PyExc_TypeError, "build_chunk() takes from 3 to 4 positional arguments (%zd given)",
+                            nargs);
+    }
+    if (PyUnicode_Check(args[0])) return PyErr_Format(PyExc_TypeError, "build_chunk(): request must be bytes-like");
     Py_buffer buffer;
     Limits lim;
-    PyObject *limits, *admitted, *admit = Py_None;
-    if (!PyArg_ParseTuple(args, "y*OO|O:build_chunk", &buffer, &limits, &admitted, &admit)) return NULL;
+    PyObject *limits = args[1], *admitted = args[2], *admit = nargs == 4 ? args[3] : Py_None;
+    if (PyObject_GetBuffer(args[0], &buffer, PyBUF_SIMPLE) < 0) return NULL;
     if (read_limits(limits, &lim) < 0) {
         PyBuffer_Release(&buffer);
         return NULL;
@@ -595,9 +628,9 @@ PyDoc_STRVAR(build_chunk_doc,
 "indexer_service.service.compute.fastpath.BuildChunk. The arrays are written without the GIL when large.\n"
 "RuntimeError if its size and write passes disagree (a bug).");
 
-static PyObject *build_chunk(PyObject *self, PyObject *args) {
+static PyObject *build_chunk(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    return build_chunk_skewed(args, 0);
+    return build_chunk_skewed(args, nargs, 0);
 }
 
 #ifdef FASTPATH_TEST_SEAMS
@@ -608,16 +641,13 @@ static PyObject *build_chunk_with_size_skew(PyObject *self, PyObject *args) {
     PyObject *request, *limits, *admitted;
     Py_ssize_t skew;
     if (!PyArg_ParseTuple(args, "OOOn:_build_chunk_with_size_skew", &request, &limits, &admitted, &skew)) return NULL;
-    PyObject *rest = PyTuple_Pack(3, request, limits, admitted);
-    if (!rest) return NULL;
-    PyObject *result = build_chunk_skewed(rest, skew);
-    Py_DECREF(rest);
-    return result;
+    PyObject *rest[3] = {request, limits, admitted};
+    return build_chunk_skewed(rest, 3, skew);
 }
 #endif
 
 static PyMethodDef methods[] = {
-    {"build_chunk", build_chunk, METH_VARARGS, build_chunk_doc},
+    {"build_chunk", (PyCFunction)(void (*)(void))build_chunk, METH_FASTCALL, build_chunk_doc},
 #ifdef FASTPATH_TEST_SEAMS
     {"_build_chunk_with_size_skew", build_chunk_with_size_skew, METH_VARARGS, NULL},
 #endif

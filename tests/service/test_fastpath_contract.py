@@ -74,3 +74,14 @@ def test_limits_are_read_by_name_not_by_position():
         _fastpath.build_chunk(data, reordered, None)
     with pytest.raises(AttributeError):
         _fastpath.build_chunk(data, tuple(limits), None)  # a bare tuple has no names: no silent positional read
+
+
+def test_a_remembered_limits_object_never_answers_for_another():
+    """The C code remembers the last FastPathLimits it read: each call still follows its own limits object."""
+    limits = fast_path_limits(load_config({"warmup_target": "none"}, env={}))
+    tight = limits._replace(max_num_seqs=2)  # the request below has 3 sequences: over it, so the call steps aside
+    data = codec.chunk_inputs_to_proto(ChunkInputs(np.array([0, 1, 4, 9]), np.array([20, 10, 5]), 4, 1, 3))
+    data = data.SerializeToString()
+    for _ in range(2):
+        assert _fastpath.build_chunk(data, limits, None) is not None
+        assert _fastpath.build_chunk(data, tight, None) is None
