@@ -88,8 +88,6 @@ class Ticket:
 
     def release(self) -> None:
         self.budget.give_back(self, None)
-        if self.forget is not None:
-            self.forget()
 
 
 @dataclass
@@ -180,8 +178,9 @@ class ResponseBudget:
 
     def give_back(self, ticket: Ticket, keep: int | None) -> None:
         """``ticket`` down to ``keep`` bytes (the response turned out smaller than reserved), or released (``keep``
-        None; :meth:`Ticket.release`): once released, it gives back nothing more. One frame for the rule and the
-        books, called as it is (not through a method of the ticket): a shrink and a release on most calls."""
+        None; :meth:`Ticket.release`, and the watchdog's ``forget`` called): once released, it gives back nothing more.
+        One frame for the rule, the books and the forgetting, called as it is (not through a method of the ticket) on
+        the per-call paths: a release on every call, on gRPC's polling thread."""
         with self._lock:
             if ticket.released:
                 return
@@ -202,6 +201,8 @@ class ResponseBudget:
             self._set_held(self._held)
             if self._waiters:
                 self._cond.notify_all()
+        if keep is None and ticket.forget is not None:  # outside the lock: the watchdog's entry, a dict's pop
+            ticket.forget()
 
 
 class HeavyLane:

@@ -105,8 +105,9 @@ class GrpcCaller(Caller):
 
     def end(self) -> None:
         self.ended = True
-        if self.ticket is not None:
-            self.ticket.release()
+        ticket = self.ticket
+        if ticket is not None:
+            ticket.budget.give_back(ticket, None)  # Ticket.release without its frame
 
     def cancel_unread(self) -> None:
         ticket = self.ticket

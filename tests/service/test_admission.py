@@ -191,6 +191,34 @@ def test_drain_watchdog_keeps_nothing_it_acted_on() -> None:
         watchdog.stop()
 
 
+@pytest.mark.parametrize("release", ["ticket", "budget", "before-watch"])
+def test_a_released_ticket_lets_go_of_what_it_watched_at_once(release: str) -> None:
+    """Released, a ticket drops its watchdog entry at once, not at the next scan: the entry holds the gRPC call (its
+    HTTP/2 stream counts against the connection's limit while referenced). Released as GrpcCaller.end does (the
+    budget's give_back), as the other transports do (Ticket.release), or before the watch was made."""
+
+    class Cancel:  # stands for the gRPC call's cancel_unread
+        def __call__(self) -> None:
+            raise AssertionError("a released ticket's call was cancelled")
+
+    budget = admission(budget=100).budget
+    watchdog = DrainWatchdog(3600.0)  # no scan acts meanwhile
+    try:
+        cancel, ticket = Cancel(), budget.reserve("a", 10, Caller())
+        if release == "before-watch":
+            ticket.release()
+        watchdog.watch(ticket, cancel)
+        if release == "ticket":
+            ticket.release()
+        elif release == "budget":
+            budget.give_back(ticket, None)
+        gone = weakref.ref(cancel)
+        del cancel
+        assert gone() is None and budget.held == 0
+    finally:
+        watchdog.stop()
+
+
 def test_plan_size_is_refused_before_the_plan_is_made() -> None:
     # One request of 8,192 queries over 2^20 compressed tokens with a one-element logits budget: 8,192 chunks.
     with pytest.raises(PlanTooLargeError):
