@@ -168,6 +168,7 @@ class DataPlane:
         # The compiled fast path (None: the backend has none) and the observe of each histogram a call it served
         # records into (only with a fast path: its backend series exists only where one can serve).
         self._build_chunk_fast = backend.build_chunk_fast
+        self._admit_fast = self._admit_work  # the fast path's admit, bound once (not a method object per call)
         if self._build_chunk_fast is not None:
             self._fast_call_observes = tuple(
                 child.observe
@@ -214,7 +215,7 @@ class DataPlane:
             if self._build_chunk_fast is not None and method == "BuildChunk" and isinstance(request, bytes):
                 # service/compute/fastpath.c's answer; admission is the general path's (_admit_work)
                 ratios = self._fast_admitted if self._fast_admitted_known else self._admitted_ratios()
-                fast = self._build_chunk_fast(request, self._fast_limits, ratios, self._admit_work)
+                fast = self._build_chunk_fast(request, self._fast_limits, ratios, self._admit_fast)
             if fast is not None:  # else the request needs the general path (errors included)
                 answer = fast[0]
             else:
