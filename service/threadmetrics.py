@@ -14,6 +14,7 @@ prometheus_client's: the same samples, ``_created`` included.
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import threading
 import time
@@ -25,6 +26,8 @@ from collections.abc import Callable, Iterator, Sequence
 from prometheus_client import CollectorRegistry
 from prometheus_client.metrics_core import GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
+
+log = logging.getLogger(__name__)
 
 # How often the queued observations of every histogram child are counted when nothing reads them.
 FOLD_SECONDS = 1.0
@@ -127,11 +130,18 @@ class _Folder:
     def _run(self) -> None:
         while True:
             time.sleep(FOLD_SECONDS)
-            with self._lock:
-                children = list(self._children)
-            for child in children:
+            self._fold_all()
+
+    def _fold_all(self) -> None:
+        """A function of its own so that no child outlives it in the loop's frame (a dropped registry's children go
+        while the thread sleeps). A failed fold is logged and the others still run: the thread must not end."""
+        with self._lock:
+            children = list(self._children)
+        for child in children:
+            try:
                 child.fold()
-            del children  # no strong reference kept while sleeping
+            except Exception:
+                log.exception("counting a histogram's queued observations failed")
 
 
 _FOLDER = _Folder()

@@ -87,6 +87,9 @@ class GrpcCaller(Caller):
         self._context = context
         self._plane = plane
         self._method = method
+        # False before end() can run: end() only ever sets it True, and a cancel that ends the call as soon as the lock
+        # is released must not be overwritten by this reading (the answer's ticket would then never be released)
+        self.ended = False
         state = context._state
         state.condition.acquire()  # the call's lock, as grpcio's own methods take it
         try:
@@ -96,7 +99,8 @@ class GrpcCaller(Caller):
                 callbacks.append(self.end)
         finally:
             state.condition.release()
-        self.ended = callbacks is None
+        if callbacks is None:
+            self.ended = True
         # What gone() says now, from what was just read (not by calling it: a frame fewer per call): a call that
         # waited for a thread may start past its deadline or after its caller left.
         self.gone_at_start = (

@@ -8,6 +8,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -115,3 +116,28 @@ def test_a_caller_made_after_its_caller_cancelled_is_gone_with_cancelled(serve) 
     future.cancel()
     assert cancelled.wait(5) and seen.made.wait(5)
     assert seen.caller.ended and seen.caller.gone_at_start is Code.CANCELLED and seen.caller.gone() is Code.CANCELLED
+
+
+def test_an_end_that_runs_as_the_calls_lock_is_released_is_not_lost() -> None:
+    # A cancel may end the call the moment GrpcCaller lets go of the call's lock (gRPC's polling thread runs the
+    # callbacks then): the caller must still read as ended, or the answer's ticket reserved next is never released.
+    class Lock:
+        def __init__(self) -> None:
+            self.state = None
+
+        def acquire(self) -> None:
+            pass
+
+        def release(self) -> None:  # the polling thread's turn: the call ends and its callbacks run
+            callbacks, self.state.callbacks = self.state.callbacks, None
+            for callback in callbacks:
+                callback()
+
+    lock = Lock()
+    state = SimpleNamespace(condition=lock, callbacks=[], trailing_metadata=None)
+    lock.state = state
+    event = SimpleNamespace(
+        call=SimpleNamespace(peer=lambda: b"ipv4:127.0.0.1:5000"), call_details=SimpleNamespace(deadline=9.2e18)
+    )
+    caller = GrpcCaller(SimpleNamespace(_rpc_event=event, _state=state), None, METHOD, TRAILERS)
+    assert caller.ended and caller.gone() is Code.CANCELLED and state.trailing_metadata == TRAILERS

@@ -3,9 +3,11 @@ same observations from many threads, threads that ended included."""
 
 from __future__ import annotations
 
+import gc
 import math
 import threading
 import time
+import weakref
 
 import pytest
 from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
@@ -140,3 +142,34 @@ def test_queued_observations_are_counted_without_a_scrape() -> None:
         time.sleep(0.05)
     assert not child._queued
     assert sum(child.totals()[0]) == 1000
+
+
+def test_a_fold_that_fails_is_logged_and_the_others_go_on(caplog) -> None:
+    registry = CollectorRegistry()
+    broken = ThreadHistogram("v_seconds", "Help.", [], LATENCY_BUCKETS, registry).labels()
+    child = ThreadHistogram("u_seconds", "Help.", [], LATENCY_BUCKETS, registry).labels()
+    broken.observe("not a number")  # no caller does this; the fold thread must survive it all the same
+    child.observe(0.5)
+    deadline = time.monotonic() + 5 * FOLD_SECONDS
+    while (broken._queued or child._queued) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not child._queued and "queued observations failed" in caplog.text
+    child.observe(0.5)  # and the thread still folds afterwards
+    deadline = time.monotonic() + 5 * FOLD_SECONDS
+    while child._queued and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not child._queued and sum(child.totals()[0]) == 2
+
+
+def test_the_fold_thread_keeps_no_dropped_child() -> None:
+    child = ThreadHistogram("t_seconds", "Help.", [], LATENCY_BUCKETS, CollectorRegistry()).labels()
+    child.observe(0.5)
+    deadline = time.monotonic() + 5 * FOLD_SECONDS
+    while child._queued and time.monotonic() < deadline:  # a fold has held it
+        time.sleep(0.05)
+    gone = weakref.ref(child)
+    del child
+    deadline = time.monotonic() + 5 * FOLD_SECONDS
+    while gc.collect() >= 0 and gone() is not None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert gone() is None
