@@ -121,9 +121,13 @@ def test_the_idle_trim_returns_a_burst_with_the_default_settings() -> None:
     assert kept["peak"] > 7 * TRIM_BLOCK, kept
     assert kept["after_free"] > 7 * TRIM_BLOCK, kept  # kept for reuse (malloc_retain_bytes) until the trim
     assert kept["after_trim"] < TRIM_BLOCK // 2, kept
-    # The probe tells the settings apart: with two arenas the second one's block survives the trim.
-    two_arenas = probe(2, config.malloc_retain_bytes, TRIM_PROBE)
-    assert two_arenas["after_trim"] > TRIM_BLOCK * 0.9, two_arenas
+    # The probe tells the settings apart: with two arenas a block freed on the second one survives the trim. Which
+    # arena each thread gets is glibc's choice, and now and then every block lands on the main one (a fresh-clone
+    # CI run saw it once in three), so the control asks for it within five probes.
+    two_arenas = [probe(2, config.malloc_retain_bytes, TRIM_PROBE)]
+    while two_arenas[-1]["after_trim"] <= TRIM_BLOCK * 0.9 and len(two_arenas) < 5:
+        two_arenas.append(probe(2, config.malloc_retain_bytes, TRIM_PROBE))
+    assert two_arenas[-1]["after_trim"] > TRIM_BLOCK * 0.9, two_arenas
 
 
 @needs_glibc
