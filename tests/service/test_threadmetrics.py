@@ -150,10 +150,12 @@ def test_a_fold_that_fails_is_logged_and_the_others_go_on(caplog) -> None:
     child = ThreadHistogram("u_seconds", "Help.", [], LATENCY_BUCKETS, registry).labels()
     broken.observe("not a number")  # no caller does this; the fold thread must survive it all the same
     child.observe(0.5)
+    failed = "queued observations failed"
     deadline = time.monotonic() + 5 * FOLD_SECONDS
-    while (broken._queued or child._queued) and time.monotonic() < deadline:
+    # the queues empty before the failure is logged (the fold takes the amounts, then fails): wait for both
+    while (child._queued or failed not in caplog.text) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not child._queued and "queued observations failed" in caplog.text
+    assert not child._queued and failed in caplog.text
     child.observe(0.5)  # and the thread still folds afterwards
     deadline = time.monotonic() + 5 * FOLD_SECONDS
     while child._queued and time.monotonic() < deadline:
