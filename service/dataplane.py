@@ -168,8 +168,8 @@ class DataPlane:
         # The compiled fast path (None: the backend has none) and the observe of each histogram a call it served
         # records into (only with a fast path: its backend series exists only where one can serve).
         self._build_chunk_fast = backend.build_chunk_fast
-        self._admit_fast = self._admit_work  # the fast path's admit, bound once (not a method object per call)
         if self._build_chunk_fast is not None:
+            self._admit_fast = self._admit_work  # the fast path's admit, bound once (not a method object per call)
             self._fast_call_observes = tuple(
                 child.observe
                 for child in (
