@@ -59,6 +59,9 @@ def _serve(args: argparse.Namespace) -> int:
         signals.close()
         raise
     try:
+        from indexer_service.service.transport.grpcio_internals import check_grpcio
+
+        check_grpcio()  # before any worker: a grpcio without the call state the transport uses stops the start here
         from indexer_service.service.process.supervisor import resolve_workers
 
         workers, source = resolve_workers(config.workers)
@@ -73,7 +76,7 @@ def _serve(args: argparse.Namespace) -> int:
     except ConfigError as exc:  # found only once the server is built (none should be)
         print(f"indexer-service serve: {exc}", file=sys.stderr)
         code = EXIT_USAGE
-    except (OSError, RuntimeError) as exc:  # a fatal start-up error: bind, port file, the HTTP server
+    except (OSError, RuntimeError) as exc:  # a fatal start-up error: grpcio, bind, port file, the HTTP server
         log.error("fatal %s", exc)
         print(f"indexer-service serve: {exc}", file=sys.stderr)
         code = EXIT_FAILED

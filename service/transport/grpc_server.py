@@ -69,10 +69,10 @@ class GrpcCaller(Caller):
     drain watchdog calls for an answer not read in time.
 
     The call's own state in grpcio (``grpc._server``'s ``_Context`` and ``_RPCState``, grpcio 1.85, as
-    service/transport/health.py uses them) is read and written as its public methods do (``peer()``,
-    ``time_remaining()``, ``set_trailing_metadata()``, ``add_callback()``): those were ten Python frames per call,
-    ~6 us of a lone small call (benchmarks/RESULTS.md, issue 20). tests/service/test_grpc_caller.py holds this to
-    the public methods against a real server."""
+    service/transport/health.py uses them; named and checked at start in service/transport/grpcio_internals.py) is
+    read and written as its public methods do (``peer()``, ``time_remaining()``, ``set_trailing_metadata()``,
+    ``add_callback()``): those were ten Python frames per call, ~6 us of a lone small call (benchmarks/RESULTS.md,
+    issue 20). tests/service/test_grpc_caller.py holds this to the public methods against a real server."""
 
     __slots__ = ("_context", "_method", "_plane", "gone_at_start")
 

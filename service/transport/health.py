@@ -47,8 +47,8 @@ def send_without_waiting(context: grpc.ServicerContext, payload: bytes, on_sent:
 
     grpcio's sync server offers only a send that waits for completion (``_send_response``); this is the same
     batch without the wait, on grpcio's own call state (``grpc._server``, grpcio 1.85: the same fields and
-    helpers ``_send_response`` uses). tests/system/test_floods_streams_connections.py holds it to its promise
-    against a real server."""
+    helpers ``_send_response`` uses; named and checked at start in service/transport/grpcio_internals.py).
+    tests/system/test_floods_streams_connections.py holds it to its promise against a real server."""
     internals = grpc_server_internals
     state, call = context._state, context._rpc_event.call
     with state.condition:
