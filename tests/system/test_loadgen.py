@@ -85,3 +85,36 @@ def test_one_connection_per_address_reaches_every_pod(loadgen: Path, tmp_path: P
     # round_robin: each call on the next address, so the two shares differ by the calls in flight at most
     assert abs(by_address[first.address] - by_address[second.address]) <= 4
     assert all(n >= by_address[s.address] for n, s in zip(served, servers, strict=True))
+
+
+def test_bench_ablation_cut_servers_answer_the_services_bytes_and_are_measured(loadgen: Path, tmp_path: Path) -> None:
+    """benchmarks/bench_ablation.py in one short round: each cut server starts, answers both batches with the
+    service's own bytes (it exits otherwise), and every server gets a figure for every phase."""
+    out = tmp_path / "ablation.json"
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.bench_ablation",
+            "--batches",
+            "small-8",
+            "--rounds",
+            "1",
+            "--seconds",
+            "0.2",
+            "--out",
+            str(out),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    rows = json.loads(out.read_text())["batches"]["small-8"]
+    assert set(rows) == {"echo", "service", "plane", "compute", "cached"}
+    for server, row in rows.items():
+        assert row["calls"] > 0 and row["p50_us"] > 0, server
+        assert all(row[f"calls_per_s_{k}"] > 0 and row[f"server_cpu_us_per_call_{k}"] > 0 for k in (8, 32)), server
+    printed = [line.split()[1] for line in run.stdout.splitlines() if line.startswith("small-8 ")]
+    assert printed == ["echo", "service", "plane", "compute", "cached"]
