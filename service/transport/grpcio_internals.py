@@ -1,19 +1,28 @@
 """What the gRPC transport uses of grpcio beyond its public API, named in one place and checked when ``serve`` starts.
 
-Two places read or write grpcio's own call state (``grpc._server``'s ``_Context`` and ``_RPCState``, and the Cython
-call objects behind them): :class:`~service.transport.grpc_server.GrpcCaller` and the request id lookup in
-``served`` (the public methods were ten Python frames per call, benchmarks/RESULTS.md, issue 20), and health's
-:func:`~service.transport.health.send_without_waiting` (grpcio's sync server offers only a send that waits). None of
-it is API: a grpcio release may rename any of it. The container image pins the grpcio the tests ran on
-(requirements/image-cpu.txt), but ``pip install`` of the package may bring another; without this check such a
-server would start, report ready and fail every call. :func:`check_grpcio` refuses the start instead, with one line
-naming what is missing. The names are checked, not their behaviour: tests/service/test_grpc_caller.py and the health
-flood tests hold the behaviour to grpcio's public methods against a real server.
+- :class:`~service.transport.grpc_server.GrpcCaller` and ``served`` read and write the call's own state
+  (``grpc._server``'s ``_Context`` and ``_RPCState``, and the Cython call objects behind them: the peer, the
+  deadline, the caller's metadata, the trailers and the end callbacks): the public methods were ten Python frames
+  per call (benchmarks/RESULTS.md, issue 20).
+- Health's :func:`~service.transport.health.send_without_waiting` starts a send batch as grpcio's own send does,
+  with its helpers and tokens: grpcio's sync server offers only a send that waits.
+- Health's Watch and the unknown-method and reflection refusals name the pool a behaviour runs on, and whether a
+  streaming one returns at once and sends through a callback (``experimental_thread_pool``,
+  ``experimental_non_blocking``: attributes grpcio reads off the behaviour).
+
+None of it is stable API: a grpcio release may rename any of it. The container image pins the grpcio the tests ran on
+(requirements/image-cpu.txt), but ``pip install`` of the package may bring another; without this check such a server
+would start, report ready and fail every call. :func:`check_grpcio` refuses the start instead, naming what is missing.
+The names are checked, not their behaviour: tests/service/test_grpc_caller.py, tests/service/test_rpc_pool.py and the
+health flood tests hold the behaviour (and the RPC pool's contract with grpcio's ``submit``) to grpcio's against a real
+server.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
+from types import ModuleType
 
 import grpc
 
@@ -22,8 +31,9 @@ log = logging.getLogger(__name__)
 # The grpcio minor version the tests ran on (requirements/image-cpu.txt pins its patch release).
 TESTED_GRPCIO = "1.85"
 
-# grpc._server's module-level helpers and tokens health's send_without_waiting calls as grpcio's own send does.
-_SERVER_MODULE_NAMES = (
+# grpc._server's helpers and tokens health's send_without_waiting calls as grpcio's own send does, and the two call
+# state classes (checked on instances below).
+SERVER_MODULE_NAMES = (
     "_Context",
     "_RPCState",
     "_is_rpc_state_active",
@@ -33,9 +43,11 @@ _SERVER_MODULE_NAMES = (
     "_SEND_MESSAGE_TOKEN",
     "_SEND_INITIAL_METADATA_AND_SEND_MESSAGE_TOKEN",
 )
+# The attributes grpc._server reads off a behaviour (found in its source).
+BEHAVIOUR_ATTRIBUTES = ("experimental_thread_pool", "experimental_non_blocking")
 # The fields of a call's _RPCState read or written: under its condition (GrpcCaller, health), the trailers and the
 # end callbacks (None once the call has ended), and what health's send updates.
-_STATE_FIELDS = (
+STATE_FIELDS = (
     "condition",
     "trailing_metadata",
     "callbacks",
@@ -43,8 +55,10 @@ _STATE_FIELDS = (
     "initial_metadata_allowed",
     "disable_next_compression",
 )
-# The Cython objects: the request-call event (a context's _rpc_event), its call and its details.
-_CYTHON_NAMES = (
+# A context's fields: the request-call event and the call state.
+CONTEXT_FIELDS = ("_rpc_event", "_state")
+# The Cython objects: the request-call event (a context's _rpc_event), its call and its details; the send operation.
+CYTHON_NAMES = (
     ("RequestCallEvent", ("call", "call_details", "invocation_metadata")),
     ("Call", ("peer", "start_server_batch")),
     ("CallDetails", ("deadline",)),
@@ -52,32 +66,53 @@ _CYTHON_NAMES = (
 )
 
 
-def missing_grpcio_internals() -> list[str]:
-    """What this grpcio lacks of the above, each as a dotted name; empty when everything is there."""
-    from grpc import _server
-    from grpc._cython import cygrpc
+def missing_grpcio_internals(server: ModuleType | None = None, cygrpc: ModuleType | None = None) -> list[str]:
+    """What grpcio lacks of the above, each as a dotted name; empty when everything is there. ``server`` and
+    ``cygrpc``: the modules to look in (grpcio's own by default; tests give others)."""
+    if server is None or cygrpc is None:
+        try:
+            from grpc import _server as grpc_server
+            from grpc._cython import cygrpc as grpc_cygrpc
+        except ImportError as exc:  # moved modules: nothing below can be looked up
+            return [f"grpc._server / grpc._cython.cygrpc ({exc})"]
+        server = grpc_server if server is None else server
+        cygrpc = grpc_cygrpc if cygrpc is None else cygrpc
 
-    missing = [f"grpc._server.{name}" for name in _SERVER_MODULE_NAMES if not hasattr(_server, name)]
-    for type_name, attributes in _CYTHON_NAMES:
+    missing = [f"grpc._server.{name}" for name in SERVER_MODULE_NAMES if not hasattr(server, name)]
+    try:
+        source = inspect.getsource(server)
+    except (OSError, TypeError):  # no source to read (a compiled or frozen module): the names cannot be told
+        source = None
+    if source is not None:
+        missing += [f"grpc._server reads {name}" for name in BEHAVIOUR_ATTRIBUTES if name not in source]
+    for type_name, attributes in CYTHON_NAMES:
         owner = getattr(cygrpc, type_name, None)
         if owner is None:
             missing.append(f"cygrpc.{type_name}")
             continue
         missing += [f"cygrpc.{type_name}.{name}" for name in attributes if not hasattr(owner, name)]
-    if any(name.startswith(("grpc._server._Context", "grpc._server._RPCState")) for name in missing):
-        return missing
-    # Instance fields exist only on instances: make a call state and a context over it, as grpcio does per call.
+    if hasattr(server, "_RPCState") and hasattr(server, "_Context"):
+        missing += _missing_call_state_fields(server._RPCState, server._Context)
+    return missing
+
+
+def _missing_call_state_fields(state_class: type, context_class: type) -> list[str]:
+    """The instance fields a call state and a context over it lack, made as grpcio makes them per call; where a
+    constructor has changed, the fields the classes declare (their annotations, then class attributes)."""
     try:
-        state = _server._RPCState()
+        state = state_class()
         event = object()
-        context = _server._Context(event, state, None)
-    except Exception as exc:  # a changed constructor
-        return [*missing, f"grpc._server._RPCState() / _Context(event, state, deserializer): {exc}"]
-    # The instance's own fields (grpcio's _RPCState also has a class attribute ``due``, which hasattr would find)
-    fields = (
-        vars(state) if hasattr(state, "__dict__") else {name: None for name in _STATE_FIELDS if hasattr(state, name)}
-    )
-    missing += [f"grpc._server._RPCState.{name}" for name in _STATE_FIELDS if name not in fields]
+        context = context_class(event, state, None)
+    except Exception:  # a constructor that takes other arguments: the declared fields stand in
+        declared_state = {*getattr(state_class, "__annotations__", {}), *dir(state_class)}
+        declared_context = {*getattr(context_class, "__annotations__", {}), *dir(context_class)}
+        return [f"grpc._server._RPCState.{name}" for name in STATE_FIELDS if name not in declared_state] + [
+            f"grpc._server._Context.{name}" for name in CONTEXT_FIELDS if name not in declared_context
+        ]
+    # The instance's own fields: grpcio 1.85's _RPCState also has a class attribute ``due``, which hasattr would find
+    # on an instance without the field.
+    fields = set(vars(state)) if hasattr(state, "__dict__") else {name for name in STATE_FIELDS if hasattr(state, name)}
+    missing = [f"grpc._server._RPCState.{name}" for name in STATE_FIELDS if name not in fields]
     condition = getattr(state, "condition", None)
     if condition is not None and not (hasattr(condition, "acquire") and hasattr(condition, "release")):
         missing.append("grpc._server._RPCState.condition.acquire/release")
@@ -91,17 +126,17 @@ def missing_grpcio_internals() -> list[str]:
 
 
 def check_grpcio() -> None:
-    """Raise RuntimeError (``serve`` exits 1 with its one line) when this grpcio lacks what the transport uses of
-    its call state; log a warning when everything is there but the version is not the tested one."""
+    """Raise RuntimeError (``serve`` exits 1 with it on stderr) when this grpcio lacks what the transport uses; log a
+    warning when everything is there but the version is not the tested one."""
     missing = missing_grpcio_internals()
     if missing:
         raise RuntimeError(
-            f"grpcio {grpc.__version__} lacks what this server uses of its call state ({', '.join(missing)}); "
+            f"grpcio {grpc.__version__} lacks what this server uses of its internals ({', '.join(missing)}); "
             f"install grpcio {TESTED_GRPCIO}.x, the version it is tested with (requirements/image-cpu.txt)"
         )
     if not grpc.__version__.startswith(f"{TESTED_GRPCIO}."):
         log.warning(
-            "grpcio %s: this server is tested with %s.x; the call state it uses is there by name",
+            "grpcio %s: this server is tested with %s.x; the internals it uses are there by name",
             grpc.__version__,
             TESTED_GRPCIO,
         )
