@@ -10,59 +10,61 @@ each figure the median of its rounds):
 - ``echo``: bench_rpc's baseline, grpcio's sync server with the service's settings and its stock thread pool,
   answering each request with the service's recorded response bytes;
 - ``service``: the service as shipped (numpy backend, the compiled fast path serving these calls);
-- ``plane``: the same process, each call's gRPC behaviour only the data plane's call: no request id (nor its
-  trailer), no caller (deadline, cancel callback), no drain watch; the answer's budget ticket is released as the
-  data plane returns;
-- ``compute``: the behaviour only the compiled fast path's answer: no data plane (metrics, admission, readiness);
+- ``plane``: the service's program with each PrefillMetadata call's gRPC behaviour only the data plane's call: no
+  request id (nor its trailer), no caller (deadline, cancel callback), no drain watch; the answer's budget ticket
+  is released as the data plane returns;
+- ``compute``: BuildChunk's behaviour only the compiled fast path's answer: no data plane (metrics, admission,
+  readiness);
 - ``cached``: the behaviour returns the answer recorded for the request: the service's own server (its RPC pool,
   registered handlers, listeners and threads) with nothing done per call.
 
-So ``cached`` against ``echo`` is the server around the calls, ``compute`` against ``cached`` the answer's
-computation, ``plane`` against ``compute`` the data plane's bookkeeping, ``service`` against ``plane`` the gRPC
-transport's. The cut servers answer the same bytes (checked before the rounds) and are never shipped: each is
-``serve`` with the gRPC behaviours replaced before the server is built (``--serve-cut``). No target: it says where
-to look (issue 20, benchmarks/RESULTS.md). tests/system/test_loadgen.py runs each cut server once.
+So ``cached`` against ``echo`` is the server around the calls (the RPC pool, registered rather than generic
+handlers, the service's concurrency limit in its pool rather than grpcio's), ``compute`` against ``cached`` the
+answer's computation, ``plane`` against ``compute`` the data plane's bookkeeping, ``service`` against ``plane`` the
+gRPC transport's: the table's last column. Every server but the echo runs this module's server mode (``--serve``:
+``indexer-service serve`` with the named behaviours put in before the server is built; one process, as
+``clean_env`` asks), so they differ only in their behaviours, and each answers the service's bytes (checked before
+the rounds). No target: it says where to look (issue 20, benchmarks/RESULTS.md). tests/system/test_loadgen.py runs
+one short round.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import tempfile
 from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 
-from benchmarks import loadgen
-from benchmarks.bench_rpc import BATCHES, IN_FLIGHT, measure, median_row, record_responses, service_flags
-from testkit.harness import ServiceProcess, clean_env, listen_flags, write_json
+# The server mode imports only what `indexer-service serve` does: the benchmark's own imports (bench_rpc, testkit)
+# are made in main(), so the servers compared differ in their behaviours alone.
 
 CUTS = ("plane", "compute", "cached")
 SERVERS = ("echo", "service", *CUTS)
 
 
 def cut_behaviours(cut: str) -> None:
-    """Replace the gRPC behaviour of every PrefillMetadata method (not their refusing twins, not unknown methods)
-    with ``cut``'s, for the server built after this in this process."""
+    """Replace the gRPC behaviour of the PrefillMetadata methods (``compute``: BuildChunk's only) with ``cut``'s, for
+    the servers built after this in this process; refusing twins and unknown methods stay as shipped."""
     from indexer_service.service.transport import grpc_server
 
     shipped = grpc_server.served
 
     def served(plane, method: str, serve: Callable, watchdog, started) -> Callable:
-        if serve != plane.call:  # a refusing twin, an unknown method: as shipped
+        if serve != plane.call or (cut == "compute" and method != "BuildChunk"):
             return shipped(plane, method, serve, watchdog, started)
         if cut == "plane":
             call = plane.call
 
             def behavior(request: bytes, context: object) -> bytes:
-                started.value = True
+                started.value = True  # the RPC pool's "started" flag, as the shipped behaviour sets it
                 return call(method, request)
 
         elif cut == "compute":
             build, limits = plane._build_chunk_fast, plane._fast_limits
             if build is None:
-                raise SystemExit("--serve-cut compute: this server has no compiled fast path")
+                raise SystemExit("--serve compute: this server has no compiled fast path")
 
             def behavior(request: bytes, context: object) -> bytes:
                 started.value = True
@@ -83,17 +85,13 @@ def cut_behaviours(cut: str) -> None:
     grpc_server.served = served
 
 
-def serve_cut(cut: str, serve_args: list[str]) -> int:
-    """``indexer-service serve SERVE_ARGS`` with ``cut``'s behaviours."""
+def serve(server: str, serve_args: list[str]) -> int:
+    """``indexer-service serve SERVE_ARGS`` with ``server``'s behaviours (``service``: as shipped)."""
     from indexer_service.service.process.cli import main
 
-    cut_behaviours(cut)
+    if server != "service":
+        cut_behaviours(server)
     return main(["serve", *serve_args])
-
-
-def cut_server(cut: str, cpus: set[int] | None) -> ServiceProcess:
-    command = [sys.executable, "-m", "benchmarks.bench_ablation", "--serve-cut", cut, "--", *listen_flags()]
-    return ServiceProcess(*service_flags("numpy"), command=command, cpus=cpus, env=clean_env())
 
 
 def main() -> None:
@@ -102,40 +100,45 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6, help="alternating rounds per batch")
     parser.add_argument("--batches", default="small-8,medium-64", help="which batches, comma-separated")
     parser.add_argument("--out", type=Path, help="write the figures as JSON here")
-    parser.add_argument("--serve-cut", choices=CUTS, help=argparse.SUPPRESS)
+    parser.add_argument("--serve", choices=SERVERS[1:], help=argparse.SUPPRESS)
     parser.add_argument("serve_args", nargs="*", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.serve_cut:
-        sys.exit(serve_cut(args.serve_cut, args.serve_args))
+    if args.serve:
+        sys.exit(serve(args.serve, args.serve_args))
 
-    pin = len(os.sched_getaffinity(0)) >= 2
-    server_cpus = {min(os.sched_getaffinity(0))} if pin else None
-    if pin:
-        os.sched_setaffinity(0, set(os.sched_getaffinity(0)) - server_cpus)
+    from benchmarks import loadgen
+    from benchmarks.bench_rpc import (
+        BATCHES,
+        IN_FLIGHT,
+        alternate,
+        check_same_answers,
+        pin_servers,
+        record_responses,
+        service_flags,
+        start_echo,
+    )
+    from testkit.harness import ServiceProcess, clean_env, listen_flags, write_json
+
+    def start(server: str) -> ServiceProcess:
+        command = [sys.executable, "-m", "benchmarks.bench_ablation", "--serve", server, "--", *listen_flags()]
+        return stack.enter_context(
+            ServiceProcess(*service_flags("numpy"), command=command, cpus=server_cpus, env=clean_env())
+        )
+
+    server_cpus = pin_servers(True)
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="bench-ablation-") as scratch, ExitStack() as stack:
         canned = Path(scratch)
-        service = stack.enter_context(ServiceProcess(*service_flags("numpy"), cpus=server_cpus))
+        service = start("service")
         record_responses(service, canned)
-        cuts = {cut: stack.enter_context(cut_server(cut, server_cpus)) for cut in CUTS}
-        for cut, process in cuts.items():  # the same bytes as the service's, or the figures mean nothing
-            answers = Path(scratch) / cut
-            answers.mkdir()
-            record_responses(process, answers)
-            for n in range(len(BATCHES)):
-                if (answers / f"{n}.response").read_bytes() != (canned / f"{n}.response").read_bytes():
-                    raise SystemExit(f"--serve-cut {cut} answered {BATCHES[n]} with other bytes than the service")
-        echo_command = [sys.executable, "-m", "benchmarks.bench_rpc", "--serve-echo", str(canned)]
-        echo = stack.enter_context(ServiceProcess(command=echo_command, cpus=server_cpus, env=clean_env()))
-        servers = {"echo": echo, "service": service, **cuts}
+        cuts = {cut: start(cut) for cut in CUTS}
+        for cut, process in cuts.items():
+            check_same_answers(process, canned, cut)
+        servers = {"echo": start_echo(stack, canned, server_cpus), "service": service, **cuts}
         binary = loadgen.binary()
         for name in args.batches.split(","):
-            n = BATCHES.index(name)
-            rounds: dict[str, list] = {server: [] for server in servers}
-            for _ in range(args.rounds):
-                for server, process in servers.items():
-                    rounds[server].append(measure(binary, process, canned / f"{n}.request", args.seconds))
-            results[name] = {server: median_row(rows) for server, rows in rounds.items()}
+            request_file = canned / f"{BATCHES.index(name)}.request"
+            results[name] = alternate(binary, servers, request_file, args.rounds, args.seconds)
             print(f"measured {name}", file=sys.stderr)
 
     loaded = IN_FLIGHT[-1]
@@ -143,20 +146,24 @@ def main() -> None:
     print(f"BuildChunk over gRPC on 127.0.0.1: the service with its per-call parts cut away ({args.rounds} rounds)")
     print(
         f"{'batch':10} {'server':8} {'p50 us':>8} {'/echo':>6} {f'calls/s @{loaded}':>14} {'/echo':>6}"
-        f" {f'cpu us/call @{loaded}':>19} {'-next':>6}"
+        f" {f'cpu us/call @{loaded}':>19} {'layer':>7}"
     )
     for name, rows in results.items():
         echo_row = rows["echo"]
         for i, server in enumerate(SERVERS):
             row = rows[server]
-            below = rows[SERVERS[i + 1]][cpu] if 0 < i < len(SERVERS) - 1 else None  # its layer's own cost
+            # the layer's own CPU per call: this server's less the next one down's (cached: less the echo's)
+            below = None if i == 0 else rows[SERVERS[i + 1] if i + 1 < len(SERVERS) else "echo"][cpu]
             print(
                 f"{name:10} {server:8} {row['p50_us']:>8,.0f} {row['p50_us'] / echo_row['p50_us']:>5.2f}x"
                 f" {row[f'calls_per_s_{loaded}']:>14,.0f}"
                 f" {row[f'calls_per_s_{loaded}'] / echo_row[f'calls_per_s_{loaded}']:>5.2f}x"
-                f" {row[cpu]:>19,.1f} {'' if below is None else f'{row[cpu] - below:+.1f}':>6}"
+                f" {row[cpu]:>19,.1f} {'' if below is None else f'{row[cpu] - below:+.1f}':>7}"
             )
-    write_json(args.out, {"pinned": pin, "seconds": args.seconds, "rounds": args.rounds, "batches": results})
+    write_json(
+        args.out,
+        {"pinned": server_cpus is not None, "seconds": args.seconds, "rounds": args.rounds, "batches": results},
+    )
 
 
 if __name__ == "__main__":

@@ -154,6 +154,45 @@ def median_row(rows: list[dict[str, float]]) -> dict[str, float]:
     return {key: float(np.median([row[key] for row in rows])) for key in rows[0]}
 
 
+def pin_servers(pin: bool) -> set[int] | None:
+    """The CPU the servers run on (the lowest this process may use; this process, and the load generator it starts,
+    moved to the others), or None: not pinned (``pin`` False, or a single CPU)."""
+    if not pin or len(os.sched_getaffinity(0)) < 2:
+        return None
+    server_cpus = {min(os.sched_getaffinity(0))}
+    os.sched_setaffinity(0, set(os.sched_getaffinity(0)) - server_cpus)
+    return server_cpus
+
+
+def check_same_answers(server: ServiceProcess, canned: Path, name: str) -> None:
+    """``server``'s answers to the recorded requests, recorded beside them, are the recorded response bytes; or exit
+    naming ``name`` and the batch: figures of a server answering other bytes would mean nothing."""
+    answers = canned / name
+    answers.mkdir()
+    record_responses(server, answers)
+    for n in range(len(BATCHES)):
+        if (answers / f"{n}.response").read_bytes() != (canned / f"{n}.response").read_bytes():
+            raise SystemExit(f"{name} answered {BATCHES[n]} with other bytes than the recorded responses")
+
+
+def start_echo(stack: ExitStack, canned: Path, cpus: set[int] | None) -> ServiceProcess:
+    """The Python echo of the recorded responses (:func:`serve_echo`), stopped with ``stack``."""
+    command = [sys.executable, "-m", "benchmarks.bench_rpc", "--serve-echo", str(canned)]
+    return stack.enter_context(ServiceProcess(command=command, cpus=cpus, env=clean_env()))
+
+
+def alternate(
+    binary: Path, servers: dict[str, ServiceProcess], request_file: Path, rounds: int, seconds: float
+) -> dict[str, dict[str, float]]:
+    """Each server's :func:`measure` figures, the servers alternating in ``rounds`` short rounds, each figure the
+    median of its rounds: a noisy neighbour hits every server, not one whole phase."""
+    rows: dict[str, list] = {server: [] for server in servers}
+    for _ in range(rounds):
+        for server, process in servers.items():
+            rows[server].append(measure(binary, process, request_file, seconds))
+    return {server: median_row(figures) for server, figures in rows.items()}
+
+
 def _plot(results: dict, path: Path, backends: list[str]) -> None:
     import matplotlib
 
@@ -254,10 +293,8 @@ def main() -> None:
     ):
         parser.error(f"--backend: numpy, triton or auto, comma-separated, each once; got {args.backend!r}")
 
-    pin = not args.no_pin and len(os.sched_getaffinity(0)) >= 2
-    server_cpus = {min(os.sched_getaffinity(0))} if pin else None
-    if pin:
-        os.sched_setaffinity(0, set(os.sched_getaffinity(0)) - server_cpus)
+    server_cpus = pin_servers(not args.no_pin)
+    pin = server_cpus is not None
     results: dict[str, dict] = {}
     auto = None
     with tempfile.TemporaryDirectory(prefix="bench-rpc-") as scratch, ExitStack() as stack:
@@ -266,26 +303,14 @@ def main() -> None:
         binary = loadgen.binary()
         record_responses(services[backends[0]], canned)
         for backend in backends[1:]:  # every backend answers the same bytes, checked against numpy too
-            other = Path(scratch) / backend
-            other.mkdir()
-            record_responses(services[backend], other)
-            for n in range(len(BATCHES)):
-                if (other / f"{n}.response").read_bytes() != (canned / f"{n}.response").read_bytes():
-                    raise SystemExit(f"{backend} answered {BATCHES[n]} with other bytes than {backends[0]}")
-        echo_command = [sys.executable, "-m", "benchmarks.bench_rpc", "--serve-echo", str(canned)]
-        echo = stack.enter_context(ServiceProcess(command=echo_command, cpus=server_cpus, env=clean_env()))
+            check_same_answers(services[backend], canned, backend)
+        echo = start_echo(stack, canned, server_cpus)
         go_echo_command = [str(goecho.binary()), "-canned", str(canned), "-streams", str(STREAMS_PER_CONNECTION)]
         go_echo = stack.enter_context(ServiceProcess(command=go_echo_command, cpus=server_cpus, env=clean_env()))
         servers = {"echo": echo, "go-echo": go_echo, **services}
         for name in args.batches.split(","):
-            n = BATCHES.index(name)
-            # Echo and services alternate in short rounds, batch by batch, and each figure is the median of
-            # its rounds: a noisy neighbour hits every side, not one whole phase.
-            rounds = {server: [] for server in servers}
-            for _ in range(args.rounds):
-                for server, process in servers.items():
-                    rounds[server].append(measure(binary, process, canned / f"{n}.request", args.seconds))
-            results[name] = {server: median_row(rows) for server, rows in rounds.items()}
+            request_file = canned / f"{BATCHES.index(name)}.request"
+            results[name] = alternate(binary, servers, request_file, args.rounds, args.seconds)
             print(f"measured {name}", file=sys.stderr)
         if "auto" in services:
             auto = auto_report(services)

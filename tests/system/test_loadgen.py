@@ -88,7 +88,7 @@ def test_one_connection_per_address_reaches_every_pod(loadgen: Path, tmp_path: P
 
 
 def test_bench_ablation_cut_servers_answer_the_services_bytes_and_are_measured(loadgen: Path, tmp_path: Path) -> None:
-    """benchmarks/bench_ablation.py in one short round: each cut server starts, answers both batches with the
+    """benchmarks/bench_ablation.py in one short round: each cut server starts and answers all three batches with the
     service's own bytes (it exits otherwise), and every server gets a figure for every phase."""
     out = tmp_path / "ablation.json"
     run = subprocess.run(
