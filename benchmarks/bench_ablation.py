@@ -10,6 +10,9 @@ each figure the median of its rounds):
 - ``echo``: bench_rpc's baseline, grpcio's sync server with the service's settings and its stock thread pool,
   answering each request with the service's recorded response bytes;
 - ``service``: the service as shipped (numpy backend, the compiled fast path serving these calls);
+- ``unbudgeted``: the service with the compiled fast path's admission doing nothing, so its answers take no response
+  budget ticket (nor the drain watch and the release that come with one): beside the layers below, what the ticket's
+  life costs a call;
 - ``plane``: the service's program with each PrefillMetadata call's gRPC behaviour only the data plane's call: no
   request id (nor its trailer), no caller (deadline, cancel callback), no drain watch; the answer's budget ticket
   is released as the data plane returns;
@@ -21,7 +24,8 @@ each figure the median of its rounds):
 So ``cached`` against ``echo`` is the server around the calls (the RPC pool, registered rather than generic
 handlers, the service's concurrency limit in its pool rather than grpcio's), ``compute`` against ``cached`` the
 answer's computation, ``plane`` against ``compute`` the data plane's bookkeeping, ``service`` against ``plane`` the
-gRPC transport's: the table's last column. Every server but the echo runs this module's server mode (``--serve``:
+gRPC transport's, and ``service`` against ``unbudgeted`` the budget ticket's life: the table's last column. Every
+server but the echo runs this module's server mode (``--serve``:
 ``indexer-service serve`` with the named behaviours put in before the server is built; one process, as
 ``clean_env`` asks), so they differ only in their behaviours, and each answers the service's bytes (checked before
 the rounds). No target: it says where to look (issue 20, benchmarks/RESULTS.md). tests/system/test_loadgen.py runs
@@ -40,19 +44,28 @@ from pathlib import Path
 # The server mode imports only what `indexer-service serve` does: the benchmark's own imports (bench_rpc, testkit)
 # are made in main(), so the servers compared differ in their behaviours alone.
 
-CUTS = ("plane", "compute", "cached")
+# The layers, each server the one above with a layer cut away, then the one cut across them.
+LAYERS = ("plane", "compute", "cached")
+CUTS = (*LAYERS, "unbudgeted")
 SERVERS = ("echo", "service", *CUTS)
 
 
 def cut_behaviours(cut: str) -> None:
     """Replace the gRPC behaviour of the PrefillMetadata methods (``compute``: BuildChunk's only) with ``cut``'s, for
-    the servers built after this in this process; refusing twins and unknown methods stay as shipped."""
+    the servers built after this in this process; refusing twins and unknown methods stay as shipped.
+    ``unbudgeted`` keeps the shipped behaviours and gives the data plane a fast-path admission that admits without
+    a ticket."""
     from indexer_service.service.transport import grpc_server
 
     shipped = grpc_server.served
 
+    def admit_without_ticket(response_bytes: int, answer_bytes: int) -> None:
+        return None
+
     def served(plane, method: str, serve: Callable, watchdog, started) -> Callable:
-        if serve != plane.call or (cut == "compute" and method != "BuildChunk"):
+        if cut == "unbudgeted" and plane._build_chunk_fast is not None:
+            plane._admit_fast = admit_without_ticket
+        if serve != plane.call or cut == "unbudgeted" or (cut == "compute" and method != "BuildChunk"):
             return shipped(plane, method, serve, watchdog, started)
         if cut == "plane":
             call = plane.call
@@ -145,20 +158,27 @@ def main() -> None:
     cpu = f"server_cpu_us_per_call_{loaded}"
     print(f"BuildChunk over gRPC on 127.0.0.1: the service with its per-call parts cut away ({args.rounds} rounds)")
     print(
-        f"{'batch':10} {'server':8} {'p50 us':>8} {'/echo':>6} {f'calls/s @{loaded}':>14} {'/echo':>6}"
+        f"{'batch':10} {'server':10} {'p50 us':>8} {'/echo':>6} {f'calls/s @{loaded}':>14} {'/echo':>6}"
         f" {f'cpu us/call @{loaded}':>19} {'layer':>7}"
     )
+    layer_below = dict(zip(("service", *LAYERS), (*LAYERS, "echo"), strict=True))
     for name, rows in results.items():
         echo_row = rows["echo"]
-        for i, server in enumerate(SERVERS):
+        for server in SERVERS:
             row = rows[server]
-            # the layer's own CPU per call: this server's less the next one down's (cached: less the echo's)
-            below = None if i == 0 else rows[SERVERS[i + 1] if i + 1 < len(SERVERS) else "echo"][cpu]
+            # the layer's own CPU per call: this server's less the next one down's (cached: less the echo's); for
+            # unbudgeted, the service's less its own (what the ticket costs)
+            if server == "unbudgeted":
+                own = rows["service"][cpu] - row[cpu]
+            elif server == "echo":
+                own = None
+            else:
+                own = row[cpu] - rows[layer_below[server]][cpu]
             print(
-                f"{name:10} {server:8} {row['p50_us']:>8,.0f} {row['p50_us'] / echo_row['p50_us']:>5.2f}x"
+                f"{name:10} {server:10} {row['p50_us']:>8,.0f} {row['p50_us'] / echo_row['p50_us']:>5.2f}x"
                 f" {row[f'calls_per_s_{loaded}']:>14,.0f}"
                 f" {row[f'calls_per_s_{loaded}'] / echo_row[f'calls_per_s_{loaded}']:>5.2f}x"
-                f" {row[cpu]:>19,.1f} {'' if below is None else f'{row[cpu] - below:+.1f}':>7}"
+                f" {row[cpu]:>19,.1f} {'' if own is None else f'{own:+.1f}':>7}"
             )
     write_json(
         args.out,

@@ -112,9 +112,9 @@ def test_bench_ablation_cut_servers_answer_the_services_bytes_and_are_measured(l
     )
     assert run.returncode == 0, run.stdout + run.stderr
     rows = json.loads(out.read_text())["batches"]["small-8"]
-    assert set(rows) == {"echo", "service", "plane", "compute", "cached"}
+    assert set(rows) == {"echo", "service", "plane", "compute", "cached", "unbudgeted"}
     for server, row in rows.items():
         assert row["calls"] > 0 and row["p50_us"] > 0, server
         assert all(row[f"calls_per_s_{k}"] > 0 and row[f"server_cpu_us_per_call_{k}"] > 0 for k in (8, 32)), server
     printed = [line.split()[1] for line in run.stdout.splitlines() if line.startswith("small-8 ")]
-    assert printed == ["echo", "service", "plane", "compute", "cached"]
+    assert printed == ["echo", "service", "plane", "compute", "cached", "unbudgeted"]
