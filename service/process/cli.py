@@ -61,7 +61,7 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         from indexer_service.service.transport.grpcio_internals import check_grpcio
 
-        check_grpcio()  # before any worker: a grpcio without the call state the transport uses stops the start here
+        check_grpcio()  # before any worker: a grpcio without the internals the transport uses stops the start here
         from indexer_service.service.process.supervisor import resolve_workers
 
         workers, source = resolve_workers(config.workers)
