@@ -46,8 +46,8 @@ def grpc_server_changed(tmp_path: Path, *edits: tuple[str, str]) -> ModuleType:
 
 def cygrpc_changed(**replaced: object) -> SimpleNamespace:
     """grpcio's Cython module with some names replaced (None: removed)."""
-    names = {k: v for k, v in vars(cygrpc).items() if replaced.get(k, v) is not None}
-    return SimpleNamespace(**{**names, **{k: v for k, v in replaced.items() if v is not None}})
+    names = {**vars(cygrpc), **replaced}
+    return SimpleNamespace(**{k: v for k, v in names.items() if v is not None})
 
 
 def test_the_installed_grpcio_has_everything(caplog) -> None:
