@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 
 # torch is pinned to the CPU build that lies on local disk (PIP_FIND_LINKS); a bare `torch` requirement
 # would make pip fetch a multi-GB CUDA build. The GPU image brings its own torch and skips this step.
-$(STAMP): pyproject.toml setup.py service/compute/fastpath.c protos/indexer/v1/indexer_wire.h
+$(STAMP): pyproject.toml setup.py service/compute/fastpath.c service/overload/budget.c protos/indexer/v1/indexer_wire.h
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "torch==2.13.0"

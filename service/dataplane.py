@@ -57,6 +57,7 @@ from indexer_service.service.errors import (
 from indexer_service.service.logs import FailedCallLog
 from indexer_service.service.metrics import UNKNOWN_METHOD, Metrics
 from indexer_service.service.overload.admission import Admission, Caller, Refused, default_response_budget
+from indexer_service.service.overload.books import FastAdmit
 from indexer_service.service.overload.limits import RequestLimits, fast_path_limits
 from indexer_service.service.reasons import ShedReason
 from indexer_service.service.rpcs import RPCS, parse_request
@@ -169,7 +170,20 @@ class DataPlane:
         # records into (only with a fast path: its backend series exists only where one can serve).
         self._build_chunk_fast = backend.build_chunk_fast
         if self._build_chunk_fast is not None:
-            self._admit_fast = self._admit_work  # the fast path's admit, bound once (not a method object per call)
+            # The fast path's admit: the common call's in one compiled call (service/overload/budget.c), any other's
+            # _admit_work; _admit_work itself where the books are not compiled. Made once, not per call.
+            self._admit_fast = (
+                self._admit_work
+                if FastAdmit is None
+                else FastAdmit(
+                    _CALL,
+                    self.admission.heavy_request_bytes,
+                    CHUNK_COST_BYTES,
+                    self.admission.budget.books,
+                    self._admit_work,
+                    self._stop_if_abandoned,
+                )
+            )
             self._fast_call_observes = tuple(
                 child.observe
                 for child in (

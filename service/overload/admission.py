@@ -29,6 +29,7 @@ from typing import Protocol
 from indexer_service.service.errors import Code
 from indexer_service.service.logs import RateLimitedLog
 from indexer_service.service.metrics import Metrics
+from indexer_service.service.overload.books import Books, Ticket, watch
 from indexer_service.service.reasons import ShedReason
 
 log = logging.getLogger(__name__)
@@ -76,20 +77,6 @@ class ShedLog:
         self.log.note("shed", reason, detail, f"method={method}")
 
 
-@dataclass(eq=False, slots=True)
-class Ticket:
-    """Bytes of the response budget held for one call, by one connection. Released once, by whoever is first."""
-
-    budget: ResponseBudget
-    peer: str
-    nbytes: int
-    released: bool = False
-    forget: Callable[[], None] | None = None
-
-    def release(self) -> None:
-        self.budget.give_back(self, None)
-
-
 @dataclass
 class _Waiting:
     """How many threads wait in admission; the waiting room is bounded so waiters never take every thread."""
@@ -111,7 +98,8 @@ class _Waiting:
 
 
 class ResponseBudget:
-    """The bytes of responses held at once, overall and per connection (see the module docstring)."""
+    """The bytes of responses held at once, overall and per connection (see the module docstring): the books
+    (service/overload/books.py: the rules and the tickets, compiled where built) and the wait for room around them."""
 
     def __init__(self, limit: int, metrics: Metrics, waiting: _Waiting, wait_seconds: float) -> None:
         self.limit = limit
@@ -119,90 +107,56 @@ class ResponseBudget:
         self.metrics = metrics
         self.wait_seconds = wait_seconds
         self._waiting = waiting
-        # A plain lock (the budget never takes it twice), entered as itself on the per-call paths: a C call, where
-        # the Condition's own ``with`` is a Python method; the Condition only for the waits.
-        self._lock = threading.Lock()
-        self._cond = threading.Condition(self._lock)
-        self._waiters = 0  # threads in the wait loop: a release notifies only when there are some
-        self._held = 0
-        self._by_peer: dict[str, int] = {}
-        self._set_held = metrics.response_bytes_held.set
+        self._cond = threading.Condition(threading.Lock())  # the waits for room, notified by the books' give-backs
+        self.books = Books(limit, self.share, metrics.response_bytes_held.set, self._notify)
+        # What the transports call as ``ticket.budget.give_back`` (a ticket's budget is its books), also here.
+        self.give_back = self.books.give_back
         metrics.response_budget_bytes.set(limit)
-        self._set_held(0)
 
     @property
     def held(self) -> int:
-        with self._lock:
-            return self._held
+        return self.books.held
 
     def reserve(self, peer: str, nbytes: int, caller: Caller) -> Ticket:
         """``nbytes`` for ``peer`` when they fit (the server's budget, and the connection's share unless it holds
-        nothing yet), waiting up to ``wait_seconds`` (never past the caller's deadline) for room. The rule, the grant
-        and the wait in one frame: the call that need not wait (nearly all) pays one Python call here."""
+        nothing yet), waiting up to ``wait_seconds`` (never past the caller's deadline) for room. The call that need
+        not wait (nearly all) is granted without the Condition: one compiled call."""
         if nbytes > self.limit:
             raise Refused(
                 ShedReason.MEMORY,
                 f"response: about {nbytes} bytes, above response_budget_bytes {self.limit}; send a smaller batch",
             )
-        with self._lock:
-            give_up = None  # set once the call waits, in the waiting room
+        ticket = self.books.take(peer, nbytes)
+        if ticket is not None:
+            return ticket
+        with self._cond:
+            self._waiting.enter(ShedReason.MEMORY)
+            # Counted before the next look, under the Condition: a give-back after that look notifies this wait.
+            self.books.waiters += 1
             try:
-                while True:
-                    mine = self._by_peer.get(peer, 0)
-                    if self._held + nbytes <= self.limit and not (mine and mine + nbytes > self.share):
-                        self._held += nbytes
-                        self._by_peer[peer] = mine + nbytes
-                        self._set_held(self._held)
-                        return Ticket(self, peer, nbytes)
-                    if give_up is None:
-                        self._waiting.enter(ShedReason.MEMORY)
-                        give_up = time.monotonic() + self.wait_seconds
-                        self._waiters += 1
+                give_up = time.monotonic() + self.wait_seconds
+                while (ticket := self.books.take(peer, nbytes)) is None:
                     _wait(self._cond, give_up, caller, ShedReason.MEMORY, self._full_message(peer, nbytes))
+                return ticket
             finally:
-                if give_up is not None:
-                    self._waiters -= 1
-                    self._waiting.leave()
+                self.books.waiters -= 1
+                self._waiting.leave()
+
+    def _notify(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
 
     def _full_message(self, peer: str, nbytes: int) -> str:
-        mine = self._by_peer.get(peer, 0)
+        mine = self.books.peer_bytes(peer)
         if mine and mine + nbytes > self.share:
             return (
                 f"response: this connection already holds {mine} bytes of unsent responses; {nbytes} more would "
                 f"pass its share {self.share} of response_budget_bytes; read the answers you have"
             )
         return (
-            f"response: the server holds {self._held} bytes of responses and {nbytes} more would pass "
+            f"response: the server holds {self.books.held} bytes of responses and {nbytes} more would pass "
             f"response_budget_bytes {self.limit}; retry with backoff"
         )
-
-    def give_back(self, ticket: Ticket, keep: int | None) -> None:
-        """``ticket`` down to ``keep`` bytes (the response turned out smaller than reserved), or released (``keep``
-        None; :meth:`Ticket.release`, and the watchdog's ``forget`` called): once released, it gives back nothing more.
-        One frame for the rule, the books and the forgetting, called as it is (not through a method of the ticket) on
-        the per-call paths: a release on every call, on gRPC's polling thread."""
-        with self._lock:
-            if ticket.released:
-                return
-            if keep is None:
-                ticket.released = True
-                nbytes = ticket.nbytes
-            elif keep < ticket.nbytes:
-                nbytes = ticket.nbytes - keep
-                ticket.nbytes = keep
-            else:
-                return
-            self._held -= nbytes
-            left = self._by_peer.get(ticket.peer, 0) - nbytes
-            if left > 0:
-                self._by_peer[ticket.peer] = left
-            else:
-                self._by_peer.pop(ticket.peer, None)
-            self._set_held(self._held)
-            if self._waiters:
-                self._cond.notify_all()
-        if keep is None and ticket.forget is not None:  # outside the lock: the watchdog's entry, a dict's pop
-            ticket.forget()
 
 
 class HeavyLane:
@@ -340,9 +294,9 @@ class Watched:
 class DrainWatchdog:
     """Acts on responses their callers have not read within ``seconds`` (cancels them, in practice). One thread
     scans what is held now (a released one has dropped its entry at once, through ``forget``; the scan drops any
-    left): a watched call costs a dict entry, not a
-    timer, and no lock: the entry's assignment and removal (``dict.pop``, called through a ``functools.partial``,
-    no Python frame) are each one step under the GIL, and the scan reads a ``copy()`` of the dict, also one step,
+    left): a watched call costs a dict entry, not a timer, and no lock: the entry's assignment and removal (a
+    ticket's, by the books; another's, ``dict.pop`` called through a ``functools.partial``: no Python frame either
+    way) are each one step under the GIL, and the scan reads a ``copy()`` of the dict, also one step,
     so it never iterates a dict another thread changes (a lock taken twice per call cost ~4 % of a small call's
     server CPU)."""
 
@@ -350,6 +304,11 @@ class DrainWatchdog:
         self.seconds = seconds
         self.scan_seconds = min(1.0, max(seconds / 4, 0.05))
         self._watched: dict[int, tuple[float, Held, Callable[[], None]]] = {}
+        # watch_ticket(ticket, on_unread): :meth:`watch` for a response budget's ticket, whose release pops the entry
+        # itself (service/overload/books.py): one compiled call per answer, no ``functools.partial`` made for it.
+        self.watch_ticket: Callable[[Ticket, Callable[[], None]], None] = functools.partial(
+            watch, self._watched, seconds
+        )
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="drain-watchdog", daemon=True)
         self._thread.start()

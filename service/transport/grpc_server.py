@@ -286,7 +286,7 @@ def served(
     status, where ``send_initial_metadata`` starts a batch of its own per call (one more completion on the
     polling thread); a small BuildChunk cost +40-60 us of server CPU and +120-150 us of wall time per call that
     way, the trailers nothing above the noise (docs/service.md, "Request ids")."""
-    failed, tracer = plane.failed_calls, plane.tracer
+    failed, tracer, watch = plane.failed_calls, plane.tracer, watchdog.watch_ticket
     debug = log.isEnabledFor(logging.DEBUG)  # the level is set once, at start, before the server is made
 
     def behavior(request: object, context: grpc.ServicerContext) -> object:
@@ -310,7 +310,7 @@ def served(
                 context.abort(GRPC_STATUS[gone], "the caller went away (cancelled, or past its deadline) first")
             response = serve(method, request, caller=call)
             if call.ticket is not None:  # held until the call ends (call.end); cancelled if unread meanwhile
-                watchdog.watch(call.ticket, call.cancel_unread)
+                watch(call.ticket, call.cancel_unread)
             code = grpc.StatusCode.OK  # known here: no context.code() (a Python frame) on the success path
             return response
         except ServiceError as exc:
