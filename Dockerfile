@@ -48,8 +48,9 @@ RUN groupadd --gid 10001 indexer \
     && mkdir -p /opt/indexer/triton-cache \
     && chown indexer:indexer /opt/indexer/triton-cache
 
-# A C compiler and the C library's headers: `pip install .` builds service/compute/fastpath.c, and on a GPU Triton compiles
-# its launcher stub at run time (runtime images need not carry one). Versions follow the base image's release.
+# A C compiler and the C library's headers: `pip install .` builds service/compute/fastpath.c and
+# service/overload/budget.c, and on a GPU Triton compiles its launcher stub at run time (runtime images need not
+# carry one). Versions follow the base image's release.
 # hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends gcc libc6-dev \

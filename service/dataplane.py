@@ -57,7 +57,7 @@ from indexer_service.service.errors import (
 from indexer_service.service.logs import FailedCallLog
 from indexer_service.service.metrics import UNKNOWN_METHOD, Metrics
 from indexer_service.service.overload.admission import Admission, Caller, Refused, default_response_budget
-from indexer_service.service.overload.books import FastAdmit
+from indexer_service.service.overload.books import NOT_COMPILED, load_compiled
 from indexer_service.service.overload.limits import RequestLimits, fast_path_limits
 from indexer_service.service.reasons import ShedReason
 from indexer_service.service.rpcs import RPCS, parse_request
@@ -169,13 +169,16 @@ class DataPlane:
         # The compiled fast path (None: the backend has none) and the observe of each histogram a call it served
         # records into (only with a fast path: its backend series exists only where one can serve).
         self._build_chunk_fast = backend.build_chunk_fast
+        compiled_books = load_compiled()
+        if compiled_books is None:
+            log.warning(NOT_COMPILED)
         if self._build_chunk_fast is not None:
             # The fast path's admit: the common call's in one compiled call (service/overload/budget.c), any other's
             # _admit_work; _admit_work itself where the books are not compiled. Made once, not per call.
             self._admit_fast = (
                 self._admit_work
-                if FastAdmit is None
-                else FastAdmit(
+                if compiled_books is None
+                else compiled_books.FastAdmit(
                     _CALL,
                     self.admission.heavy_request_bytes,
                     CHUNK_COST_BYTES,

@@ -14,7 +14,7 @@
  * service/codec.py derives from the message descriptors.
  * tests/service/test_fastpath.py holds the three to each other byte for byte, on the golden cases, on every
  * limit at and one past its boundary, and on hypothesis-generated requests, valid and not;
- * tests/service/test_fastpath_sanitized.py runs those tests again against an ASan + UBSan build of this file.
+ * tests/service/test_compiled_sanitized.py runs those tests again against an ASan + UBSan build of this file.
  *
  * One call: parse (wire bytes to Request), check (Request to Chunk, or step aside), size and write (Chunk to
  * the response's bytes, the same emit code run twice: counting, then writing, bounds-checked), then the arrays.
@@ -634,7 +634,7 @@ static PyObject *build_chunk(PyObject *self, PyObject *const *args, Py_ssize_t n
 }
 
 #ifdef FASTPATH_TEST_SEAMS
-/* Test builds only (tests/service/test_fastpath_sanitized.py compiles with -DFASTPATH_TEST_SEAMS): build_chunk with its
+/* Test builds only (tests/service/test_compiled_sanitized.py compiles with -DFASTPATH_TEST_SEAMS): build_chunk with its
  * size pass off by `skew` bytes, to show that a disagreement is an exception and never a heap overrun. */
 static PyObject *build_chunk_with_size_skew(PyObject *self, PyObject *args) {
     (void)self;

@@ -29,7 +29,8 @@ from typing import Protocol
 from indexer_service.service.errors import Code
 from indexer_service.service.logs import RateLimitedLog
 from indexer_service.service.metrics import Metrics
-from indexer_service.service.overload.books import Books, Ticket, watch
+from indexer_service.service.overload import books
+from indexer_service.service.overload.books import Ticket
 from indexer_service.service.reasons import ShedReason
 
 log = logging.getLogger(__name__)
@@ -108,7 +109,9 @@ class ResponseBudget:
         self.wait_seconds = wait_seconds
         self._waiting = waiting
         self._cond = threading.Condition(threading.Lock())  # the waits for room, notified by the books' give-backs
-        self.books = Books(limit, self.share, metrics.response_bytes_held.set, self._notify)
+        compiled = books.load_compiled()
+        make_books = books.PyBooks if compiled is None else compiled.Books
+        self.books = make_books(limit, self.share, metrics.response_bytes_held.set, self._notify)
         # What the transports call as ``ticket.budget.give_back`` (a ticket's budget is its books), also here.
         self.give_back = self.books.give_back
         metrics.response_budget_bytes.set(limit)
@@ -306,6 +309,8 @@ class DrainWatchdog:
         self._watched: dict[int, tuple[float, Held, Callable[[], None]]] = {}
         # watch_ticket(ticket, on_unread): :meth:`watch` for a response budget's ticket, whose release pops the entry
         # itself (service/overload/books.py): one compiled call per answer, no ``functools.partial`` made for it.
+        compiled = books.load_compiled()
+        watch = books.py_watch if compiled is None else compiled.watch
         self.watch_ticket: Callable[[Ticket, Callable[[], None]], None] = functools.partial(
             watch, self._watched, seconds
         )

@@ -3,9 +3,10 @@
 The compiled module serves when it is built (the per-call bookkeeping of every answer: 7 % of a small call's
 calls/s in Python, benchmarks/RESULTS.md, issue 20); this one where it is not (no C compiler at install), and as the
 literal statement of the rules. tests/service/test_budget_books.py holds the two equal, operation for operation.
-:data:`Books`, :data:`Ticket` and :data:`watch` are the ones this process uses, and :data:`FastAdmit` the compiled
-fast path's admission (None where this module serves: the fast path is compiled too). :class:`ResponseBudget`
-(service/overload/admission.py) waits for room around them.
+:func:`load_compiled` says which twin a server uses. :class:`ResponseBudget` (service/overload/admission.py) waits
+for room around them. The compiled module's fourth part, ``FastAdmit`` (the fast path's admission of the common
+call), has no twin here: it hands every other call to the data plane's general admission
+(service/dataplane.py ``DataPlane._admit_work``), whose outcome the tests hold it equal to.
 
 The rules: a grant when the bytes fit the budget's ``limit``, and the connection's ``share`` unless it holds nothing
 yet; a ticket gives back down to a smaller size, never up, and nothing after its release; a release pops the drain
@@ -15,10 +16,12 @@ change, and ``notify`` is called after a give-back while ``waiters`` is not zero
 
 from __future__ import annotations
 
+import importlib
 import logging
 import threading
 import time
 from collections.abc import Callable
+from types import ModuleType
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +29,7 @@ log = logging.getLogger(__name__)
 class PyTicket:
     """Bytes of the response budget held for one call, by one connection (made by :meth:`PyBooks.take`)."""
 
-    __slots__ = ("budget", "forget", "nbytes", "peer", "released", "watched")
+    __slots__ = ("_watched", "budget", "forget", "nbytes", "peer", "released")
 
     def __init__(self, budget: PyBooks, peer: str, nbytes: int) -> None:
         self.budget = budget
@@ -34,7 +37,7 @@ class PyTicket:
         self.nbytes = nbytes
         self.released = False
         self.forget: Callable[[], object] | None = None  # called once, on release (DrainWatchdog.watch sets it)
-        self.watched: dict | None = None  # the watchdog's entries, holding this one's under id(ticket) (watch())
+        self._watched: dict | None = None  # the watchdog's entries, holding this one's under id(ticket) (watch())
 
     def release(self) -> None:
         self.budget.give_back(self, None)
@@ -121,8 +124,8 @@ class PyBooks:
 
 
 def _forget(ticket: PyTicket) -> None:
-    watched, forget = ticket.watched, ticket.forget
-    ticket.watched = ticket.forget = None
+    watched, forget = ticket._watched, ticket.forget
+    ticket._watched = ticket.forget = None
     if watched is not None:
         watched.pop(id(ticket), None)
     if forget is not None:
@@ -132,16 +135,27 @@ def _forget(ticket: PyTicket) -> None:
 def py_watch(watched: dict, seconds: float, ticket: PyTicket, on_unread: Callable[[], object]) -> None:
     """DrainWatchdog.watch's entry for a ticket of these books: ``(deadline, ticket, on_unread)`` under ``id(ticket)``,
     popped when the ticket is released (at once if it already is)."""
-    if ticket.watched is not None:
+    if ticket._watched is not None:
         raise ValueError("watch(): the ticket is watched already")
     watched[id(ticket)] = (time.monotonic() + seconds, ticket, on_unread)
-    ticket.watched = watched
+    ticket._watched = watched
     if ticket.released:
         _forget(ticket)
 
 
-try:
-    from indexer_service.service.overload._budget import Books, FastAdmit, Ticket, watch
-except ImportError:  # not built: the twin serves (service/compute/backends.py says so once at start for the fast path)
-    Books, Ticket, watch = PyBooks, PyTicket, py_watch  # type: ignore[misc, assignment]
-    FastAdmit = None
+# A ticket's type as annotations name it: the compiled Ticket is typed as this one (service/overload/_budget.pyi).
+Ticket = PyTicket
+
+COMPILED_MODULE = "indexer_service.service.overload._budget"
+# What a server logs once at start where the compiled books were not built (service/dataplane.py).
+NOT_COMPILED = "keeping the response budget's books in Python (service/overload/_budget not built)"
+
+
+def load_compiled() -> ModuleType | None:
+    """The compiled books (service/overload/budget.c), or None where they were not built: the twins here then keep
+    them, slower but by the same rules. Asked by each budget, watchdog and data plane as it is made (a module already
+    imported: a dict lookup), so all of a server's parts use the same kind of ticket."""
+    try:
+        return importlib.import_module(COMPILED_MODULE)
+    except ImportError:
+        return None

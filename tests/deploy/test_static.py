@@ -574,8 +574,9 @@ def test_docker_context_holds_what_pip_install_needs(tmp_path: Path) -> None:
     assert {"requirements/image-cpu.txt", "requirements/image-gpu.txt"} <= set(files), "the locks must reach the build"
     assert any(n.startswith("indexer_service/protos/indexer/v1/") and n.endswith(".proto") for n in names)
     assert any(n.startswith("indexer_service/kernels/") for n in names)
-    compiled = [n for n in names if n.startswith("indexer_service/service/compute/_fastpath.") and n.endswith(".so")]
-    assert compiled, "compiled in the wheel"
+    for module in ("service/compute/_fastpath.", "service/overload/_budget."):
+        compiled = [n for n in names if n.startswith(f"indexer_service/{module}") and n.endswith(".so")]
+        assert compiled, f"{module[:-1]} compiled in the wheel"
     # One import namespace: nothing at the top level but indexer_service and the distribution's metadata.
     assert {n.split("/", 1)[0] for n in names if not n.split("/", 1)[0].endswith(".dist-info")} == {"indexer_service"}
 

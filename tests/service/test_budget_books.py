@@ -5,9 +5,13 @@ or hands on, through DataPlane.call."""
 
 from __future__ import annotations
 
+import ast
 import gc
+import inspect
+import logging
 import math
 import random
+import sys
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -22,6 +26,7 @@ from indexer_service.service.dataplane import DataPlane
 from indexer_service.service.errors import ServiceError
 from indexer_service.service.overload import books
 from indexer_service.service.overload.admission import Caller, DrainWatchdog
+from testkit.paths import REPO
 from testkit.planes import make_plane
 
 _budget = pytest.importorskip(
@@ -47,9 +52,74 @@ def new_books(kind: str, limit: int = 1000, share: int = 250) -> tuple[object, O
     return TWINS[kind][0](limit, share, seen.gauge.append, seen.notify), seen
 
 
-def test_the_process_uses_the_compiled_books_where_they_are_built() -> None:
-    assert books.Books is _budget.Books and books.Ticket is _budget.Ticket and books.watch is _budget.watch
-    assert books.FastAdmit is _budget.FastAdmit
+def test_a_server_uses_the_compiled_books_where_they_are_built(caplog) -> None:
+    assert books.load_compiled() is _budget
+    with caplog.at_level(logging.WARNING):
+        plane = make_plane(warmup_target="none", native_fast_path=True)
+    watchdog = DrainWatchdog(3600.0)
+    try:
+        assert isinstance(plane.admission.budget.books, _budget.Books)
+        assert isinstance(plane._admit_fast, _budget.FastAdmit)
+        assert watchdog.watch_ticket.func is _budget.watch
+        assert watchdog.watch_ticket.args == (watchdog._watched, 3600.0)
+        assert books.NOT_COMPILED not in caplog.text
+    finally:
+        watchdog.stop()
+
+
+def test_without_the_compiled_books_the_twin_keeps_them(monkeypatch, caplog) -> None:
+    """Where service/overload/_budget was not built, a server says so once and its budget, watchdog and fast path's
+    admission use the Python twin; calls are admitted, held and released as before."""
+    monkeypatch.setitem(sys.modules, books.COMPILED_MODULE, None)  # importing it fails, as where it was never built
+    with caplog.at_level(logging.WARNING):
+        plane = make_plane(warmup_target="none", native_fast_path=True)
+    plane.readiness.refresh()
+    watchdog = DrainWatchdog(3600.0)
+    try:
+        assert [r.getMessage() for r in caplog.records].count(books.NOT_COMPILED) == 1
+        assert type(plane.admission.budget.books) is books.PyBooks and watchdog.watch_ticket.func is books.py_watch
+        assert plane._admit_fast == plane._admit_work
+        caller = Caller("peer-1")
+        answer = plane.call("BuildChunk", request_bytes(), caller=caller)
+        assert type(caller.ticket) is books.PyTicket and caller.ticket.nbytes == len(answer)
+        watchdog.watch_ticket(caller.ticket, print)
+        caller.ticket.release()
+        assert plane.admission.budget.held == 0 and watchdog._watched == {}
+    finally:
+        watchdog.stop()
+
+
+def test_the_stub_names_what_the_compiled_module_exports() -> None:
+    stub = ast.parse((REPO / "service" / "overload" / "_budget.pyi").read_text())
+    named = {t.id for node in stub.body if isinstance(node, ast.Assign) for t in node.targets}
+    named |= {node.name for node in stub.body if isinstance(node, (ast.ClassDef, ast.FunctionDef))}
+    assert named == {name for name in vars(_budget) if not name.startswith("_")}
+
+
+@pytest.mark.parametrize(
+    ("compiled", "python"),
+    [
+        (_budget.Books.take, books.PyBooks.take),
+        (_budget.Books.give_back, books.PyBooks.give_back),
+        (_budget.Books.peer_bytes, books.PyBooks.peer_bytes),
+        (_budget.Ticket.release, books.PyTicket.release),
+        (_budget.watch, books.py_watch),
+    ],
+    ids=lambda f: f.__qualname__,
+)
+def test_the_twins_take_the_same_arguments(compiled: object, python: object) -> None:
+    def names(f: object) -> list[str]:
+        return [p.name for p in inspect.signature(f).parameters.values() if p.name not in ("self", "$self")]
+
+    assert names(compiled) == names(python)
+
+
+def test_the_twins_have_the_same_attributes() -> None:
+    (compiled, _), (python, _) = new_books("compiled"), new_books("python")
+    for c_object, py_object in ((compiled, python), (compiled.take("a", 1), python.take("a", 1))):
+        assert {n for n in dir(c_object) if not n.startswith("_")} == {
+            n for n in dir(py_object) if not n.startswith("_")
+        }
 
 
 @pytest.mark.parametrize("seed", range(30))
@@ -197,15 +267,6 @@ def test_a_ticket_in_a_reference_cycle_is_collected(kind: str) -> None:
     del owner
     gc.collect()
     assert gone() is None
-
-
-def test_drain_watchdog_watches_tickets_with_the_compiled_entry() -> None:
-    watchdog = DrainWatchdog(3600.0)
-    try:
-        assert watchdog.watch_ticket.func is _budget.watch
-        assert watchdog.watch_ticket.args == (watchdog._watched, 3600.0)
-    finally:
-        watchdog.stop()
 
 
 # ---- FastAdmit against the general admission, through DataPlane.call --------------------------------------------

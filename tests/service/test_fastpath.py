@@ -3,7 +3,7 @@ general path's bytes (and its size figures the same); where the general path ref
 and on the plain requests schedulers send, it does answer. Golden cases, hypothesis-generated requests valid
 and not, raw byte mutations, wire encodings protobuf accepts but the fast path leaves alone, every limit and
 check at its boundary and one past it, the generated wire contract, and (in the test build that
-tests/service/test_fastpath_sanitized.py makes) a size pass that disagrees with the write pass."""
+tests/service/test_compiled_sanitized.py makes) a size pass that disagrees with the write pass."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ from testkit.planes import make_plane
 from tests.conftest import examples
 from tests.golden import GOLDEN, case_id, chunk_inputs, metadata_as_dict
 
-# tests/service/test_fastpath_sanitized.py runs fewer: under ASan every Python allocation is a guarded malloc.
+# tests/service/test_compiled_sanitized.py runs fewer: under ASan every Python allocation is a guarded malloc.
 FUZZ_EXAMPLES = int(os.environ.get("FASTPATH_FUZZ_EXAMPLES", examples(600)))
 FUZZ = settings(max_examples=FUZZ_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 BASE = load_config({"warmup_target": "none"}, env={})
@@ -499,7 +499,7 @@ SEAM = getattr(_fastpath, "_build_chunk_with_size_skew", None)
 
 
 @pytest.mark.skipif(
-    SEAM is None, reason="needs the test build: tests/service/test_fastpath_sanitized.py runs this file on it"
+    SEAM is None, reason="needs the test build: tests/service/test_compiled_sanitized.py runs this file on it"
 )
 @pytest.mark.parametrize("skew", [-1, 1, -40, 4096], ids=["one-short", "one-over", "into-the-arrays", "far-over"])
 @pytest.mark.parametrize("large", [False, True], ids=["small", "gil-released"])

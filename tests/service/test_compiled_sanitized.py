@@ -1,12 +1,16 @@
-"""service/compute/fastpath.c built with AddressSanitizer and UndefinedBehaviorSanitizer, and with its test seams: the
-fast-path tests (tests/service/test_fastpath.py: golden cases, every boundary, hypothesis-generated and mutated
-requests, the size pass made wrong on purpose; tests/service/test_fastpath_contract.py: limits read by name) run
-again against that build in a subprocess, and any sanitizer report fails the test. The compile also holds the file
-to zero warnings under -Wall -Wextra.
+"""The compiled modules built with AddressSanitizer and UndefinedBehaviorSanitizer, and with their test seams, each
+running its tests again against that build in a subprocess; any sanitizer report fails the test. The compile also
+holds each file to zero warnings under -Wall -Wextra.
+
+- service/compute/fastpath.c: tests/service/test_fastpath.py (golden cases, every boundary, hypothesis-generated and
+  mutated requests, the size pass made wrong on purpose) and tests/service/test_fastpath_contract.py (limits read by
+  name);
+- service/overload/budget.c: tests/service/test_budget_books.py (its Python twin's random sequences, the watchdog's
+  entry, reference cycles, the fast path's admission through the data plane).
 
 gcc's sanitizer runtimes (libasan, libubsan) come with gcc itself on Debian (gcc-12 depends on libgcc-12-dev,
-which depends on libasan8 and libubsan1), so a machine that builds the extension can run this test. The Python
-interpreter is not instrumented: the runtimes are preloaded, and only fastpath.c's own accesses are checked."""
+which depends on libasan8 and libubsan1), so a machine that builds the extensions can run this test. The Python
+interpreter is not instrumented: the runtimes are preloaded, and only the C files' own accesses are checked."""
 
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -22,18 +27,43 @@ import pytest
 from testkit.paths import REPO
 
 SANITIZE = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer"]
-# Loads the sanitized build as indexer_service.service.compute._fastpath before anything imports the installed one, then
-# runs pytest.
+
+
+@dataclass(frozen=True)
+class Compiled:
+    """A compiled module: its C file, the module it builds, the tests that run against it, the build's extra flags."""
+
+    source: str
+    module: str
+    tests: tuple[str, ...]
+    flags: tuple[str, ...] = ()
+
+
+COMPILED = {
+    "fastpath": Compiled(
+        "service/compute/fastpath.c",
+        "indexer_service.service.compute._fastpath",
+        ("tests/service/test_fastpath.py", "tests/service/test_fastpath_contract.py"),
+        ("-DFASTPATH_TEST_SEAMS",),
+    ),
+    "budget": Compiled(
+        "service/overload/budget.c", "indexer_service.service.overload._budget", ("tests/service/test_budget_books.py",)
+    ),
+}
+
+# Loads the sanitized build as its module (argv 1, from the file argv 2) before anything imports the installed one,
+# then runs pytest.
 BOOTSTRAP = """
-import importlib.util, sys
-spec = importlib.util.spec_from_file_location("indexer_service.service.compute._fastpath", sys.argv[1])
+import importlib, importlib.util, sys
+name, path = sys.argv[1], sys.argv[2]
+spec = importlib.util.spec_from_file_location(name, path)
 module = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(module)
-assert hasattr(module, "_build_chunk_with_size_skew"), "not the test build"
-import indexer_service.service.compute as compute
-sys.modules["indexer_service.service.compute._fastpath"] = compute._fastpath = module
+package, _, leaf = name.rpartition(".")
+sys.modules[name] = module
+setattr(importlib.import_module(package), leaf, module)
 import pytest
-sys.exit(pytest.main(sys.argv[2:]))
+sys.exit(pytest.main(sys.argv[3:]))
 """
 
 
@@ -44,9 +74,9 @@ def _gcc() -> str:
     return gcc
 
 
-def _build(gcc: str, out: Path) -> Path:
-    """The extension with both sanitizers and the test seams, -O1 -g for readable reports."""
-    target = out / ("_fastpath" + sysconfig.get_config_var("EXT_SUFFIX"))
+def _build(gcc: str, compiled: Compiled, out: Path) -> Path:
+    """The extension with both sanitizers and its test seams, -O1 -g for readable reports."""
+    target = out / (compiled.module.rpartition(".")[2] + sysconfig.get_config_var("EXT_SUFFIX"))
     command = [
         gcc,
         "-shared",
@@ -58,9 +88,9 @@ def _build(gcc: str, out: Path) -> Path:
         "-Wextra",
         "-Werror",
         *SANITIZE,
-        "-DFASTPATH_TEST_SEAMS",
+        *compiled.flags,
         f"-I{sysconfig.get_paths()['include']}",
-        str(REPO / "service" / "compute" / "fastpath.c"),
+        str(REPO / compiled.source),
         "-o",
         str(target),
     ]
@@ -75,16 +105,17 @@ def _runtime(gcc: str, name: str) -> str:
     return path
 
 
-def test_fast_path_tests_pass_under_asan_and_ubsan(tmp_path: Path) -> None:
-    gcc = _gcc()
-    module = _build(gcc, tmp_path)
+@pytest.mark.parametrize("name", COMPILED)
+def test_the_tests_of_each_compiled_module_pass_under_asan_and_ubsan(name: str, tmp_path: Path) -> None:
+    gcc, compiled = _gcc(), COMPILED[name]
+    module = _build(gcc, compiled, tmp_path)
     # pytest captures file descriptor 2 and a sanitizer ends the process before pytest prints it: reports go to
     # files instead, one per process, named <log>.<pid>.
     log = tmp_path / "sanitizer"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ASAN_", "UBSAN_", "LD_PRELOAD", "PYTHONMALLOC"))}
     env.update(
         LD_PRELOAD=f"{_runtime(gcc, 'libasan.so')} {_runtime(gcc, 'libubsan.so')}",
-        # CPython frees little at exit by design: leaks would be its, not fastpath.c's.
+        # CPython frees little at exit by design: leaks would be its, not the C file's.
         ASAN_OPTIONS=f"detect_leaks=0:log_path={log}",
         UBSAN_OPTIONS=f"halt_on_error=1:print_stacktrace=1:log_path={log}",
         # Every object from malloc, so that ASan guards each one: pymalloc would put small bytes objects (most
@@ -99,18 +130,18 @@ def test_fast_path_tests_pass_under_asan_and_ubsan(tmp_path: Path) -> None:
         sys.executable,
         "-c",
         BOOTSTRAP,
+        compiled.module,
         str(module),
         "-q",
         "-p",
         "no:cacheprovider",
         "-rs",
-        str(REPO / "tests" / "service" / "test_fastpath.py"),
-        str(REPO / "tests" / "service" / "test_fastpath_contract.py"),  # read_limits' error paths
+        *(str(REPO / test) for test in compiled.tests),
     ]
     run = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     reports = "\n".join(p.read_text(errors="replace") for p in sorted(tmp_path.glob("sanitizer.*")))
     assert not reports, reports[:8000]
     output = run.stdout + run.stderr
     assert run.returncode == 0, output[-8000:]
-    # Every test ran, the seam's included (it skips only without the test build).
+    # Every test ran, the seams' included (they skip only without the test build).
     assert " passed" in output and "skipped" not in output, output[-4000:]
