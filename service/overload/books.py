@@ -72,7 +72,7 @@ class PyBooks:
         return self._by_peer.get(peer, 0)
 
     def take(self, peer: str, nbytes: int) -> PyTicket | None:
-        if not isinstance(peer, str):
+        if type(peer) is not str:
             raise TypeError("take(): peer must be a str")
         if nbytes < 0:
             raise ValueError(f"take(): nbytes must be >= 0, got {nbytes}")

@@ -126,13 +126,12 @@ static int set_peer_bytes(Books *b, PyObject *peer, long long nbytes) {
 }
 
 /* A ticket for `nbytes` of `peer` when they fit now, else Py_None (new references); NULL with an exception. The rule:
- * the budget's limit, and the connection's share unless it holds nothing yet. */
+ * the budget's limit, and the connection's share unless it holds nothing yet. The ticket is made before the books are
+ * read: making a tracked object may run the garbage collector, whose finalizers may let other threads change the
+ * books, and nothing between the read and the change may. */
 static PyObject *take(Books *b, PyObject *peer, long long nbytes) {
     if (!PyUnicode_CheckExact(peer)) return PyErr_Format(PyExc_TypeError, "take(): peer must be a str");
     if (nbytes < 0) return PyErr_Format(PyExc_ValueError, "take(): nbytes must be >= 0, got %lld", nbytes);
-    long long mine = peer_bytes(b, peer);
-    if (mine < 0) return NULL;
-    if (b->held + nbytes > b->limit || (mine && mine + nbytes > b->share)) Py_RETURN_NONE;
     Ticket *ticket = PyObject_GC_New(Ticket, &TicketType);
     if (!ticket) return NULL;
     Py_INCREF(b);
@@ -144,7 +143,16 @@ static PyObject *take(Books *b, PyObject *peer, long long nbytes) {
     ticket->forget = NULL;
     ticket->watched = NULL;
     PyObject_GC_Track(ticket);
-    if (set_peer_bytes(b, peer, mine + nbytes) < 0) {
+    long long mine = peer_bytes(b, peer);
+    if (mine < 0) {
+        Py_DECREF(ticket);
+        return NULL;
+    }
+    if (b->held + nbytes > b->limit || (mine && mine + nbytes > b->share)) {
+        Py_DECREF(ticket);
+        Py_RETURN_NONE;
+    }
+    if (nbytes && set_peer_bytes(b, peer, mine + nbytes) < 0) { /* a connection holding nothing has no entry */
         Py_DECREF(ticket);
         return NULL;
     }

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import sys
 import threading
 import time
 import weakref
@@ -20,6 +21,7 @@ from indexer_service.service import codec, dataplane
 from indexer_service.service.dataplane import DataPlane
 from indexer_service.service.errors import Code, ServiceError
 from indexer_service.service.metrics import Metrics
+from indexer_service.service.overload import books
 from indexer_service.service.overload.admission import (
     DEFAULT_BUDGET_BYTES,
     Admission,
@@ -46,12 +48,24 @@ def admission(budget: int = 100, slots: int = 1, wait: float = 0.2, max_waiting:
     )
 
 
+@pytest.fixture(params=["compiled", "python"])
+def books_twin(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The budget's books as built (service/overload/budget.c), or their Python twin, which serves where the module
+    was not built: the budget's tests run on both."""
+    if request.param == "python":
+        monkeypatch.setitem(sys.modules, books.COMPILED_MODULE, None)
+    elif books.load_compiled() is None:
+        pytest.skip("service/overload/_budget is not built")
+    return request.param
+
+
 def test_default_budget_is_an_eighth_of_the_memory_limit_at_most_256_mib() -> None:
     assert default_response_budget(None) == DEFAULT_BUDGET_BYTES
     assert default_response_budget(1 << 30) == (1 << 30) // 8
     assert default_response_budget(64 << 30) == DEFAULT_BUDGET_BYTES
 
 
+@pytest.mark.usefixtures("books_twin")
 def test_budget_grants_until_full_then_refuses_after_the_wait() -> None:
     budget = admission(budget=100).budget
     held = [budget.reserve(f"peer{i}", 40, Caller()) for i in range(2)]
@@ -66,6 +80,7 @@ def test_budget_grants_until_full_then_refuses_after_the_wait() -> None:
     budget.reserve("peer9", 40, Caller()).release()
 
 
+@pytest.mark.usefixtures("books_twin")
 def test_a_waiter_gets_in_when_memory_comes_back() -> None:
     budget = admission(budget=100, wait=5.0).budget
     first = budget.reserve("a", 100, Caller())
@@ -74,6 +89,7 @@ def test_a_waiter_gets_in_when_memory_comes_back() -> None:
     assert ticket.nbytes == 60 and budget.held == 60
 
 
+@pytest.mark.usefixtures("books_twin")
 def test_one_connection_holds_at_most_a_quarter_once_it_holds_anything() -> None:
     budget = admission(budget=100, wait=0.05).budget
     big = budget.reserve("reader", 90, Caller())  # a connection holding nothing may take up to the budget
@@ -93,6 +109,7 @@ def test_one_connection_holds_at_most_a_quarter_once_it_holds_anything() -> None
     assert budget.held == 10
 
 
+@pytest.mark.usefixtures("books_twin")
 def test_an_answer_larger_than_the_budget_is_refused_at_once() -> None:
     with pytest.raises(Refused, match="above response_budget_bytes 100"):
         admission(budget=100, wait=5.0).budget.reserve("a", 101, Caller())
@@ -107,6 +124,7 @@ class _PastItsDeadline(Caller):
         return Code.DEADLINE_EXCEEDED
 
 
+@pytest.mark.usefixtures("books_twin")
 def test_a_caller_that_leaves_while_waiting_is_shed_as_queue_deadline() -> None:
     budget = admission(budget=10, wait=5.0).budget
     budget.reserve("a", 10, Caller())
@@ -191,8 +209,10 @@ def test_drain_watchdog_keeps_nothing_it_acted_on() -> None:
         watchdog.stop()
 
 
+@pytest.mark.parametrize("watch", ["watch", "watch_ticket"])
 @pytest.mark.parametrize("release", ["ticket", "budget", "before-watch"])
-def test_a_released_ticket_lets_go_of_what_it_watched_at_once(release: str) -> None:
+@pytest.mark.usefixtures("books_twin")
+def test_a_released_ticket_lets_go_of_what_it_watched_at_once(release: str, watch: str) -> None:
     """Released, a ticket drops its watchdog entry at once, not at the next scan: the entry holds the gRPC call (its
     HTTP/2 stream counts against the connection's limit while referenced). Released as GrpcCaller.end does (the
     budget's give_back), as the other transports do (Ticket.release), or before the watch was made."""
@@ -207,7 +227,7 @@ def test_a_released_ticket_lets_go_of_what_it_watched_at_once(release: str) -> N
         cancel, ticket = Cancel(), budget.reserve("a", 10, Caller())
         if release == "before-watch":
             ticket.release()
-        watchdog.watch(ticket, cancel)
+        getattr(watchdog, watch)(ticket, cancel)  # the general watch, or the budget ticket's own
         if release == "ticket":
             ticket.release()
         elif release == "budget":

@@ -12,6 +12,7 @@ import logging
 import math
 import random
 import sys
+import threading
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -157,6 +158,46 @@ def test_random_operations_leave_both_twins_in_the_same_state(seed: int) -> None
         for ticket in tickets[kind]:
             ticket.release()
         assert (book.held, book.by_peer) == (0, {})
+
+
+@pytest.mark.parametrize("kind", TWINS)
+def test_threads_taking_and_giving_back_at_once_leave_the_books_and_gauge_right(kind: str) -> None:
+    """Eight threads take and give back at once, with a gauge written in Python that yields the GIL midway (as
+    prometheus_client's does with workers): nothing is lost, and the gauge's last value is what the books hold."""
+    gauge = [0]
+
+    def slow_set(value: int) -> None:
+        time.sleep(0)  # another thread may run here, mid-publish
+        gauge[0] = value
+
+    book = TWINS[kind][0](10_000, 2_500, slow_set, lambda: None)
+    errors = []
+
+    def churn(seed: int) -> None:
+        rng, held = random.Random(seed), []
+        try:
+            for _ in range(2_000):
+                if held and rng.random() < 0.5:
+                    ticket = held.pop(rng.randrange(len(held)))
+                    if rng.random() < 0.5:
+                        book.give_back(ticket, rng.randint(0, ticket.nbytes))
+                    ticket.release()
+                else:
+                    ticket = book.take(f"peer{seed % 3}", rng.randint(0, 300))
+                    if ticket is not None:
+                        held.append(ticket)
+            for ticket in held:
+                ticket.release()
+        except Exception as exc:  # reported below: an assertion in a thread would be lost
+            errors.append(exc)
+
+    threads = [threading.Thread(target=churn, args=(seed,)) for seed in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not errors and not any(thread.is_alive() for thread in threads)
+    assert (book.held, book.by_peer, gauge[0]) == (0, {}, 0)
 
 
 @pytest.mark.parametrize("kind", TWINS)
