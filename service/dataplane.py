@@ -230,7 +230,7 @@ class DataPlane:
                     raise NotReady(f"not ready: {self.readiness.not_ready_reason()}")
                 self._warmed = True  # for good: a warmup that finished well never runs again
             if self._build_chunk_fast is not None and method == "BuildChunk" and isinstance(request, bytes):
-                # service/compute/fastpath.c's answer; admission is the general path's (_admit_work)
+                # service/compute/fastpath.c's answer; admission by _admit_fast (the general path's rules)
                 ratios = self._fast_admitted if self._fast_admitted_known else self._admitted_ratios()
                 fast = self._build_chunk_fast(request, self._fast_limits, ratios, self._admit_fast)
             if fast is not None:  # else the request needs the general path (errors included)
@@ -319,8 +319,9 @@ class DataPlane:
         size is known, else the estimate, given back down to the answer's size once it is written), then a last
         look at the caller (a wait may have outlived it); or refuse (Shed, or CallerGone when the caller left). The
         call's caller, None outside DataPlane.call (a handler called by a test: nothing to hold). The compiled fast
-        path calls it with both sizes once the request is known valid (one chunk): a large answer waits for its
-        budget and the heavy lane like any other, and is then written without the GIL."""
+        path's admission (``_admit_fast``: service/overload/budget.c's FastAdmit, or this itself) hands it every call
+        it does not decide alone, with both sizes, once the request is known valid (one chunk): a large answer waits
+        for its budget and the heavy lane like any other, and is then written without the GIL."""
         caller = _CALL.get()
         if caller is None:
             return None

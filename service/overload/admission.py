@@ -274,8 +274,9 @@ class Admission:
 
 class Held(Protocol):
     """Something held until its caller has read it: a :class:`Ticket`, or a :class:`Watched` (a health message on
-    its way, a reflection stream's wait for its next request). Its ``forget`` is set by the watchdog and must be
-    called when it is released."""
+    its way, a reflection stream's wait for its next request). Its ``forget`` is set by :meth:`DrainWatchdog.watch`
+    and must be called when it is released (a response budget's ticket watched by :meth:`DrainWatchdog.watch_ticket`
+    is forgotten by its books instead)."""
 
     released: bool
     forget: Callable[[], None] | None
@@ -296,12 +297,12 @@ class Watched:
 
 class DrainWatchdog:
     """Acts on responses their callers have not read within ``seconds`` (cancels them, in practice). One thread
-    scans what is held now (a released one has dropped its entry at once, through ``forget``; the scan drops any
-    left): a watched call costs a dict entry, not a timer, and no lock: the entry's assignment and removal (a
-    ticket's, by the books; another's, ``dict.pop`` called through a ``functools.partial``: no Python frame either
-    way) are each one step under the GIL, and the scan reads a ``copy()`` of the dict, also one step,
-    so it never iterates a dict another thread changes (a lock taken twice per call cost ~4 % of a small call's
-    server CPU)."""
+    scans what is held now (a released one has dropped its entry at once, through ``forget`` or, for a budget
+    ticket, its books; the scan drops any left): a watched call costs a dict entry, not a timer, and no lock: the
+    entry's assignment and removal (a ticket's, by the books; another's, ``dict.pop`` called through a
+    ``functools.partial``: no Python frame either way) are each one step under the GIL, and the scan reads a
+    ``copy()`` of the dict, also one step, so it never iterates a dict another thread changes (a lock taken twice
+    per call cost ~4 % of a small call's server CPU)."""
 
     def __init__(self, seconds: float) -> None:
         self.seconds = seconds

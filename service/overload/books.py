@@ -11,7 +11,8 @@ call), has no twin here: it hands every other call to the data plane's general a
 The rules: a grant when the bytes fit the budget's ``limit``, and the connection's ``share`` unless it holds nothing
 yet; a ticket gives back down to a smaller size, never up, and nothing after its release; a release pops the drain
 watchdog's entry and calls the ticket's ``forget`` (each once); ``set_held`` is given the bytes held after every
-change, and ``notify`` is called after a give-back while ``waiters`` is not zero.
+change, and ``notify`` is called after a give-back while ``waiters`` is not zero. After a give-back's change, each of
+these steps runs whatever the one before raised, and the last error is the one raised (a ``try/finally``).
 """
 
 from __future__ import annotations
@@ -109,10 +110,12 @@ class PyBooks:
             else:
                 self._by_peer.pop(ticket.peer, None)
             self._publish()
-        if self.waiters:
-            self._notify()
-        if keep is None:
-            _forget(ticket)
+        try:  # each step runs whatever the one before raised; the last error is the one raised
+            if self.waiters:
+                self._notify()
+        finally:
+            if keep is None:
+                _forget(ticket)
 
     def _publish(self) -> None:
         """The gauge set to the bytes held (under the lock: the writes are in order); a failure is logged, not
@@ -126,10 +129,12 @@ class PyBooks:
 def _forget(ticket: PyTicket) -> None:
     watched, forget = ticket._watched, ticket.forget
     ticket._watched = ticket.forget = None
-    if watched is not None:
-        watched.pop(id(ticket), None)
-    if forget is not None:
-        forget()
+    try:
+        if watched is not None:
+            watched.pop(id(ticket), None)
+    finally:
+        if forget is not None:
+            forget()
 
 
 def py_watch(watched: dict, seconds: float, ticket: PyTicket, on_unread: Callable[[], object]) -> None:

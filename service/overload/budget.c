@@ -7,11 +7,13 @@
  *
  * The rules are written twice, here and in service/overload/books.py (the Python twin, used where this module is not
  * built); tests/service/test_budget_books.py holds the two equal operation for operation, on random sequences and on
- * every branch of the fast path's admission. Each call here runs whole under the GIL and calls no Python code while
- * the books are half changed: that, not a lock, makes it atomic (service/overload/admission.py's ResponseBudget waits
- * on a Condition around it, and is notified through `notify`). The books' gauge (`set_held`) is called after the
- * change, and again while the books moved on meanwhile (a gauge written in Python may let another thread run), so
- * the last value written is what the books hold.
+ * every branch of the fast path's admission. Each change of the books runs under the GIL with no Python code between
+ * reading them and writing them (what may run Python, such as making a tracked object, comes first): that, not a
+ * lock, makes it atomic (service/overload/admission.py's ResponseBudget waits on a Condition around it, and is
+ * notified through `notify`). What runs Python comes after the change: the books' gauge (`set_held`, called again
+ * while the books moved on meanwhile, as a gauge written in Python may let another thread run, so the last value
+ * written is what the books hold), `notify`, the ticket's `forget`, and FastAdmit's look at its caller. Errors after
+ * the change follow the twin's `try/finally`: every step runs, and the last error is the one raised.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -45,6 +47,7 @@ static PyTypeObject BooksType, TicketType;
 /* The gauge set to what the books hold; a failure to set it is reported (sys.unraisablehook), not raised: the books
  * have changed by then, and a call must not fail over its gauge. */
 static void publish(Books *b) {
+    if (!b->set_held) return; /* not initialised */
     for (int tries = 0; tries < 64; tries++) {
         long long value = b->held;
         PyObject *number = PyLong_FromLongLong(value);
@@ -60,6 +63,36 @@ static void publish(Books *b) {
     /* the books keep moving: the threads moving them publish after their own change */
 }
 
+/* An error kept while later steps run, as Python's `finally` blocks run after one: a later step's error replaces it. */
+typedef struct {
+    PyObject *type, *value, *traceback;
+} Pending;
+
+/* After a step: its error, if any, becomes the pending one (the earlier dropped), and none is set any more. */
+static void settle(Pending *p) {
+    if (!PyErr_Occurred()) return;
+    Py_XDECREF(p->type);
+    Py_XDECREF(p->value);
+    Py_XDECREF(p->traceback);
+    PyErr_Fetch(&p->type, &p->value, &p->traceback);
+}
+
+/* -1 with the pending error set, or 0 when there is none. */
+static int raise_pending(Pending *p) {
+    if (!p->type) return 0;
+    PyErr_Restore(p->type, p->value, p->traceback);
+    return -1;
+}
+
+/* The books exist from the start: an uninitialised Books (limit 0) has no room, and never crashes. */
+static PyObject *Books_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+    (void)args;
+    (void)kwargs;
+    Books *self = (Books *)type->tp_alloc(type, 0);
+    if (self && !(self->by_peer = PyDict_New())) Py_CLEAR(self);
+    return (PyObject *)self;
+}
+
 static int Books_init(Books *self, PyObject *args, PyObject *kwargs) {
     static char *names[] = {"limit", "share", "set_held", "notify", NULL};
     long long limit, share;
@@ -69,13 +102,12 @@ static int Books_init(Books *self, PyObject *args, PyObject *kwargs) {
         PyErr_SetString(PyExc_ValueError, "Books: limit and share must be at least 1");
         return -1;
     }
-    PyObject *by_peer = PyDict_New();
-    if (!by_peer) return -1;
+    if (self->set_held) { /* books in use: starting them again would forget what their tickets hold */
+        PyErr_SetString(PyExc_TypeError, "Books: already initialised");
+        return -1;
+    }
     self->limit = limit;
     self->share = share;
-    self->held = 0;
-    self->waiters = 0;
-    Py_XSETREF(self->by_peer, by_peer);
     Py_INCREF(set_held);
     Py_XSETREF(self->set_held, set_held);
     Py_INCREF(notify);
@@ -148,7 +180,8 @@ static PyObject *take(Books *b, PyObject *peer, long long nbytes) {
         Py_DECREF(ticket);
         return NULL;
     }
-    if (b->held + nbytes > b->limit || (mine && mine + nbytes > b->share)) {
+    /* held + nbytes > limit, mine + nbytes > share, without an overflow (held <= limit, mine <= limit) */
+    if (nbytes > b->limit - b->held || (mine && nbytes > b->share - mine)) {
         Py_DECREF(ticket);
         Py_RETURN_NONE;
     }
@@ -168,34 +201,32 @@ static PyObject *Books_take(Books *self, PyObject *const *args, Py_ssize_t nargs
     return take(self, args[0], nbytes);
 }
 
-/* What a release does once the books are right: the watchdog's entry popped, its `forget` called (each once). */
-static int forget(Ticket *t) {
+/* What a release does once the books are right: the watchdog's entry popped, then the ticket's `forget` called (each
+ * once, each whatever the step before raised: errors go to `p`). */
+static void forget(Ticket *t, Pending *p) {
     PyObject *watched = t->watched, *fn = t->forget;
     t->watched = NULL;
     t->forget = NULL;
-    int rc = 0;
     if (watched) {
         PyObject *key = PyLong_FromVoidPtr(t); /* id(ticket): the entry's key; the entry holds the ticket */
-        if (!key) {
-            rc = -1;
-        } else if (PyDict_DelItem(watched, key) < 0) { /* the scan may have dropped it first: dict.pop(key, None) */
-            if (PyErr_ExceptionMatches(PyExc_KeyError)) PyErr_Clear();
-            else rc = -1;
+        if (key && PyDict_DelItem(watched, key) < 0 && PyErr_ExceptionMatches(PyExc_KeyError)) {
+            PyErr_Clear(); /* the scan dropped it first: dict.pop(key, None) */
         }
         Py_XDECREF(key);
         Py_DECREF(watched);
+        settle(p);
     }
     if (fn) {
-        PyObject *result = rc == 0 ? PyObject_CallNoArgs(fn) : NULL;
-        if (!result) rc = -1;
+        PyObject *result = PyObject_CallNoArgs(fn);
         Py_XDECREF(result);
         Py_DECREF(fn);
+        settle(p);
     }
-    return rc;
 }
 
 /* `t` down to `keep` bytes (keep >= 0: the response turned out smaller), or released (keep < 0): once released it
- * gives back nothing more, and a ticket never grows back. 0, or -1 with an exception. */
+ * gives back nothing more, and a ticket never grows back. Then the gauge, `notify` while there are waiters, and on
+ * release the forgetting, each run whatever the one before raised. 0, or -1 with the last error. */
 static int give_back(Books *b, Ticket *t, long long keep) {
     if (t->released) return 0;
     long long nbytes;
@@ -208,17 +239,18 @@ static int give_back(Books *b, Ticket *t, long long keep) {
     } else {
         return 0;
     }
-    b->held -= nbytes;
     long long mine = peer_bytes(b, t->peer);
-    int rc = mine < 0 ? -1 : set_peer_bytes(b, t->peer, mine - nbytes);
+    if (mine < 0 || set_peer_bytes(b, t->peer, mine - nbytes) < 0) return -1; /* the dict's own failure: as the twin */
+    b->held -= nbytes;
     publish(b);
-    if (rc == 0 && b->waiters) {
+    Pending p = {NULL, NULL, NULL};
+    if (b->waiters && b->notify) {
         PyObject *result = PyObject_CallNoArgs(b->notify);
-        if (!result) rc = -1;
         Py_XDECREF(result);
+        settle(&p);
     }
-    if (keep < 0 && forget(t) < 0) rc = -1;
-    return rc;
+    if (keep < 0) forget(t, &p);
+    return raise_pending(&p);
 }
 
 static PyObject *Books_give_back(Books *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -301,7 +333,7 @@ static PyTypeObject BooksType = {
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
     .tp_doc = "Books(limit, share, set_held, notify)\n--\n\nThe response budget's books: see "
               "indexer_service.service.overload.books.Books, its Python twin.",
-    .tp_new = PyType_GenericNew,
+    .tp_new = Books_new,
     .tp_init = (initproc)Books_init,
     .tp_traverse = (traverseproc)Books_traverse,
     .tp_clear = (inquiry)Books_clear,
@@ -430,18 +462,23 @@ static PyObject *watch(PyObject *module, PyObject *const *args, Py_ssize_t nargs
     Ticket *ticket = (Ticket *)args[2];
     double seconds = PyFloat_AsDouble(args[1]);
     if (seconds == -1.0 && PyErr_Occurred()) return NULL;
-    if (ticket->watched) return PyErr_Format(PyExc_ValueError, "watch(): the ticket is watched already");
     PyObject *key = PyLong_FromVoidPtr(ticket);
     PyObject *deadline = key ? PyFloat_FromDouble(clock_seconds(CLOCK_MONOTONIC) + seconds) : NULL;
     PyObject *entry = deadline ? PyTuple_Pack(3, deadline, (PyObject *)ticket, on_unread) : NULL;
-    int rc = entry ? PyDict_SetItem(watched, key, entry) : -1;
+    /* looked at after the allocations, which may run the garbage collector and so other threads */
+    if (entry && ticket->watched) PyErr_SetString(PyExc_ValueError, "watch(): the ticket is watched already");
+    int rc = entry && !ticket->watched ? PyDict_SetItem(watched, key, entry) : -1;
     Py_XDECREF(key);
     Py_XDECREF(deadline);
     Py_XDECREF(entry);
     if (rc < 0) return NULL;
     Py_INCREF(watched);
     ticket->watched = watched;
-    if (ticket->released && forget(ticket) < 0) return NULL; /* released before the entry existed */
+    if (ticket->released) { /* released before the entry existed: nobody else will pop it */
+        Pending p = {NULL, NULL, NULL};
+        forget(ticket, &p);
+        if (raise_pending(&p) < 0) return NULL;
+    }
     Py_RETURN_NONE;
 }
 
@@ -470,20 +507,28 @@ static PyObject *FastAdmit_call(FastAdmit *self, PyObject *const *args, size_t n
     if (nargs != 2 || kwnames) {
         return PyErr_Format(PyExc_TypeError, "admit() takes 2 positional arguments (%zd given)", nargs);
     }
-    long long estimate = PyLong_AsLongLong(args[0]), answer_bytes = PyLong_AsLongLong(args[1]);
-    if (PyErr_Occurred()) return NULL;
+    if (!self->books) return PyErr_Format(PyExc_TypeError, "FastAdmit: not initialised");
+    long long estimate = PyLong_AsLongLong(args[0]);
+    if (estimate == -1 && PyErr_Occurred()) return NULL;
+    long long answer_bytes = PyLong_AsLongLong(args[1]);
+    if (answer_bytes == -1 && PyErr_Occurred()) return NULL;
     PyObject *caller;
     if (PyContextVar_Get(self->call, Py_None, &caller) < 0) return NULL;
     PyObject *ticket = NULL, *per_byte = NULL, *peer = NULL, *ended = NULL, *deadline = NULL, *result = NULL;
-    if (caller == Py_None || estimate + self->chunk_cost_bytes > self->heavy_request_bytes) goto general;
+    /* estimate + chunk_cost_bytes > heavy_request_bytes, without an overflow (both settings are >= 0) */
+    if (caller == Py_None || estimate > self->heavy_request_bytes - self->chunk_cost_bytes) goto general;
     if (!(per_byte = PyObject_GetAttr(caller, str_held_per_answer_byte))) goto done;
     if (!PyFloat_CheckExact(per_byte) || PyFloat_AS_DOUBLE(per_byte) != 1.0) goto general;
     if (!(peer = PyObject_GetAttr(caller, str_peer))) goto done;
     if (!PyUnicode_CheckExact(peer)) goto general;
     if (!(ticket = take(self->books, peer, answer_bytes))) goto done;
     if (ticket == Py_None) goto general;
-    if (PyObject_SetAttr(caller, str_ticket, ticket) < 0) {
+    if (PyObject_SetAttr(caller, str_ticket, ticket) < 0) { /* nobody would release it: given back here */
+        Pending p = {NULL, NULL, NULL};
+        settle(&p);
         give_back(self->books, (Ticket *)ticket, -1);
+        settle(&p); /* the release's own error, if any, is the last */
+        raise_pending(&p);
         goto done;
     }
     /* Caller.gone()'s test, as service/dataplane.py writes it out: a wait may have outlived the caller */
@@ -511,6 +556,14 @@ done:
     return result;
 }
 
+static PyObject *FastAdmit_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+    (void)args;
+    (void)kwargs;
+    FastAdmit *self = (FastAdmit *)type->tp_alloc(type, 0);
+    if (self) self->vectorcall = (vectorcallfunc)FastAdmit_call; /* which refuses until __init__ has run */
+    return (PyObject *)self;
+}
+
 static int FastAdmit_init(FastAdmit *self, PyObject *args, PyObject *kwargs) {
     static char *names[] = {"call", "heavy_request_bytes", "chunk_cost_bytes", "books", "general", "stop_if_abandoned",
                             NULL};
@@ -518,6 +571,10 @@ static int FastAdmit_init(FastAdmit *self, PyObject *args, PyObject *kwargs) {
     long long heavy, chunk_cost;
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OLLO!OO:FastAdmit", names, &call, &heavy, &chunk_cost, &BooksType,
                                      &books, &general, &stop)) {
+        return -1;
+    }
+    if (heavy < 0 || chunk_cost < 0) {
+        PyErr_SetString(PyExc_ValueError, "FastAdmit: heavy_request_bytes and chunk_cost_bytes must be >= 0");
         return -1;
     }
     if (!PyContextVar_CheckExact(call)) {
@@ -534,7 +591,6 @@ static int FastAdmit_init(FastAdmit *self, PyObject *args, PyObject *kwargs) {
     Py_XSETREF(self->stop_if_abandoned, stop);
     self->heavy_request_bytes = heavy;
     self->chunk_cost_bytes = chunk_cost;
-    self->vectorcall = (vectorcallfunc)FastAdmit_call;
     return 0;
 }
 
@@ -566,7 +622,7 @@ static PyTypeObject FastAdmitType = {
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
     .tp_doc = "FastAdmit(call, heavy_request_bytes, chunk_cost_bytes, books, general, stop_if_abandoned)\n--\n\n"
               "The compiled fast path's admit for the common call; the general admit for every other.",
-    .tp_new = PyType_GenericNew,
+    .tp_new = FastAdmit_new,
     .tp_init = (initproc)FastAdmit_init,
     .tp_traverse = (traverseproc)FastAdmit_traverse,
     .tp_clear = (inquiry)FastAdmit_clear,

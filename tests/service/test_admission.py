@@ -21,6 +21,7 @@ from indexer_service.service import codec, dataplane
 from indexer_service.service.dataplane import DataPlane
 from indexer_service.service.errors import Code, ServiceError
 from indexer_service.service.metrics import Metrics
+from indexer_service.service.overload import admission as admission_module
 from indexer_service.service.overload import books
 from indexer_service.service.overload.admission import (
     DEFAULT_BUDGET_BYTES,
@@ -81,12 +82,24 @@ def test_budget_grants_until_full_then_refuses_after_the_wait() -> None:
 
 
 @pytest.mark.usefixtures("books_twin")
-def test_a_waiter_gets_in_when_memory_comes_back() -> None:
-    budget = admission(budget=100, wait=5.0).budget
+def test_waiters_get_in_when_memory_comes_back_woken_by_the_release(monkeypatch) -> None:
+    """Waiters are woken by the release (the books' notify), not found by their next look: with each look 30 s
+    apart, three waiters for what one release frees get in within the 10 s the test allows."""
+    monkeypatch.setattr(admission_module, "_WAIT_SLICE_SECONDS", 30.0)
+    budget = admission(budget=100, wait=60.0).budget
     first = budget.reserve("a", 100, Caller())
-    threading.Timer(0.1, first.release).start()
-    ticket = budget.reserve("b", 60, Caller())
-    assert ticket.nbytes == 60 and budget.held == 60
+    granted: list = []
+    waiters = [
+        threading.Thread(target=lambda peer=peer: granted.append(budget.reserve(peer, 30, Caller())), daemon=True)
+        for peer in ("b", "c", "d")
+    ]
+    for waiter in waiters:
+        waiter.start()
+    assert poll(lambda: budget.books.waiters == 3, timeout=10)
+    first.release()
+    for waiter in waiters:
+        waiter.join(10)
+    assert [t.nbytes for t in granted] == [30, 30, 30] and budget.held == 90 and budget.books.waiters == 0
 
 
 @pytest.mark.usefixtures("books_twin")

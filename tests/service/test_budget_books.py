@@ -246,6 +246,61 @@ def test_what_the_books_refuse_both_refuse(kind: str) -> None:
 
 
 @pytest.mark.parametrize("kind", TWINS)
+@pytest.mark.parametrize("failing", ["notify", "forget", "both"])
+def test_a_release_runs_every_step_whatever_one_raises(kind: str, failing: str) -> None:
+    """After the books change, notify and the forgetting each run whatever the one before raised (a try/finally):
+    the books are right, the watchdog's entry is gone, and the last error is the one raised."""
+
+    class NotifyFailed(Exception):
+        pass
+
+    class ForgetFailed(Exception):
+        pass
+
+    def notify() -> None:
+        if failing in ("notify", "both"):
+            raise NotifyFailed
+
+    forgotten = []
+
+    def forget() -> None:
+        forgotten.append(1)
+        if failing in ("forget", "both"):
+            raise ForgetFailed
+
+    book = TWINS[kind][0](100, 100, lambda value: None, notify)
+    ticket, watched = book.take("a", 10), {}
+    TWINS[kind][1](watched, 30.0, ticket, print)
+    ticket.forget = forget
+    book.waiters = 1
+    with pytest.raises(NotifyFailed if failing == "notify" else ForgetFailed):
+        ticket.release()
+    assert (book.held, book.by_peer, watched, forgotten, ticket.released) == (0, {}, {}, [1], True)
+
+
+@pytest.mark.parametrize("kind", TWINS)
+def test_sizes_near_the_largest_int64_neither_overflow_nor_slip_through(kind: str) -> None:
+    largest = 2**63 - 1
+    book, _ = new_books(kind, limit=largest, share=largest)
+    assert book.take("a", 1) is not None
+    assert book.take("b", largest) is None and book.take("a", largest) is None  # one byte too many, not a wrap
+    assert book.take("b", largest - 1) is not None and book.held == largest
+
+
+def test_compiled_objects_made_without_init_refuse_and_never_crash() -> None:
+    bare = _budget.Books.__new__(_budget.Books)
+    assert bare.take("a", 1) is None and bare.held == 0 and bare.peer_bytes("a") == 0  # no room, no crash
+    book, _ = new_books("compiled")
+    ticket = book.take("a", 5)
+    with pytest.raises(TypeError, match="already initialised"):
+        book.__init__(10, 10, print, print)
+    ticket.release()
+    assert book.held == 0
+    with pytest.raises(TypeError, match="not initialised"):
+        _budget.FastAdmit.__new__(_budget.FastAdmit)(1, 1)
+
+
+@pytest.mark.parametrize("kind", TWINS)
 def test_a_gauge_that_fails_fails_no_call(kind: str, caplog, monkeypatch) -> None:
     """The books have changed by the time the gauge is set: a failure there is reported (the compiled books through
     sys.unraisablehook, the twin in the log), the call goes on and the books stay right."""
@@ -377,6 +432,7 @@ SETTINGS = {
     "heavy": {"heavy_request_bytes": 1},
     "above the budget": {"response_budget_bytes": 100},
     "no room now": {"response_budget_bytes": 4096, "admission_wait_seconds": 0.05},
+    "past the connection's share": {"response_budget_bytes": 4096, "admission_wait_seconds": 0.05},
 }
 
 
@@ -403,6 +459,8 @@ def test_fast_admit_admits_as_the_general_admission(setting: str, who: str) -> N
         blocker = None
         if setting == "no room now":  # another connection holds all but 100 bytes
             blocker = plane.admission.budget.reserve("peer-2", 4096 - 100, Caller("peer-2"))
+        elif setting == "past the connection's share":  # the caller's own connection holds all but 10 of its share
+            blocker = plane.admission.budget.reserve("peer-1", 1024 - 10, Caller("peer-1"))
         seen[admit] = outcome(plane, CALLERS[who](), request_bytes())
         if blocker is not None:
             blocker.release()
