@@ -111,9 +111,8 @@ class ResponseBudget:
         self._cond = threading.Condition(threading.Lock())  # the waits for room, notified by the books' give-backs
         compiled = books.load_compiled()
         make_books = books.PyBooks if compiled is None else compiled.Books
+        # A ticket's give-backs are its books' (``ticket.budget.give_back``, as the transports call them).
         self.books = make_books(limit, self.share, metrics.response_bytes_held.set, self._notify)
-        # What the transports call as ``ticket.budget.give_back`` (a ticket's budget is its books), also here.
-        self.give_back = self.books.give_back
         metrics.response_budget_bytes.set(limit)
 
     @property

@@ -113,12 +113,12 @@ def test_one_connection_holds_at_most_a_quarter_once_it_holds_anything() -> None
     with pytest.raises(Refused, match="share 25"):
         budget.reserve("reader", 10, Caller())
     assert budget.reserve("other", 10, Caller()).nbytes == 10
-    budget.give_back(small, 5)
+    small.budget.give_back(small, 5)
     assert budget.held == 15
-    budget.give_back(small, 10)  # never back up
+    small.budget.give_back(small, 10)  # never back up
     assert small.nbytes == 5 and budget.held == 15
     small.release()
-    budget.give_back(small, 1)  # nor anything after its release
+    small.budget.give_back(small, 1)  # nor anything after its release
     assert budget.held == 10
 
 
@@ -227,8 +227,8 @@ def test_drain_watchdog_keeps_nothing_it_acted_on() -> None:
 @pytest.mark.usefixtures("books_twin")
 def test_a_released_ticket_lets_go_of_what_it_watched_at_once(release: str, watch: str) -> None:
     """Released, a ticket drops its watchdog entry at once, not at the next scan: the entry holds the gRPC call (its
-    HTTP/2 stream counts against the connection's limit while referenced). Released as GrpcCaller.end does (the
-    budget's give_back), as the other transports do (Ticket.release), or before the watch was made."""
+    HTTP/2 stream counts against the connection's limit while referenced). Released as GrpcCaller.end does (its
+    books' give_back), as the other transports do (Ticket.release), or before the watch was made."""
 
     class Cancel:  # stands for the gRPC call's cancel_unread
         def __call__(self) -> None:
@@ -244,7 +244,7 @@ def test_a_released_ticket_lets_go_of_what_it_watched_at_once(release: str, watc
         if release == "ticket":
             ticket.release()
         elif release == "budget":
-            budget.give_back(ticket, None)
+            ticket.budget.give_back(ticket, None)  # as GrpcCaller.end does
         gone = weakref.ref(cancel)
         del cancel
         assert gone() is None and budget.held == 0
