@@ -5,7 +5,7 @@ layer by layer, beside bench_rpc's echo, in the same alternating rounds.
 
 The servers, each a process of its own on CPU 0 (the Go load generator on the other CPUs), measured as bench_rpc
 measures (p50 with one call at a time; calls/s and server CPU per call at 8 and 32 in flight over 4 connections;
-each figure the median of its rounds):
+each figure the median of its rounds, the order turning by one each round; the JSON keeps every round):
 
 - ``echo``: bench_rpc's baseline, grpcio's sync server with the service's settings and its stock thread pool,
   answering each request with the service's recorded response bytes;
@@ -140,6 +140,7 @@ def main() -> None:
 
     server_cpus = pin_servers(True)
     results: dict[str, dict] = {}
+    per_round: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="bench-ablation-") as scratch, ExitStack() as stack:
         canned = Path(scratch)
         service = start("service")
@@ -151,7 +152,7 @@ def main() -> None:
         binary = loadgen.binary()
         for name in args.batches.split(","):
             request_file = canned / f"{BATCHES.index(name)}.request"
-            results[name] = alternate(binary, servers, request_file, args.rounds, args.seconds)
+            results[name], per_round[name] = alternate(binary, servers, request_file, args.rounds, args.seconds)
             print(f"measured {name}", file=sys.stderr)
 
     loaded = IN_FLIGHT[-1]
@@ -182,7 +183,13 @@ def main() -> None:
             )
     write_json(
         args.out,
-        {"pinned": server_cpus is not None, "seconds": args.seconds, "rounds": args.rounds, "batches": results},
+        {
+            "pinned": server_cpus is not None,
+            "seconds": args.seconds,
+            "rounds": args.rounds,
+            "batches": results,
+            "per_round": per_round,
+        },
     )
 
 

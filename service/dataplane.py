@@ -216,7 +216,7 @@ class DataPlane:
         in_flight, served_ok = self._call_metrics[method]
         in_flight.inc()
         start = time.perf_counter()
-        code = Code.OK
+        failed: Code | None = None  # the failed call's code (None, not Code.OK: an enum read costs ~80 ns, 3 per call)
         fast = None  # the fast path's (answer, requests, query tokens, seconds), once it has answered
         local = caller is None
         if local:
@@ -246,7 +246,7 @@ class DataPlane:
             return answer
         except Exception as exc:
             error = as_service_error(method, exc)
-            code = error.code
+            failed = error.code
             if error.shed_reason is not None:
                 self.admission.shed.record(method, error.shed_reason, error.message)
             if error is exc:
@@ -257,12 +257,12 @@ class DataPlane:
             if caller.in_heavy_lane:
                 caller.in_heavy_lane = False
                 self.admission.lane.release()
-            if caller.ticket is not None and (local or code is not Code.OK):
+            if caller.ticket is not None and (local or failed is not None):
                 caller.ticket.release()
             duration = time.perf_counter() - start
-            if code is not Code.OK:
-                self.metrics.child(self.metrics.request_duration_seconds, method, code.name).observe(duration)
-                self.metrics.child(self.metrics.request_errors_total, method, code.name).inc()
+            if failed is not None:
+                self.metrics.child(self.metrics.request_duration_seconds, method, failed.name).observe(duration)
+                self.metrics.child(self.metrics.request_errors_total, method, failed.name).inc()
             elif fast is not None:  # (nothing after the fast path's answer can fail)
                 # four C calls in a single process (service/threadmetrics.py), no Python frame
                 observe_duration, observe_backend, observe_requests, observe_tokens = self._fast_call_observes

@@ -53,6 +53,8 @@ Metadata = tuple[tuple[str, str | bytes], ...]
 
 # The data plane's outcomes as gRPC statuses: the one place this transport maps them (same names).
 GRPC_STATUS: dict[Code, grpc.StatusCode] = {code: grpc.StatusCode[code.name] for code in Code}
+# Read once: each read of an enum member through its class costs ~80 ns (a metaclass lookup), twice per call.
+STATUS_OK = grpc.StatusCode.OK
 
 
 class GrpcCaller(Caller):
@@ -141,10 +143,10 @@ class CallDone(list):
 
     def finish(self) -> None:
         self.done = True
-        while True:
+        while self:  # tested first: the usual end, an empty list, costs no IndexError raised and caught per call
             try:
                 fn = self.pop()
-            except IndexError:
+            except IndexError:  # the other thread took the last one between the test and the pop
                 return
             try:
                 fn(self)
@@ -311,7 +313,7 @@ def served(
             response = serve(method, request, caller=call)
             if call.ticket is not None:  # held until the call ends (call.end); cancelled if unread meanwhile
                 watch(call.ticket, call.cancel_unread)
-            code = grpc.StatusCode.OK  # known here: no context.code() (a Python frame) on the success path
+            code = STATUS_OK  # known here: no context.code() (a Python frame) on the success path
             return response
         except ServiceError as exc:
             context.abort(GRPC_STATUS[exc.code], exc.message)
@@ -319,7 +321,7 @@ def served(
             if code is None:  # aborted, or an exception gRPC answers with UNKNOWN
                 code = context.code() or grpc.StatusCode.UNKNOWN
             details = ""
-            if code is not grpc.StatusCode.OK:
+            if code is not STATUS_OK:
                 details = context.details()  # the sync server keeps them encoded
                 if isinstance(details, bytes):
                     details = details.decode(errors="replace")
