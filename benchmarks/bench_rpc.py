@@ -3,7 +3,7 @@
     python -m benchmarks.bench_rpc [--seconds 1] [--rounds 5] [--backend numpy|triton|auto[,...]] [--no-pin]
         [--out rpc.json] [--plot rpc.png]
 
-Batches: bench_kernel's small (8 requests, 351 query tokens), medium (64, 8,885) and large (256, 65,961) at ratio
+Batches: bench_kernel's small (8 requests, 352 query tokens), medium (64, 8,886) and large (256, 65,956) at ratio
 4, each sent whole as one chunk (``--batches`` picks some). Per batch: p50 and p99 with one call at a time, then
 calls/s and the server's CPU per call (user + system from /proc, microseconds) with 8 and 32 calls in flight over
 4 connections, each phase ``--seconds`` long; echo and service alternate for ``--rounds`` rounds (their order turning
@@ -23,8 +23,10 @@ each request's bytes with the service's own response bytes for it, recorded befo
 exactly these bytes through gRPC in Python. Both are separate processes on CPU 0 (the load generator on the
 other CPUs; ``--no-pin`` to let the OS schedule), started the same way; the client is the same for both.
 Targets (issue 20): the service's p50 within 1.15x the echo's, its calls/s at least 0.9x. The service runs the
-default config but for ``--max-num-batched-tokens 131072`` (the large batch has 65,961 query tokens; the default
-allows 8,192) and no warmup: nothing on the numpy request path compiles. ``--backend triton`` and ``auto`` (a CUDA
+default config but for ``--max-num-batched-tokens 131072`` (the large batch has 65,956 query tokens; the default
+allows 8,192), no warmup (nothing on the numpy request path compiles), ``--max-streams-per-connection 64`` (as
+both echoes), and ``--heavy-lane-slots 8`` and ``--response-budget-bytes`` 4 GiB, so that the large batch at 32 in
+flight is never shed (``service_flags``). ``--backend triton`` and ``auto`` (a CUDA
 machine) keep the in-process warmup (auto measures its crossover there).
 
 Several backends (``--backend numpy,triton,auto``): one server each, all alternating with the echo in the same

@@ -12,7 +12,7 @@ is reported apart. Ratios: the baseline's compile seconds over the server's warm
 whole process (imports + compile) over the server's start-to-ready.
 
 Memory: the same server (warm cache, ``--max-num-batched-tokens 131072`` so that the large batch fits) once
-ready and idle, then its peak (the kernel's VmHWM) while answering the large batch (256 requests, 65,961 query
+ready and idle, then its peak (the kernel's VmHWM) while answering the large batch (256 requests, 65,956 query
 tokens, ~2.1M compressed tokens, ~8.7 MB response) with 1 and then 8 calls in flight for ``--load-seconds``
 each. Baseline: a bare Python process that imports what the server imports and does nothing.
 """

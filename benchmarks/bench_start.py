@@ -1,5 +1,5 @@
-"""Where a start's time goes: ``indexer-service serve`` as ``make serve`` runs it (the default config and workers: one
-per CPU), from ``Popen`` to its first log line, to listening (the port file) and to ready (/readyz 200, polled every
+"""Where a start's time goes: ``indexer-service serve`` as ``make serve`` runs it (the default config: one worker
+process), from ``Popen`` to its first log line, to listening (the port file) and to ready (/readyz 200, polled every
 10 ms), with a warm Triton cache (a first, unreported start fills it); and ``indexer-service keys``.
 
     python -m benchmarks.bench_start [--rounds 3] [--before TREE] [--out start.json]
@@ -33,8 +33,8 @@ def first_line_seconds(server: ServiceProcess, timeout: float = 60.0) -> float:
 
 
 def environment(cache: Path, tree: Path | None) -> dict[str, str]:
-    """``make serve``'s: the default workers (clean_env pins the tests' servers to one), this version or ``tree``."""
-    env = clean_env(TRITON_CACHE_DIR=str(cache), INDEXER_WORKERS="0")
+    """``make serve``'s: the default config (one worker, as clean_env also sets), this version or ``tree``."""
+    env = clean_env(TRITON_CACHE_DIR=str(cache))
     if tree is not None:
         env["PYTHONPATH"] = str(tree)
     return env

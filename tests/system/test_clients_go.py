@@ -1,5 +1,5 @@
 """The Go client (clients/go: protoc-gen-go + protoc-gen-go-grpc code, built against Debian's Go libraries)
-against a real server on 127.0.0.1: every golden case, a bad request's code and message, and health."""
+against a real server on 127.0.0.1: every BuildChunk golden case, a bad request's code and message, and health."""
 
 from __future__ import annotations
 

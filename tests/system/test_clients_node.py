@@ -1,5 +1,5 @@
 """The Node client (clients/node, @grpc/grpc-js + @grpc/proto-loader) against a real server on 127.0.0.1: every
-golden case, a bad request's code and message, the number-array pitfall, and health."""
+BuildChunk golden case, a bad request's code and message, the number-array pitfall, and health."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-// CI client: checks a running indexer-service from Go against the golden cases, a bad request and health.
+// CI client: checks a running indexer-service from Go against the BuildChunk golden cases, a bad request and health.
 // Usage: check HOST:PORT PATH/TO/golden-cases.json
 // Prints one JSON summary line; exits 1 when anything disagrees, 2 on a usage error (then prints the usage).
 // Run by tests/system/test_clients_go.py.
