@@ -9,10 +9,10 @@ calls/s and the server's CPU per call (user + system from /proc, microseconds) w
 4 connections, each phase ``--seconds`` long; echo and service alternate for ``--rounds`` rounds (their order turning
 by one each round) and each figure is the median of its rounds (this machine is shared and noisy); the verdicts are
 on those medians, and a ``rounds`` line under each service shows the same ratios round by round (the lowest, the
-highest, and in how many rounds the target held), which the JSON keeps with every round's figures. The client is the Go load generator
-(benchmarks/loadgen, ``python -m benchmarks.loadgen`` builds it), request bytes out and response bytes back: a
-Python client saturated before either server did and hid the service's per-call cost (0.9-1.1x the echo against
-0.70x with Go on the H200 host).
+highest, and in how many rounds the target held), which the JSON keeps with every round's figures. The client is
+the Go load generator (benchmarks/loadgen, ``python -m benchmarks.loadgen`` builds it), request bytes out and
+response bytes back: a Python client saturated before either server did and hid the service's per-call cost
+(0.9-1.1x the echo against 0.70x with Go on the H200 host).
 
 Beside it, the stack's limit: a grpc-go echo of the same bytes (benchmarks/goecho, built like the load generator)
 on the same CPU, printed with its ratios to the Python echo and no target.
