@@ -26,6 +26,8 @@ from pathlib import Path
 from queue import SimpleQueue
 
 import grpc
+from grpc import _server as grpc_server_internals
+from grpc._cython import cygrpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from indexer_service.service.addresses import host_port
@@ -154,9 +156,65 @@ class CallDone(list):
                 log.exception("a call's completion callback failed")
 
 
+def receive_ahead(args: tuple, queue: Callable[[tuple], None]) -> bool:
+    """For a unary call (grpcio's arguments ``_unary_response_in_pool`` and what follows it): start receiving its
+    request message now, on gRPC's polling thread that submits the call, and ``queue`` its arguments, grpcio's
+    request thunk swapped for one that takes the message, only once the message is in (or the call ended without
+    one), from the same thread. True when it did; False for any other call, which the caller queues as it is.
+
+    grpcio's own thunk starts the receive on the pool thread and waits there for the message, so a caller that
+    opens a call and never sends its message held an RPC thread until it left: `grpc_workers` such calls from one
+    connection stopped every other caller's calls (tests/service/test_rpc_pool.py). Queued once the message is in,
+    such a call holds no thread, only its place under ``max_concurrent_rpcs`` (until it leaves, or its connection
+    reaches ``max_connection_age_seconds``), and each call is one sleep and wake-up of each thread cheaper
+    (benchmarks/RESULTS.md, issue 20). A call waiting for a thread holds its request, at most ``max_request_bytes``
+    (gRPC refuses a longer one): 25 MiB for ``max_concurrent_rpcs`` calls at the defaults.
+
+    The swapped thunk answers as grpcio's does: None when the call ended first (the caller cancelled, or its
+    deadline passed), UNIMPLEMENTED "requires exactly one request message" when the caller closed without one,
+    else the request. The polling thread holds the call's condition here (grpcio's ``_handle_with_method_handler``),
+    as grpcio's thunk holds it to start the receive."""
+    if len(args) != 7 or args[0] is not _UNARY_RESPONSE_IN_POOL:
+        return False
+    respond, rpc_event, state, behavior, _grpcio_thunk, request_deserializer, response_serializer = args
+    internals = grpc_server_internals
+    call = rpc_event.call
+    try:
+        grpcio_receive = internals._receive_message(state, call, request_deserializer)
+    except Exception:  # a grpcio whose helper changed: its own thunk receives, and the polling thread lives on
+        log.exception("grpcio's _receive_message failed; requests are received on the pool threads")
+        return False
+
+    def take_request() -> object:
+        with state.condition:
+            if not internals._is_rpc_state_active(state):
+                return None
+            request, state.request = state.request, None
+            if request is None:  # grpcio's receive saw the caller close without a message
+                method = rpc_event.call_details.method.decode(errors="replace")
+                details = f'"{method}" requires exactly one request message.'.encode()
+                internals._abort(state, call, cygrpc.StatusCode.unimplemented, details)
+            return request
+
+    def received(event: object) -> object:
+        finished = grpcio_receive(event)  # the call's state, as grpcio's own receive leaves it
+        queue((respond, rpc_event, state, behavior, take_request, request_deserializer, response_serializer))
+        return finished
+
+    call.start_server_batch((cygrpc.ReceiveMessageOperation(0),), received)
+    state.due.add(internals._RECEIVE_MESSAGE_TOKEN)
+    return True
+
+
+# What grpcio submits first among a unary call's arguments (after the context's ``run``); None where this grpcio has
+# no such function (serve refuses to start on it: service/transport/grpcio_internals.py), and no call is matched.
+_UNARY_RESPONSE_IN_POOL = getattr(grpc_server_internals, "_unary_response_in_pool", None)
+
+
 class RpcThreadPool:
-    """The gRPC server's pool for the RPCs: ``workers`` threads taking calls from one queue. It counts the calls it
-    holds (queued or running) and refuses past ``max_calls`` (``max_concurrent_rpcs``): such a call runs on a small
+    """The gRPC server's pool for the RPCs: ``workers`` threads taking calls from one queue, a unary call only once
+    its request message is in (:func:`receive_ahead`). It counts the calls it holds (receiving their request, queued
+    or running) and refuses past ``max_calls`` (``max_concurrent_rpcs``): such a call runs on a small
     pool of its own (``refusals``) with its behaviour swapped for the method's refusing one, so it is counted (shed
     ``concurrency``), answered RESOURCE_EXHAUSTED, and never waits behind RPC work. It also notices calls that end
     without their behaviour ever starting: the caller cancelled, reset the stream or passed its deadline while the
@@ -178,7 +236,7 @@ class RpcThreadPool:
         self.max_calls = max_calls
         self._queue: SimpleQueue[tuple[int, Callable, tuple, CallDone] | None] = SimpleQueue()
         self._ids = itertools.count()
-        # The calls it holds, queued or running (their number read with ``len``: no method per call).
+        # The calls it holds, receiving, queued or running (their number read with ``len``: no method per call).
         self.live: dict[int, None] = {}
         # Each watched behaviour's method and refusing twin.
         self._watched: dict[Callable, tuple[str, Callable]] = {}
@@ -203,7 +261,9 @@ class RpcThreadPool:
         call = next(self._ids)
         self.live[call] = None
         done = CallDone()
-        self._queue.put((call, fn, args, done))
+        put = self._queue.put
+        if not receive_ahead(args, lambda received: put((call, fn, received, done))):
+            put((call, fn, args, done))
         return done
 
     def shutdown(self, timeout: float) -> int:

@@ -4,6 +4,10 @@
   (``grpc._server``'s ``_Context`` and ``_RPCState``, and the Cython call objects behind them: the peer, the
   deadline, the caller's metadata, the trailers and the end callbacks): the public methods were ten Python frames
   per call (benchmarks/RESULTS.md, issue 20).
+- The RPC pool's :func:`~service.transport.grpc_server.receive_ahead` starts a unary call's receive on the polling
+  thread, as grpcio's request thunk does on the pool thread, and waits for it as that thunk does (the call's
+  ``request`` and ``client`` fields, grpcio's ``_receive_message`` callback, its abort): one thread hand-off a call
+  fewer.
 - Health's :func:`~service.transport.health.send_without_waiting` starts a send batch as grpcio's own send does,
   with its helpers and tokens: grpcio's sync server offers only a send that waits.
 - Health's Watch and the unknown-method and reflection refusals name the pool a behaviour runs on, and whether a
@@ -31,8 +35,9 @@ log = logging.getLogger(__name__)
 # The grpcio minor version the tests ran on (requirements/image-cpu.txt pins its patch release).
 TESTED_GRPCIO = "1.85"
 
-# grpc._server's helpers and tokens health's send_without_waiting calls as grpcio's own send does, and the two call
-# state classes (checked on instances below).
+# grpc._server's helpers and tokens health's send_without_waiting calls as grpcio's own send does, those
+# receive_ahead uses as grpcio's own receive does (with the function it recognises a unary call by), and the two
+# call state classes (checked on instances below).
 SERVER_MODULE_NAMES = (
     "_Context",
     "_RPCState",
@@ -42,11 +47,18 @@ SERVER_MODULE_NAMES = (
     "_send_message",
     "_SEND_MESSAGE_TOKEN",
     "_SEND_INITIAL_METADATA_AND_SEND_MESSAGE_TOKEN",
+    "_unary_response_in_pool",
+    "_receive_message",
+    "_RECEIVE_MESSAGE_TOKEN",
+    "_abort",
+    "_CLOSED",
+    "_CANCELLED",
 )
 # The attributes grpc._server reads off a behaviour (found in its source).
 BEHAVIOUR_ATTRIBUTES = ("experimental_thread_pool", "experimental_non_blocking")
 # The fields of a call's _RPCState read or written: under its condition (GrpcCaller, health), the trailers and the
-# end callbacks (None once the call has ended), and what health's send updates.
+# end callbacks (None once the call has ended), what health's send updates, and the request and the client's side
+# that receive_ahead's thunk waits on.
 STATE_FIELDS = (
     "condition",
     "trailing_metadata",
@@ -54,6 +66,8 @@ STATE_FIELDS = (
     "due",
     "initial_metadata_allowed",
     "disable_next_compression",
+    "request",
+    "client",
 )
 # A context's fields: the request-call event and the call state.
 CONTEXT_FIELDS = ("_rpc_event", "_state")
@@ -63,6 +77,7 @@ CYTHON_NAMES = (
     ("Call", ("peer", "start_server_batch")),
     ("CallDetails", ("deadline",)),
     ("SendMessageOperation", ()),
+    ("ReceiveMessageOperation", ()),
 )
 
 

@@ -1,12 +1,14 @@
 """The RPC server's own thread pool (service/transport/grpc_server.py, RpcThreadPool): what grpcio needs of a pool
 (submit, one completion callback per call, each run exactly once), the calls it counts for ``max_concurrent_rpcs``,
-the calls that end before their handler starts, an exception that escapes a call, and its shutdown with the
-server."""
+the calls that end before their handler starts, an exception that escapes a call, its shutdown with the server, and
+the request it receives ahead for a unary call (``receive_ahead``), held to grpcio's own answers on a real server."""
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import numpy as np
@@ -16,6 +18,7 @@ from indexer_service.kernels.inputs import ChunkInputs
 from indexer_service.protos.indexer.v1 import indexer_pb2_grpc as pb_grpc
 from indexer_service.service import codec
 from indexer_service.service.config import load_config
+from indexer_service.service.transport import grpc_server
 from indexer_service.service.transport.grpc_server import (
     HEALTH_NAMES,
     CallDone,
@@ -188,3 +191,122 @@ def test_stopping_the_server_ends_its_rpc_threads() -> None:
         server.stop(1.0)
     threads = server.pool._threads
     assert len(threads) == config.grpc_workers and not any(thread.is_alive() for thread in threads)
+
+
+SERVICE, METHOD = "test.Pool", "Echo"
+
+
+@pytest.fixture
+def echo_server() -> Iterator[Callable[..., grpc.Channel]]:
+    """A real server on ``executor`` (an RpcThreadPool, or grpcio's own pool to compare with) whose one unary
+    method runs ``before(request)`` and answers the request's bytes."""
+    servers, channels = [], []
+
+    def start(executor: object, before: Callable[[bytes], None] = lambda request: None) -> grpc.Channel:
+        def echo(request: bytes, context: grpc.ServicerContext) -> bytes:
+            before(request)
+            return request
+
+        server = grpc.server(executor)
+        server.add_registered_method_handlers(SERVICE, {METHOD: grpc.unary_unary_rpc_method_handler(echo)})
+        port = server.add_insecure_port("127.0.0.1:0")
+        server.start()
+        servers.append((server, executor))
+        channels.append(grpc.insecure_channel(f"127.0.0.1:{port}"))
+        return channels[-1]
+
+    yield start
+    for channel in channels:
+        channel.close()
+    for server, executor in servers:
+        server.stop(None).wait(5)
+        if isinstance(executor, RpcThreadPool):
+            assert executor.shutdown(5.0) == 0
+        else:
+            executor.shutdown(wait=True)
+
+
+def test_a_unary_call_is_queued_once_its_request_is_in_and_each_call_answers_its_own(echo_server, monkeypatch) -> None:
+    ahead, receive_ahead = [], grpc_server.receive_ahead
+
+    def spied(args: tuple, queue: Callable[[tuple], None]) -> bool:
+        def queued(received: tuple) -> None:
+            ahead.append((threading.current_thread().name, received[4] is not args[4]))
+            queue(received)
+
+        return receive_ahead(args, queued)
+
+    monkeypatch.setattr(grpc_server, "receive_ahead", spied)
+    channel = echo_server(RpcThreadPool(2, 100))
+    echo = channel.unary_unary(f"/{SERVICE}/{METHOD}", _registered_method=True)
+    futures = [echo.future(b"request %d" % n, timeout=10) for n in range(40)]
+    assert [future.result() for future in futures] == [b"request %d" % n for n in range(40)]
+    assert len(ahead) == 40
+    # Queued with grpcio's thunk swapped, by gRPC's polling thread: never one of the pool's own threads.
+    assert all(swapped and not thread.startswith("grpc_") for thread, swapped in ahead)
+
+
+def test_other_arguments_than_a_unary_calls_are_left_to_the_pool() -> None:
+    def wrapper() -> None:
+        pass
+
+    queued = []
+    for args in ((), (wrapper, 1, 2, 3, 4, 5, 6), (wrapper,)):
+        assert grpc_server.receive_ahead(args, queued.append) is False
+    assert queued == []
+
+
+def test_calls_that_never_send_their_request_hold_no_thread(echo_server) -> None:
+    # A caller that opens unary calls and never sends the message: four of them on a pool of two threads, and a
+    # behaving caller is still answered at once; the stalled calls count under max_calls until they leave.
+    pool = RpcThreadPool(2, 100)
+    channel = echo_server(pool)
+    leave = threading.Event()
+
+    def never_sends() -> Iterator[bytes]:
+        leave.wait(30)
+        yield from ()
+
+    stalled = channel.stream_unary(f"/{SERVICE}/{METHOD}", _registered_method=True)
+    calls = [stalled.future(never_sends(), timeout=30) for _ in range(4)]
+    wait_for(lambda: len(pool.live) == 4, 5, "the four stalled calls to reach the pool")
+    echo = channel.unary_unary(f"/{SERVICE}/{METHOD}", _registered_method=True)
+    assert echo(b"behaving", timeout=5) == b"behaving"
+    leave.set()
+    for call in calls:  # closed without a message: what grpcio answers
+        assert call.exception(10).code() == grpc.StatusCode.UNIMPLEMENTED
+    wait_for(lambda: not pool.live, 5, "the stalled calls to leave the pool")
+
+
+@pytest.mark.parametrize("executor", [RpcThreadPool, ThreadPoolExecutor], ids=["rpc-pool", "grpcio-pool"])
+def test_a_caller_that_closes_without_a_request_gets_what_grpcio_answers(echo_server, executor) -> None:
+    # A client streaming no message to a unary method: grpcio's own thunk answers UNIMPLEMENTED, and so must ours.
+    channel = echo_server(executor(2, 100) if executor is RpcThreadPool else executor(max_workers=2))
+    none = channel.stream_unary(f"/{SERVICE}/{METHOD}", _registered_method=True)
+    with pytest.raises(grpc.RpcError) as failed:
+        none(iter(()), timeout=10)
+    assert failed.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert "requires exactly one request message" in failed.value.details()
+
+
+def test_a_call_cancelled_while_it_waits_for_a_thread_never_runs_its_behaviour(echo_server) -> None:
+    # Its request was received ahead; the cancel still reaches the waiting thunk, which gives grpcio None.
+    pool = RpcThreadPool(1, 100)
+    release, ran = threading.Event(), []
+
+    def hold_the_only_thread(request: bytes) -> None:
+        ran.append(request)
+        if request == b"first":
+            release.wait(10)
+
+    channel = echo_server(pool, hold_the_only_thread)
+    echo = channel.unary_unary(f"/{SERVICE}/{METHOD}", _registered_method=True)
+    first = echo.future(b"first", timeout=10)
+    wait_for(lambda: ran, 5, "the first call to hold the pool's only thread")
+    second = echo.future(b"second", timeout=10)
+    wait_for(lambda: len(pool.live) == 2, 5, "the second call to wait for the thread")
+    second.cancel()
+    release.set()
+    assert first.result() == b"first"
+    wait_for(lambda: not pool.live, 5, "the cancelled call to leave the pool")
+    assert ran == [b"first"] and second.cancelled()

@@ -1,17 +1,21 @@
-"""Issue 19 items 1 and 5, bounded: floods of calls that are cheap to refuse or already expired must cost only
-the connections that send them. Each flood runs against a real server with a well-behaved victim on a
-connection of its own and the probes, measured against a control taken on the same server just before.
+"""Issue 19 items 1 and 5, bounded: floods of calls that are cheap to refuse or already expired, or that never send
+their request, must cost only the connections that send them. Each flood runs against a real server with a
+well-behaved victim on a connection of its own and the probes, measured against a control taken on the same server
+just before.
 The full-size floods are rows of ``python -m benchmarks.attack`` (refused-flood, expiring-flood).
 """
 
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Iterator
 
+import grpc
 import pytest
 
 from testkit.h2raw import attack_window, call_loop_parallel
-from testkit.harness import LOOPBACK, merged_counts, poll, scrape
+from testkit.harness import LOOPBACK, channel, merged_counts, poll, scrape
 from testkit.observe import Callers
 from testkit.payloads import AMPLIFIER_PLAN_BATCH, BUILD_CHUNK_PATH, PLAN_BATCH_PATH, SMALL_BUILD_CHUNK
 from testkit.siege import ERRORS, SHED, Siege, control_run, counter_delta
@@ -86,3 +90,31 @@ def test_expiring_flood_leaves_other_callers_served(serve) -> None:
     assert poll(lambda: counted() >= endings.get("grpc-4", 0), 10.0, interval=0.2), (
         f"counted {counted()} of the flood's {endings}: {siege.summary()}"
     )
+
+
+def test_calls_that_never_send_their_request_leave_other_callers_served(serve) -> None:
+    """Twice ``grpc_workers`` BuildChunk calls opened on one connection, no deadline, whose request never comes.
+    Before, each held an RPC thread while it waited for its message, and 8 of them stopped every other caller's
+    calls (DEADLINE_EXCEEDED) until they left; now a call takes a thread only once its request is in. The victim
+    and the probes keep their control's success; the stalled calls end as gRPC ends such calls once their caller
+    closes: UNIMPLEMENTED."""
+    server = serve("--grpc-workers", "4")
+    before = control_run(server, CONTROL_SECONDS)
+    leave = threading.Event()
+
+    def never_sends() -> Iterator[bytes]:
+        leave.wait(30)
+        yield from ()
+
+    with channel(server.address) as stalled_connection:
+        stalled = stalled_connection.stream_unary(BUILD_CHUNK_PATH, _registered_method=True)
+        with Siege(server) as siege:
+            calls = [stalled.future(never_sends()) for _ in range(8)]
+            time.sleep(FLOOD_SECONDS)
+            leave.set()
+            endings = [call.exception(10) for call in calls]
+    assert all(e is not None and e.code() == grpc.StatusCode.UNIMPLEMENTED for e in endings), endings
+    assert siege.victim_ok_ratio() >= before.victim_ok_ratio() - VICTIM_SLACK, (
+        f"control: {before.summary()}; stalled calls: {siege.summary()}"
+    )
+    assert siege.probes.overall().ratio >= PROBES_IN_TIME, siege.summary()
