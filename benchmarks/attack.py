@@ -62,7 +62,7 @@ from testkit.payloads import (
     one_row_chunks_plan_batch,
 )
 from testkit.siege import BYTES_HELD, Siege, health_address
-from testkit.streams import BlockedWatchers, IdleReflectionStreams
+from testkit.streams import BlockedWatchers, SilentCalls
 
 DEFAULT_DRAIN_SECONDS = 30.0  # response_drain_seconds' default: stalled answers are held at least this long
 DEFAULT_IDLE_SECONDS = 15.0  # http_idle_timeout_seconds' default
@@ -392,12 +392,28 @@ def reflection_streams(bench: Bench) -> dict:
     """6 connections x 10 reflection streams that never send a request, each reopened 0.05 s after it ended, 30 s."""
     server = bench.serve()
     connections = _scaled(6)
-    flood = IdleReflectionStreams(server.address, connections=connections, streams_each=10, reopen_pause=0.05)
+    flood = SilentCalls(server.address, connections=connections, streams_each=10, reopen_pause=0.05)
     with Siege(server, fresh_client_interval=FRESH_CLIENT_INTERVAL) as siege, flood:
         time.sleep(30.0)
     figures = siege.figures()
     figures.update(tried=f"{connections} connections x 10 idle reflection streams, 30 s", opened=flood.opened)
     figures["ended"] = flood.ended
+    return figures
+
+
+def silent_unary_calls(bench: Bench) -> dict:
+    """BuildChunk calls whose request never comes: twice grpc_workers of them on one connection for 15 s (each held
+    an RPC thread before, and 8 stopped every other caller), then 3 connections x 100 (past max_concurrent_rpcs:
+    they hold its places until they leave)."""
+    figures = {}
+    for name, connections, each in (("one_connection_16", 1, 16), ("three_connections_300", 3, 100)):
+        server = bench.serve()
+        flood = SilentCalls(server.address, connections, each, path=BUILD_CHUNK_PATH, unary_response=True)
+        with Siege(server) as siege, flood:
+            time.sleep(15.0)
+        figures[name] = siege.figures() | {"opened": flood.opened, "ended": flood.ended}
+        server.kill()
+    figures["tried"] = "BuildChunk calls that never send their request: 1 x 16 and 3 x 100 connections x calls, 15 s"
     return figures
 
 
@@ -506,6 +522,7 @@ ATTACKS: dict[str, Callable[[Bench], dict]] = {
     "drain-watchers": drain_watchers,
     "reflection-streams": reflection_streams,
     "blocked-watchers": blocked_watchers,
+    "silent-unary-calls": silent_unary_calls,
     "idle-connections-grpc": idle_connections_grpc,
     "idle-connections-health": idle_connections_health,
     "tls-half-open": tls_half_open,

@@ -1,5 +1,5 @@
-"""Floods of long-lived streams (issue 19): reflection streams that never send a request, and health Watch
-streams whose flow-control window stays shut. Each runs from ``with`` to its end and stops by itself at
+"""Floods of long-lived streams (issue 19): reflection streams or unary calls that never send a request, and health
+Watch streams whose flow-control window stays shut. Each runs from ``with`` to its end and stops by itself at
 ``max_seconds``; loopback only."""
 
 from __future__ import annotations
@@ -17,17 +17,26 @@ REFLECTION_PATH = "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo"
 WATCH_PATH = "/grpc.health.v1.Health/Watch"
 
 
-class IdleReflectionStreams(Paced):
-    """``connections`` connections, each opening ``streams_each`` reflection streams that send nothing (a
-    client that asked for reflection and walked away), each reopened ``reopen_pause`` seconds after the server
-    ended it, until :meth:`stop`. (The pause keeps this a flood of held streams: with none, the refusals
-    become a flood of calls of their own, the rapid-reset test's subject, on the test's own 2 cores.)"""
+class SilentCalls(Paced):
+    """``connections`` connections, each opening ``streams_each`` calls of ``path`` that send nothing (a client
+    that asked for reflection and walked away; a unary call whose request never comes, ``unary_response``), each
+    reopened ``reopen_pause`` seconds after the server ended it, until :meth:`stop`. (The pause keeps this a flood
+    of held streams: with none, the refusals become a flood of calls of their own, the rapid-reset test's subject,
+    on the test's own 2 cores.)"""
 
     def __init__(
-        self, address: str, connections: int, streams_each: int, reopen_pause: float = 0.5, max_seconds: float = 120.0
+        self,
+        address: str,
+        connections: int,
+        streams_each: int,
+        reopen_pause: float = 0.5,
+        max_seconds: float = 120.0,
+        path: str = REFLECTION_PATH,
+        unary_response: bool = False,
     ) -> None:
-        super().__init__("reflection-stream", connections * streams_each, reopen_pause, max_seconds)
+        super().__init__("silent-call", connections * streams_each, reopen_pause, max_seconds)
         self.address, self.connections, self.streams_each = address, connections, streams_each
+        self.path, self.unary_response = path, unary_response
         self.opened = 0
         self.ended: dict[str, int] = {}  # how the server ended streams: status code names
         self._channels: list[grpc.Channel] = []
@@ -40,23 +49,28 @@ class IdleReflectionStreams(Paced):
 
     def step(self, thread_index: int) -> None:
         """One stream on the thread's connection, held until the server ends it."""
-        call = self._channels[thread_index // self.streams_each].stream_stream(REFLECTION_PATH)
+        chan = self._channels[thread_index // self.streams_each]
         try:
-            stream = call(self._requests(), timeout=self.max_seconds)
+            if self.unary_response:  # a future: the call itself would wait for the answer
+                call = chan.stream_unary(self.path).future(self._requests(), timeout=self.max_seconds)
+            else:
+                call = chan.stream_stream(self.path)(self._requests(), timeout=self.max_seconds)
+            with self._lock:
+                self.opened += 1
+            if self.unary_response:
+                call.result()
+            else:
+                for _ in call:
+                    pass
+            code = "OK"
         except ValueError:  # the channel was closed: the flood is over
             return
-        with self._lock:
-            self.opened += 1
-        try:
-            for _ in stream:
-                pass
-            code = "OK"
         except grpc.RpcError as exc:
             code = exc.code().name
         with self._lock:
             self.ended[code] = self.ended.get(code, 0) + 1
 
-    def start(self) -> IdleReflectionStreams:
+    def start(self) -> SilentCalls:
         self._channels = [
             grpc.insecure_channel(self.address, options=[OWN_CONNECTION]) for _ in range(self.connections)
         ]

@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import numpy as np
 import pytest
+from grpc import _server as grpc_server_internals
 
 from indexer_service.kernels.inputs import ChunkInputs
 from indexer_service.protos.indexer.v1 import indexer_pb2_grpc as pb_grpc
@@ -289,8 +290,15 @@ def test_a_caller_that_closes_without_a_request_gets_what_grpcio_answers(echo_se
     assert "requires exactly one request message" in failed.value.details()
 
 
-def test_a_call_cancelled_while_it_waits_for_a_thread_never_runs_its_behaviour(echo_server) -> None:
+def test_a_call_cancelled_while_it_waits_for_a_thread_never_runs_its_behaviour(echo_server, monkeypatch) -> None:
     # Its request was received ahead; the cancel still reaches the waiting thunk, which gives grpcio None.
+    states, receive_ahead = [], grpc_server.receive_ahead
+
+    def spied(args: tuple, queue: Callable[[tuple], None]) -> bool:
+        states.append(args[2])  # grpcio's state of the call, to know when the server has seen the cancel
+        return receive_ahead(args, queue)
+
+    monkeypatch.setattr(grpc_server, "receive_ahead", spied)
     pool = RpcThreadPool(1, 100)
     release, ran = threading.Event(), []
 
@@ -306,6 +314,7 @@ def test_a_call_cancelled_while_it_waits_for_a_thread_never_runs_its_behaviour(e
     second = echo.future(b"second", timeout=10)
     wait_for(lambda: len(pool.live) == 2, 5, "the second call to wait for the thread")
     second.cancel()
+    wait_for(lambda: not grpc_server_internals._is_rpc_state_active(states[1]), 5, "the server to see the cancel")
     release.set()
     assert first.result() == b"first"
     wait_for(lambda: not pool.live, 5, "the cancelled call to leave the pool")

@@ -19,7 +19,7 @@ from testkit.harness import LOOPBACK, ServiceProcess, metric_total, mib, poll, s
 from testkit.http1raw import IdleConnections
 from testkit.payloads import CLIENT_HELLO_START, H2_PREFACE
 from testkit.siege import Siege, control_run
-from testkit.streams import BlockedWatchers, IdleReflectionStreams
+from testkit.streams import BlockedWatchers, SilentCalls
 from tests.system.hardening_support import idle_rss
 
 pytestmark = pytest.mark.timeout(180)
@@ -51,7 +51,7 @@ def test_idle_reflection_streams_hold_no_rpc_thread(serve) -> None:
     control = control_run(server, CONTROL_SECONDS, fresh_client_interval=FRESH_CLIENT_INTERVAL)
     with (
         Siege(server, fresh_client_interval=FRESH_CLIENT_INTERVAL) as siege,
-        IdleReflectionStreams(server.address, connections=6, streams_each=10) as flood,
+        SilentCalls(server.address, connections=6, streams_each=10) as flood,
     ):
         time.sleep(5.0)  # the 60 streams at once, then each cut after 2 s and reopened: both refusals happen
     summary = compared(control, siege, f"reflection streams opened {flood.opened}, ended {flood.ended}")
