@@ -174,7 +174,7 @@ def receive_ahead(args: tuple, queue: Callable[[tuple], None]) -> bool:
     deadline passed), UNIMPLEMENTED "requires exactly one request message" when the caller closed without one,
     else the request. The polling thread holds the call's condition here (grpcio's ``_handle_with_method_handler``),
     as grpcio's thunk holds it to start the receive."""
-    if len(args) != 7 or args[0] is not _UNARY_RESPONSE_IN_POOL:
+    if not _is_unary(args):
         return False
     respond, rpc_event, state, behavior, _grpcio_thunk, request_deserializer, response_serializer = args
     internals = grpc_server_internals
@@ -206,9 +206,32 @@ def receive_ahead(args: tuple, queue: Callable[[tuple], None]) -> bool:
     return True
 
 
+def without_request(args: tuple) -> tuple:
+    """grpcio's arguments for a unary call that is refused, its request thunk swapped for one that does not wait
+    for the request (the refusal does not read it: b"" stands in, or None when the call has already ended, as
+    grpcio's thunk gives); any other call's as they are. grpcio's own thunk would hold one of the two refusal
+    threads until the request came: two calls that never send theirs stopped every refusal, and a caller past
+    ``max_concurrent_rpcs`` waited out its deadline instead of hearing RESOURCE_EXHAUSTED."""
+    if not _is_unary(args):
+        return args
+    state = args[2]
+
+    def no_request() -> bytes | None:
+        with state.condition:
+            return b"" if grpc_server_internals._is_rpc_state_active(state) else None
+
+    return (*args[:4], no_request, *args[5:])
+
+
 # What grpcio submits first among a unary call's arguments (after the context's ``run``); None where this grpcio has
 # no such function (serve refuses to start on it: service/transport/grpcio_internals.py), and no call is matched.
 _UNARY_RESPONSE_IN_POOL = getattr(grpc_server_internals, "_unary_response_in_pool", None)
+
+
+def _is_unary(args: tuple) -> bool:
+    """Whether ``args`` are grpcio's for a unary call: ``_unary_response_in_pool``, the request-call event, the
+    call's state, the behaviour, the request thunk, the request deserializer and the response serializer."""
+    return len(args) == 7 and args[0] is _UNARY_RESPONSE_IN_POOL
 
 
 class RpcThreadPool:
@@ -257,7 +280,7 @@ class RpcThreadPool:
             i = self._behavior_at(args)
             if i is not None:
                 refusing = self._watched[args[i]][1]
-                return self.refusals.submit(fn, *args[:i], refusing, *args[i + 1 :])
+                return self.refusals.submit(fn, *without_request((*args[:i], refusing, *args[i + 1 :])))
         call = next(self._ids)
         self.live[call] = None
         done = CallDone()

@@ -22,6 +22,7 @@ from indexer_service.service.config import load_config
 from indexer_service.service.transport import grpc_server
 from indexer_service.service.transport.grpc_server import (
     HEALTH_NAMES,
+    Behavior,
     CallDone,
     RpcThreadPool,
     create_grpc_server,
@@ -200,13 +201,18 @@ SERVICE, METHOD = "test.Pool", "Echo"
 @pytest.fixture
 def echo_server() -> Iterator[Callable[..., grpc.Channel]]:
     """A real server on ``executor`` (an RpcThreadPool, or grpcio's own pool to compare with) whose one unary
-    method runs ``before(request)`` and answers the request's bytes."""
+    method runs ``before(request)`` and answers the request's bytes, or ``refusing`` past the pool's max_calls."""
     servers, channels = [], []
 
-    def start(executor: object, before: Callable[[bytes], None] = lambda request: None) -> grpc.Channel:
+    def start(
+        executor: object, before: Callable[[bytes], None] = lambda request: None, refusing: Behavior | None = None
+    ) -> grpc.Channel:
         def echo(request: bytes, context: grpc.ServicerContext) -> bytes:
             before(request)
             return request
+
+        if refusing is not None:  # what the RpcThreadPool runs instead past its max_calls
+            executor.watch(echo, METHOD, refusing)
 
         server = grpc.server(executor)
         server.add_registered_method_handlers(SERVICE, {METHOD: grpc.unary_unary_rpc_method_handler(echo)})
@@ -319,3 +325,34 @@ def test_a_call_cancelled_while_it_waits_for_a_thread_never_runs_its_behaviour(e
     assert first.result() == b"first"
     wait_for(lambda: not pool.live, 5, "the cancelled call to leave the pool")
     assert ran == [b"first"] and second.cancelled()
+
+
+def test_past_max_calls_a_call_is_refused_without_waiting_for_its_request(echo_server) -> None:
+    # Two places, both held by calls whose request never comes, and two more such calls refused: the refusals run
+    # at once (grpcio's thunk would hold both refusal threads until the requests came), so a behaving caller past
+    # the limit hears RESOURCE_EXHAUSTED, not its deadline.
+    def refusing(request: bytes, context: grpc.ServicerContext) -> bytes:
+        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "busy")
+
+    pool = RpcThreadPool(1, max_calls=2)
+    channel = echo_server(pool, refusing=refusing)
+    leave = threading.Event()
+
+    def never_sends() -> Iterator[bytes]:
+        leave.wait(30)
+        yield from ()
+
+    stalled = channel.stream_unary(f"/{SERVICE}/{METHOD}", _registered_method=True)
+    try:
+        holding = [stalled.future(never_sends(), timeout=30) for _ in range(2)]
+        wait_for(lambda: len(pool.live) == 2, 5, "two stalled calls to hold both places")
+        refused = [stalled.future(never_sends(), timeout=30) for _ in range(2)]
+        for call in refused:
+            assert call.exception(5).code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        with pytest.raises(grpc.RpcError) as behaving:
+            channel.unary_unary(f"/{SERVICE}/{METHOD}", _registered_method=True)(b"behaving", timeout=5)
+        assert behaving.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    finally:
+        leave.set()
+    for call in holding:
+        assert call.exception(10).code() == grpc.StatusCode.UNIMPLEMENTED
