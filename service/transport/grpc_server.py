@@ -26,8 +26,6 @@ from pathlib import Path
 from queue import SimpleQueue
 
 import grpc
-from grpc import _server as grpc_server_internals
-from grpc._cython import cygrpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from indexer_service.service.addresses import host_port
@@ -42,6 +40,7 @@ from indexer_service.service.overload.limits import max_request_bytes
 from indexer_service.service.reasons import ShedReason
 from indexer_service.service.rpcs import RPCS
 from indexer_service.service.transport.health import HealthServicer
+from indexer_service.service.transport.receive import receive_ahead, without_request
 from indexer_service.service.transport.reflection import Reflection
 
 log = logging.getLogger(__name__)
@@ -156,95 +155,17 @@ class CallDone(list):
                 log.exception("a call's completion callback failed")
 
 
-def receive_ahead(args: tuple, queue: Callable[[tuple], None]) -> bool:
-    """For a unary call (grpcio's arguments ``_unary_response_in_pool`` and what follows it): start receiving its
-    request message now, on gRPC's polling thread that submits the call, and ``queue`` its arguments, grpcio's
-    request thunk swapped for one that takes the message, only once the message is in (or the call ended without
-    one), from the same thread. True when it did; False for any other call, which the caller queues as it is.
-
-    grpcio's own thunk starts the receive on the pool thread and waits there for the message, so a caller that
-    opens a call and never sends its message held an RPC thread until it left: `grpc_workers` such calls from one
-    connection stopped every other caller's calls (tests/service/test_rpc_pool.py). Queued once the message is in,
-    such a call holds no thread, only its place under ``max_concurrent_rpcs`` (until it leaves, or its connection
-    reaches ``max_connection_age_seconds``), and each call is one sleep and wake-up of each thread cheaper
-    (benchmarks/RESULTS.md, issue 20). A call waiting for a thread holds its request, at most ``max_request_bytes``
-    (gRPC refuses a longer one): 25 MiB for ``max_concurrent_rpcs`` calls at the defaults.
-
-    The swapped thunk answers as grpcio's does: None when the call ended first (the caller cancelled, or its
-    deadline passed), UNIMPLEMENTED "requires exactly one request message" when the caller closed without one,
-    else the request. The polling thread holds the call's condition here (grpcio's ``_handle_with_method_handler``),
-    as grpcio's thunk holds it to start the receive."""
-    if not _is_unary(args):
-        return False
-    respond, rpc_event, state, behavior, _grpcio_thunk, request_deserializer, response_serializer = args
-    internals = grpc_server_internals
-    call = rpc_event.call
-    try:
-        grpcio_receive = internals._receive_message(state, call, request_deserializer)
-    except Exception:  # a grpcio whose helper changed: its own thunk receives, and the polling thread lives on
-        log.exception("grpcio's _receive_message failed; requests are received on the pool threads")
-        return False
-
-    def take_request() -> object:
-        with state.condition:
-            if not internals._is_rpc_state_active(state):
-                return None
-            request, state.request = state.request, None
-            if request is None:  # grpcio's receive saw the caller close without a message
-                method = rpc_event.call_details.method.decode(errors="replace")
-                details = f'"{method}" requires exactly one request message.'.encode()
-                internals._abort(state, call, cygrpc.StatusCode.unimplemented, details)
-            return request
-
-    def received(event: object) -> object:
-        finished = grpcio_receive(event)  # the call's state, as grpcio's own receive leaves it
-        queue((respond, rpc_event, state, behavior, take_request, request_deserializer, response_serializer))
-        return finished
-
-    call.start_server_batch((cygrpc.ReceiveMessageOperation(0),), received)
-    state.due.add(internals._RECEIVE_MESSAGE_TOKEN)
-    return True
-
-
-def without_request(args: tuple) -> tuple:
-    """grpcio's arguments for a unary call that is refused, its request thunk swapped for one that does not wait
-    for the request (the refusal does not read it: b"" stands in, or None when the call has already ended, as
-    grpcio's thunk gives); any other call's as they are. grpcio's own thunk would hold one of the two refusal
-    threads until the request came: two calls that never send theirs stopped every refusal, and a caller past
-    ``max_concurrent_rpcs`` waited out its deadline instead of hearing RESOURCE_EXHAUSTED."""
-    if not _is_unary(args):
-        return args
-    state = args[2]
-
-    def no_request() -> bytes | None:
-        with state.condition:
-            return b"" if grpc_server_internals._is_rpc_state_active(state) else None
-
-    return (*args[:4], no_request, *args[5:])
-
-
-# What grpcio submits first among a unary call's arguments (after the context's ``run``); None where this grpcio has
-# no such function (serve refuses to start on it: service/transport/grpcio_internals.py), and no call is matched.
-_UNARY_RESPONSE_IN_POOL = getattr(grpc_server_internals, "_unary_response_in_pool", None)
-
-
-def _is_unary(args: tuple) -> bool:
-    """Whether ``args`` are grpcio's for a unary call: ``_unary_response_in_pool``, the request-call event, the
-    call's state, the behaviour, the request thunk, the request deserializer and the response serializer."""
-    return len(args) == 7 and args[0] is _UNARY_RESPONSE_IN_POOL
-
-
 class RpcThreadPool:
     """The gRPC server's pool for the RPCs: ``workers`` threads taking calls from one queue, a unary call only once
     its request message is in (:func:`receive_ahead`). It counts the calls it holds (receiving their request, queued
-    or running) and refuses past ``max_calls`` (``max_concurrent_rpcs``): such a call runs on a small
-    pool of its own (``refusals``) with its behaviour swapped for the method's refusing one, so it is counted (shed
-    ``concurrency``), answered RESOURCE_EXHAUSTED, and never waits behind RPC work. It also notices calls that end
-    without their behaviour ever starting: the caller cancelled, reset the stream or passed its deadline while the
-    call waited for a thread. gRPC submits each call with its handler's behaviour among the arguments; :meth:`watch`
-    names the behaviours (and their refusing twins), and each behaviour sets ``started.value`` (this thread's) when
-    it starts. grpcio's own ``maximum_concurrent_rpcs`` is not used: it counts every call (health too) and
-    refuses without a trace.
+    or running) and refuses past ``max_calls`` (``max_concurrent_rpcs``): such a call runs on a small pool of its
+    own (``refusals``) with its behaviour swapped for the method's refusing one, so it is counted (shed
+    ``concurrency``), answered RESOURCE_EXHAUSTED, and never waits behind RPC work or for its request. It also
+    notices calls that end without their behaviour ever starting: the caller cancelled, reset the stream or passed
+    its deadline while the call waited for its request or a thread, or half-closed without a request. gRPC submits
+    each call with its handler's behaviour among the arguments; :meth:`watch` names the behaviours (and their
+    refusing twins), and each behaviour sets ``started.value`` (this thread's) when it starts. grpcio's own
+    ``maximum_concurrent_rpcs`` is not used: it counts every call (health too) and refuses without a trace.
 
     Not a ``ThreadPoolExecutor``: grpcio only submits to its server's pool and adds one callback to what it gets
     back, and the executor's machinery per call (a ``Future`` with its ``Condition``, a work item, the idle

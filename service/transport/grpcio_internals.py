@@ -4,10 +4,10 @@
   (``grpc._server``'s ``_Context`` and ``_RPCState``, and the Cython call objects behind them: the peer, the
   deadline, the caller's metadata, the trailers and the end callbacks): the public methods were ten Python frames
   per call (benchmarks/RESULTS.md, issue 20).
-- The RPC pool's :func:`~service.transport.grpc_server.receive_ahead` starts a unary call's receive on the polling
-  thread, as grpcio's request thunk does on the pool thread, and waits for it as that thunk does (the call's
-  ``request`` and ``client`` fields, grpcio's ``_receive_message`` callback, its abort): one thread hand-off a call
-  fewer.
+- :func:`~service.transport.receive.receive_ahead` (the RPC pool's, and health's Check and List) recognises a unary
+  call by grpcio's ``_unary_response_in_pool`` and its arguments' order, starts the call's receive on the polling
+  thread with grpcio's ``_receive_message`` callback, and takes the request as grpcio's thunk does (the call's
+  ``request`` and ``client`` fields, its abort): a call reaches a pool thread only once its request is in.
 - Health's :func:`~service.transport.health.send_without_waiting` starts a send batch as grpcio's own send does,
   with its helpers and tokens: grpcio's sync server offers only a send that waits.
 - Health's Watch and the unknown-method and reflection refusals name the pool a behaviour runs on, and whether a
@@ -54,6 +54,19 @@ SERVER_MODULE_NAMES = (
     "_CLOSED",
     "_CANCELLED",
 )
+# The parameters of the two grpc._server functions receive_ahead relies on, in order: the arguments grpcio submits
+# for a unary call (after _unary_response_in_pool itself), and the receive callback it makes.
+FUNCTION_PARAMETERS = {
+    "_unary_response_in_pool": (
+        "rpc_event",
+        "state",
+        "behavior",
+        "argument_thunk",
+        "request_deserializer",
+        "response_serializer",
+    ),
+    "_receive_message": ("state", "call", "request_deserializer"),
+}
 # The attributes grpc._server reads off a behaviour (found in its source).
 BEHAVIOUR_ATTRIBUTES = ("experimental_thread_pool", "experimental_non_blocking")
 # The fields of a call's _RPCState read or written: under its condition (GrpcCaller, health), the trailers and the
@@ -78,6 +91,7 @@ CYTHON_NAMES = (
     ("CallDetails", ("deadline",)),
     ("SendMessageOperation", ()),
     ("ReceiveMessageOperation", ()),
+    ("CallError", ("ok",)),
 )
 
 
@@ -94,6 +108,14 @@ def missing_grpcio_internals(server: ModuleType | None = None, cygrpc: ModuleTyp
         cygrpc = grpc_cygrpc if cygrpc is None else cygrpc
 
     missing = [f"grpc._server.{name}" for name in SERVER_MODULE_NAMES if not hasattr(server, name)]
+    for name, parameters in FUNCTION_PARAMETERS.items():
+        function = getattr(server, name, None)
+        try:
+            found = None if function is None else tuple(inspect.signature(function).parameters)
+        except (TypeError, ValueError):  # no signature to read: the order cannot be told
+            found = None
+        if found is not None and found != parameters:
+            missing.append(f"grpc._server.{name}({', '.join(parameters)})")
     try:
         source = inspect.getsource(server)
     except (OSError, TypeError):  # no source to read (a compiled or frozen module): the names cannot be told

@@ -28,6 +28,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from indexer_service.service.overload.admission import DrainWatchdog, Watched
 from indexer_service.service.reasons import ShedReason
+from indexer_service.service.transport.receive import ReceiveAheadExecutor
 from indexer_service.service.transport.streams import WATCH_STREAMS_PER_CONNECTION, ShedFn, StreamSlots, on_pool
 
 log = logging.getLogger(__name__)
@@ -102,7 +103,9 @@ class HealthServicer(health_pb2_grpc.HealthServicer):
         self.pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="health")
         # Check and List on threads of their own: a probe never waits behind RPC work, nor behind Watch streams
         # opening or their deliveries (each quick: nothing here waits for a send).
-        self.answer_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="health-check")
+        # A call reaches them only once its request is in: two Checks that never send theirs held both threads, and
+        # the kubelet's probes with them, until their caller left.
+        self.answer_pool = ReceiveAheadExecutor(max_workers=2, thread_name_prefix="health-check")
         # grpcio runs a behaviour on the pool its `experimental_thread_pool` names, and lets a streaming one
         # marked `experimental_non_blocking` return at once and send through the callback it is given. Set on
         # per-instance functions, not the class's: several servers in one process each keep their own pools.

@@ -83,6 +83,20 @@ def test_the_unchanged_source_loaded_as_a_module_has_everything(tmp_path: Path) 
         ("self.trailing_metadata = None", "self.trailers = None", "grpc._server._RPCState.trailing_metadata"),
         ("self._rpc_event = rpc_event", "self._event = rpc_event", "grpc._server._Context._rpc_event"),
         ("self._state = state", "self._call_state = state", "grpc._server._Context._state"),
+        ("self.request = None", "self.message = None", "grpc._server._RPCState.request"),
+        # receive_ahead recognises a unary call by this function and reads its arguments by position
+        ("def _unary_response_in_pool(", "def _unary_response(", "grpc._server._unary_response_in_pool"),
+        (
+            "argument_thunk",
+            "request_thunk",
+            "grpc._server._unary_response_in_pool(rpc_event, state, behavior, argument_thunk, "
+            "request_deserializer, response_serializer)",
+        ),
+        (
+            "    state: _RPCState,\n    call: cygrpc.Call,\n    request_deserializer",
+            "    call: cygrpc.Call,\n    state: _RPCState,\n    request_deserializer",
+            "grpc._server._receive_message(state, call, request_deserializer)",
+        ),
     ],
     ids=lambda value: value if isinstance(value, str) and value.startswith("grpc.") else None,
 )

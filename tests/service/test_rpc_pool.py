@@ -14,6 +14,7 @@ import grpc
 import numpy as np
 import pytest
 from grpc import _server as grpc_server_internals
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from indexer_service.kernels.inputs import ChunkInputs
 from indexer_service.protos.indexer.v1 import indexer_pb2_grpc as pb_grpc
@@ -26,6 +27,7 @@ from indexer_service.service.transport.grpc_server import (
     CallDone,
     RpcThreadPool,
     create_grpc_server,
+    create_health_server,
 )
 from indexer_service.service.transport.health import HealthServicer
 from testkit.harness import wait_for
@@ -196,6 +198,7 @@ def test_stopping_the_server_ends_its_rpc_threads() -> None:
 
 
 SERVICE, METHOD = "test.Pool", "Echo"
+RECEIVE_MESSAGE_TOKEN = grpc_server_internals._RECEIVE_MESSAGE_TOKEN
 
 
 @pytest.fixture
@@ -238,6 +241,7 @@ def test_a_unary_call_is_queued_once_its_request_is_in_and_each_call_answers_its
 
     def spied(args: tuple, queue: Callable[[tuple], None]) -> bool:
         def queued(received: tuple) -> None:
+            assert received[2].request is not None  # the call's state: its request is in before it is queued
             ahead.append((threading.current_thread().name, received[4] is not args[4]))
             queue(received)
 
@@ -315,10 +319,12 @@ def test_a_call_cancelled_while_it_waits_for_a_thread_never_runs_its_behaviour(e
 
     channel = echo_server(pool, hold_the_only_thread)
     echo = channel.unary_unary(f"/{SERVICE}/{METHOD}", _registered_method=True)
-    first = echo.future(b"first", timeout=10)
+    first = echo.future(b"first", timeout=30)
     wait_for(lambda: ran, 5, "the first call to hold the pool's only thread")
-    second = echo.future(b"second", timeout=10)
-    wait_for(lambda: len(pool.live) == 2, 5, "the second call to wait for the thread")
+    second = echo.future(b"second", timeout=30)
+    wait_for(lambda: len(states) == 2, 5, "the second call to reach the pool")
+    # received ahead (its receive no longer due), then cancelled while it waits for the thread
+    wait_for(lambda: RECEIVE_MESSAGE_TOKEN not in states[1].due, 5, "the second call's request to be in")
     second.cancel()
     wait_for(lambda: not grpc_server_internals._is_rpc_state_active(states[1]), 5, "the server to see the cancel")
     release.set()
@@ -343,8 +349,9 @@ def test_past_max_calls_a_call_is_refused_without_waiting_for_its_request(echo_s
         yield from ()
 
     stalled = channel.stream_unary(f"/{SERVICE}/{METHOD}", _registered_method=True)
+    holding = []
     try:
-        holding = [stalled.future(never_sends(), timeout=30) for _ in range(2)]
+        holding += [stalled.future(never_sends(), timeout=30) for _ in range(2)]
         wait_for(lambda: len(pool.live) == 2, 5, "two stalled calls to hold both places")
         refused = [stalled.future(never_sends(), timeout=30) for _ in range(2)]
         for call in refused:
@@ -356,3 +363,36 @@ def test_past_max_calls_a_call_is_refused_without_waiting_for_its_request(echo_s
         leave.set()
     for call in holding:
         assert call.exception(10).code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+def test_health_checks_that_never_send_their_request_leave_the_probes_answered() -> None:
+    # Check and List run on two threads of their own; a Check whose request never came held one until its caller
+    # left, so two of them stopped the kubelet's probes on the health port (and the liveness restart followed).
+    config = load_config({"grpc_host": "127.0.0.1", "health_port": "0", "warmup_target": "none"}, env={})
+    servicer = HealthServicer(HEALTH_NAMES, lambda method, reason, detail: None)
+    servicer.set_serving(True)
+    server, port = create_health_server(config, servicer)
+    server.start()
+    leave = threading.Event()
+
+    def never_sends() -> Iterator[bytes]:
+        leave.wait(30)
+        yield from ()
+
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as silent, grpc.insecure_channel(f"127.0.0.1:{port}") as probe:
+            stalled = silent.stream_unary("/grpc.health.v1.Health/Check")
+            calls = [stalled.future(never_sends(), timeout=30) for _ in range(4)]
+            # grpcio's own count of the calls the server holds: the four must be in before the probes are sent
+            wait_for(lambda: len(server._state.rpc_states) >= 4, 5, "the silent Checks to reach the server")
+            check = health_pb2_grpc.HealthStub(probe).Check
+            for _ in range(3):
+                answer = check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+                assert answer.status == health_pb2.HealthCheckResponse.SERVING
+            leave.set()
+            for call in calls:
+                assert call.exception(10).code() == grpc.StatusCode.UNIMPLEMENTED
+    finally:
+        leave.set()
+        server.stop(None).wait(5)
+        servicer.close()
