@@ -5,6 +5,7 @@ Watch streams whose flow-control window stays shut. Each runs from ``with`` to i
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 
 import grpc
 from grpc_health.v1 import health_pb2
@@ -15,6 +16,13 @@ from testkit.observe import Paced
 
 REFLECTION_PATH = "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo"
 WATCH_PATH = "/grpc.health.v1.Health/Watch"
+
+
+def sends_nothing(until: threading.Event, seconds: float = 30.0) -> Iterator[bytes]:
+    """A call's request stream that sends no message and half-closes once ``until`` is set (or after ``seconds``):
+    a caller whose request never comes."""
+    until.wait(seconds)
+    yield from ()
 
 
 class SilentCalls(Paced):
@@ -42,19 +50,15 @@ class SilentCalls(Paced):
         self._channels: list[grpc.Channel] = []
         self._lock = threading.Lock()
 
-    def _requests(self):
-        self._stop.wait(self.max_seconds)
-        return
-        yield  # a generator that sends nothing and ends when the flood stops
-
     def step(self, thread_index: int) -> None:
         """One stream on the thread's connection, held until the server ends it."""
         chan = self._channels[thread_index // self.streams_each]
+        requests = sends_nothing(self._stop, self.max_seconds)
         try:
             if self.unary_response:  # a future: the call itself would wait for the answer
-                call = chan.stream_unary(self.path).future(self._requests(), timeout=self.max_seconds)
+                call = chan.stream_unary(self.path).future(requests, timeout=self.max_seconds)
             else:
-                call = chan.stream_stream(self.path)(self._requests(), timeout=self.max_seconds)
+                call = chan.stream_stream(self.path)(requests, timeout=self.max_seconds)
             with self._lock:
                 self.opened += 1
             if self.unary_response:

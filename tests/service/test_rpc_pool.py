@@ -32,6 +32,7 @@ from indexer_service.service.transport.grpc_server import (
 from indexer_service.service.transport.health import HealthServicer
 from testkit.harness import wait_for
 from testkit.planes import make_plane
+from testkit.streams import sends_nothing
 
 
 @pytest.fixture
@@ -274,12 +275,8 @@ def test_calls_that_never_send_their_request_hold_no_thread(echo_server) -> None
     channel = echo_server(pool)
     leave = threading.Event()
 
-    def never_sends() -> Iterator[bytes]:
-        leave.wait(30)
-        yield from ()
-
     stalled = channel.stream_unary(f"/{SERVICE}/{METHOD}", _registered_method=True)
-    calls = [stalled.future(never_sends(), timeout=30) for _ in range(4)]
+    calls = [stalled.future(sends_nothing(leave), timeout=30) for _ in range(4)]
     wait_for(lambda: len(pool.live) == 4, 5, "the four stalled calls to reach the pool")
     echo = channel.unary_unary(f"/{SERVICE}/{METHOD}", _registered_method=True)
     assert echo(b"behaving", timeout=5) == b"behaving"
@@ -344,16 +341,12 @@ def test_past_max_calls_a_call_is_refused_without_waiting_for_its_request(echo_s
     channel = echo_server(pool, refusing=refusing)
     leave = threading.Event()
 
-    def never_sends() -> Iterator[bytes]:
-        leave.wait(30)
-        yield from ()
-
     stalled = channel.stream_unary(f"/{SERVICE}/{METHOD}", _registered_method=True)
     holding = []
     try:
-        holding += [stalled.future(never_sends(), timeout=30) for _ in range(2)]
+        holding += [stalled.future(sends_nothing(leave), timeout=30) for _ in range(2)]
         wait_for(lambda: len(pool.live) == 2, 5, "two stalled calls to hold both places")
-        refused = [stalled.future(never_sends(), timeout=30) for _ in range(2)]
+        refused = [stalled.future(sends_nothing(leave), timeout=30) for _ in range(2)]
         for call in refused:
             assert call.exception(5).code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         with pytest.raises(grpc.RpcError) as behaving:
@@ -375,14 +368,10 @@ def test_health_checks_that_never_send_their_request_leave_the_probes_answered()
     server.start()
     leave = threading.Event()
 
-    def never_sends() -> Iterator[bytes]:
-        leave.wait(30)
-        yield from ()
-
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as silent, grpc.insecure_channel(f"127.0.0.1:{port}") as probe:
             stalled = silent.stream_unary("/grpc.health.v1.Health/Check")
-            calls = [stalled.future(never_sends(), timeout=30) for _ in range(4)]
+            calls = [stalled.future(sends_nothing(leave), timeout=30) for _ in range(4)]
             # grpcio's own count of the calls the server holds: the four must be in before the probes are sent
             wait_for(lambda: len(server._state.rpc_states) >= 4, 5, "the silent Checks to reach the server")
             check = health_pb2_grpc.HealthStub(probe).Check

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 
 import grpc
 import pytest
@@ -19,6 +18,7 @@ from testkit.harness import LOOPBACK, channel, merged_counts, poll, scrape
 from testkit.observe import Callers
 from testkit.payloads import AMPLIFIER_PLAN_BATCH, BUILD_CHUNK_PATH, PLAN_BATCH_PATH, SMALL_BUILD_CHUNK
 from testkit.siege import ERRORS, SHED, Siege, control_run, counter_delta
+from testkit.streams import sends_nothing
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -102,14 +102,10 @@ def test_calls_that_never_send_their_request_leave_other_callers_served(serve) -
     before = control_run(server, CONTROL_SECONDS)
     leave = threading.Event()
 
-    def never_sends() -> Iterator[bytes]:
-        leave.wait(30)
-        yield from ()
-
     with channel(server.address) as stalled_connection:
         stalled = stalled_connection.stream_unary(BUILD_CHUNK_PATH, _registered_method=True)
         with Siege(server) as siege:
-            calls = [stalled.future(never_sends()) for _ in range(8)]
+            calls = [stalled.future(sends_nothing(leave)) for _ in range(8)]
             time.sleep(FLOOD_SECONDS)
             leave.set()
             endings = [call.exception(10) for call in calls]
