@@ -38,7 +38,7 @@ from indexer_service.kernels.planner import (
 )
 from indexer_service.kernels.specialization import CompileKey
 from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
-from indexer_service.service import codec
+from indexer_service.service import adapters, codec
 from indexer_service.service.cgroups import memory_limit
 from indexer_service.service.compute.backends import FAST_PATH_BACKEND, Backend
 from indexer_service.service.compute.readiness import Readiness
@@ -436,4 +436,8 @@ class DataPlane:
             ready=self.readiness.ready,
             auto_crossover_elements=self.backend.selector.crossover if self.backend.selector else 0,
             server_version=VERSION,
+            dependency_fallbacks=[
+                pb.DependencyFallback(library=f.library, feature=f.feature, detail=f.describe())
+                for f in adapters.taken()
+            ],
         ).SerializeToString()

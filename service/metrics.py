@@ -23,6 +23,7 @@ from typing import TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
+from indexer_service.service import adapters
 from indexer_service.service.reasons import HttpRefusal, Port, RestartReason
 from indexer_service.service.threadmetrics import LevelGauge, ThreadGauge, ThreadHistogram
 from indexer_service.service.version import build_labels
@@ -193,13 +194,28 @@ class Metrics:
             ["reason"],
             registry=r,
         )
+        self.dependency_fallback = Gauge(
+            "indexer_dependency_fallback",
+            "1 where a library's internals differ and the service took the feature's public path (service/adapters).",
+            ["library", "feature"],
+            registry=r,
+            multiprocess_mode="livemax",
+        )
         self._children: dict[tuple[int, tuple[str, ...]], object] = {}
         self.build_info.labels(**build_labels()).set(1)
+        self.show_fallbacks()
         self.request_errors_total.labels(method=UNKNOWN_METHOD, code="UNIMPLEMENTED")
         for state in WARMUP_STATES:
             self.warmup_keys.labels(state=state).set(0)
         for reason in HttpRefusal:
             self.http_refused_total.labels(reason=reason)
+
+    def show_fallbacks(self) -> None:
+        """``indexer_dependency_fallback``: every adapter feature, 1 for those on their public path now."""
+        on_fallback = {(f.library, f.feature) for f in adapters.taken()}
+        for library, features in adapters.FEATURES.items():
+            for feature in features:
+                self.dependency_fallback.labels(library, feature).set(int((library, feature) in on_fallback))
 
     def child(self, metric: M, *label_values: str) -> M:
         """``metric.labels(*label_values)``, resolved once: ``labels()`` validates its arguments and takes a

@@ -174,7 +174,7 @@ class KeyStatus(_message.Message):
     def __init__(self, label: _Optional[str] = ..., key_json: _Optional[str] = ..., state: _Optional[_Union[KeyState, str]] = ..., compile_seconds: _Optional[float] = ..., error: _Optional[str] = ...) -> None: ...
 
 class GetWarmupStatusResponse(_message.Message):
-    __slots__ = ("state", "backend", "target", "strict", "keys", "warmup_seconds", "compiles_after_ready", "ready", "auto_crossover_elements", "server_version")
+    __slots__ = ("state", "backend", "target", "strict", "keys", "warmup_seconds", "compiles_after_ready", "ready", "auto_crossover_elements", "server_version", "dependency_fallbacks")
     STATE_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     TARGET_FIELD_NUMBER: _ClassVar[int]
@@ -185,6 +185,7 @@ class GetWarmupStatusResponse(_message.Message):
     READY_FIELD_NUMBER: _ClassVar[int]
     AUTO_CROSSOVER_ELEMENTS_FIELD_NUMBER: _ClassVar[int]
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    DEPENDENCY_FALLBACKS_FIELD_NUMBER: _ClassVar[int]
     state: WarmupState
     backend: str
     target: str
@@ -195,4 +196,15 @@ class GetWarmupStatusResponse(_message.Message):
     ready: bool
     auto_crossover_elements: int
     server_version: str
-    def __init__(self, state: _Optional[_Union[WarmupState, str]] = ..., backend: _Optional[str] = ..., target: _Optional[str] = ..., strict: _Optional[bool] = ..., keys: _Optional[_Iterable[_Union[KeyStatus, _Mapping]]] = ..., warmup_seconds: _Optional[float] = ..., compiles_after_ready: _Optional[int] = ..., ready: _Optional[bool] = ..., auto_crossover_elements: _Optional[int] = ..., server_version: _Optional[str] = ...) -> None: ...
+    dependency_fallbacks: _containers.RepeatedCompositeFieldContainer[DependencyFallback]
+    def __init__(self, state: _Optional[_Union[WarmupState, str]] = ..., backend: _Optional[str] = ..., target: _Optional[str] = ..., strict: _Optional[bool] = ..., keys: _Optional[_Iterable[_Union[KeyStatus, _Mapping]]] = ..., warmup_seconds: _Optional[float] = ..., compiles_after_ready: _Optional[int] = ..., ready: _Optional[bool] = ..., auto_crossover_elements: _Optional[int] = ..., server_version: _Optional[str] = ..., dependency_fallbacks: _Optional[_Iterable[_Union[DependencyFallback, _Mapping]]] = ...) -> None: ...
+
+class DependencyFallback(_message.Message):
+    __slots__ = ("library", "feature", "detail")
+    LIBRARY_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    library: str
+    feature: str
+    detail: str
+    def __init__(self, library: _Optional[str] = ..., feature: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...

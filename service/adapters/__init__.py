@@ -1,0 +1,76 @@
+"""Where the service reaches past a library's public API, and what it does where that reach fails.
+
+One adapter module per library holds every such reach-in (nothing else in the product names a library's private
+attribute: tests/service/test_adapters.py reads the sources): :mod:`.grpcio`, :mod:`.uvicorn_http`,
+:mod:`.prometheus`, and, since the kernels never import the service, ``kernels/triton_adapter.py``. Each reach-in is
+a *feature* with a public fallback. An adapter probes its library once, at start, before anything listens: where the
+internals a feature uses are all there, the feature is on; where one is missing or differs, the service takes the
+public path instead and says so through :func:`take`: one WARNING naming what is off, the start line,
+``indexer_dependency_fallback{library,feature}`` 1, and GetWarmupStatus's ``dependency_fallbacks``. A version
+within the declared range never refuses to start, and never loses a feature silently.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+# Every feature of every adapter: ``indexer_dependency_fallback`` has a series for each, 0 while the feature is on.
+FEATURES: dict[str, tuple[str, ...]] = {
+    # grpc._server's call state read directly; the receive of a unary request before a thread is spent on it;
+    # a streaming send that does not wait for the peer's window.
+    "grpcio": ("call_state", "receive_ahead", "send_without_waiting"),
+    # uvicorn's httptools protocol with this server's limits on heads, trailers, idle time and connections.
+    "uvicorn": ("limited_protocol",),
+    # prometheus_client's value class picked again once the multiprocess directory is named; a dead worker's
+    # counts folded into one file.
+    "prometheus_client": ("multiprocess_value_class", "retire_process"),
+    # Triton's parallel compile inside the JIT; its installation hash computed ahead of the first compile.
+    "triton": ("async_compile", "compiler_key"),
+}
+
+
+@dataclass(frozen=True)
+class Fallback:
+    """A feature on its public path: ``missing`` names what the library lacks, ``public_path`` what runs instead."""
+
+    library: str
+    feature: str
+    missing: tuple[str, ...]
+    public_path: str
+
+    def describe(self) -> str:
+        return f"{self.library} {self.feature}: {', '.join(self.missing)} not as expected; {self.public_path}"
+
+
+_lock = threading.Lock()
+_taken: dict[tuple[str, str], Fallback] = {}
+
+
+def take(fallback: Fallback) -> None:
+    """Record that ``fallback`` is taken in this process; the first time, log it as a WARNING."""
+    if fallback.feature not in FEATURES.get(fallback.library, ()):
+        raise ValueError(f"unknown dependency feature {fallback.library}.{fallback.feature}")
+    key = (fallback.library, fallback.feature)
+    with _lock:
+        if key in _taken:
+            return
+        _taken[key] = fallback
+    log.warning("dependency_fallback %s", fallback.describe())
+
+
+def taken() -> list[Fallback]:
+    """The fallbacks this process has taken, in the order of :data:`FEATURES`."""
+    with _lock:
+        found = dict(_taken)
+    return [
+        found[(lib, feature)] for lib, features in FEATURES.items() for feature in features if (lib, feature) in found
+    ]
+
+
+def summary() -> str:
+    """``none``, or ``library.feature,...``: the start line's ``dependency_fallbacks``."""
+    return ",".join(f"{f.library}.{f.feature}" for f in taken()) or "none"
