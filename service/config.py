@@ -83,6 +83,15 @@ class ServiceConfig:
         "most RPCs handled at once; gRPC answers `RESOURCE_EXHAUSTED` to more at once, before spending a "
         "thread or memory"
     )
+    max_concurrent_rpcs_per_peer: int = _setting(
+        "most of those RPCs one peer (an IPv4 address, an IPv6 /64) may hold at once, and as many waiting for their "
+        "request message; more are `RESOURCE_EXHAUSTED` at once (0: no share; behind a proxy all clients are one "
+        "peer) ([overload.md](overload.md#one-gate))"
+    )
+    request_timeout_seconds: float = _setting(
+        "seconds a call on either gRPC port may take to send its request message once opened; then it is ended "
+        "`DEADLINE_EXCEEDED` ([overload.md](overload.md#one-gate))"
+    )
     max_connection_age_seconds: float = _setting(
         "seconds before the server asks a client to reconnect (GOAWAY), so clients re-resolve DNS and reach "
         "replicas added since (0: never)"
@@ -340,6 +349,8 @@ RULES: dict[str, Rule] = {
     "worker_restart_backoff_max_seconds": Rule(0.01, MAX_SECONDS),
     "max_message_bytes": Rule(4096, _INT32_MAX),  # gRPC takes message limits as a C int
     "max_concurrent_rpcs": _COUNT32,
+    "max_concurrent_rpcs_per_peer": Rule(1, _INT32_MAX, zero="no share"),
+    "request_timeout_seconds": Rule(above=0, high=MAX_SECONDS),
     "max_connection_age_seconds": Rule(0.001, MAX_SECONDS, zero="never"),  # int32 milliseconds in gRPC
     "max_streams_per_connection": _COUNT32,  # HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS, a C int in gRPC
     "health_port": _PORT,

@@ -164,12 +164,7 @@ class Metrics:
             buckets=REQUEST_COUNT_BUCKETS,
             registry=r,
         )
-        self.request_errors_total = Counter(
-            "indexer_request_errors_total",
-            "RPCs answered with a non-OK status, by method and code.",
-            ["method", "code"],
-            registry=r,
-        )
+        self.request_errors_total = _request_errors_counter(r)
         self.requests_in_flight = per_call_gauge(
             "indexer_requests_in_flight", "RPCs being served right now.", ["method"], registry=r
         )
@@ -201,6 +196,7 @@ class Metrics:
             registry=r,
             multiprocess_mode="livemax",
         )
+        self.library_callback_errors_total = _library_callback_errors_counter(r)
         self._children: dict[tuple[int, tuple[str, ...]], object] = {}
         self.build_info.labels(**build_labels()).set(1)
         self.show_fallbacks()
@@ -226,6 +222,28 @@ class Metrics:
         if found is None:
             found = self._children[key] = metric.labels(*label_values)
         return found
+
+
+def _request_errors_counter(registry: CollectorRegistry) -> Counter:
+    return Counter(
+        "indexer_request_errors_total",
+        "RPCs answered with a non-OK status, by method and code.",
+        ["method", "code"],
+        registry=registry,
+    )
+
+
+def _library_callback_errors_counter(registry: CollectorRegistry) -> Counter:
+    counter = Counter(
+        "indexer_library_callback_errors_total",
+        "Exceptions of the service's own code on a library's thread (gRPC's polling thread), caught there, by "
+        "where they came from.",
+        ["where"],
+        registry=registry,
+    )
+    for where in adapters.LIBRARY_THREAD_CALLBACKS:
+        counter.labels(where)
+    return counter
 
 
 def _shed_counter(registry: CollectorRegistry) -> Counter:
@@ -405,6 +423,9 @@ class SupervisorMetrics:
         self.peer_connections_closed_total = _peer_closed_counter(r)
         # The health port's refusals (Watch streams over their cap, watchers that do not read): admission.ShedLog.
         self.requests_shed_total = _shed_counter(r)
+        # The health port's calls to other methods, and exceptions on its gRPC polling thread.
+        self.request_errors_total = _request_errors_counter(r)
+        self.library_callback_errors_total = _library_callback_errors_counter(r)
         for n in range(workers):
             slot = str(n)
             self.worker_up.labels(worker=slot).set(0)

@@ -24,6 +24,9 @@ class ShedReason(StrEnum):
     UNREAD_RESPONSE = "unread_response"  # the caller did not read its response (or a health watcher its status)
     STREAM_LIMIT = "stream_limit"  # a Watch or reflection stream over its per-connection or total cap (streams.py)
     IDLE_STREAM = "idle_stream"  # a reflection stream that waited reflection_idle_seconds for a request
+    PEER_SHARE = "peer_share"  # one peer (an address, an IPv6 /64) already holds its share of a port's calls
+    REQUEST_TIMEOUT = "request_timeout"  # a call whose request message did not come within request_timeout_seconds
+    UNDECODABLE = "undecodable"  # a request message that does not parse (health, reflection; RPCs: INVALID_ARGUMENT)
 
 
 class HttpRefusal(StrEnum):

@@ -32,6 +32,10 @@ FEATURES: dict[str, tuple[str, ...]] = {
     "triton": ("async_compile", "compiler_key"),
 }
 
+# Where code of the service runs on a library's own thread (indexer_library_callback_errors_total's ``where``):
+# a receive's and a send's completion on gRPC's polling thread.
+LIBRARY_THREAD_CALLBACKS = ("receive_ahead", "send_without_waiting")
+
 
 @dataclass(frozen=True)
 class Fallback:
@@ -74,3 +78,11 @@ def taken() -> list[Fallback]:
 def summary() -> str:
     """``none``, or ``library.feature,...``: the start line's ``dependency_fallbacks``."""
     return ",".join(f"{f.library}.{f.feature}" for f in taken()) or "none"
+
+
+def probe_all() -> list[Fallback]:
+    """Probe every adapter's library now (each probes once per process) and return the fallbacks taken."""
+    from indexer_service.service.adapters import grpcio
+
+    grpcio.features()
+    return taken()

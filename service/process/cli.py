@@ -59,9 +59,9 @@ def _serve(args: argparse.Namespace) -> int:
         signals.close()
         raise
     try:
-        from indexer_service.service.transport.grpcio_internals import check_grpcio
+        from indexer_service.service.adapters import probe_all
 
-        check_grpcio()  # before any worker: a grpcio without the internals the transport uses stops the start here
+        probe_all()  # before any worker: each library feature on or on its public path, announced once
         from indexer_service.service.process.supervisor import resolve_workers
 
         workers, source = resolve_workers(config.workers)

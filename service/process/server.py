@@ -24,6 +24,7 @@ from pathlib import Path
 import uvicorn
 
 from indexer_service.kernels.specialization import warmup_keys
+from indexer_service.service import adapters
 from indexer_service.service.addresses import host_port
 from indexer_service.service.compute.backends import make_backend
 from indexer_service.service.compute.devices import resolve_backend
@@ -38,6 +39,7 @@ from indexer_service.service.process.lifecycle import ShutdownSignals, raise_ope
 from indexer_service.service.process.listeners import bind_shared
 from indexer_service.service.reasons import Port
 from indexer_service.service.tracing import start_tracing
+from indexer_service.service.transport.gate import Accounting
 from indexer_service.service.transport.grpc_server import (
     HEALTH_NAMES,
     GrpcServer,
@@ -153,7 +155,8 @@ class IndexerServer:
         if worker is None:
             self.grpc = create_grpc_server(config, self.plane, self.health)
             self.grpc_port = self.grpc.port
-            self.health_server, self.health_port = create_health_server(config, self.health)
+            self.health_server = create_health_server(config, self.health, Accounting(self.metrics, self.plane.shed))
+            self.health_port = self.health_server.port
             sockets = bind_shared(config)
         else:  # the gRPC server comes once warmed up (join_rpc_port); the supervisor serves the health port
             self.health_server, self.health_port = None, config.health_port
@@ -192,7 +195,7 @@ class IndexerServer:
         if self.grpc is not None:
             self.grpc.server.start()
         if self.health_server is not None:
-            self.health_server.start()
+            self.health_server.server.start()
         self.http.start()
         if self.http_rpc is not None and self.worker is None:  # a worker's starts in join_rpc_port
             self.http_rpc.start()
@@ -268,7 +271,7 @@ class IndexerServer:
             self.http_rpc.stop(timeout=config.shutdown_grace_seconds + 1.0)
         self.http.stop(timeout=config.shutdown_grace_seconds + 1.0)
         if self.health_server is not None:
-            self.health_server.stop(0).wait()
+            self.health_server.stop()
         self.health.close()
         self._idle_trim.stop()
         self.peer_cap.stop()
@@ -329,12 +332,13 @@ def announce_start(config: ServiceConfig, workers: int, port_file: Path | None) 
     supervisor."""
     mode = "one process" if workers == 1 else f"supervisor of {workers} worker processes"
     log.info(
-        "start pid=%d indexer-service %s mode=%s backend=%s warmup_target=%s",
+        "start pid=%d indexer-service %s mode=%s backend=%s warmup_target=%s dependency_fallbacks=%s",
         os.getpid(),
         VERSION,
         mode,
         config.backend,
         config.warmup_target,
+        adapters.summary(),
     )
     log.info("config: %s", config.summary())
     raise_open_files_limit()

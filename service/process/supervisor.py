@@ -291,6 +291,7 @@ class Supervisor:
         from indexer_service.service.metrics import SupervisorMetrics
         from indexer_service.service.overload.admission import ShedLog
         from indexer_service.service.process.server import listening_addresses
+        from indexer_service.service.transport.gate import Accounting
         from indexer_service.service.transport.grpc_server import HEALTH_NAMES, create_health_server
         from indexer_service.service.transport.health import HealthServicer
 
@@ -304,12 +305,14 @@ class Supervisor:
         self._grpc_hold, grpc_port = reserve_grpc_port(config.grpc_host, config.grpc_port)
         self.listeners = bind_shared(config)
         bound = {SHARED_LISTENERS[name].port_setting: sock.getsockname()[1] for name, sock in self.listeners.items()}
-        self.health = HealthServicer(HEALTH_NAMES, ShedLog(self.metrics).record)
-        self.health_server, health_port = create_health_server(config, self.health)
+        shed = ShedLog(self.metrics).record
+        self.health = HealthServicer(HEALTH_NAMES, shed)
+        self.health_server = create_health_server(config, self.health, Accounting(self.metrics, shed))
+        health_port = self.health_server.port
         self.config = replace(config, grpc_port=grpc_port, health_port=health_port, workers=1, **bound)
         self._write_status("starting")
         (self.runtime.path / CONFIG_FILE).write_text(config_to_json(self.config))
-        self.health_server.start()
+        self.health_server.server.start()
         # The health port's connections come and go here too: counted, and their memory handed back.
         self.peer_cap = PeerCap(
             config.max_connections_per_peer, {health_port: Port.HEALTH}, self.metrics.peer_connections_closed_total
@@ -565,7 +568,7 @@ class Supervisor:
                 slot.process.wait()
             slot.close_channels()
         if self.health_server is not None:
-            self.health_server.stop(0).wait()
+            self.health_server.stop()
             self.health.close()
             self.health_server = None
         if self._idle_trim is not None:

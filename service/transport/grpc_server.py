@@ -1,33 +1,28 @@
 """The gRPC transport: a thin servicer over the data plane, wrapped for access logs and error mapping; health
-(overall and per service, also on a probe-only listener) and reflection.
+(overall and per service, also on a probe-only listener) and reflection; every call through one gate.
 
-Abuse and overload (docs/overload.md): each connection opens at most ``max_streams_per_connection`` calls; a
-request message is at most what a valid request at the configured limits can be; past ``max_concurrent_rpcs`` a
-call is refused before it takes an RPC thread, on a refusal pool of its own (counted here as shed "concurrency"),
-as is a call to a method the server does not have; a call whose caller leaves before it starts is counted as shed
-"queue_deadline" (a stream reset flood shows there); an answer is held in the response budget until the call ends,
-and cancelled if its caller has not read it within ``response_drain_seconds``.
+Abuse and overload (docs/overload.md): every call on both gRPC ports passes :class:`~.gate.CallGate` (its request
+in before it holds anything, a place in its lane, a share per peer); each connection opens at most
+``max_streams_per_connection`` calls; a request message is at most what a valid request at the configured limits
+can be; a call whose caller leaves before it starts is counted as shed "queue_deadline"; an answer is held in the
+response budget until the call ends, and cancelled if its caller has not read it within ``response_drain_seconds``.
 
-The server is the sync ``grpc.server`` with a thread pool, not ``grpc.aio``: the work is CPU-bound numpy (or a
-GPU launch) and, measured on the target machines, the sync server answered a medium request in 486 us against
-571 us for aio and sustained 3.3k against 1.8k calls/s (docs/spec.md, section 10).
+The server is the sync ``grpc.server``, not ``grpc.aio``: the work is CPU-bound numpy (or a GPU launch), and the
+sync server with the gate serves more calls per core (docs/performance.md).
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from queue import SimpleQueue
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from indexer_service.service.adapters import grpcio
 from indexer_service.service.addresses import host_port
 from indexer_service.service.codec import SERVICE_NAME
 from indexer_service.service.config import ServiceConfig
@@ -39,13 +34,12 @@ from indexer_service.service.overload.admission import Caller, DrainWatchdog
 from indexer_service.service.overload.limits import max_request_bytes
 from indexer_service.service.reasons import ShedReason
 from indexer_service.service.rpcs import RPCS
-from indexer_service.service.transport.health import HealthServicer
-from indexer_service.service.transport.receive import receive_ahead, without_request
+from indexer_service.service.transport.gate import Accounting, CallGate, Lane
+from indexer_service.service.transport.health import HEALTH_SERVICE_NAME, HealthServicer
 from indexer_service.service.transport.reflection import Reflection
 
 log = logging.getLogger(__name__)
 
-HEALTH_SERVICE_NAME = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 # What the health service reports on: overall ("") and the one real service.
 HEALTH_NAMES = ("", SERVICE_NAME)
 
@@ -60,54 +54,44 @@ STATUS_OK = grpc.StatusCode.OK
 
 class GrpcCaller(Caller):
     """A gRPC call as the data plane sees it, one per call, made as the behaviour starts. Whether its caller still
-    waits is known without asking gRPC each time (``is_active()`` takes the call's lock and is three Python frames; a
-    build asks twice): the ``deadline`` is read once, and :meth:`end`, added to the call's callbacks here, runs when
-    the call is over, answered or not (gRPC runs the callbacks once the call has ended, on its polling thread: a
-    cancel, an expiry, or after the status is sent). While the behaviour runs, the call can only end by its caller
-    cancelling or its deadline passing, so ``ended`` then means CANCELLED (or DEADLINE_EXCEEDED: :meth:`gone` reads
-    the deadline first). :meth:`end` also releases the answer's budget ticket, so one callback per call does both; a
-    ticket granted after :meth:`end` ran is released by the data plane, whose last look at the caller after the
-    reservation then sees ``ended``. ``trailers``: the call's trailing metadata, set with the callback under the
-    call's lock. ``gone_at_start``: what :meth:`gone` said when the caller was made. :meth:`cancel_unread` is what the
-    drain watchdog calls for an answer not read in time.
+    waits is known without asking gRPC each time: the ``deadline`` is read once, and :meth:`end`, added to the
+    call's callbacks here, runs when the call is over, answered or not (gRPC runs the callbacks once the call has
+    ended, on its polling thread: a cancel, an expiry, or after the status is sent). While the behaviour runs, the
+    call can only end by its caller cancelling or its deadline passing, so ``ended`` then means CANCELLED (or
+    DEADLINE_EXCEEDED: :meth:`gone` reads the deadline first). :meth:`end` also releases the answer's budget
+    ticket, so one callback per call does both; a ticket granted after :meth:`end` ran is released by the data
+    plane, whose last look at the caller after the reservation then sees ``ended``. ``trailers``: the call's
+    trailing metadata. ``gone_at_start``: what :meth:`gone` said when the caller was made. ``metadata``: the
+    caller's. :meth:`cancel_unread` is what the drain watchdog calls for an answer not read in time. ``open_call``
+    reads and sets all that (service/adapters/grpcio.py: on grpcio's call state, or through the public methods)."""
 
-    The call's own state in grpcio (``grpc._server``'s ``_Context`` and ``_RPCState``, grpcio 1.85, as
-    service/transport/health.py uses them; named and checked at start in service/transport/grpcio_internals.py) is
-    read and written as its public methods do (``peer()``, ``time_remaining()``, ``set_trailing_metadata()``,
-    ``add_callback()``): those were ten Python frames per call, ~6 us of a lone small call (benchmarks/RESULTS.md,
-    issue 20). tests/service/test_grpc_caller.py holds this to the public methods against a real server."""
+    __slots__ = ("_context", "_method", "_plane", "gone_at_start", "metadata")
 
-    __slots__ = ("_context", "_method", "_plane", "gone_at_start")
-
-    def __init__(self, context: grpc.ServicerContext, plane: DataPlane, method: str, trailers: Metadata) -> None:
-        # Caller's fields set here rather than by its __init__, a frame fewer per call (the tests hold the two equal)
+    def __init__(
+        self,
+        context: grpc.ServicerContext,
+        plane: DataPlane,
+        method: str,
+        trailers: Metadata,
+        open_call: Callable[..., tuple] = grpcio.open_call_fast,
+    ) -> None:
+        # Caller's fields set here rather than by its __init__ (the tests hold the two equal)
         self.held_per_answer_byte = 1.0
         self.ticket = None
         self.in_heavy_lane = False
-        call = context._rpc_event
-        self.peer = call.call.peer().decode("utf8", "replace")
-        self.deadline = deadline = call.call_details.deadline  # time.time() seconds (no deadline: ~9.2e18)
         self._context = context
         self._plane = plane
         self._method = method
-        # False before end() can run: end() only ever sets it True, and a cancel that ends the call as soon as the lock
-        # is released must not be overwritten by this reading (the answer's ticket would then never be released)
+        # False before end() can run: end() only ever sets it True, and a cancel that ends the call as soon as the
+        # call's lock is released must not be overwritten by this reading (the ticket would never be released)
         self.ended = False
-        state = context._state
-        state.condition.acquire()  # the call's lock, as grpcio's own methods take it
-        try:
-            state.trailing_metadata = trailers
-            callbacks = state.callbacks  # None: the call has already ended
-            if callbacks is not None:
-                callbacks.append(self.end)
-        finally:
-            state.condition.release()
-        if callbacks is None:
+        self.peer, self.deadline, self.metadata, ended = open_call(context, trailers, self.end)
+        if ended:
             self.ended = True
-        # What gone() says now, from what was just read (not by calling it: a frame fewer per call): a call that
-        # waited for a thread may start past its deadline or after its caller left.
+        # What gone() says now, from what was just read: a call that waited for a thread may start past its
+        # deadline or after its caller left.
         self.gone_at_start = (
-            Code.DEADLINE_EXCEEDED if time.time() >= deadline else Code.CANCELLED if self.ended else None
+            Code.DEADLINE_EXCEEDED if time.time() >= self.deadline else Code.CANCELLED if self.ended else None
         )
 
     def end(self) -> None:
@@ -123,148 +107,45 @@ class GrpcCaller(Caller):
         self._context.cancel()
 
 
-class CallDone(list):
-    """What :meth:`RpcThreadPool.submit` returns for a call: grpcio asks of it only ``add_done_callback`` (its
-    callback counts the call out of the server's active calls), never a result or an exception, so it is not a
-    ``concurrent.futures.Future`` (a ``Condition`` per call, notified on completion). The list of the callbacks not
-    yet run, itself (made without a Python frame); ``done`` once the call has ended. grpcio tests what ``submit``
-    returned with ``is not None``, never by its truth (an empty list is false) nor as a key (a list has no hash).
-
-    No lock: whichever of :meth:`add_done_callback` (the polling thread) and :meth:`finish` (the pool thread) comes
-    second runs the callbacks, and ``list.pop`` (one step, atomic) hands each to exactly one of them: ``done`` is
-    set before the finishing thread looks at the list, and a callback is appended before the adding thread looks
-    at ``done``, so none is left behind."""
-
-    done = False
-
-    def add_done_callback(self, fn: Callable[[CallDone], object]) -> None:
-        self.append(fn)
-        if self.done:
-            self.finish()
-
-    def finish(self) -> None:
-        self.done = True
-        while self:  # tested first: the usual end, an empty list, costs no IndexError raised and caught per call
-            try:
-                fn = self.pop()
-            except IndexError:  # the other thread took the last one between the test and the pop
-                return
-            try:
-                fn(self)
-            except Exception:
-                log.exception("a call's completion callback failed")
-
-
-class RpcThreadPool:
-    """The gRPC server's pool for the RPCs: ``workers`` threads taking calls from one queue, a unary call only once
-    its request message is in (:func:`receive_ahead`). It counts the calls it holds (receiving their request, queued
-    or running) and refuses past ``max_calls`` (``max_concurrent_rpcs``): such a call runs on a small pool of its
-    own (``refusals``) with its behaviour swapped for the method's refusing one, so it is counted (shed
-    ``concurrency``), answered RESOURCE_EXHAUSTED, and never waits behind RPC work or for its request. It also
-    notices calls that end without their behaviour ever starting: the caller cancelled, reset the stream or passed
-    its deadline while the call waited for its request or a thread, or half-closed without a request. gRPC submits
-    each call with its handler's behaviour among the arguments; :meth:`watch` names the behaviours (and their
-    refusing twins), and each behaviour sets ``started.value`` (this thread's) when it starts. grpcio's own
-    ``maximum_concurrent_rpcs`` is not used: it counts every call (health too) and refuses without a trace.
-
-    Not a ``ThreadPoolExecutor``: grpcio only submits to its server's pool and adds one callback to what it gets
-    back, and the executor's machinery per call (a ``Future`` with its ``Condition``, a work item, the idle
-    semaphore, the check for more threads) was a fifth of the service's server CPU per small call beyond a
-    plain gRPC echo's (benchmarks/RESULTS.md, issue 20). The threads start at once and are daemons; :meth:`shutdown`
-    ends them once the server has stopped. No lock per call: a call is an entry in ``live`` from submit to its end,
-    and a dict's item assignment, deletion and ``len`` are each one step under the GIL. The arguments are searched
-    for the behaviour only for a call that is refused or never started. An exception that escapes a call (grpcio's
-    own wrappers catch the behaviour's) is logged, never silently dropped, and the thread goes on."""
-
-    def __init__(self, workers: int, max_calls: int) -> None:
-        self.max_calls = max_calls
-        self._queue: SimpleQueue[tuple[int, Callable, tuple, CallDone] | None] = SimpleQueue()
-        self._ids = itertools.count()
-        # The calls it holds, receiving, queued or running (their number read with ``len``: no method per call).
-        self.live: dict[int, None] = {}
-        # Each watched behaviour's method and refusing twin.
-        self._watched: dict[Callable, tuple[str, Callable]] = {}
-        self.refusals = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grpc-refuse")
-        # Per thread: whether the call the thread runs has started its behaviour (each behaviour sets ``value``).
-        self.started = threading.local()
-        self.on_never_started: Callable[[str], None] = lambda method: None
-        self._threads = [threading.Thread(target=self._work, name=f"grpc_{i}", daemon=True) for i in range(workers)]
-        for thread in self._threads:
-            thread.start()
-
-    def watch(self, behavior: Callable, method: str, refusing: Callable) -> None:
-        """Calls of ``behavior`` (``method``'s) are counted; past ``max_calls`` they get ``refusing`` instead."""
-        self._watched[behavior] = (method, refusing)
-
-    def submit(self, fn: Callable, /, *args: object) -> CallDone | Future:
-        if len(self.live) >= self.max_calls:
-            i = self._behavior_at(args)
-            if i is not None:
-                refusing = self._watched[args[i]][1]
-                return self.refusals.submit(fn, *without_request((*args[:i], refusing, *args[i + 1 :])))
-        call = next(self._ids)
-        self.live[call] = None
-        done = CallDone()
-        put = self._queue.put
-        if not receive_ahead(args, lambda received: put((call, fn, received, done))):
-            put((call, fn, args, done))
-        return done
-
-    def shutdown(self, timeout: float) -> int:
-        """Stop each thread once the calls queued before this are done (the server has stopped, so gRPC has
-        already ended them: each is counted as never started, or sees its caller gone at once); wait up to
-        ``timeout`` seconds in all. Returns how many threads were still busy when the wait ended."""
-        self.refusals.shutdown(wait=False)
-        for _ in self._threads:
-            self._queue.put(None)
-        end = time.monotonic() + timeout
-        for thread in self._threads:
-            thread.join(max(0.0, end - time.monotonic()))
-        return sum(thread.is_alive() for thread in self._threads)
-
-    def _behavior_at(self, args: tuple) -> int | None:
-        """Where among grpcio's arguments for a call its watched behaviour is (None: it has none, health say)."""
-        return next((i for i, arg in enumerate(args) if callable(arg) and arg in self._watched), None)
-
-    def _work(self) -> None:
-        take, live, started = self._queue.get, self.live, self.started
-        while (item := take()) is not None:
-            call, fn, args, done = item
-            started.value = False
-            try:
-                fn(*args)
-            except BaseException:
-                log.exception("a gRPC call's handler raised past gRPC's own handling")
-            finally:
-                del live[call]
-                if not started.value:
-                    i = self._behavior_at(args)
-                    if i is not None:
-                        self.on_never_started(self._watched[args[i]][0])
-                done.finish()
-
-
-def rpc_handlers(plane: DataPlane, pool: RpcThreadPool, watchdog: DrainWatchdog) -> dict[str, grpc.RpcMethodHandler]:
+def rpc_handlers(
+    plane: DataPlane, gate: CallGate, lane: Lane, watchdog: DrainWatchdog
+) -> dict[str, grpc.RpcMethodHandler]:
     """PrefillMetadata's methods by name, registered with gRPC as such (``add_registered_method_handlers``: gRPC
     core matches a call's path, where a generic handler is asked in Python on every call), bytes in and bytes out:
     the data plane parses requests (grpcio's own deserializer would answer undecodable bytes with INTERNAL and a
     traceback, where the caller deserves INVALID_ARGUMENT, as over HTTP) and answers with wire bytes written from
     the result arrays (one copy, see service/codec.py). Each method's behaviour is the data plane's ``call`` in
-    :func:`served`; its refusing twin, which the pool runs past ``max_concurrent_rpcs``, is counted as shed
-    ``concurrency``. A call that ends before it starts is counted as shed ``queue_deadline``."""
-    limit = pool.max_calls
+    :func:`served`, routed to ``lane``; its refusing twins, which the gate runs past the lane's places or the
+    caller's share of them, are counted as shed ``concurrency`` or ``peer_share``. A call that ends before it
+    starts is counted as shed ``queue_deadline``."""
 
-    def refuse(method: str, request: object, caller: Caller) -> bytes:
-        message = f"busy: {len(pool.live)} calls in the server (max_concurrent_rpcs {limit}); retry with backoff"
-        plane.shed(method, ShedReason.CONCURRENCY, message)  # the data plane never sees this call
-        raise Shed(ShedReason.CONCURRENCY, message)
+    def refusal(reason: ShedReason) -> Callable[..., bytes]:
+        def refuse(method: str, request: object, caller: Caller) -> bytes:
+            if reason is ShedReason.PEER_SHARE:
+                message = (
+                    f"busy: {caller.peer} already has {lane.peer_share} calls in the server "
+                    "(max_concurrent_rpcs_per_peer); retry with backoff"
+                )
+            else:
+                message = (
+                    f"busy: {gate.held(lane)} calls in the server (max_concurrent_rpcs {lane.places}); "
+                    "retry with backoff"
+                )
+            plane.shed(method, reason, message)  # the data plane never sees this call
+            raise Shed(reason, message)
+
+        return refuse
 
     never_started = "the caller cancelled, reset the stream or passed its deadline before the call started"
-    pool.on_never_started = lambda method: plane.shed(method, ShedReason.QUEUE_DEADLINE, never_started)
+    gate.on_never_started = lambda method: plane.shed(method, ShedReason.QUEUE_DEADLINE, never_started)
+    refusals = {reason: refusal(reason) for reason in (ShedReason.CONCURRENCY, ShedReason.PEER_SHARE)}
     handlers = {}
     for method in RPCS:
-        behavior = served(plane, method, plane.call, watchdog, pool.started)
-        pool.watch(behavior, method, served(plane, method, refuse, watchdog, pool.started))
+        behavior = served(plane, method, plane.call, watchdog, gate.started)
+        refusing = {
+            reason: served(plane, method, refuse, watchdog, gate.started) for reason, refuse in refusals.items()
+        }
+        gate.route(behavior, method, lane, unary_request=True, refusing=refusing, count_never_started=True)
         handlers[method] = grpc.unary_unary_rpc_method_handler(behavior)  # no (de)serializers: bytes both ways
     return handlers
 
@@ -294,22 +175,24 @@ def served(
     way, the trailers nothing above the noise (docs/service.md, "Request ids")."""
     failed, tracer, watch = plane.failed_calls, plane.tracer, watchdog.watch_ticket
     debug = log.isEnabledFor(logging.DEBUG)  # the level is set once, at start, before the server is made
+    open_call = grpcio.call_opener()
 
     def behavior(request: object, context: grpc.ServicerContext) -> object:
-        started.value = True  # RpcThreadPool's flag, set here rather than by a method: a frame fewer
+        started.value = True  # the gate's flag, set here rather than by a method: a frame fewer
         start = time.perf_counter()
-        metadata = context._rpc_event.invocation_metadata  # invocation_metadata() without its frame (GrpcCaller)
+        trailers: list[tuple[str, str]] = []  # the request id, once known; sent with the status
+        call = GrpcCaller(context, plane, method, trailers, open_call)
         supplied = None
-        for key, value in metadata:  # a loop, not next() over a generator: half the cost
+        for key, value in call.metadata:  # a loop, not next() over a generator: half the cost
             if key == REQUEST_ID_HEADER:
                 supplied = value
                 break
         request_id = next(NEW_REQUEST_IDS) if supplied is None else request_id_from(supplied)
+        trailers.append((REQUEST_ID_HEADER, request_id))
         token = REQUEST_ID.set(request_id)
-        span = None if tracer is None else tracer.start("grpc", method, request_id, dict(metadata))
+        span = None if tracer is None else tracer.start("grpc", method, request_id, dict(call.metadata))
         code = None
         try:
-            call = GrpcCaller(context, plane, method, ((REQUEST_ID_HEADER, request_id),))
             gone = call.gone_at_start
             if gone is not None:
                 plane.shed(method, ShedReason.QUEUE_DEADLINE, f"{gone.name} before the call started")
@@ -345,15 +228,13 @@ class UnknownMethodHandler(grpc.GenericRpcHandler):
     """The last generic handler (after reflection's): any method nobody else serves is answered UNIMPLEMENTED (as gRPC
     would), counted as method ``unknown`` and logged, rate-limited, with the method's name. A streaming handler,
     so a call of any shape is refused before its request is read; made per call, as such calls are rare and each
-    names its own method. The refusal runs on ``pool`` (the RPC pool's ``refusals``), never on the RPC pool: a
-    flood of unknown methods then neither takes the RPC threads nor counts against ``max_concurrent_rpcs``, so it
-    cannot get other callers' calls shed as ``concurrency``."""
+    names its own method. The gate has no route for it, so it runs on the gate's refusal lane: a flood of unknown
+    methods neither takes the RPC threads nor a place of the RPC lane."""
 
-    def __init__(self, plane: DataPlane, pool: ThreadPoolExecutor, watchdog: DrainWatchdog) -> None:
+    def __init__(self, plane: DataPlane, gate: CallGate, watchdog: DrainWatchdog) -> None:
         self.plane = plane
-        self.pool = pool
+        self.gate = gate
         self.watchdog = watchdog
-        self.started = threading.local()  # not the RPC pool's: these calls never run there
 
     def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
         plane, name = self.plane, handler_call_details.method
@@ -362,9 +243,9 @@ class UnknownMethodHandler(grpc.GenericRpcHandler):
             plane.unknown_method()
             raise UnknownMethod(f"unknown method {name[:200]!r}: this server has {SERVICE_NAME}'s {', '.join(RPCS)}")
 
-        refusing = served(plane, UNKNOWN_METHOD, refuse, self.watchdog, self.started)
-        refusing.experimental_thread_pool = self.pool  # grpcio runs a behaviour on the pool it names
-        return grpc.stream_stream_rpc_method_handler(refusing)
+        return grpc.stream_stream_rpc_method_handler(
+            served(plane, UNKNOWN_METHOD, refuse, self.watchdog, self.gate.started)
+        )
 
 
 def connection_age_options(seconds: float) -> list[tuple[str, int]]:
@@ -437,20 +318,34 @@ def server_credentials(config: ServiceConfig) -> grpc.ServerCredentials | None:
 POOL_STOP_SECONDS = 2.0
 
 
+# Health's lane on each gRPC port: Check, List and the start of a Watch, each quick (nothing there waits for a
+# send). Its places bound what silent or slow health calls can hold; the share keeps one peer from taking them all
+# (the kubelet probes from its node's address, a peer of its own).
+HEALTH_THREADS = 2
+HEALTH_PLACES = 64
+HEALTH_PEER_SHARE = 16
+
+
+def make_gate(config: ServiceConfig, accounting: Accounting) -> CallGate:
+    return CallGate(accounting, config.request_timeout_seconds)
+
+
 @dataclass
 class GrpcServer:
-    """The RPC server and its parts that outlive start-up (the RPC pool, the drain watchdog and reflection stop
-    with it)."""
+    """The RPC server and its parts that outlive start-up (the gate, the drain watchdog and reflection stop with
+    it)."""
 
     server: grpc.Server
     port: int
-    pool: RpcThreadPool
+    gate: CallGate
+    lane: Lane
     watchdog: DrainWatchdog
     reflection: Reflection
 
     def stop(self, grace: float) -> None:
+        self.gate.end_waiting()  # calls that never sent their request do not hold the grace
         self.server.stop(grace).wait()
-        busy = self.pool.shutdown(POOL_STOP_SECONDS)
+        busy = self.gate.shutdown(POOL_STOP_SECONDS)
         if busy:
             log.warning("rpc_threads_still_busy count=%d after_seconds=%.1f", busy, POOL_STOP_SECONDS)
         self.watchdog.stop()
@@ -467,21 +362,26 @@ def create_grpc_server(
     """The RPC server, bound (and, as gRPC binds, listening: it takes connections into its backlog from here on)
     but not started. ``share_port``: SO_REUSEPORT, for a worker of several; ``probe_socket``: a unix socket the
     server also listens on, plaintext, for the supervisor's health probes (service/process/supervisor.py)."""
-    pool = RpcThreadPool(config.grpc_workers, config.max_concurrent_rpcs)
+    gate = make_gate(config, Accounting(plane.metrics, plane.shed))
+    lane = gate.lane("grpc", config.grpc_workers, config.max_concurrent_rpcs, config.max_concurrent_rpcs_per_peer)
     server = grpc.server(
-        pool,  # not a ThreadPoolExecutor, though grpcio names one: it only submits to it (see RpcThreadPool)
-        # No maximum_concurrent_rpcs: the pool refuses past max_concurrent_rpcs itself, counted, and health is
-        # never refused.
+        gate,  # not a ThreadPoolExecutor, though grpcio names one: it only submits to it (see CallGate)
+        # No maximum_concurrent_rpcs: the gate refuses past max_concurrent_rpcs itself, counted, per lane.
         options=server_options(config, share_port),
     )
     watchdog = DrainWatchdog(config.response_drain_seconds)
-    server.add_registered_method_handlers(SERVICE_NAME, rpc_handlers(plane, pool, watchdog))
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    server.add_registered_method_handlers(SERVICE_NAME, rpc_handlers(plane, gate, lane, watchdog))
+    health_lane = gate.lane("health", HEALTH_THREADS, HEALTH_PLACES, HEALTH_PEER_SHARE)
+    health_servicer.register(server, gate, health_lane)
     reflection = Reflection(
-        (SERVICE_NAME, HEALTH_SERVICE_NAME), config.reflection_max_streams, config.reflection_idle_seconds, plane.shed
+        (SERVICE_NAME, HEALTH_SERVICE_NAME),
+        config.reflection_max_streams,
+        config.reflection_idle_seconds,
+        plane.shed,
+        gate,
     )
     server.add_generic_rpc_handlers(reflection.handlers)
-    unknown = UnknownMethodHandler(plane, pool.refusals, watchdog)
+    unknown = UnknownMethodHandler(plane, gate, watchdog)
     server.add_generic_rpc_handlers((unknown,))  # last: what nobody else serves
     address = host_port(config.grpc_host, config.grpc_port)
     try:
@@ -496,22 +396,42 @@ def create_grpc_server(
             server.add_insecure_port(f"unix:{probe_socket}")
         except RuntimeError as exc:
             raise OSError(f"cannot bind the probe socket {probe_socket}: {exc}") from None
-    return GrpcServer(server, port, pool, watchdog, reflection)
+    return GrpcServer(server, port, gate, lane, watchdog, reflection)
 
 
-def create_health_server(config: ServiceConfig, health_servicer: HealthServicer) -> tuple[grpc.Server, int]:
-    """The probe listener: grpc.health.v1 only, plaintext (kubelet's gRPC probes speak no TLS), its own small
-    pool and no concurrency limit, so a probe never waits behind RPC work, its limit or its connections; its own
-    cap on connections (``health_max_connections``) and the same idle and handshake bounds as the RPC port."""
+@dataclass
+class HealthServer:
+    """The probe listener and its gate."""
+
+    server: grpc.Server
+    port: int
+    gate: CallGate
+
+    def stop(self) -> None:
+        self.gate.end_waiting()
+        self.server.stop(0).wait()
+        self.gate.shutdown(POOL_STOP_SECONDS)
+
+
+def create_health_server(
+    config: ServiceConfig, health_servicer: HealthServicer, accounting: Accounting
+) -> HealthServer:
+    """The probe listener: grpc.health.v1 only, plaintext (kubelet's gRPC probes speak no TLS), through a gate of
+    its own (a probe never waits behind RPC work, its limit or its connections); its own cap on connections
+    (``health_max_connections``) and the same idle and handshake bounds as the RPC port. A call to any other
+    method is answered UNIMPLEMENTED naming the RPC port."""
+    gate = make_gate(config, accounting)
+    lane = gate.lane("health", HEALTH_THREADS, HEALTH_PLACES, HEALTH_PEER_SHARE)
     server = grpc.server(
-        ThreadPoolExecutor(max_workers=2, thread_name_prefix="health-rpc"),
+        gate,
         options=[
             ("grpc.so_reuseport", 0),
             ("grpc.max_receive_message_length", 4096),
             *connection_options(config, config.health_max_connections),
         ],
     )
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    health_servicer.register(server, gate, lane)
+    server.add_generic_rpc_handlers((HealthPortOnly(accounting.unknown_method, config.grpc_port),))
     address = host_port(config.grpc_host, config.health_port)
     try:
         port = server.add_insecure_port(address)
@@ -519,4 +439,26 @@ def create_health_server(config: ServiceConfig, health_servicer: HealthServicer)
         raise OSError(f"cannot bind the gRPC health port to {address}: {exc}") from None
     if port == 0:
         raise OSError(f"cannot bind the gRPC health port to {address}")
-    return server, port
+    return HealthServer(server, port, gate)
+
+
+class HealthPortOnly(grpc.GenericRpcHandler):
+    """The health port's answer to any method but health's: UNIMPLEMENTED, naming the port the RPCs are on,
+    counted as method ``unknown``. Runs on the gate's refusal lane (no route)."""
+
+    def __init__(self, count: Callable[[], None], rpc_port: int) -> None:
+        self.count = count
+        self.rpc_port = rpc_port
+
+    def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
+        count, name, rpc_port = self.count, handler_call_details.method, self.rpc_port
+
+        def refuse(requests: object, context: grpc.ServicerContext) -> None:
+            count()
+            where = f"port {rpc_port}" if rpc_port else "the gRPC port (grpc_port)"
+            context.abort(
+                grpc.StatusCode.UNIMPLEMENTED,
+                f"this is the health port: it serves grpc.health.v1 only; call {name[:200]!r} on {where}",
+            )
+
+        return grpc.stream_stream_rpc_method_handler(refuse)

@@ -2,77 +2,52 @@
 every Watch stream.
 
 Written here rather than taken from grpcio-health-checking because a drain must end the open Watch streams
-(a client's health checking keeps one per connection; left open, each holds a SIGTERM for the whole grace)
-and a NotFound should say what is unknown. Watch is non-blocking: an open stream holds no thread, and neither
-does a message on its way to a watcher. grpcio's sync server waits for each message's send to complete (the
-peer's flow-control window open), so a watcher whose window stays shut would hold the sending thread; here a
-message is handed to gRPC core without waiting (:func:`send_without_waiting`) and the next one goes when core
-says the last is sent. A send still not done after ``send_timeout`` seconds cancels that stream (counted, shed
-``unread_response``). One connection holds at most ``WATCH_STREAMS_PER_CONNECTION`` Watch streams (more are
-refused, shed ``stream_limit``).
+(a client's health checking keeps one per connection; left open, each holds a SIGTERM for the whole grace), a
+NotFound should say what is unknown, and a request that does not parse must be refused and counted here (grpcio's
+own deserializer path for a unary-request, streaming-response method answers INTERNAL and then keeps the call for
+good): the methods take bytes and parse them (shed ``undecodable``, INVALID_ARGUMENT). Every call reaches a thread
+through the server's gate (service/transport/gate.py), only once its request is in.
+
+Watch is non-blocking: an open stream holds no thread, and neither does a message on its way to a watcher: a
+message is handed to gRPC core without waiting (service/adapters/grpcio.py's ``send_without_waiting``) and the next
+one goes when core says the last is sent. A send still not done after ``send_timeout`` seconds cancels that stream
+(counted, shed ``unread_response``). Open Watch streams are bounded: ``WATCH_STREAMS_PER_CONNECTION`` a connection,
+``WATCH_STREAMS_PER_PEER`` a peer and ``WATCH_STREAMS`` in all (more are refused, shed ``stream_limit``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import queue
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import grpc
-from grpc import _server as grpc_server_internals
-from grpc._cython import cygrpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from google.protobuf.message import DecodeError
+from grpc_health.v1 import health_pb2
 
+from indexer_service.service.adapters import grpcio
 from indexer_service.service.overload.admission import DrainWatchdog, Watched
 from indexer_service.service.reasons import ShedReason
-from indexer_service.service.transport.receive import ReceiveAheadExecutor
-from indexer_service.service.transport.streams import WATCH_STREAMS_PER_CONNECTION, ShedFn, StreamSlots, on_pool
+from indexer_service.service.transport.gate import CallGate, Lane
+from indexer_service.service.transport.streams import WATCH_STREAMS_PER_CONNECTION, ShedFn, StreamSlots
 
 log = logging.getLogger(__name__)
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 SERVICE_UNKNOWN = health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
+HEALTH_SERVICE_NAME = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 
 SendResponse = Callable[[health_pb2.HealthCheckResponse | None], None]
 SEND_TIMEOUT_SECONDS = 5.0
-
-
-def send_without_waiting(context: grpc.ServicerContext, payload: bytes, on_sent: Callable[[], None]) -> bool:
-    """Hand one serialized message of a server-streaming call to gRPC core and return at once; ``on_sent()`` runs
-    (on gRPC's polling thread: it must not block) once core has sent it or the call ended. False when the call has
-    already ended. At most one message may be on its way per call.
-
-    grpcio's sync server offers only a send that waits for completion (``_send_response``); this is the same
-    batch without the wait, on grpcio's own call state (``grpc._server``, grpcio 1.85: the same fields and
-    helpers ``_send_response`` uses; named and checked at start in service/transport/grpcio_internals.py).
-    tests/system/test_floods_streams_connections.py holds it to its promise against a real server."""
-    internals = grpc_server_internals
-    state, call = context._state, context._rpc_event.call
-    with state.condition:
-        if not internals._is_rpc_state_active(state):
-            return False
-        message = cygrpc.SendMessageOperation(payload, internals._get_send_message_op_flags_from_state(state))
-        if state.initial_metadata_allowed:
-            operations = (internals._get_initial_metadata_operation(state, None), message)
-            state.initial_metadata_allowed = False
-            token = internals._SEND_INITIAL_METADATA_AND_SEND_MESSAGE_TOKEN
-        else:
-            operations, token = (message,), internals._SEND_MESSAGE_TOKEN
-        finish = internals._send_message(state, token)
-
-        def sent(event: object) -> object:
-            done = finish(event)  # the call's state, as grpcio's own send does
-            on_sent()
-            return done
-
-        call.start_server_batch(operations, sent)
-        state.due.add(token)
-        state.disable_next_compression = False
-    return True
+# Open Watch streams a peer (an address) may hold, and the process: far above a client's health checking (one or
+# two names per connection, a few connections), far below what would cost memory that matters (each ~10 KiB).
+WATCH_STREAMS_PER_PEER = 64
+WATCH_STREAMS = 1024
 
 
 @dataclass(eq=False)
@@ -83,72 +58,108 @@ class _Watcher:
     send: SendResponse
     context: grpc.ServicerContext
     peer: str
+    # Where grpcio does not call Watch with a send callback: the stream's messages, taken by its generator.
+    messages: queue.SimpleQueue | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
     pending: health_pb2.HealthCheckResponse | None = None
     end: bool = False
     delivering: bool = False
 
 
-class HealthServicer(health_pb2_grpc.HealthServicer):
-    """Health of ``names`` ("" is the whole server); NOT_SERVING until :meth:`set_serving` says otherwise."""
+class HealthServicer:
+    """Health of ``names`` ("" is the whole server); NOT_SERVING until :meth:`set_serving` says otherwise.
+    :meth:`register` serves it on a gRPC server, through that server's gate."""
 
     def __init__(self, names: Sequence[str], shed: ShedFn, send_timeout: float = SEND_TIMEOUT_SECONDS) -> None:
         self._lock = threading.Lock()
         self._shed = shed
-        self._slots = StreamSlots("health Watch streams", WATCH_STREAMS_PER_CONNECTION)
+        self._slots = StreamSlots(
+            "health Watch streams", WATCH_STREAMS_PER_CONNECTION, WATCH_STREAMS, per_peer=WATCH_STREAMS_PER_PEER
+        )
         self._status = dict.fromkeys(names, NOT_SERVING)
         self._watchers: dict[str, set[_Watcher]] = {name: set() for name in names}
         self._drained = False
         self._stuck_sends = DrainWatchdog(send_timeout)
+        self._send_without_waiting = grpcio.features().send_without_waiting
+        self.on_error: Callable[[str, BaseException], None] = lambda where, exc: log.exception("%s failed", where)
+        # Deliveries to watchers: each quick where a send does not wait; where it does (the adapter's fallback),
+        # a watcher that does not read holds one of these until its send is cancelled (send_timeout).
         self.pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="health")
-        # Check and List on threads of their own: a probe never waits behind RPC work, nor behind Watch streams
-        # opening or their deliveries (each quick: nothing here waits for a send).
-        # A call reaches them only once its request is in: two Checks that never send theirs held both threads, and
-        # the kubelet's probes with them, until their caller left.
-        self.answer_pool = ReceiveAheadExecutor(max_workers=2, thread_name_prefix="health-check")
-        # grpcio runs a behaviour on the pool its `experimental_thread_pool` names, and lets a streaming one
-        # marked `experimental_non_blocking` return at once and send through the callback it is given. Set on
-        # per-instance functions, not the class's: several servers in one process each keep their own pools.
-        for name, pool, non_blocking in (("Check", self.answer_pool, False), ("List", self.answer_pool, False),
-                                         ("Watch", self.pool, True)):  # fmt: skip
-            setattr(self, name, on_pool(getattr(self, name), pool, non_blocking))
+        self._watch = grpcio.non_blocking(self._watch_stream)
+
+    def register(self, server: grpc.Server, gate: CallGate, lane: Lane) -> None:
+        """Check, List and Watch on ``server``, bytes in (parsed here), each routed by ``gate`` to ``lane``."""
+        check = grpc.unary_unary_rpc_method_handler(
+            self._check, response_serializer=health_pb2.HealthCheckResponse.SerializeToString
+        )
+        listing = grpc.unary_unary_rpc_method_handler(
+            self._list, response_serializer=health_pb2.HealthListResponse.SerializeToString
+        )
+        watch = grpc.unary_stream_rpc_method_handler(
+            self._watch, response_serializer=health_pb2.HealthCheckResponse.SerializeToString
+        )
+        for method, handler in (("Check", check), ("List", listing), ("Watch", watch)):
+            behaviour = handler.unary_unary or handler.unary_stream
+            gate.route(behaviour, method, lane, unary_request=True)
+        server.add_registered_method_handlers(HEALTH_SERVICE_NAME, {"Check": check, "List": listing, "Watch": watch})
+        self.on_error = gate.on_error
+
+    def _parsed(self, message_type: type, raw: bytes, context: grpc.ServicerContext, method: str) -> object:
+        try:
+            return message_type.FromString(raw)
+        except DecodeError:
+            detail = f"a {message_type.DESCRIPTOR.name} that does not parse ({len(raw)} bytes)"
+            self._shed(method, ShedReason.UNDECODABLE, f"{detail} from {context.peer()}")
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{detail}: send a grpc.health.v1 {message_type.__name__}")
 
     def _unknown(self, service: str) -> str:
         known = ", ".join(repr(name) for name in self._status)
         return f"unknown service {service!r}: this server reports health for {known}"
 
-    def Check(self, request: health_pb2.HealthCheckRequest, context: grpc.ServicerContext):
+    def _check(self, raw: bytes, context: grpc.ServicerContext) -> health_pb2.HealthCheckResponse:
+        request = self._parsed(health_pb2.HealthCheckRequest, raw, context, "Check")
         with self._lock:
             status = self._status.get(request.service)
         if status is None:
             context.abort(grpc.StatusCode.NOT_FOUND, self._unknown(request.service))
         return health_pb2.HealthCheckResponse(status=status)
 
-    def List(self, request: health_pb2.HealthListRequest, context: grpc.ServicerContext):
+    def _list(self, raw: bytes, context: grpc.ServicerContext) -> health_pb2.HealthListResponse:
+        self._parsed(health_pb2.HealthListRequest, raw, context, "List")
         with self._lock:
             statuses = dict(self._status)
         return health_pb2.HealthListResponse(
             statuses={name: health_pb2.HealthCheckResponse(status=status) for name, status in statuses.items()}
         )
 
-    def Watch(
-        self, request: health_pb2.HealthCheckRequest, context: grpc.ServicerContext, send_response: SendResponse
-    ) -> None:
+    def _watch_stream(
+        self, raw: bytes, context: grpc.ServicerContext, send_response: SendResponse | None = None
+    ) -> Iterator[health_pb2.HealthCheckResponse] | None:
+        """Watch: returns at once, the stream's messages sent through ``send_response``; where grpcio gives no
+        send callback (it does not read the non-blocking mark), a generator of the messages, which holds its
+        thread while the stream is open."""
+        request = self._parsed(health_pb2.HealthCheckRequest, raw, context, "Watch")
         peer = self._slots.take_or_abort(context, self._shed, "Watch")
         if not context.add_callback(lambda: self._slots.give_back(peer)):  # the call has ended already
             self._slots.give_back(peer)
-            return
-        service, watcher = request.service, _Watcher(send_response, context, peer)
+            return None
+        messages = queue.SimpleQueue() if send_response is None else None
+        send = messages.put if messages is not None else send_response
+        service, watcher = request.service, _Watcher(send, context, peer, messages)
         with self._lock:
             if self._drained:
                 self._notify([watcher], health_pb2.HealthCheckResponse(status=NOT_SERVING), end=True)
-                return
+                return None if messages is None else _drain_queue(messages)
             # The protocol's answer for a name it does not know is SERVICE_UNKNOWN, and the stream stays open.
             status = self._status.get(service, SERVICE_UNKNOWN)
             if service in self._watchers:
                 self._watchers[service].add(watcher)
                 context.add_callback(lambda: self._forget(service, watcher))
         self._notify([watcher], health_pb2.HealthCheckResponse(status=status))
+        if messages is None:
+            return None
+        context.add_callback(lambda: messages.put(None))  # the stream ended: the generator stops
+        return _drain_queue(messages)
 
     def _forget(self, service: str, watcher: _Watcher) -> None:
         with self._lock:
@@ -214,7 +225,15 @@ class HealthServicer(health_pb2_grpc.HealthServicer):
             delivery.release()
             self._submit(watcher)
 
-        if not send_without_waiting(watcher.context, response.SerializeToString(), sent):
+        if watcher.messages is not None or not self._send_without_waiting:  # grpcio's send: waits until sent
+            try:
+                watcher.send(response)
+            except Exception:  # a stream that ended meanwhile
+                log.debug("health watcher gone", exc_info=True)
+            sent()
+            return
+        payload = response.SerializeToString()
+        if not grpcio.send_without_waiting(watcher.context, payload, sent, self.on_error):
             sent()  # the stream has ended: the next delivery finds nothing to do, or only the end to send
 
     def _submit(self, watcher: _Watcher) -> None:
@@ -233,4 +252,9 @@ class HealthServicer(health_pb2_grpc.HealthServicer):
     def close(self) -> None:
         self._stuck_sends.stop()
         self.pool.shutdown(wait=False, cancel_futures=True)
-        self.answer_pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _drain_queue(messages: queue.SimpleQueue) -> Iterator[object]:
+    """The messages put on ``messages`` until None (the end of the stream, or the call ended)."""
+    while (message := messages.get()) is not None:
+        yield message

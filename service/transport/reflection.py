@@ -7,8 +7,8 @@ int32 bytes). Here the files come from ``indexer_descriptor.binpb`` (``make prot
 comments), plus health and reflection's own.
 
 A reflection stream reads its requests on a thread it holds while open (grpcio's sync server has no other way to
-read a stream), so streams are bounded (docs/overload.md, "Long-lived streams"): they run on a pool of their own,
-never on the RPC threads; at most ``reflection_max_streams`` are open at once and two per connection
+read a stream), so streams are bounded (docs/overload.md, "Long-lived streams"): the gate runs them on a lane of
+their own, never on the RPC threads; at most ``reflection_max_streams`` are open at once and two per connection
 (streams.REFLECTION_STREAMS_PER_CONNECTION; more are refused with RESOURCE_EXHAUSTED before they take a thread,
 shed ``stream_limit``, but for one at a time that waits up to streams.REFLECTION_LAG_SECONDS for its connection's
 last stream to end); a stream that waits longer than ``reflection_idle_seconds`` for a request is cancelled
@@ -18,22 +18,22 @@ last stream to end); a stream that waits longer than ``reflection_idle_seconds``
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from importlib import resources
 
 import grpc
 from google.protobuf import descriptor_pb2
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2 as rpb
 
 from indexer_service.service.overload.admission import DrainWatchdog, Watched
 from indexer_service.service.reasons import ShedReason
+from indexer_service.service.transport.gate import CallGate
 from indexer_service.service.transport.streams import (
     REFLECTION_LAG_SECONDS,
     REFLECTION_STREAMS_PER_CONNECTION,
     ShedFn,
     StreamSlots,
-    on_pool,
 )
 
 V1ALPHA = rpb.DESCRIPTOR.services_by_name["ServerReflection"].full_name
@@ -136,9 +136,11 @@ class ReflectionServicer:
 
 
 class Reflection:
-    """Reflection under both package names (``handlers``), on its own bounded pool; :meth:`close` at stop."""
+    """Reflection under both package names (``handlers``), on a lane of ``gate``; :meth:`close` at stop."""
 
-    def __init__(self, service_names: Sequence[str], max_streams: int, idle_seconds: float, shed: ShedFn) -> None:
+    def __init__(
+        self, service_names: Sequence[str], max_streams: int, idle_seconds: float, shed: ShedFn, gate: CallGate
+    ) -> None:
         self.servicer = ReflectionServicer([*service_names, *REFLECTION_NAMES], served_files())
         self.slots = StreamSlots(
             "reflection streams", REFLECTION_STREAMS_PER_CONNECTION, max_streams, REFLECTION_LAG_SECONDS
@@ -148,18 +150,18 @@ class Reflection:
         # Two threads beyond the slots: open streams hold at most max_streams threads and the one stream that waits
         # for its connection's lagging slot (StreamSlots.lag_seconds) one more, so a stream over a limit is always
         # refused at once, never queued behind the open ones.
-        self.pool = ThreadPoolExecutor(max_workers=max_streams + 2, thread_name_prefix="reflection")
+        lane = gate.lane("reflection", max_streams + 2, max_streams + 2, REFLECTION_STREAMS_PER_CONNECTION + 1)
+        # Bytes in, parsed in _serve: a request that does not parse is refused and counted here.
         method = grpc.stream_stream_rpc_method_handler(
-            on_pool(self._serve, self.pool),
-            request_deserializer=rpb.ServerReflectionRequest.FromString,
-            response_serializer=rpb.ServerReflectionResponse.SerializeToString,
+            self._serve, response_serializer=rpb.ServerReflectionResponse.SerializeToString
         )
+        gate.route(method.stream_stream, METHOD, lane, unary_request=False)
         self.handlers: tuple[grpc.GenericRpcHandler, ...] = tuple(
             grpc.method_handlers_generic_handler(name, {METHOD: method}) for name in REFLECTION_NAMES
         )
 
     def _serve(
-        self, requests: Iterator[rpb.ServerReflectionRequest], context: grpc.ServicerContext
+        self, requests: Iterator[bytes], context: grpc.ServicerContext
     ) -> Iterator[rpb.ServerReflectionResponse]:
         peer = self.slots.take_or_abort(context, self.shed, METHOD)
         try:
@@ -172,7 +174,13 @@ class Reflection:
                     return
                 finally:
                     wait.release()
-                yield self.servicer.answer(request)
+                try:
+                    parsed = rpb.ServerReflectionRequest.FromString(request)
+                except DecodeError:
+                    detail = f"a ServerReflectionRequest that does not parse ({len(request)} bytes)"
+                    self.shed(METHOD, ShedReason.UNDECODABLE, f"{detail} from {peer}")
+                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, detail)
+                yield self.servicer.answer(parsed)
         finally:
             self.slots.give_back(peer)
 
@@ -184,4 +192,3 @@ class Reflection:
 
     def close(self) -> None:
         self._idle.stop()
-        self.pool.shutdown(wait=False, cancel_futures=True)

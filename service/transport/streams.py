@@ -1,10 +1,10 @@
 """Long-lived streams (health Watch, server reflection) as a bounded resource: how many one connection may hold,
-and how many the process holds at once, with the refusal's message for the caller.
+one peer (its address, whatever the port) and the process at once, with the refusal's message for the caller.
 
 A connection is its peer address (``context.peer()``: address and port, one per connection). The per-connection
 caps are far above what a real client needs (a client's health checking watches one or two names per
 connection; grpcurl and grpcio's reflection client open one reflection stream per question) and far below
-``max_streams_per_connection``, so one connection cannot make the server hold many.
+``max_streams_per_connection``, so one connection cannot make the server hold many, nor one peer's connections.
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from __future__ import annotations
 import threading
 from collections import Counter
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
 from indexer_service.service.reasons import ShedReason
+from indexer_service.service.transport.gate import peer_key
 
 ShedFn = Callable[[str, ShedReason, str], None]  # (method, reason, detail): DataPlane.shed
 
@@ -33,17 +33,26 @@ REFLECTION_LAG_SECONDS = 0.5
 
 
 class StreamSlots:
-    """Open streams of one kind, per connection (at most ``per_connection``) and in all (at most ``total``,
-    None: no total beyond what the connection caps allow). ``lag_seconds`` above 0: a stream over its connection's
-    cap waits up to that long for one of the connection's streams to end before it is refused (a client that opens
-    its next stream as the last one's answer arrives is ahead of the server's release); one such wait at a time in
-    all, so waits hold at most one thread, and any other stream over a cap is refused at once."""
+    """Open streams of one kind, per connection (at most ``per_connection``), per peer address (at most
+    ``per_peer``, None: no cap beyond the connections') and in all (at most ``total``, None: no total beyond what
+    the other caps allow). ``lag_seconds`` above 0: a stream over its connection's cap waits up to that long for one
+    of the connection's streams to end before it is refused (a client that opens its next stream as the last one's
+    answer arrives is ahead of the server's release); one such wait at a time in all, so waits hold at most one
+    thread, and any other stream over a cap is refused at once."""
 
-    def __init__(self, kind: str, per_connection: int, total: int | None = None, lag_seconds: float = 0.0) -> None:
-        self.kind, self.per_connection, self.total = kind, per_connection, total
+    def __init__(
+        self,
+        kind: str,
+        per_connection: int,
+        total: int | None = None,
+        lag_seconds: float = 0.0,
+        per_peer: int | None = None,
+    ) -> None:
+        self.kind, self.per_connection, self.total, self.per_peer = kind, per_connection, total, per_peer
         self.lag_seconds = lag_seconds
         self._lock = threading.Condition()  # notified by give_back while a stream waits
         self._by_peer: Counter[str] = Counter()
+        self._by_address: Counter[str] = Counter()
         self.open = 0
         self._waiting = False
 
@@ -58,9 +67,13 @@ class StreamSlots:
                     self._waiting = False
             if self._by_peer[peer] >= self.per_connection:
                 return f"{self.kind}: this connection already has {self.per_connection} open; close one first"
+            address = peer_key(peer)
+            if self.per_peer is not None and self._by_address[address] >= self.per_peer:
+                return f"{self.kind}: this peer already has {self.per_peer} open; close some first"
             if self.total is not None and self.open >= self.total:
                 return f"{self.kind}: {self.total} streams open on this server; retry later"
             self._by_peer[peer] += 1
+            self._by_address[address] += 1
             self.open += 1
         return None
 
@@ -77,22 +90,9 @@ class StreamSlots:
     def give_back(self, peer: str) -> None:
         with self._lock:
             self.open -= 1
-            self._by_peer[peer] -= 1
-            if self._by_peer[peer] <= 0:
-                del self._by_peer[peer]
+            for counts, key in ((self._by_peer, peer), (self._by_address, peer_key(peer))):
+                counts[key] -= 1
+                if counts[key] <= 0:
+                    del counts[key]
             if self._waiting:
                 self._lock.notify_all()
-
-
-def on_pool(behaviour: Callable, pool: ThreadPoolExecutor, non_blocking: bool = False) -> Callable:
-    """``behaviour`` run on ``pool`` (grpcio runs a behaviour on the pool its ``experimental_thread_pool`` names,
-    and lets a streaming one marked ``experimental_non_blocking`` return at once and send through the callback it
-    is given). Set on a function of its own: bound methods take no attributes, and several servers in one process
-    each keep their own pools."""
-
-    def behaviour_on_pool(*args: object) -> object:
-        return behaviour(*args)
-
-    behaviour_on_pool.experimental_thread_pool = pool
-    behaviour_on_pool.experimental_non_blocking = non_blocking
-    return behaviour_on_pool

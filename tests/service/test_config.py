@@ -218,6 +218,8 @@ INVALID: dict[str, tuple[list[str], dict[str, str]]] = {
     "workers": (["-1", "257", "two", "1.5"], {}),
     "max_message_bytes": (["100", TOO_BIG_INT32], {}),
     "max_concurrent_rpcs": (["0", TOO_BIG_INT32], {}),
+    "max_concurrent_rpcs_per_peer": (["-1", TOO_BIG_INT32], {}),
+    "request_timeout_seconds": (["0", "inf", "-1"], {}),
     "max_connection_age_seconds": (["inf", "nan", "1e12", "2147484", "-1", "0.0001", "soon"], {}),
     "max_streams_per_connection": (["0", TOO_BIG_INT32], {}),
     "grpc_max_connections": (["0", TOO_BIG_INT32, "-1"], {}),

@@ -137,7 +137,9 @@ def test_an_end_that_runs_as_the_calls_lock_is_released_is_not_lost() -> None:
     state = SimpleNamespace(condition=lock, callbacks=[], trailing_metadata=None)
     lock.state = state
     event = SimpleNamespace(
-        call=SimpleNamespace(peer=lambda: b"ipv4:127.0.0.1:5000"), call_details=SimpleNamespace(deadline=9.2e18)
+        call=SimpleNamespace(peer=lambda: b"ipv4:127.0.0.1:5000"),
+        call_details=SimpleNamespace(deadline=9.2e18),
+        invocation_metadata=(),
     )
     caller = GrpcCaller(SimpleNamespace(_rpc_event=event, _state=state), None, METHOD, TRAILERS)
     assert caller.ended and caller.gone() is Code.CANCELLED and state.trailing_metadata == TRAILERS

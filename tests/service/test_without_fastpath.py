@@ -54,6 +54,6 @@ def test_the_service_starts_and_serves_through_numpy_without_the_extension(no_ex
         assert metadata_as_dict(served) == metadata_as_dict(build_chunk_metadata_numpy(inputs))
     finally:
         server.grpc.stop(0)
-        server.health_server.stop(0)
+        server.health_server.stop()
         server.http.socket.close()
         server.http_rpc.socket.close()
