@@ -117,7 +117,8 @@ _CYTHON_NAMES = {
 # What grpcio's server must read off a behaviour for health's Watch to send through a callback.
 _BEHAVIOUR_ATTRIBUTE = "experimental_non_blocking"
 _PUBLIC_PATHS = {
-    "call_state": "calls use the public ServicerContext methods; per-peer shares are applied as a call starts",
+    "call_state": "calls use the public ServicerContext methods, and no peer is known before a call starts: no "
+    "per-peer share of places",
     "receive_ahead": "a call waits for its request on a thread (grpcio's own request thunk)",
     "send_without_waiting": "health Watch sends wait on a health thread until the peer reads",
 }

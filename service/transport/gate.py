@@ -277,7 +277,14 @@ class CallGate:
         call = next(self._ids) if call is None else call
         done = CallDone() if done is None else done
         lane.live[call] = peer
-        lane.queue.put((call, fn, args, done, route))
+        try:
+            lane.queue.put((call, fn, args, done, route))
+        except BaseException:  # nothing will run it: its place and grpcio's count of it go back, then the error
+            lane.live.pop(call, None)
+            if peer is not None and lane.peer_share is not None:
+                self._let_go(lane.by_peer, lane, peer)
+            done.finish()
+            raise
         return done
 
     def _refuse(
