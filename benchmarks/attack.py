@@ -38,6 +38,7 @@ import psutil
 from testkit.h2raw import StalledStreams, attack_window, call_loop_parallel, rapid_reset_parallel
 from testkit.harness import (
     FAST_START,
+    FLOOD_PEER,
     LOOPBACK,
     ServiceProcess,
     channel,
@@ -75,9 +76,6 @@ FLOOD_VICTIM_PAUSE = 0.05  # issue 19's victim: one small call every 50 ms, 1 s 
 FRESH_CLIENT_INTERVAL = 1.0  # issue 19's stream floods: a fresh health-checking IndexerClient every second
 MEMORY_BACK_SECONDS = 60.0  # issue 10: idle RSS back within 1.2x of its value before, within 60 s of the end
 DEFAULT_IDLE_CONNECTION_SECONDS = 120.0  # connection_idle_seconds' default
-# The idle-connection floods come from another address than the probes and the victim (any of 127.0.0.0/8 reaches
-# the server): another tenant's pod, as max_connections_per_peer sees it.
-FLOOD_PEER = "127.0.0.2"
 SCALE = {"factor": 1.0}  # --scale: the issue 19 floods' sizes
 
 

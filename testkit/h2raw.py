@@ -31,6 +31,7 @@ import h2.events
 import h2.exceptions
 import h2.settings
 
+from testkit.harness import FLOOD_PEER, LOOPBACK
 from testkit.payloads import grpc_frame
 
 _READ_BYTES = 65536
@@ -62,7 +63,8 @@ class RawGrpcConnection:
     ``initial_window_size`` is what the client advertises for the streams the server sends on (0: the server
     may send no DATA until a WINDOW_UPDATE). With ``acknowledge_data`` the client grants credit back for the
     DATA it receives, as a normal client does; without it no WINDOW_UPDATE is ever sent. Frames are read on a
-    daemon thread until :meth:`close`; every outcome is recorded in :attr:`streams`.
+    daemon thread until :meth:`close`; every outcome is recorded in :attr:`streams`. A connection to LOOPBACK
+    comes from FLOOD_PEER: an attacker is another peer than the victims on LOOPBACK.
     """
 
     def __init__(
@@ -75,7 +77,8 @@ class RawGrpcConnection:
     ) -> None:
         self.acknowledge_data = acknowledge_data
         self.host, self.port = host, port
-        self.sock = socket.create_connection((host, port), timeout=connect_timeout)
+        source = (FLOOD_PEER, 0) if host == LOOPBACK else None
+        self.sock = socket.create_connection((host, port), timeout=connect_timeout, source_address=source)
         self.sock.settimeout(None)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.h2 = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding="utf-8"))

@@ -33,6 +33,9 @@ from testkit.paths import REPO
 
 INDEXER_SERVICE = str(Path(sys.executable).with_name("indexer-service"))
 LOOPBACK = "127.0.0.1"
+# Where the attack tools connect from when they can choose (any of 127.0.0.0/8 reaches a server on loopback): another
+# peer than the victims, clients and probes on LOOPBACK, as another tenant's pod is to the per-peer shares and caps.
+FLOOD_PEER = "127.0.0.2"
 # Flags that make a server take requests within about a second: the numpy backend never imports torch and
 # nothing compiles. The warmup benchmark measures the default start instead.
 FAST_START = ("--backend", "numpy", "--warmup-target", "none")

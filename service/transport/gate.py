@@ -312,7 +312,7 @@ class CallGate:
         swapped = tuple(refusing if arg is behaviour else arg for arg in args)
         call = next(self._ids)
         self.refusals.live[call] = None
-        self.refusals.queue.put((call, fn, swapped, done, self._unknown))
+        self.refusals.queue.put((call, fn, swapped, done, route))  # a refusal that never starts counts as its call
         return done
 
     def _hold(self, counts: Counter, lane: Lane, peer: str) -> bool:

@@ -45,9 +45,10 @@ HEALTH_SERVICE_NAME = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 SendResponse = Callable[[health_pb2.HealthCheckResponse | None], None]
 SEND_TIMEOUT_SECONDS = 5.0
 # Open Watch streams a peer (an address) may hold, and the process: far above a client's health checking (one or
-# two names per connection, a few connections), far below what would cost memory that matters (each ~10 KiB).
-WATCH_STREAMS_PER_PEER = 64
-WATCH_STREAMS = 1024
+# two names per connection, a client's few connections; a NAT's many clients), far below what would cost memory that
+# matters (each ~10 KiB: 20 MiB at the total).
+WATCH_STREAMS_PER_PEER = 256
+WATCH_STREAMS = 2048
 
 
 @dataclass(eq=False)
