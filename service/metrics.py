@@ -189,6 +189,12 @@ class Metrics:
             ["reason"],
             registry=r,
         )
+        self.http_protocol_errors_total = Counter(
+            "indexer_http_protocol_errors_total",
+            "Exceptions in the service's own code in an HTTP connection's callbacks on the event loop; each dropped "
+            "its connection, and the loop went on.",
+            registry=r,
+        )
         self.dependency_fallback = Gauge(
             "indexer_dependency_fallback",
             "1 where a library's internals differ and the service took the feature's public path (service/adapters).",
