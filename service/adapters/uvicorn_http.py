@@ -144,6 +144,15 @@ def _uses(function: object, name: str) -> bool:
     return code is not None and name in code.co_names
 
 
+def _uvicorn_method(cls: type, name: str) -> Callable[..., object] | None:
+    """``cls``'s method ``name`` where uvicorn defines it (asyncio.Protocol's empty default is no such method)."""
+    for owner in cls.__mro__:
+        if name in vars(owner):
+            method = vars(owner)[name]
+            return method if callable(method) and owner.__module__.startswith("uvicorn") else None
+    return None
+
+
 def probe(module: ModuleType | None = None) -> tuple[str, ...]:
     """What of :data:`RELIED_ON` is missing or differs in ``module`` (by default uvicorn's, imported now); empty
     when the limited protocol can run."""
@@ -154,22 +163,21 @@ def probe(module: ModuleType | None = None) -> tuple[str, ...]:
             return (MODULE,)
     missing: list[str] = []
     classes = {name: getattr(module, name, None) for name in (_PROTOCOL, _CYCLE)}
-    for name, cls in classes.items():
-        if not isinstance(cls, type):
-            missing.append(name)
-    protocol, cycle = classes[_PROTOCOL], classes[_CYCLE]
+    missing += [name for name, cls in classes.items() if not isinstance(cls, type)]
+    protocol = classes[_PROTOCOL]
     if isinstance(protocol, type):
         for name, parameters in METHODS.items():
-            method = getattr(protocol, name, None)
-            found = _positional(method) if callable(method) else None
-            if not callable(method):
+            method = _uvicorn_method(protocol, name)
+            found = _positional(method) if method is not None else None
+            if method is None:
                 missing.append(f"{_PROTOCOL}.{name}")
             elif found is None or len(found) != len(parameters):
                 missing.append(f"{_PROTOCOL}.{name}({', '.join(parameters)})")
-        for method, name in CALLS:
-            if callable(getattr(protocol, method, None)) and not _uses(getattr(protocol, method), name):
-                missing.append(f"{_PROTOCOL}.{method} -> {name}")
-    for cls_name, cls in ((_PROTOCOL, protocol), (_CYCLE, cycle)):
+        for name, called in CALLS:
+            method = _uvicorn_method(protocol, name)
+            if method is not None and not _uses(method, called):
+                missing.append(f"{_PROTOCOL}.{name} -> {called}")
+    for cls_name, cls in classes.items():
         if isinstance(cls, type):
             missing += [f"{cls_name}.{name}" for name in ATTRIBUTES[cls_name] if not _uses(cls.__init__, name)]
     return tuple(missing)

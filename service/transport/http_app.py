@@ -49,7 +49,15 @@ from indexer_service.service.adapters.uvicorn_http import ABORT_KEY
 from indexer_service.service.codec import SERVICE_NAME
 from indexer_service.service.config import ServiceConfig
 from indexer_service.service.dataplane import DataPlane
-from indexer_service.service.errors import Code, InvalidArgument, LimitExceeded, ServiceError, Shed, UnknownMethod
+from indexer_service.service.errors import (
+    CallerGone,
+    Code,
+    InvalidArgument,
+    LimitExceeded,
+    ServiceError,
+    Shed,
+    UnknownMethod,
+)
 from indexer_service.service.logs import REQUEST_ID, REQUEST_ID_HEADER, RateLimitedLog, request_id_from
 from indexer_service.service.metrics import UNKNOWN_METHOD, Metrics, exposition_registry
 from indexer_service.service.overload.admission import SHED_LOG_INTERVAL_SECONDS, Caller
@@ -419,12 +427,15 @@ async def _read_body(receive, limit: int, discard_limit: int) -> tuple[bytes | N
     """The whole request body, or None once it passes ``limit`` bytes; and whether the connection can carry
     another request. A body past the limit is read on and thrown away, up to ``discard_limit`` bytes (a
     client mid-way through sending it would otherwise see a broken pipe instead of the answer), and past that
-    the connection must close."""
+    the connection must close. A connection that ends (or is refused) before the body does, within the limit, is
+    :class:`CallerGone`: what came is no request."""
     chunks, size = [], 0
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
-            return (b"".join(chunks) if size <= limit else None), False
+            if size <= limit:
+                raise CallerGone(Code.CANCELLED, "the connection ended before the whole request arrived")
+            return None, False
         chunk = message.get("body", b"")
         size += len(chunk)
         if size <= limit:
