@@ -119,19 +119,19 @@ def _grow(host: str, port: int, start: bytes, padding_bytes: int, max_seconds: f
 
 def seconds_until_closed(sock: socket.socket, since: float, max_seconds: float) -> float | None:
     """Seconds from ``since`` (a ``time.monotonic()``) until the server closed or reset ``sock``, reading and
-    dropping what it sends; None when it is still open ``max_seconds`` after ``since``."""
+    dropping what it sends; None when it is still open ``max_seconds`` after ``since`` (looked at least once, so
+    a ``since`` that long ago asks whether it is closed now)."""
     deadline = since + max_seconds
-    while (left := deadline - time.monotonic()) > 0:
-        readable, _, _ = select.select([sock], [], [], left)
+    while True:
+        readable, _, _ = select.select([sock], [], [], max(0.0, deadline - time.monotonic()))
         if not readable:
-            break
+            return None
         try:
             if sock.recv(65536):
                 continue
         except OSError:
             pass  # reset
         return time.monotonic() - since
-    return None
 
 
 def _silent(sock: socket.socket) -> bool:

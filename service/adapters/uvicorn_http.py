@@ -244,7 +244,8 @@ class _Limiter:
         self.stopped = False  # refused or failed: nothing more is parsed or answered
         self.used = 0  # non-body bytes of the request now arriving (or of the next one)
         self.in_message = False  # a request's first byte came, its last has not
-        self.head_done = False  # the arriving request's head is complete (uvicorn made its cycle)
+        self.head_done = False  # the arriving request's head is complete
+        self.cycle_made = False  # uvicorn made the last begun request's cycle (its head completed)
         self.begun = self.answered = 0  # requests begun, and answered, on this connection
         self.body_in_piece = 0
         self.began_in_piece = False
@@ -322,9 +323,9 @@ class _Limiter:
         self.stopped = True
         link = self.link
         response = self.events.refused(HttpRefusal.HEADER_TOO_LARGE, link.get_extra_info("peername"))
-        earlier = self.begun - self.answered - (1 if self.in_message else 0)
-        cycle = protocol.cycle if self.head_done else None
-        if earlier != 0 or (cycle is not None and cycle.response_started):
+        # The refused request is the last begun, whole or not: it alone may be unanswered, its answer not started.
+        cycle = protocol.cycle if self.cycle_made else None
+        if self.begun - self.answered != 1 or (cycle is not None and cycle.response_started):
             link.abort()
             return
         if cycle is not None:
@@ -336,7 +337,7 @@ class _Limiter:
     def began(self, scope: dict) -> bool:
         self.begun += 1
         self.in_message = True
-        self.head_done = False
+        self.head_done = self.cycle_made = False
         self.began_in_piece = True
         scope[ABORT_KEY] = self.link.abort
         self.arm()  # the whole request must arrive within idle_seconds of its first byte
@@ -346,7 +347,7 @@ class _Limiter:
     def headers_complete(self) -> bool:
         if self.stopped:
             return False
-        self.head_done = True
+        self.head_done = self.cycle_made = True
         return True
 
     @_guarded
