@@ -189,12 +189,6 @@ class Metrics:
             ["reason"],
             registry=r,
         )
-        self.http_protocol_errors_total = Counter(
-            "indexer_http_protocol_errors_total",
-            "Exceptions in the service's own code in an HTTP connection's callbacks on the event loop; each dropped "
-            "its connection, and the loop went on.",
-            registry=r,
-        )
         self.dependency_fallback = Gauge(
             "indexer_dependency_fallback",
             "1 where a library's internals differ and the service took the feature's public path (service/adapters).",
@@ -242,8 +236,8 @@ def _request_errors_counter(registry: CollectorRegistry) -> Counter:
 def _library_callback_errors_counter(registry: CollectorRegistry) -> Counter:
     counter = Counter(
         "indexer_library_callback_errors_total",
-        "Exceptions of the service's own code on a library's thread (gRPC's polling thread), caught there, by "
-        "where they came from.",
+        "Exceptions of the service's own code on a library's thread (gRPC's polling thread, uvicorn's event loop), "
+        "caught there, by where they came from.",
         ["where"],
         registry=registry,
     )

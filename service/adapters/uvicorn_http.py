@@ -14,14 +14,15 @@ The limited protocol (feature ``limited_protocol``) is uvicorn's ``HttpToolsProt
   arrived is in progress until it is answered; the transport bounds that time.
 - **Connections.** Above ``max_connections`` open on the port, a new connection gets 503 and is closed.
 - **Dropping.** The ASGI scope carries :data:`ABORT_KEY`, a callable that drops the connection at once.
-- **Faults.** An exception raised by this module's own code in a callback on the event loop is reported through
-  :meth:`ConnectionEvents.failed` and drops that connection; the loop and every other connection go on.
+- **Faults.** An exception raised by this module's own code in a callback or timer on the event loop is reported
+  through :meth:`ConnectionEvents.failed` and drops that connection; the loop and every other connection go on.
 
 :func:`probe` checks, at start, every internal the limited protocol uses (:data:`RELIED_ON`): the module and its
 classes, each method it overrides or calls with the positional parameters it passes, the attributes uvicorn's
 ``__init__`` sets that it reads, and the calls between uvicorn's own methods it relies on. :func:`protocol_settings`
-returns ``uvicorn.Config``'s protocol settings: the limited protocol where nothing is missing, else (the fallback,
-:data:`PUBLIC_PATH`) uvicorn's h11 protocol with the public settings nearest to it.
+returns ``uvicorn.Config``'s protocol settings: the limited protocol where nothing is missing (probed once a process,
+:func:`limited_protocol_on`), else (the fallback, :data:`PUBLIC_PATH`) uvicorn's h11 protocol with the public
+settings nearest to it.
 """
 
 from __future__ import annotations
@@ -193,12 +194,20 @@ def public_settings(limits: HttpLimits) -> dict[str, object]:
     }
 
 
-def protocol_settings(limits: HttpLimits, events: ConnectionEvents) -> dict[str, object]:
-    """``uvicorn.Config``'s protocol settings for one HTTP port: the limited protocol where :func:`probe` finds
-    everything, else the fallback taken (:func:`adapters.take`) and :func:`public_settings`."""
+@functools.cache
+def limited_protocol_on() -> bool:
+    """Whether this process serves HTTP on the limited protocol: probed once; where :func:`probe` finds something
+    missing, the fallback is taken (:func:`adapters.take`)."""
     missing = probe()
     if missing:
         adapters.take(adapters.Fallback(LIBRARY, FEATURE, missing, PUBLIC_PATH))
+    return not missing
+
+
+def protocol_settings(limits: HttpLimits, events: ConnectionEvents) -> dict[str, object]:
+    """``uvicorn.Config``'s protocol settings for one HTTP port: the limited protocol where it is on, else
+    :func:`public_settings`."""
+    if not limited_protocol_on():
         return public_settings(limits)
     module = importlib.import_module(MODULE)
     return {

@@ -45,7 +45,7 @@ from concurrent.futures import ThreadPoolExecutor
 from google.protobuf import json_format
 from prometheus_client import make_asgi_app
 
-from indexer_service.service.adapters.uvicorn_http import ABORT_KEY
+from indexer_service.service.adapters.uvicorn_http import ABORT_KEY, FEATURE
 from indexer_service.service.codec import SERVICE_NAME
 from indexer_service.service.config import ServiceConfig
 from indexer_service.service.dataplane import DataPlane
@@ -58,7 +58,13 @@ from indexer_service.service.errors import (
     Shed,
     UnknownMethod,
 )
-from indexer_service.service.logs import REQUEST_ID, REQUEST_ID_HEADER, RateLimitedLog, request_id_from
+from indexer_service.service.logs import (
+    REQUEST_ID,
+    REQUEST_ID_HEADER,
+    LibraryCallbackErrors,
+    RateLimitedLog,
+    request_id_from,
+)
 from indexer_service.service.metrics import UNKNOWN_METHOD, Metrics, exposition_registry
 from indexer_service.service.overload.admission import SHED_LOG_INTERVAL_SECONDS, Caller
 from indexer_service.service.overload.limits import max_request_bytes
@@ -130,14 +136,13 @@ class HttpRefusals:
 class HttpConnectionEvents:
     """What one port's connections tell the transport (service/adapters/uvicorn_http.py's ``ConnectionEvents``):
     ``indexer_http_connections``; a refusal counted and logged by :class:`HttpRefusals`, with the JSON answer the
-    protocol writes for it; an exception in the protocol's own code on the event loop, counted in
-    ``indexer_http_protocol_errors_total`` and logged rate-limited with its traceback."""
+    protocol writes for it; an exception in the protocol's own code on the event loop, counted and logged as
+    :class:`LibraryCallbackErrors` (``where="limited_protocol"``)."""
 
     def __init__(self, config: ServiceConfig, metrics: Metrics, refusals: HttpRefusals) -> None:
         self.connections = metrics.http_connections  # both ports': each counts only its own against the limit
-        self.errors = metrics.http_protocol_errors_total
         self.refusals = refusals
-        self._log = RateLimitedLog(log, SHED_LOG_INTERVAL_SECONDS)
+        self.errors = LibraryCallbackErrors(log, metrics, SHED_LOG_INTERVAL_SECONDS)
         max_head, max_connections = config.http_max_header_bytes, config.http_max_connections
         self._answers = {
             HttpRefusal.HEADER_TOO_LARGE: (
@@ -167,17 +172,7 @@ class HttpConnectionEvents:
         self.refusals.count(HttpRefusal.IDLE_TIMEOUT)
 
     def failed(self, callback: str, address: tuple | None, error: Exception) -> None:
-        self.errors.inc()
-        count = self._log.due(("http protocol error", callback))
-        if count is not None:
-            log.error(
-                "http protocol error callback=%s count=%d peer=%s last=%r (connection dropped)",
-                callback,
-                count,
-                _peer_name(address),
-                error,
-                exc_info=error,
-            )
+        self.errors.record(FEATURE, error, f"step={callback} peer={_peer_name(address)} (connection dropped)")
 
 
 class ProbeApp:

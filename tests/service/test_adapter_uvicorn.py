@@ -34,9 +34,13 @@ LIMITS = uvicorn_http.HttpLimits(max_head_bytes=1024, idle_seconds=0.5, max_conn
 
 
 @pytest.fixture
-def fresh_fallbacks(monkeypatch: pytest.MonkeyPatch) -> None:
-    """This test's fallbacks only: the process-wide registry starts empty and is put back afterwards."""
+def fresh_fallbacks(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """This test's fallbacks only: the process-wide registry starts empty and is put back afterwards, and the
+    once-a-process probe runs again within the test and after it."""
     monkeypatch.setattr(adapters, "_taken", {})
+    uvicorn_http.limited_protocol_on.cache_clear()
+    yield
+    uvicorn_http.limited_protocol_on.cache_clear()
 
 
 def module() -> Any:
@@ -83,7 +87,7 @@ def hide(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
         monkeypatch.setattr(owner, "__init__", init_setting(others))
 
 
-def test_the_installed_uvicorn_has_everything_the_limited_protocol_relies_on() -> None:
+def test_the_installed_uvicorn_has_everything_the_limited_protocol_relies_on(fresh_fallbacks) -> None:
     assert uvicorn_http.probe() == ()
     settings = uvicorn_http.protocol_settings(LIMITS, events=None)  # type: ignore[arg-type]
     assert issubclass(settings["http"], module().HttpToolsProtocol)
@@ -97,6 +101,7 @@ def test_each_hidden_internal_is_named_and_takes_the_fallback(monkeypatch, fresh
     (taken,) = adapters.taken()
     assert (taken.library, taken.feature, taken.missing) == ("uvicorn", "limited_protocol", (name,))
     assert taken.public_path == uvicorn_http.PUBLIC_PATH
+    assert adapters.summary() == "uvicorn.limited_protocol"  # the start line's dependency_fallbacks
 
 
 @pytest.mark.parametrize("method", uvicorn_http.METHODS)
@@ -171,7 +176,7 @@ async def hello(scope, receive, send) -> None:
 
 
 @pytest.fixture
-def faulty_server() -> Iterator[tuple[int, FaultyEvents]]:
+def faulty_server(fresh_fallbacks) -> Iterator[tuple[int, FaultyEvents]]:
     """A real uvicorn server on the limited protocol, telling :class:`FaultyEvents`, on its own thread."""
     events = FaultyEvents()
     config = uvicorn.Config(
@@ -222,15 +227,20 @@ def test_a_fault_in_the_protocols_own_code_drops_its_connection_not_the_loop(fau
 
 
 def test_protocol_errors_are_counted_and_logged_rate_limited(caplog) -> None:
+    """The service's report of a fault: indexer_library_callback_errors_total{where="limited_protocol"}, and one
+    line with the traceback, the step and the peer for the three."""
     metrics = Metrics()
     events = HttpConnectionEvents(load_config({}, env={}), metrics, HttpRefusals(metrics))
+    labels = {"where": "limited_protocol"}
+    assert metrics.registry.get_sample_value("indexer_library_callback_errors_total", labels) == 0
     with caplog.at_level(logging.ERROR):
         for _ in range(3):
             events.failed("next_piece", ("127.0.0.1", 5), RuntimeError("boom"))
-    assert metrics.registry.get_sample_value("indexer_http_protocol_errors_total") == 3
-    lines = [r for r in caplog.records if "http protocol error" in r.getMessage()]
+    assert metrics.registry.get_sample_value("indexer_library_callback_errors_total", labels) == 3
+    lines = [r for r in caplog.records if "library_callback_error" in r.getMessage()]
     assert len(lines) == 1 and lines[0].exc_info is not None, [r.getMessage() for r in lines]
-    assert "callback=next_piece count=1 peer=http:127.0.0.1:5" in lines[0].getMessage()
+    message = lines[0].getMessage()
+    assert "where=limited_protocol count=1 error=RuntimeError('boom') step=next_piece peer=http:127.0.0.1:5" in message
 
 
 @pytest.fixture
