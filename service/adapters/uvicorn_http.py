@@ -103,6 +103,7 @@ class HttpLimits:
 
     @classmethod
     def of(cls, config: ServiceConfig) -> HttpLimits:
+        """The limits the settings give each HTTP port."""
         return cls(config.http_max_header_bytes, config.http_idle_timeout_seconds, config.http_max_connections)
 
 
@@ -127,16 +128,13 @@ class ConnectionEvents(Protocol):
         """This module's code raised ``error`` in ``callback``; the connection is being dropped."""
 
 
-def _positional(function: Callable[..., object]) -> tuple[str, ...] | None:
-    """The positional parameters of a method, ``self`` aside; None when it takes more that are required."""
+def _takes(function: Callable[..., object], count: int) -> bool:
+    """Whether a method can be called with ``count`` positional arguments (``self`` aside) and nothing else."""
     try:
-        parameters = list(inspect.signature(function).parameters.values())[1:]
+        inspect.signature(function).bind(None, *([None] * count))
     except (TypeError, ValueError):
-        return None
-    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    names = tuple(p.name for p in parameters if p.kind in positional)
-    extra = [p for p in parameters if p.kind is inspect.Parameter.KEYWORD_ONLY and p.default is p.empty]
-    return None if extra else names
+        return False
+    return True
 
 
 def _uses(function: object, name: str) -> bool:
@@ -169,10 +167,9 @@ def probe(module: ModuleType | None = None) -> tuple[str, ...]:
     if isinstance(protocol, type):
         for name, parameters in METHODS.items():
             method = _uvicorn_method(protocol, name)
-            found = _positional(method) if method is not None else None
             if method is None:
                 missing.append(f"{_PROTOCOL}.{name}")
-            elif found is None or len(found) != len(parameters):
+            elif not _takes(method, len(parameters)):
                 missing.append(f"{_PROTOCOL}.{name}({', '.join(parameters)})")
         for name, called in CALLS:
             method = _uvicorn_method(protocol, name)
@@ -188,6 +185,7 @@ def public_settings(limits: HttpLimits) -> dict[str, object]:
     """``uvicorn.Config``'s public settings nearest to the limited protocol (see :data:`PUBLIC_PATH`)."""
     return {
         "http": "h11",
+        "ws": "none",  # see protocol_settings
         "h11_max_incomplete_event_size": limits.max_head_bytes,
         "limit_concurrency": limits.max_connections,
         "timeout_keep_alive": limits.idle_seconds,
@@ -212,6 +210,9 @@ def protocol_settings(limits: HttpLimits, events: ConnectionEvents) -> dict[str,
     module = importlib.import_module(MODULE)
     return {
         "http": limited_protocol(module.HttpToolsProtocol, limits, events),
+        # No websockets on these ports: uvicorn would hand an upgraded connection to another protocol, past every
+        # bound here (and the connection count would never see it end).
+        "ws": "none",
         # uvicorn's own keep-alive close, which the limited protocol's idle timer always precedes: a backstop.
         "timeout_keep_alive": 2 * limits.idle_seconds,
     }

@@ -5,10 +5,12 @@ Real uvicorn servers on 127.0.0.1; the installed uvicorn's classes, with one int
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import logging
 import re
 import socket
+import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -69,7 +71,7 @@ def hide(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
     """Take ``name`` (one of RELIED_ON) away from the installed uvicorn, or make it other than relied on."""
     mod = module()
     if name == uvicorn_http.MODULE:
-        monkeypatch.setitem(__import__("sys").modules, name, None)  # importing it fails, as where it is absent
+        monkeypatch.setitem(sys.modules, name, None)  # importing it fails, as where it is absent
         return
     if "." not in name:
         monkeypatch.delattr(mod, name)
@@ -106,10 +108,17 @@ def test_each_hidden_internal_is_named_and_takes_the_fallback(monkeypatch, fresh
 
 @pytest.mark.parametrize("method", uvicorn_http.METHODS)
 def test_a_method_taking_other_parameters_is_named(monkeypatch, fresh_fallbacks, method: str) -> None:
-    parameters = (*uvicorn_http.METHODS[method], "extra")
+    """One more required parameter, or one fewer, is named; one more with a default is not (it is still called
+    as the limited protocol calls it)."""
+    parameters = uvicorn_http.METHODS[method]
     calls = tuple(c for m, c in uvicorn_http.CALLS if m == method)
-    monkeypatch.setattr(module().HttpToolsProtocol, method, method_naming(parameters, calls))
-    assert uvicorn_http.probe() == (f"HttpToolsProtocol.{method}({', '.join(uvicorn_http.METHODS[method])})",)
+    named = (f"HttpToolsProtocol.{method}({', '.join(parameters)})",)
+    for other in ((*parameters, "extra"), parameters[:-1] if parameters else None):
+        if other is not None:
+            monkeypatch.setattr(module().HttpToolsProtocol, method, method_naming(other, calls))
+            assert uvicorn_http.probe() == named, other
+    monkeypatch.setattr(module().HttpToolsProtocol, method, method_naming((*parameters, "extra=None"), calls))
+    assert uvicorn_http.probe() == ()
 
 
 def test_the_public_settings_are_uvicorns_public_config() -> None:
@@ -175,24 +184,29 @@ async def hello(scope, receive, send) -> None:
         await send({"type": "http.response.body", "body": b"ok"})
 
 
-@pytest.fixture
-def faulty_server(fresh_fallbacks) -> Iterator[tuple[int, FaultyEvents]]:
-    """A real uvicorn server on the limited protocol, telling :class:`FaultyEvents`, on its own thread."""
-    events = FaultyEvents()
-    config = uvicorn.Config(
-        hello, loop="uvloop", lifespan="off", log_config=None, **uvicorn_http.protocol_settings(LIMITS, events)
-    )
+@contextlib.contextmanager
+def serving(settings: dict[str, object]) -> Iterator[int]:
+    """A real uvicorn server answering :func:`hello` with ``settings``, on its own thread; its port."""
+    config = uvicorn.Config(hello, loop="uvloop", lifespan="off", log_config=None, **settings)
     server = uvicorn.Server(config)
     bound = socket.create_server((LOOPBACK, 0))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [bound]})
     thread.start()
     try:
         wait_for(lambda: server.started, 10.0, "uvicorn started")
-        yield bound.getsockname()[1], events
+        yield bound.getsockname()[1]
     finally:
         server.should_exit = True
         thread.join(10.0)
         bound.close()
+
+
+@pytest.fixture
+def faulty_server(fresh_fallbacks) -> Iterator[tuple[int, FaultyEvents]]:
+    """A real uvicorn server on the limited protocol, telling :class:`FaultyEvents`."""
+    events = FaultyEvents()
+    with serving(uvicorn_http.protocol_settings(LIMITS, events)) as port:
+        yield port, events
 
 
 def closed_without_answer(sock: socket.socket) -> bool:
@@ -224,6 +238,39 @@ def test_a_fault_in_the_protocols_own_code_drops_its_connection_not_the_loop(fau
     assert events.failures[1][1] == "refused failed: header_too_large"
     loop_errors = [r for r in caplog.records if r.name.startswith(("asyncio", "uvicorn"))]
     assert not loop_errors, [r.getMessage() for r in loop_errors]
+
+
+class CountingEvents(FaultyEvents):
+    """Events that count the connections the limited protocol holds open."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.opened_once = True
+        self.open = 0
+
+    def opened(self) -> None:
+        self.open += 1
+
+    def closed(self) -> None:
+        self.open -= 1
+
+
+def test_a_websocket_upgrade_is_an_http_request_and_leaves_no_connection_counted(fresh_fallbacks) -> None:
+    """The ports serve no websocket: an upgrade request is answered as a request, and its connection's end is seen,
+    so upgrades cannot use up http_max_connections (uvicorn would hand an upgraded connection to another protocol)."""
+    events = CountingEvents()
+    limits = uvicorn_http.HttpLimits(max_head_bytes=1024, idle_seconds=5.0, max_connections=2)
+    upgrade = (
+        b"GET / HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: websocket\r\nSec-WebSocket-Version: 13\r\n"
+        b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n"
+    )
+    with serving(uvicorn_http.protocol_settings(limits, events)) as port:
+        for _ in range(3):
+            with socket.create_connection((LOOPBACK, port), timeout=5) as sock:
+                sock.sendall(upgrade)
+                assert sock.recv(65536).startswith(b"HTTP/1.1 200 "), "upgraded, or refused"
+        wait_for(lambda: events.open == 0, 5.0, "every connection seen closed")
+        assert answered(port)
 
 
 def test_protocol_errors_are_counted_and_logged_rate_limited(caplog) -> None:
