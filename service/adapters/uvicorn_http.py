@@ -373,7 +373,10 @@ class _Limiter:
             return False
         self.in_message = False
         self.head_done = False
-        self.disarm()  # in progress now, until answered
+        if self.answered == self.begun:  # answered before it arrived whole: idle from now
+            self.arm()
+        else:
+            self.disarm()  # in progress now, until answered
         return True
 
     @_guarded

@@ -12,6 +12,7 @@ import re
 import socket
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -28,7 +29,7 @@ from indexer_service.service.process.server import IndexerServer
 from indexer_service.service.reasons import HttpRefusal
 from indexer_service.service.transport.http_app import HttpConnectionEvents, HttpRefusals
 from testkit.harness import LOOPBACK, http_get, wait_for
-from testkit.http1raw import chunked_request
+from testkit.http1raw import chunked_request, seconds_until_closed
 from testkit.paths import REPO
 from testkit.payloads import BUILD_CHUNK_PATH, SMALL_BUILD_CHUNK
 
@@ -271,6 +272,21 @@ def test_a_websocket_upgrade_is_an_http_request_and_leaves_no_connection_counted
                 assert sock.recv(65536).startswith(b"HTTP/1.1 200 "), "upgraded, or refused"
         wait_for(lambda: events.open == 0, 5.0, "every connection seen closed")
         assert answered(port)
+
+
+def test_a_request_answered_before_it_arrived_whole_leaves_its_connection_idle_timed(fresh_fallbacks) -> None:
+    """The app answers before reading the body; the body ends later: from then on the connection is idle, and is
+    closed ``idle_seconds`` after, as after any answer."""
+    with (
+        serving(uvicorn_http.protocol_settings(LIMITS, CountingEvents())) as port,
+        socket.create_connection((LOOPBACK, port), timeout=5) as sock,
+    ):
+        sock.sendall(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\n")
+        assert sock.recv(65536).startswith(b"HTTP/1.1 200 ")
+        time.sleep(LIMITS.idle_seconds / 2)
+        sock.sendall(b"hello")
+        closed = seconds_until_closed(sock, time.monotonic(), LIMITS.idle_seconds + 2.0)
+    assert closed is not None and closed <= LIMITS.idle_seconds + 0.5, closed
 
 
 def test_protocol_errors_are_counted_and_logged_rate_limited(caplog) -> None:
