@@ -179,7 +179,9 @@ class ServiceConfig:
     admission_wait_seconds: float = _setting(
         "longest wait for the response budget or a heavy-lane slot, never past the call's deadline"
     )
-    http_max_header_bytes: int = _setting("largest HTTP request head; more is 431 and close")
+    http_max_header_bytes: int = _setting(
+        "largest HTTP request head and trailers together (chunked framing lines included); more is 431 and close"
+    )
     http_idle_timeout_seconds: float = _setting(
         "seconds an HTTP connection may sit with no request in progress, or take to send one"
     )

@@ -183,6 +183,27 @@ class RateLimitedLog:
         self.logger.warning("%s reason=%s count=%d%s last=%r", event, reason, count, more, detail)
 
 
+class LibraryCallbackErrors:
+    """Exceptions of the service's own code caught on a library's thread (gRPC's polling thread, uvicorn's event
+    loop): each counted in ``metrics``' ``indexer_library_callback_errors_total`` by where it came from, and logged
+    on ``logger`` with its traceback at most once per where every ``interval`` seconds
+    (``library_callback_error where=... count=N error=... [detail]``)."""
+
+    def __init__(self, logger: logging.Logger, metrics: object, interval: float) -> None:
+        self.logger = logger
+        self.metrics = metrics
+        self._log = RateLimitedLog(logger, interval)
+
+    def record(self, where: str, exc: BaseException, detail: str = "") -> None:
+        self.metrics.child(self.metrics.library_callback_errors_total, where).inc()
+        count = self._log.due(where)
+        if count is not None:
+            more = f" {detail}" if detail else ""
+            self.logger.error(
+                "library_callback_error where=%s count=%d error=%r%s", where, count, exc, more, exc_info=exc
+            )
+
+
 # One line per (transport, method, code) at most this often; the line counts every failure in between.
 FAILED_CALL_LOG_INTERVAL_SECONDS = 10.0
 

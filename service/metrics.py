@@ -236,8 +236,8 @@ def _request_errors_counter(registry: CollectorRegistry) -> Counter:
 def _library_callback_errors_counter(registry: CollectorRegistry) -> Counter:
     counter = Counter(
         "indexer_library_callback_errors_total",
-        "Exceptions of the service's own code on a library's thread (gRPC's polling thread), caught there, by "
-        "where they came from.",
+        "Exceptions of the service's own code on a library's thread (gRPC's polling thread, uvicorn's event loop), "
+        "caught there, by where they came from.",
         ["where"],
         registry=registry,
     )

@@ -1,7 +1,10 @@
 """The HTTP port's attacks on raw sockets: what no well-behaved HTTP client library would send.
 
 - :func:`huge_header`: one request whose header grows to ``header_bytes`` (streamed in pieces), to see whether
-  the server refuses it early or parses it all while probes wait.
+  the server refuses it early or parses it all while probes wait; :func:`huge_trailer`, the same with a trailer
+  field after a chunked body.
+- :func:`chunked_request`: a chunked POST with trailers, whole or cut before its end (to send the rest slowly).
+- :func:`seconds_until_closed`: how long the server takes to close a connection.
 - :class:`IdleConnections`: sockets that connect and never send a byte.
 - :class:`UnreadAnswers`: POSTs of a request with a large answer, from sockets that never read it.
 """
@@ -41,7 +44,7 @@ def _status_of(head: bytes) -> int | None:
 
 @dataclass
 class HugeHeaderReport:
-    header_bytes_sent: int
+    header_bytes_sent: int  # of the growing field's value (a header's, or a trailer's)
     seconds: float
     status: int | None  # what the server answered (e.g. 431), None when it only closed or never answered
     closed_by_server: bool
@@ -50,25 +53,51 @@ class HugeHeaderReport:
 def huge_header(host: str, port: int, header_bytes: int, max_seconds: float = 60.0) -> HugeHeaderReport:
     """``GET /livez`` with one header whose value grows to ``header_bytes``, sent in 64 KiB pieces; stops
     early when the server answers or closes, or after ``max_seconds``."""
+    return _grow(host, port, f"GET /livez HTTP/1.1\r\nHost: {host}\r\nX-Padding: ".encode(), header_bytes, max_seconds)
+
+
+def huge_trailer(
+    host: str, port: int, path: str, body: bytes, trailer_bytes: int, max_seconds: float = 60.0
+) -> HugeHeaderReport:
+    """``POST path`` with ``body`` as one chunk, then one trailer field whose value grows to ``trailer_bytes``,
+    sent as :func:`huge_header` sends its header."""
+    start = chunked_request(host, path, body, {"X-Padding": ""})
+    return _grow(host, port, start[: -len(b"\r\n\r\n")], trailer_bytes, max_seconds)
+
+
+def chunked_request(
+    host: str, path: str, body: bytes, trailers: dict[str, str], headers: dict[str, str] | None = None
+) -> bytes:
+    """A whole ``POST path``: ``body`` as one chunk (none when empty), the last chunk, ``trailers``, the blank
+    line; ``headers`` beside Host, Content-Type (JSON) and Transfer-Encoding."""
+    head = {"Host": host, "Content-Type": "application/json", "Transfer-Encoding": "chunked", **(headers or {})}
+    lines = "".join(f"{name}: {value}\r\n" for name, value in head.items())
+    chunk = f"{len(body):x}\r\n".encode() + body + b"\r\n" if body else b""
+    tail = "".join(f"{name}: {value}\r\n" for name, value in trailers.items())
+    return f"POST {path} HTTP/1.1\r\n{lines}\r\n".encode() + chunk + f"0\r\n{tail}\r\n".encode()
+
+
+def _grow(host: str, port: int, start: bytes, padding_bytes: int, max_seconds: float) -> HugeHeaderReport:
+    """``start``, then ``padding_bytes`` of ``a`` (a field's value) in 64 KiB pieces, then the blank line."""
     begin = time.monotonic()
     sent, status, closed = 0, None, False
     sock = _connect(host, port)
     sock.settimeout(max_seconds)  # a server that stops reading blocks a send: at most for the whole budget
     try:
-        sock.sendall(f"GET /livez HTTP/1.1\r\nHost: {host}\r\nX-Padding: ".encode())
+        sock.sendall(start)
         piece = b"a" * _PIECE_BYTES
-        while sent < header_bytes and time.monotonic() - begin < max_seconds:
+        while sent < padding_bytes and time.monotonic() - begin < max_seconds:
             readable, _, _ = select.select([sock], [], [], 0)
             if readable:
-                break  # the server answered (or closed) before the header ended
+                break  # the server answered (or closed) before the field ended
             try:
-                sock.sendall(piece[: header_bytes - sent])
+                sock.sendall(piece[: padding_bytes - sent])
             except TimeoutError:
                 break
             except OSError:
                 closed = True
                 break
-            sent += min(_PIECE_BYTES, header_bytes - sent)
+            sent += min(_PIECE_BYTES, padding_bytes - sent)
         else:
             try:
                 sock.sendall(b"\r\n\r\n")
@@ -86,6 +115,23 @@ def huge_header(host: str, port: int, header_bytes: int, max_seconds: float = 60
     finally:
         sock.close()
     return HugeHeaderReport(sent, time.monotonic() - begin, status, closed)
+
+
+def seconds_until_closed(sock: socket.socket, since: float, max_seconds: float) -> float | None:
+    """Seconds from ``since`` (a ``time.monotonic()``) until the server closed or reset ``sock``, reading and
+    dropping what it sends; None when it is still open ``max_seconds`` after ``since`` (looked at least once, so
+    a ``since`` that long ago asks whether it is closed now)."""
+    deadline = since + max_seconds
+    while True:
+        readable, _, _ = select.select([sock], [], [], max(0.0, deadline - time.monotonic()))
+        if not readable:
+            return None
+        try:
+            if sock.recv(65536):
+                continue
+        except OSError:
+            pass  # reset
+        return time.monotonic() - since
 
 
 def _silent(sock: socket.socket) -> bool:

@@ -33,8 +33,9 @@ FEATURES: dict[str, tuple[str, ...]] = {
 }
 
 # Where code of the service runs on a library's own thread (indexer_library_callback_errors_total's ``where``):
-# a receive's and a send's completion on gRPC's polling thread.
-LIBRARY_THREAD_CALLBACKS = ("receive_ahead", "send_without_waiting")
+# a receive's and a send's completion on gRPC's polling thread; the limited HTTP protocol's steps in its callbacks
+# and timers on uvicorn's event loop.
+LIBRARY_THREAD_CALLBACKS = ("receive_ahead", "send_without_waiting", "limited_protocol")
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,8 @@ def summary() -> str:
 
 def probe_all() -> list[Fallback]:
     """Probe every adapter's library now (each probes once per process) and return the fallbacks taken."""
-    from indexer_service.service.adapters import grpcio
+    from indexer_service.service.adapters import grpcio, uvicorn_http
 
     grpcio.features()
+    uvicorn_http.limited_protocol_on()
     return taken()

@@ -25,6 +25,7 @@ import uvicorn
 
 from indexer_service.kernels.specialization import warmup_keys
 from indexer_service.service import adapters
+from indexer_service.service.adapters.uvicorn_http import HttpLimits, protocol_settings
 from indexer_service.service.addresses import host_port
 from indexer_service.service.compute.backends import make_backend
 from indexer_service.service.compute.devices import resolve_backend
@@ -47,7 +48,7 @@ from indexer_service.service.transport.grpc_server import (
     create_health_server,
 )
 from indexer_service.service.transport.health import HealthServicer
-from indexer_service.service.transport.http_app import HttpRefusals, ProbeApp, RpcApp, limited_protocol
+from indexer_service.service.transport.http_app import HttpConnectionEvents, HttpRefusals, ProbeApp, RpcApp
 from indexer_service.service.version import VERSION
 from indexer_service.service.workerproto import WorkerLink
 
@@ -68,14 +69,14 @@ def uvicorn_tls(config: ServiceConfig) -> dict[str, object]:
 class _HttpServer:
     """uvicorn (httptools + uvloop) on its own thread and event loop, on a socket bound up front; HTTPS with the
     gRPC port's certificate and key when ``tls``, requiring a client certificate chained to ``tls_client_ca_file``
-    when that is set (mutual TLS)."""
+    when that is set (mutual TLS). Its protocol and limits come from service/adapters/uvicorn_http.py (h11 with
+    public settings where uvicorn's internals differ from what the limited protocol needs)."""
 
     def __init__(
         self,
         app: object,
         service_config: ServiceConfig,
-        metrics: Metrics,
-        refusals: HttpRefusals,
+        events: HttpConnectionEvents,
         bound: socket.socket,
         name: str,
         tls: bool,
@@ -85,12 +86,11 @@ class _HttpServer:
         config = uvicorn.Config(
             app,
             loop="uvloop",
-            http=limited_protocol(service_config, metrics, refusals),
+            **protocol_settings(HttpLimits.of(service_config), events),
             lifespan="off",
             access_log=False,
             log_config=None,
             timeout_graceful_shutdown=max(service_config.shutdown_grace_seconds, 0.1),
-            timeout_keep_alive=service_config.http_idle_timeout_seconds,
             **(uvicorn_tls(service_config) if tls else {}),
         )
         self.server = uvicorn.Server(config)
@@ -165,16 +165,16 @@ class IndexerServer:
         self.http_port = http_socket.getsockname()[1]
         self.http_rpc_port = rpc_socket.getsockname()[1] if rpc_socket is not None else None
         refusals = HttpRefusals(self.metrics)  # both ports', one log
+        events = HttpConnectionEvents(config, self.metrics, refusals)
         probes = ProbeApp(
             self.plane, self.http_rpc_port, refusals, worker.pod_not_ready if worker is not None else None
         )
-        self.http = _HttpServer(probes, config, self.metrics, refusals, http_socket, "http", tls=False)
+        self.http = _HttpServer(probes, config, events, http_socket, "http", tls=False)
         self.http_rpc = None
         if rpc_socket is not None:
             rpcs = RpcApp(self.plane, self.http_port, refusals)
-            self.http_rpc = _HttpServer(
-                rpcs, config, self.metrics, refusals, rpc_socket, "http-rpc", tls=config.tls_enabled
-            )
+            self.http_rpc = _HttpServer(rpcs, config, events, rpc_socket, "http-rpc", tls=config.tls_enabled)
+        self.metrics.show_fallbacks()  # the HTTP ports' protocol was probed just now, after Metrics was made
         self._unwatch = None
         self._warmup_thread = threading.Thread(target=self._run_warmup, name="warmup", daemon=True)
         self.warmup_done = threading.Event()

@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from queue import SimpleQueue
 
 from indexer_service.service.adapters import grpcio
-from indexer_service.service.logs import RateLimitedLog
+from indexer_service.service.logs import LibraryCallbackErrors
 from indexer_service.service.metrics import UNKNOWN_METHOD
 from indexer_service.service.overload.admission import SHED_LOG_INTERVAL_SECONDS
 from indexer_service.service.overload.peers import peer_of
@@ -81,13 +81,7 @@ class Accounting:
     def __init__(self, metrics: object, shed: ShedFn) -> None:
         self.metrics = metrics
         self.shed = shed
-        self._log = RateLimitedLog(log, SHED_LOG_INTERVAL_SECONDS)
-
-    def thread_error(self, where: str, exc: BaseException) -> None:
-        self.metrics.child(self.metrics.library_callback_errors_total, where).inc()
-        count = self._log.due(where)
-        if count is not None:
-            log.error("library_callback_error where=%s count=%d error=%r", where, count, exc, exc_info=exc)
+        self.thread_error = LibraryCallbackErrors(log, metrics, SHED_LOG_INTERVAL_SECONDS).record
 
     def unknown_method(self) -> None:
         self.metrics.child(self.metrics.request_errors_total, UNKNOWN_METHOD, "UNIMPLEMENTED").inc()

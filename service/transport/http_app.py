@@ -24,7 +24,8 @@ Every error on either port is JSON ``{"code", "message"}``: ``code`` is a google
 own for a call that reached it (with the HTTP status google/api/http.proto's mapping gives it), else the one
 :data:`TRANSPORT_ERROR_CODES` gives the HTTP status.
 
-Limits (docs/overload.md), each port on its own: :func:`limited_protocol` bounds the request head
+Limits (docs/overload.md), each port on its own, enforced by uvicorn's protocol as service/adapters/uvicorn_http.py
+sets it up, which tells :class:`HttpConnectionEvents`: a request's head and trailers together
 (``http_max_header_bytes``: 431 and close), the time a connection may sit without a request in progress or
 take to send one (``http_idle_timeout_seconds``), and open connections (``http_max_connections``: 503 and
 close). An answer is written in pieces; a caller that has not read it within ``response_drain_seconds`` loses
@@ -43,13 +44,27 @@ from concurrent.futures import ThreadPoolExecutor
 
 from google.protobuf import json_format
 from prometheus_client import make_asgi_app
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from indexer_service.service.adapters.uvicorn_http import ABORT_KEY, FEATURE
 from indexer_service.service.codec import SERVICE_NAME
 from indexer_service.service.config import ServiceConfig
 from indexer_service.service.dataplane import DataPlane
-from indexer_service.service.errors import Code, InvalidArgument, LimitExceeded, ServiceError, Shed, UnknownMethod
-from indexer_service.service.logs import REQUEST_ID, REQUEST_ID_HEADER, RateLimitedLog, request_id_from
+from indexer_service.service.errors import (
+    CallerGone,
+    Code,
+    InvalidArgument,
+    LimitExceeded,
+    ServiceError,
+    Shed,
+    UnknownMethod,
+)
+from indexer_service.service.logs import (
+    REQUEST_ID,
+    REQUEST_ID_HEADER,
+    LibraryCallbackErrors,
+    RateLimitedLog,
+    request_id_from,
+)
 from indexer_service.service.metrics import UNKNOWN_METHOD, Metrics, exposition_registry
 from indexer_service.service.overload.admission import SHED_LOG_INTERVAL_SECONDS, Caller
 from indexer_service.service.overload.limits import max_request_bytes
@@ -93,8 +108,6 @@ SEND_PIECE_BYTES = 2**20
 # message, the base64 strings, the text and its bytes; tracemalloc over an 8 MB answer): its budget ticket
 # is taken for 5 bytes per answer byte, and shrinks to the text once encoded.
 JSON_HELD_PER_ANSWER_BYTE = 5.0
-# ASGI scope key through which the app can drop its connection at once (see limited_protocol).
-ABORT_KEY = "indexer.abort"
 
 
 def error_body(code: str, message: str) -> bytes:
@@ -118,6 +131,48 @@ class HttpRefusals:
     def record(self, reason: HttpRefusal, detail: str) -> None:
         self._counters[reason].inc()
         self._log.note("http refused", reason, detail)
+
+
+class HttpConnectionEvents:
+    """What one port's connections tell the transport (service/adapters/uvicorn_http.py's ``ConnectionEvents``):
+    ``indexer_http_connections``; a refusal counted and logged by :class:`HttpRefusals`, with the JSON answer the
+    protocol writes for it; an exception in the protocol's own code on the event loop, counted and logged as
+    :class:`LibraryCallbackErrors` (``where="limited_protocol"``)."""
+
+    def __init__(self, config: ServiceConfig, metrics: Metrics, refusals: HttpRefusals) -> None:
+        self.connections = metrics.http_connections  # both ports': each counts only its own against the limit
+        self.refusals = refusals
+        self.errors = LibraryCallbackErrors(log, metrics, SHED_LOG_INTERVAL_SECONDS)
+        max_head, max_connections = config.http_max_header_bytes, config.http_max_connections
+        self._answers = {
+            HttpRefusal.HEADER_TOO_LARGE: (
+                431,
+                "Request Header Fields Too Large",
+                f"request head and trailers above {max_head} bytes together (http_max_header_bytes)",
+            ),
+            HttpRefusal.TOO_MANY_CONNECTIONS: (
+                503,
+                "Service Unavailable",
+                f"too many connections: {max_connections} open on this port (http_max_connections)",
+            ),
+        }
+
+    def opened(self) -> None:
+        self.connections.inc()
+
+    def closed(self) -> None:
+        self.connections.dec()
+
+    def refused(self, reason: HttpRefusal, address: tuple | None) -> bytes:
+        status, phrase, message = self._answers[reason]
+        self.refusals.record(reason, f"{_peer_name(address)}: {message}")
+        return _status_only(status, phrase, message)
+
+    def timed_out(self) -> None:
+        self.refusals.count(HttpRefusal.IDLE_TIMEOUT)
+
+    def failed(self, callback: str, address: tuple | None, error: Exception) -> None:
+        self.errors.record(FEATURE, error, f"step={callback} peer={_peer_name(address)} (connection dropped)")
 
 
 class ProbeApp:
@@ -367,12 +422,15 @@ async def _read_body(receive, limit: int, discard_limit: int) -> tuple[bytes | N
     """The whole request body, or None once it passes ``limit`` bytes; and whether the connection can carry
     another request. A body past the limit is read on and thrown away, up to ``discard_limit`` bytes (a
     client mid-way through sending it would otherwise see a broken pipe instead of the answer), and past that
-    the connection must close."""
+    the connection must close. A connection that ends (or is refused) before the body does, within the limit, is
+    :class:`CallerGone`: what came is no request."""
     chunks, size = [], 0
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
-            return (b"".join(chunks) if size <= limit else None), False
+            if size <= limit:
+                raise CallerGone(Code.CANCELLED, "the connection ended before the whole request arrived")
+            return None, False
         chunk = message.get("body", b"")
         size += len(chunk)
         if size <= limit:
@@ -407,100 +465,9 @@ async def reply_error(send, status: int, message: str, extra_headers: list[tuple
     await _reply(send, status, error_body(TRANSPORT_ERROR_CODES[status], message), extra_headers, JSON)
 
 
-def limited_protocol(config: ServiceConfig, metrics: Metrics, refusals: HttpRefusals) -> type[HttpToolsProtocol]:
-    """uvicorn's httptools protocol with this server's limits on heads, idle time and connections."""
-    max_head = config.http_max_header_bytes
-    idle_seconds = config.http_idle_timeout_seconds
-    max_connections = config.http_max_connections
-
-    class LimitedHttpToolsProtocol(HttpToolsProtocol):
-        """Counts a request's head bytes before httptools buffers them (it would take any size, and a 128 MiB
-        header took 15 s of the loop), and closes a connection that has no request in progress, or sends one
-        too slowly, for ``http_idle_timeout_seconds``."""
-
-        _refused = False
-
-        def connection_made(self, transport) -> None:
-            if len(self.connections) >= max_connections:
-                self._refused = True
-                message = f"too many connections: {max_connections} open on this port (http_max_connections)"
-                refusals.record(HttpRefusal.TOO_MANY_CONNECTIONS, f"{_transport_peer(transport)}: {message}")
-                transport.write(_status_only(503, "Service Unavailable", message))
-                transport.close()
-                return
-            super().connection_made(transport)
-            metrics.http_connections.inc()  # both ports' connections: each port counts only its own against the limit
-            self._head_bytes = 0
-            self._in_head = True
-            self._request_timer = None
-            self._arm_idle()
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            if self._refused:
-                return
-            self._cancel_request_timer()
-            super().connection_lost(exc)
-            metrics.http_connections.dec()
-
-        def _arm_idle(self) -> None:
-            self._unset_keepalive_if_required()
-            self.timeout_keep_alive_task = self.loop.call_later(idle_seconds, self._close_idle)
-
-        def _close_idle(self) -> None:
-            if not self.transport.is_closing():
-                refusals.count(HttpRefusal.IDLE_TIMEOUT)
-                self.transport.abort()
-
-        def _cancel_request_timer(self) -> None:
-            if self._request_timer is not None:
-                self._request_timer.cancel()
-                self._request_timer = None
-
-        def data_received(self, data: bytes) -> None:
-            if self._refused:
-                return
-            if self._in_head:
-                if self._request_timer is None:  # the whole request must arrive within the idle time
-                    self._request_timer = self.loop.call_later(idle_seconds, self._close_idle)
-                end = data.find(b"\r\n\r\n")
-                self._head_bytes += len(data) if end < 0 else end + 4
-                if self._head_bytes > max_head:
-                    message = f"request head above {max_head} bytes (http_max_header_bytes)"
-                    refusals.record(HttpRefusal.HEADER_TOO_LARGE, f"{_transport_peer(self.transport)}: {message}")
-                    self.transport.write(_status_only(431, "Request Header Fields Too Large", message))
-                    self.transport.close()
-                    self._in_head = False
-                    return
-            super().data_received(data)
-
-        def on_message_begin(self) -> None:
-            super().on_message_begin()
-            self.scope[ABORT_KEY] = self.transport.abort
-
-        def on_headers_complete(self) -> None:
-            self._in_head = False
-            super().on_headers_complete()
-
-        def on_message_complete(self) -> None:
-            self._cancel_request_timer()
-            super().on_message_complete()
-
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
-            self._head_bytes = 0
-            self._in_head = True
-            if not self.transport.is_closing() and not self.pipeline:
-                self._arm_idle()
-
-    return LimitedHttpToolsProtocol
-
-
-def _transport_peer(transport) -> str:
-    return _peer_name(transport.get_extra_info("peername"))
-
-
 def _status_only(status: int, reason: str, message: str) -> bytes:
-    """A whole response written by the protocol itself, before any request reached the app: the same JSON error."""
+    """A whole response written by the connection's protocol itself (a refusal), not by the app: the same JSON
+    error."""
     body = error_body(TRANSPORT_ERROR_CODES[status], message)
     return (
         f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"

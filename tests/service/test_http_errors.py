@@ -126,7 +126,7 @@ def test_a_request_head_over_the_limit_is_a_json_431(server, port) -> None:
     number = server.http_port if port == "metrics" else server.http_rpc_port
     head = b"GET /livez HTTP/1.1\r\nHost: x\r\nX-Padding: " + b"a" * 4096 + b"\r\n\r\n"
     status, headers, body = parse_raw(raw_exchange(number, head))
-    assert_json_error(status, headers, body, 431, "RESOURCE_EXHAUSTED", "request head above 1024 bytes")
+    assert_json_error(status, headers, body, 431, "RESOURCE_EXHAUSTED", "request head and trailers above 1024 bytes")
 
 
 @pytest.mark.parametrize("port", ["metrics", "rpc"])
