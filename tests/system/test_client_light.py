@@ -177,6 +177,8 @@ def install(python: Path, wheel: Path, end: str) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class LightEnvironment:
+    """A light virtual environment: which end of the range it holds, and its interpreter."""
+
     end: str
     python: Path
 
@@ -211,7 +213,7 @@ def test_the_light_environment_holds_only_the_client_and_its_range(light: LightE
     versions = {package["name"].lower().replace("_", "-"): package["version"] for package in json.loads(listed.stdout)}
     assert "indexer-service-client" in versions
     assert not versions.keys() & {"torch", "triton", "indexer-service"}, versions
-    # What the four dependencies bring (grpcio needs typing_extensions from 1.75 on), and nothing else: not even pip.
+    # What the four dependencies bring (newer grpcio needs typing_extensions), and nothing else: not even pip.
     allowed = {"indexer-service-client", "numpy", "grpcio", "grpcio-health-checking", "protobuf", "typing-extensions"}
     assert versions.keys() <= allowed, versions
     for name, lower in lower_bounds().items():
