@@ -43,8 +43,10 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/lint-imports --no-cache
 
+# The server's generated code (grpcio-tools), then the light client's version-neutral modules made from it.
 protos: $(STAMP)
 	$(PY) -m indexer_service.protos.generate
+	$(PY) clients/python/generate.py
 
 # docs/service.md's settings table, from the settings' help texts in service/config.py.
 docs: $(STAMP)

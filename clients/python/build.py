@@ -6,11 +6,24 @@ and protobuf only (no torch, no Triton). It is made from the repository's own fi
 the modules below go under the import name ``indexer_service_client`` (their ``indexer_service.`` imports
 rewritten to match, so it installs beside the server's ``indexer_service`` without sharing a file).
 
+The generated protobuf and gRPC code is not the server's: schedulers pin their own grpcio and protobuf, often a year
+or more behind, and the server's ``*_pb2.py`` and ``*_pb2_grpc.py`` refuse at import any runtime older than the
+grpcio-tools that wrote them. The wheel takes ``clients/python/generated/`` instead, written by
+``clients/python/generate.py`` (``make protos`` runs both generators) from the server's own descriptor bytes: the
+messages are made at import from the serialized ``FileDescriptorProto`` (``descriptor_pool`` and
+``message_factory.GetMessageClass``, enums wrapped as protoc's own output wraps them), the stubs with
+``channel.unary_unary``: APIs that every grpcio and protobuf of metadata.toml's range has, and no version check.
+Chosen over generating with an older pinned grpcio-tools: that would need a second, old toolchain (and environment)
+to build and to check freshness, its output would still carry a version check that a newer runtime may turn into a
+warning or an error, and it would move the lower bound only as far as that one pin. The same descriptor bytes mean
+the server's and the client's modules can even share a process. tests/service/test_protos.py checks the generated
+files fresh; tests/system/test_client_light.py installs the wheel at the lowest and at the newest versions its
+metadata allows and calls a real server with each.
+
 The wheel is written with the standard library alone (a wheel is a zip of the package plus METADATA, WHEEL and
 RECORD: PEP 427, PEP 376), so any Python >= 3.11 builds it, without setuptools or pip (a system Python's older
 setuptools refuses the SPDX license field). Its bytes depend only on the sources: entries are sorted and dated
-1980-01-01. tests/system/test_client_light.py builds it with the system's python3, installs it alone in a fresh
-virtual environment and calls a real server with it.
+1980-01-01. tests/system/test_client_light.py builds it with the system's python3.
 """
 
 from __future__ import annotations
@@ -37,8 +50,10 @@ MODULES = {
     "kernels/formulas.py": "kernels/formulas.py",
     "kernels/planner.py": "kernels/planner.py",
     "kernels/specialization.py": "kernels/specialization.py",
-    "protos/indexer/v1/indexer_pb2.py": "protos/indexer/v1/indexer_pb2.py",
-    "protos/indexer/v1/indexer_pb2_grpc.py": "protos/indexer/v1/indexer_pb2_grpc.py",
+    # The version-neutral generated code (see above), and the server's type stubs, which describe the same names.
+    "clients/python/generated/indexer/v1/indexer_pb2.py": "protos/indexer/v1/indexer_pb2.py",
+    "clients/python/generated/indexer/v1/indexer_pb2_grpc.py": "protos/indexer/v1/indexer_pb2_grpc.py",
+    "protos/indexer/v1/indexer_pb2.pyi": "protos/indexer/v1/indexer_pb2.pyi",
     "protos/indexer/v1/indexer.proto": "protos/indexer/v1/indexer.proto",
 }
 INIT = (
