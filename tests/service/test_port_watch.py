@@ -51,7 +51,7 @@ def run_until(watch: RpcPortWatch, start: float, seconds: int) -> tuple[str, boo
 
 
 def test_places_all_held_make_the_port_not_ready_never_broken(watched) -> None:
-    gate, lane, watch = watched
+    gate, _lane, watch = watched
     start = watch._last_run
     gate.live = 4
     assert run_until(watch, start, 1) == ("", False)
@@ -63,7 +63,7 @@ def test_places_all_held_make_the_port_not_ready_never_broken(watched) -> None:
 
 
 def test_queued_calls_that_never_finish_are_not_ready_then_broken(watched) -> None:
-    gate, lane, watch = watched
+    _gate, lane, watch = watched
     start = watch._last_run
     lane.queue.put("waiting for a thread")
     assert run_until(watch, start, 4) == ("", False)
@@ -75,12 +75,12 @@ def test_queued_calls_that_never_finish_are_not_ready_then_broken(watched) -> No
 
 
 def test_an_idle_lane_is_never_stuck(watched) -> None:
-    gate, lane, watch = watched
+    _gate, _lane, watch = watched
     assert run_until(watch, watch._last_run, 60) == ("", False)
 
 
 def test_time_the_watch_did_not_run_is_excused(watched) -> None:
-    gate, lane, watch = watched
+    _gate, lane, watch = watched
     lane.queue.put("waiting for a thread")
     start = watch._last_run
     assert watch.check(start + 1) == ("", False)
@@ -95,9 +95,7 @@ class Served:
     """A real RPC server with its watch, whose BuildChunk waits for ``release``, and its health's statuses."""
 
     def __init__(self, tmp_path: Path, probe: Path | None = None, **settings: str) -> None:
-        config = load_config(
-            {"grpc_host": "127.0.0.1", "grpc_port": "0", "warmup_target": "none", **settings}, env={}
-        )
+        config = load_config({"grpc_host": "127.0.0.1", "grpc_port": "0", "warmup_target": "none", **settings}, env={})
         self.plane = plane = make_plane(config)
         plane.readiness.refresh()
         self.release = threading.Event()
