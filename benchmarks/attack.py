@@ -30,12 +30,19 @@ import os
 import signal
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
 import psutil
 
-from testkit.h2raw import StalledStreams, attack_window, call_loop_parallel, rapid_reset_parallel
+from testkit.h2raw import (
+    RawSilentCalls,
+    StalledStreams,
+    attack_window,
+    call_loop_parallel,
+    rapid_reset_parallel,
+)
 from testkit.harness import (
     FAST_START,
     FLOOD_PEER,
@@ -50,8 +57,8 @@ from testkit.harness import (
     scrape,
     write_json,
 )
-from testkit.http1raw import IdleConnections, UnreadAnswers, huge_header
-from testkit.observe import Callers, HealthWatch
+from testkit.http1raw import IdleConnections, UnreadAnswers, huge_header, huge_trailer
+from testkit.observe import Callers, HealthWatch, HttpVictim
 from testkit.payloads import (
     AMPLIFIER_PLAN_BATCH,
     BUILD_CHUNK_PATH,
@@ -63,7 +70,7 @@ from testkit.payloads import (
     one_row_chunks_plan_batch,
 )
 from testkit.siege import BYTES_HELD, Siege, health_address
-from testkit.streams import BlockedWatchers, SilentCalls
+from testkit.streams import WATCH_PATH, BlockedWatchers, SilentCalls
 
 DEFAULT_DRAIN_SECONDS = 30.0  # response_drain_seconds' default: stalled answers are held at least this long
 DEFAULT_IDLE_SECONDS = 15.0  # http_idle_timeout_seconds' default
@@ -400,18 +407,137 @@ def reflection_streams(bench: Bench) -> dict:
 
 
 def silent_unary_calls(bench: Bench) -> dict:
-    """BuildChunk calls whose request never comes: twice grpc_workers of them on one connection for 15 s (each held
-    an RPC thread before, and 8 stopped every other caller), then 3 connections x 100 (past max_concurrent_rpcs:
-    they hold its places until they leave)."""
+    """BuildChunk calls whose request never comes, from another peer than the victim: twice grpc_workers of them on
+    one connection for 15 s (each held an RPC thread once, and 8 stopped every other caller), then 3 connections x
+    100 (once past max_concurrent_rpcs: they held all its places, the victim refused)."""
     figures = {}
     for name, connections, each in (("one_connection_16", 1, 16), ("three_connections_300", 3, 100)):
         server = bench.serve()
-        flood = SilentCalls(server.address, connections, each, path=BUILD_CHUNK_PATH, unary_response=True)
-        with Siege(server) as siege, flood:
-            time.sleep(15.0)
-        figures[name] = siege.figures() | {"opened": flood.opened, "ended": flood.ended}
+        flood = RawSilentCalls(LOOPBACK, server.grpc_port, BUILD_CHUNK_PATH, connections, each)
+        with Siege(server) as siege:
+            with flood:
+                time.sleep(15.0)
+            endings = flood.close()
+        figures[name] = siege.figures() | {"endings": endings}
         server.kill()
     figures["tried"] = "BuildChunk calls that never send their request: 1 x 16 and 3 x 100 connections x calls, 15 s"
+    return figures
+
+
+UNDECODABLE = b"\xff\xff\xff"  # no protobuf message parses from it (a field tag of wire type 7)
+HEALTH_CHECK_PATH = "/grpc.health.v1.Health/Check"
+
+
+def undecodable_health(bench: Bench) -> dict:
+    """Health Watch and Check calls whose request does not parse (3 bytes 0xff), 4 connections of each on the
+    health port and 2 of each on the RPC port, looping for 30 s (grpcio's own path for Watch kept ~20 KiB a call
+    for good, and logged a traceback per call)."""
+    server = bench.serve()
+    flood_seconds = 30.0
+    idle = server.rss_bytes()
+    with Siege(server) as siege:
+        reports = []
+        for port, connections in ((server.health_port, _scaled(4)), (server.grpc_port, _scaled(2))):
+            for path in (WATCH_PATH, HEALTH_CHECK_PATH):
+                reports += call_loop_parallel(LOOPBACK, port, path, UNDECODABLE, connections, flood_seconds / 2)
+    endings = merged_counts(r.endings for r in reports)
+    figures = siege.figures()
+    figures.update(
+        tried=f"undecodable Watch and Check calls, 2 x {flood_seconds / 2:g} s per port, {len(reports)} connections",
+        endings=endings,
+        rss_growth_mib=round(mib(server.rss_bytes() - idle), 1),
+        log_lines=len(server.log().splitlines()),
+    )
+    return figures
+
+
+def silent_watches(bench: Bench) -> dict:
+    """Four health Watch calls that never send their request, on one connection to the health port, and as many
+    on the RPC port, from another peer than the victim, 15 s, with fresh health-checking clients; then SIGTERM with
+    them open (they once held all four health threads, new Watches got no status, and the drain waited out its
+    whole grace)."""
+    server = bench.serve()
+    flood = [RawSilentCalls(LOOPBACK, port, WATCH_PATH, 1, 4) for port in (server.health_port, server.grpc_port)]
+    with flood[0], flood[1]:
+        with Siege(server, fresh_client_interval=FRESH_CLIENT_INTERVAL) as siege:
+            time.sleep(15.0)
+        start = time.monotonic()
+        code = server.terminate()
+        drain_seconds = round(time.monotonic() - start, 2)
+    figures = siege.figures()
+    figures.update(
+        tried="1 connection x 4 silent Watch calls on each gRPC port, 15 s, then SIGTERM",
+        exit_code=code,
+        sigterm_to_exit_s=drain_seconds,
+    )
+    return figures
+
+
+def http_trailers(bench: Bench) -> dict:
+    """A BuildChunk over HTTP whose chunked body ends in a 64 MiB trailer field, on one connection, then waves of 48
+    connections at once from one peer for 15 s (when trailers were outside http_max_header_bytes, 48 such
+    connections took RSS from 64 to 725 MiB and an HTTP victim to 2.4 %)."""
+    server = bench.serve()
+    body = SMALL_BUILD_CHUNK.SerializeToString()
+    path = BUILD_CHUNK_PATH
+    with Siege(server) as siege, HttpVictim(server.http_rpc_url, path, body) as victim:
+        one = huge_trailer(LOOPBACK, server.http_rpc_port, path, body, 2**26)
+        many, waves, end = [], 0, time.monotonic() + 15.0
+        with ThreadPoolExecutor(max_workers=48) as pool:
+            while time.monotonic() < end:  # waves of 48 for 15 s
+                many += pool.map(lambda _: huge_trailer(LOOPBACK, server.http_rpc_port, path, body, 2**26), range(48))
+                waves += 1
+    figures = siege.figures()
+    figures.update(
+        tried=f"one connection, then {waves} waves of 48 at once for 15 s, each a 64 MiB trailer after a body",
+        one=_trailer_figures([one]),
+        many=_trailer_figures(many),
+        http_victim=victim.figures(),
+    )
+    return figures
+
+
+def _trailer_figures(reports: list) -> dict:
+    """What the server let the trailers send before it answered or closed, at most, and what it answered."""
+    return {
+        "sent_mib_max": round(mib(max(r.header_bytes_sent for r in reports)), 2),
+        "seconds_max": round(max(r.seconds for r in reports), 2),
+        "answers": sorted({str(r.status) for r in reports}),
+    }
+
+
+def idle_connections_many_peers(bench: Bench) -> dict:
+    """Idle connections from 79 peers (127.0.0.2 to 127.0.0.80), each under its per-peer cap (200 a peer and port),
+    on the RPC, health and both HTTP ports at once, held 30 s: the room every port has for new connections."""
+    server = bench.serve()
+    peers = [f"127.0.0.{n}" for n in range(2, 2 + _scaled(79))]
+    ports = {
+        "grpc": (server.grpc_port, H2_PREFACE),
+        "health": (server.health_port, H2_PREFACE),
+        "http": (server.http_port, b""),
+        "http_rpc": (server.http_rpc_port, b""),
+    }
+    floods = [
+        IdleConnections(LOOPBACK, port, _scaled(200) // 4, greeting, source=peer)
+        for peer in peers
+        for port, greeting in ports.values()
+    ]
+    with Siege(server) as siege:
+        for flood in floods:
+            flood.open()
+        try:
+            time.sleep(30.0)
+            held = sum(flood.still_connected() for flood in floods)
+        finally:
+            for flood in floods:
+                flood.close()
+    figures = siege.figures()
+    figures.update(
+        tried=f"{len(peers)} peers x 4 ports x {_scaled(200) // 4} idle connections, 30 s",
+        opened=sum(flood.count for flood in floods),
+        refused_at_connect=sum(flood.refused for flood in floods),
+        held_after_30s=held,
+    )
     return figures
 
 
@@ -521,6 +647,10 @@ ATTACKS: dict[str, Callable[[Bench], dict]] = {
     "reflection-streams": reflection_streams,
     "blocked-watchers": blocked_watchers,
     "silent-unary-calls": silent_unary_calls,
+    "undecodable-health": undecodable_health,
+    "silent-watches": silent_watches,
+    "http-trailers": http_trailers,
+    "idle-connections-many-peers": idle_connections_many_peers,
     "idle-connections-grpc": idle_connections_grpc,
     "idle-connections-health": idle_connections_health,
     "tls-half-open": tls_half_open,

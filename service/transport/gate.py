@@ -381,6 +381,10 @@ class CallGate:
         grpcio.end_call(args, code, message)
         return True
 
+    def idle(self) -> bool:
+        """No call in any lane: none waiting for its request, queued or running."""
+        return not any(lane.live or lane.waiting for lane in self.lanes)
+
     def held(self, lane: Lane) -> int:
         """Calls holding a place in ``lane`` now."""
         return len(lane.live)

@@ -353,7 +353,11 @@ class GrpcServer:
         if self.watch is not None:
             self.watch.stop()
         self.gate.end_waiting()  # calls that never sent their request do not hold the grace
-        self.server.stop(grace).wait()
+        stopped, end = self.server.stop(grace), time.monotonic() + grace
+        while not stopped.wait(0.05) and time.monotonic() < end:
+            if self.gate.idle():  # no call of ours left: what remains is connections that ignore the GOAWAY
+                self.server.stop(0)
+        stopped.wait()
         busy = self.gate.shutdown(POOL_STOP_SECONDS)
         if busy:
             log.warning("rpc_threads_still_busy count=%d after_seconds=%.1f", busy, POOL_STOP_SECONDS)
