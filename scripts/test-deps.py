@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -74,11 +73,12 @@ PINNED_MODULES = (
     "uvicorn",
 )
 
-# What each end runs: the transports over gRPC and HTTP (RPCs, their pool and caller, grpcio's internals the
-# adapters read, reflection and health Check/List/Watch, TLS, the HTTP ports and their errors, protobuf's own
-# serialization against the fast path's bytes), the metrics (one process and the multiprocess workers), the
-# drain on SIGTERM, and the floods. test_shutdown's signal-at-any-moment cases (20 s of warmups that the
-# libraries play no part in) are left to `make test`.
+# What each end runs (about 130 s of the 6 minutes both ends may take): the transports over gRPC and HTTP (the
+# RPCs, their pool and caller, the grpcio internals the adapters read, reflection and health Check/List/Watch,
+# TLS, the HTTP ports and their errors, protobuf's own serialization against the fast path's bytes), the metrics
+# (one process, and the multiprocess files of workers), the drain on SIGTERM, and the floods. Left to `make test`:
+# what the libraries play no part in (warmups, CPU pinning, signals at every moment of a start) and the second
+# form of a flood another test here already sends (the health port's idle connections, the workers' full port).
 TESTS = (
     "tests/service/test_rpc.py",
     "tests/service/test_rpc_pool.py",
@@ -92,11 +92,17 @@ TESTS = (
     "tests/service/test_http_ports.py",
     "tests/service/test_metrics.py",
     "tests/service/test_observability.py",
-    "tests/service/test_workers.py",
+    "tests/service/test_workers.py::test_two_workers_share_the_port_both_serve_and_metrics_add_up",
+    "tests/service/test_workers.py::test_a_killed_worker_is_logged_counted_unready_then_back",
     "tests/service/test_shutdown.py::test_sigterm_during_a_burst_drains_and_exits_0",
-    "tests/system/test_floods_refusals.py",
-    "tests/system/test_floods_streams_connections.py",
     "tests/system/test_unknown_method_flood.py",
+    "tests/system/test_floods_refusals.py",
+    "tests/system/test_floods_streams_connections.py::test_idle_reflection_streams_hold_no_rpc_thread",
+    "tests/system/test_floods_streams_connections.py::test_blocked_watch_streams_hold_no_delivery_thread",
+    "tests/system/test_floods_streams_connections.py::test_idle_connections_capped_closed_and_memory_back[grpc]",
+    "tests/system/test_floods_streams_connections.py::test_one_peer_cannot_fill_a_port",
+    "tests/system/test_floods_streams_connections.py::test_each_worker_caps_its_share_and_the_supervisor_the_health_port",
+    "tests/system/test_floods_streams_connections.py::test_half_open_tls_handshakes_capped_timed_out_and_memory_back",
 )
 # The attack rows each end runs with --check (benchmarks/attack.py holds them to their targets): raw HTTP/2
 # resets against gRPC core, a 64 MiB header against uvicorn's httptools protocol, SIGTERM with health Watch
@@ -340,9 +346,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--end", action="append", choices=ENDS, help="test only this end (repeatable)")
     parser.add_argument("--print-plan", action="store_true", help="print what each end pins, as JSON; install nothing")
-    parser.add_argument(
-        "--workers", type=int, default=int(os.environ.get("TEST_DEPS_WORKERS", "0")), help="pytest-xdist workers"
-    )
+    # No workers by default: 2 measured no faster than none here (most of these tests start servers, and the
+    # floods run alone under the `exclusive` lock anyway).
+    parser.add_argument("--workers", type=int, default=0, help="pytest-xdist workers (0: none)")
     args = parser.parse_args(argv)
     if sys.prefix == sys.base_prefix:
         parser.error("run it with the main venv's Python (.venv/bin/python): the ends' venvs borrow from it")
