@@ -35,8 +35,9 @@ test: $(STAMP)
 # rows (`benchmarks.attack --check`) at the declared lower bounds and at the newest releases within pyproject.toml's
 # ranges of grpcio (with its health and reflection packages), protobuf, prometheus-client and uvicorn[standard], each
 # end in a venv of its own under .venv-deps/ that installs only those and borrows the rest from $(VENV); rebuilt only
-# when the versions change (scripts/test-deps.py). Both ends, one after the other: 333 s measured on this 2-core
-# machine while shared with other jobs (load average 5-7), each end about 150 s of it.
+# when the versions change (scripts/test-deps.py). Both ends, one after the other, on this 2-core machine while other
+# jobs shared it: 292 s with the venvs already made (load average 5-7; each end's tests 111-126 s of it), 513 s
+# making both venvs first under load average 5-15 (each venv 12-21 s, the rest the tests slowed by the load).
 test-deps: $(STAMP)
 	$(PY) scripts/test-deps.py
 

@@ -73,12 +73,13 @@ PINNED_MODULES = (
     "uvicorn",
 )
 
-# What each end runs (about 130 s of the 6 minutes both ends may take): the transports over gRPC and HTTP (the
-# RPCs, their pool and caller, the grpcio internals the adapters read, reflection and health Check/List/Watch,
-# TLS, the HTTP ports and their errors, protobuf's own serialization against the fast path's bytes), the metrics
-# (one process, and the multiprocess files of workers), the drain on SIGTERM, and the floods. Left to `make test`:
-# what the libraries play no part in (warmups, CPU pinning, signals at every moment of a start) and the second
-# form of a flood another test here already sends (the health port's idle connections, the workers' full port).
+# What each end runs (111-126 s here at load average 5-7; both ends together must stay within 6 minutes): the
+# transports over gRPC and HTTP (the RPCs, their pool and caller, the grpcio internals the adapters read, reflection
+# and health Check/List/Watch, TLS, the HTTP ports and their errors, protobuf's own serialization against the fast
+# path's bytes), the metrics (one process, and the multiprocess files of workers), the drain on SIGTERM, and the
+# floods. Left to `make test`: what the libraries play no part in (warmups, CPU pinning, signals at every moment of
+# a start) and the second form of a flood another test here already sends (the health port's idle connections,
+# the workers' full port).
 TESTS = (
     "tests/service/test_rpc.py",
     "tests/service/test_rpc_pool.py",
@@ -106,7 +107,7 @@ TESTS = (
 )
 # The attack rows each end runs with --check (benchmarks/attack.py holds them to their targets): raw HTTP/2
 # resets against gRPC core, a 64 MiB header against uvicorn's httptools protocol, SIGTERM with health Watch
-# streams open, and refusals that the metrics must count. About 25 s together.
+# streams open, and refusals that the metrics must count. 11-33 s together here.
 ATTACK_ROWS = ("rapid-reset", "http-big-header", "drain-watchers", "shedding")
 
 
