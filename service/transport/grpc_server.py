@@ -349,11 +349,12 @@ class GrpcServer:
         if self.watch is not None:
             self.watch.start()
 
-    def stop(self, grace: float) -> None:
+    def stop(self, grace: float | None) -> None:
+        """Stop taking calls, give those in flight ``grace`` seconds (None: none), then end the gate's threads."""
         if self.watch is not None:
             self.watch.stop()
         self.gate.end_waiting()  # calls that never sent their request do not hold the grace
-        stopped, end = self.server.stop(grace), time.monotonic() + grace
+        stopped, end = self.server.stop(grace), time.monotonic() + (grace or 0.0)
         while not stopped.wait(0.05) and time.monotonic() < end:
             if self.gate.idle():  # no call of ours left: what remains is connections that ignore the GOAWAY
                 self.server.stop(0)
