@@ -147,6 +147,21 @@ class Metrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        self.call_wait_seconds = per_call_histogram(
+            "indexer_call_wait_seconds",
+            "Seconds a gRPC call waited in the server for a thread, from its request being in, by method.",
+            ["method"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.call_seconds = per_call_histogram(
+            "indexer_call_seconds",
+            "Seconds a gRPC call spent in the server, from its request being in to its end (answered, refused or "
+            "cut), by method.",
+            ["method"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.backend_duration_seconds = per_call_histogram(
             "indexer_backend_duration_seconds",
             "Seconds spent in the compute backend per RPC.",

@@ -375,6 +375,14 @@ def without_request(args: tuple) -> tuple:
     return (*args[:4], no_request, *args[5:])
 
 
+def deadline_of(args: tuple) -> float | None:
+    """The deadline (time.time() seconds) of a call grpcio submitted; None where ``receive_ahead`` is off (the
+    arguments cannot be read)."""
+    if len(args) != 7 or not features().receive_ahead:
+        return None
+    return args[1].call_details.deadline
+
+
 def end_call(args: tuple, code: str, details: str) -> bool:
     """End a call grpcio submitted (its arguments, :func:`submitted` read them) with status ``code`` (a
     ``grpc.StatusCode`` name in lower case) and ``details``, as grpcio's own abort does, without running it. False

@@ -73,6 +73,18 @@ def peer_key(peer: str) -> str:
         return peer
 
 
+def never_started_reason(deadline: float | None, queued_at: float, now: float | None = None) -> ShedReason:
+    """Why a call ended before its behaviour started, and whose doing it was: its deadline passed while it waited in
+    the server (``queue_deadline``, overload), its deadline had passed before its request was in
+    (``deadline_on_arrival``, its caller's), or its caller cancelled or reset it (``caller_cancelled``). Without the
+    deadline (grpcio's internals differ): ``queue_deadline``."""
+    if deadline is None:
+        return ShedReason.QUEUE_DEADLINE
+    if deadline > (time.time() if now is None else now):
+        return ShedReason.CALLER_CANCELLED
+    return ShedReason.DEADLINE_ON_ARRIVAL if deadline <= queued_at else ShedReason.QUEUE_DEADLINE
+
+
 class Accounting:
     """What a gate counts and logs beyond its sheds, on a metrics object of the process (the serving process's, or
     the supervisor's for its health port): exceptions of our code on a library's thread (counted by where, logged
@@ -177,7 +189,9 @@ class CallGate:
         self.lanes: list[Lane] = [self.refusals]
         self.routes: dict[Callable, Route] = {}
         self.started = threading.local()  # whether the call a thread runs has started its behaviour
-        self.on_never_started: Callable[[str], None] = lambda method: None
+        self.on_never_started: Callable[[str, ShedReason], None] = lambda method, reason: None
+        # (method, seconds from its request in to a thread taking it, seconds from its request in to its end)
+        self.timed: Callable[[str, float, float], None] = lambda method, wait, total: None
         self._ids = itertools.count()
         self._threads: list[threading.Thread] = []
         self._stop = threading.Event()
@@ -274,7 +288,7 @@ class CallGate:
         done = CallDone() if done is None else done
         lane.live[call] = peer
         try:
-            lane.queue.put((call, fn, args, done, route))
+            lane.queue.put((call, fn, args, done, route, time.time()))
         except BaseException:  # nothing will run it: its place and grpcio's count of it go back, then the error
             lane.live.pop(call, None)
             if peer is not None and lane.peer_share is not None:
@@ -308,7 +322,7 @@ class CallGate:
         swapped = tuple(refusing if arg is behaviour else arg for arg in args)
         call = next(self._ids)
         self.refusals.live[call] = None
-        self.refusals.queue.put((call, fn, swapped, done, route))  # a refusal that never starts counts as its call
+        self.refusals.queue.put((call, fn, swapped, done, route, time.time()))  # never started: counts as its call
         return done
 
     def _hold(self, counts: Counter, lane: Lane, peer: str) -> bool:
@@ -336,18 +350,26 @@ class CallGate:
     def _work(self, lane: Lane) -> None:
         take, live, started = lane.queue.get, lane.live, self.started
         while (item := take()) is not None:
-            call, fn, args, done, route = item
+            call, fn, args, done, route, queued_at = item
             started.value = False
+            started.queued_at = queued_at
+            taken_at = time.time()
             try:
                 fn(*args)
             except BaseException:
                 log.exception("a gRPC call's handler raised past gRPC's own handling")
             finally:
-                peer = live.pop(call, None)
-                if peer is not None:
-                    self._let_go(lane.by_peer, lane, peer)
-                if not started.value and route.count_never_started:
-                    self.on_never_started(route.method)
+                try:  # the thread must outlive anything its bookkeeping meets
+                    peer = live.pop(call, None)
+                    if peer is not None:
+                        self._let_go(lane.by_peer, lane, peer)
+                    if route.count_never_started:  # the RPCs: timed, and counted when they never started
+                        self.timed(route.method, taken_at - queued_at, time.time() - queued_at)
+                        if not started.value:
+                            reason = never_started_reason(grpcio.deadline_of(args), queued_at)
+                            self.on_never_started(route.method, reason)
+                except Exception:
+                    log.exception("a gRPC call's bookkeeping failed")
                 lane.finished += 1
                 done.finish()
 

@@ -34,7 +34,7 @@ from indexer_service.service.overload.admission import Caller, DrainWatchdog
 from indexer_service.service.overload.limits import max_request_bytes
 from indexer_service.service.reasons import ShedReason
 from indexer_service.service.rpcs import RPCS
-from indexer_service.service.transport.gate import Accounting, CallGate, Lane
+from indexer_service.service.transport.gate import Accounting, CallGate, Lane, never_started_reason
 from indexer_service.service.transport.health import HEALTH_SERVICE_NAME, HealthServicer
 from indexer_service.service.transport.port_watch import RpcPortWatch
 from indexer_service.service.transport.reflection import Reflection
@@ -137,8 +137,20 @@ def rpc_handlers(
 
         return refuse
 
-    never_started = "the caller cancelled, reset the stream or passed its deadline before the call started"
-    gate.on_never_started = lambda method: plane.shed(method, ShedReason.QUEUE_DEADLINE, never_started)
+    never_started = {
+        ShedReason.QUEUE_DEADLINE: "its deadline passed while it waited in the server",
+        ShedReason.DEADLINE_ON_ARRIVAL: "its deadline had passed before its request was in",
+        ShedReason.CALLER_CANCELLED: "its caller cancelled or reset it before it started",
+    }
+    gate.on_never_started = lambda method, reason: plane.shed(method, reason, never_started[reason])
+    wait_seconds, call_seconds = plane.metrics.call_wait_seconds, plane.metrics.call_seconds
+    child = plane.metrics.child
+
+    def timed(method: str, wait: float, total: float) -> None:
+        child(wait_seconds, method).observe(wait)
+        child(call_seconds, method).observe(total)
+
+    gate.timed = timed
     refusals = {reason: refusal(reason) for reason in (ShedReason.CONCURRENCY, ShedReason.PEER_SHARE)}
     handlers = {}
     for method in RPCS:
@@ -196,7 +208,8 @@ def served(
         try:
             gone = call.gone_at_start
             if gone is not None:
-                plane.shed(method, ShedReason.QUEUE_DEADLINE, f"{gone.name} before the call started")
+                reason = never_started_reason(call.deadline, getattr(started, "queued_at", 0.0))
+                plane.shed(method, reason, f"{gone.name} before the call started")
                 context.abort(GRPC_STATUS[gone], "the caller went away (cancelled, or past its deadline) first")
             response = serve(method, request, caller=call)
             if call.ticket is not None:  # held until the call ends (call.end); cancelled if unread meanwhile

@@ -10,7 +10,7 @@ import re
 
 import yaml
 
-from indexer_service.service.reasons import ShedReason
+from indexer_service.service.reasons import OVERLOAD_REASONS, ShedReason
 from tests.deploy.support import (
     DEPLOY,
     PROMETHEUS_CONFIG,
@@ -25,7 +25,6 @@ RUNBOOK_BASE = "https://github.com/indexer-service/indexer-service/blob/main/dep
 DEPLOYMENT_LABELS = {"cluster", "namespace", "job"}
 # The callers' reasons ShedReason had when this was written.
 CALLER_REASONS = {ShedReason.WORK_LIMIT, ShedReason.UNREAD_RESPONSE}
-OVERLOAD_REASONS = {ShedReason.CONCURRENCY, ShedReason.MEMORY, ShedReason.HEAVY_LANE, ShedReason.QUEUE_DEADLINE}
 
 
 def rules_by_name() -> dict[str, dict]:
