@@ -39,6 +39,25 @@ ASYNC_COMPILE_MODULE = "triton.runtime._async_compile"
 JIT_MODULE = "triton.runtime.jit"
 KEY_MODULES = ("triton.runtime.cache", "triton.compiler.compiler")
 DRIVER_MODULE = "triton.runtime.driver"
+# What each feature relies on, as :func:`probe` names it when it is missing or differs.
+RELIED_ON: dict[str, tuple[str, ...]] = {
+    "async_compile": (
+        ASYNC_COMPILE_MODULE,
+        f"{ASYNC_COMPILE_MODULE}.AsyncCompileMode",
+        f"{ASYNC_COMPILE_MODULE}.AsyncCompileMode(executor, ignore_errors)",
+        f"{ASYNC_COMPILE_MODULE}.AsyncCompileMode as a context manager",
+        f"{ASYNC_COMPILE_MODULE}.active_mode",
+        f"{JIT_MODULE} uses {ASYNC_COMPILE_MODULE}",
+    ),
+    "compiler_key": (" / ".join(f"{name}.triton_key()" for name in KEY_MODULES),),
+    "compile_only_driver": (
+        f"{DRIVER_MODULE}.driver",
+        f"{DRIVER_MODULE}.driver.set_active",
+        f"{DRIVER_MODULE}.DriverConfig()",
+        f"{DRIVER_MODULE}.DriverConfig._active",
+        f"{DRIVER_MODULE}.DriverConfig.set_active sets _active",
+    ),
+}
 
 PUBLIC_PATHS = {
     "async_compile": "the warmup's keys compile one after another, whatever warmup_workers says",
@@ -114,7 +133,7 @@ def _probe_async_compile(module: ModuleType | None, jit: ModuleType | None) -> l
 def _probe_compiler_key(modules: tuple[ModuleType | None, ...]) -> list[str]:
     if _triton_key(modules) is not None:
         return []
-    return [" / ".join(f"{name}.triton_key()" for name in KEY_MODULES)]
+    return list(RELIED_ON["compiler_key"])
 
 
 def _triton_key(modules: tuple[ModuleType | None, ...]) -> object | None:
@@ -137,16 +156,16 @@ def _probe_driver(module: ModuleType | None) -> list[str]:
     try:
         fresh = type(driver)()
     except Exception:  # a constructor that takes arguments: its fields cannot be told
-        return [f"{DRIVER_MODULE}.{type(driver).__name__}()"]
+        return [f"{DRIVER_MODULE}.DriverConfig()"]
     if "_active" not in vars(fresh) or fresh._active is not None:
-        return [f"{DRIVER_MODULE}.{type(driver).__name__}._active"]
+        return [f"{DRIVER_MODULE}.DriverConfig._active"]
     marker = object()
     try:
         fresh.set_active(marker)
         kept = fresh._active is marker
     except Exception:
         kept = False
-    return [] if kept else [f"{DRIVER_MODULE}.{type(driver).__name__}.set_active sets _active"]
+    return [] if kept else [f"{DRIVER_MODULE}.DriverConfig.set_active sets _active"]
 
 
 @dataclass(frozen=True)
