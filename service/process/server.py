@@ -17,6 +17,7 @@ import logging
 import os
 import socket
 import ssl
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -27,6 +28,7 @@ from indexer_service.kernels.specialization import warmup_keys
 from indexer_service.service import adapters
 from indexer_service.service.adapters.uvicorn_http import HttpLimits, protocol_settings
 from indexer_service.service.addresses import host_port
+from indexer_service.service.codec import SERVICE_NAME
 from indexer_service.service.compute.backends import make_backend
 from indexer_service.service.compute.devices import resolve_backend, uses_triton
 from indexer_service.service.compute.warmup import Warmup, use_triton_cache_dir
@@ -53,6 +55,9 @@ from indexer_service.service.version import VERSION
 from indexer_service.service.workerproto import WorkerLink
 
 log = logging.getLogger(__name__)
+
+# A worker's exit code when its gRPC port is broken (its supervisor restarts it): EX_SOFTWARE.
+EXIT_RPC_PORT_BROKEN = 70
 
 _HTTP_START_TIMEOUT_SECONDS = 10.0
 
@@ -150,13 +155,19 @@ class IndexerServer:
         self.tracer = start_tracing()
         self.plane = DataPlane(config, self.metrics, self.warmup, backend, admit, self.tracer)
         self.health = HealthServicer(HEALTH_NAMES, self.plane.shed)
-        self.plane.readiness.add_listener(self.health.set_serving)
+        readiness = self.plane.readiness
+        readiness.add_listener(lambda ready: self.health.set_serving(ready, [SERVICE_NAME]))
+        readiness.add_alive_listener(lambda alive: self.health.set_serving(alive, [""]))
         if worker is not None:
-            self.plane.readiness.add_listener(worker.report_ready)
+            readiness.add_listener(worker.report_ready)
+            readiness.add_alive_listener(self._exit_if_broken)
         self.grpc: GrpcServer | None = None
         self.grpc_port = config.grpc_port
+        # The RPC port's own probe socket, for its watch (a worker's is its supervisor's too).
+        self._probe_dir = None if worker is not None else tempfile.TemporaryDirectory(prefix="indexer-probe-")
         if worker is None:
-            self.grpc = create_grpc_server(config, self.plane, self.health)
+            probe = Path(self._probe_dir.name) / "rpc.sock"
+            self.grpc = create_grpc_server(config, self.plane, self.health, probe_socket=probe, report=self._rpc_port)
             self.grpc_port = self.grpc.port
             self.health_server = create_health_server(config, self.health, Accounting(self.metrics, self.plane.shed))
             self.health_port = self.health_server.port
@@ -194,9 +205,19 @@ class IndexerServer:
             ports |= {self.grpc_port: Port.GRPC, self.health_port: Port.HEALTH}
         self.peer_cap = PeerCap(config.max_connections_per_peer, ports, self.metrics.peer_connections_closed_total)
 
+    def _rpc_port(self, problem: str, broken: bool) -> None:
+        self.plane.readiness.set_rpc_port(problem, broken)
+
+    def _exit_if_broken(self, alive: bool) -> None:
+        """A worker whose RPC port is broken (not its callers' doing) ends, and its supervisor starts another."""
+        if not alive and self.plane.readiness.rpc_port_broken:
+            log.critical("worker exiting: its gRPC port is broken (%s)", self.plane.readiness.not_ready_reason())
+            logging.shutdown()
+            os._exit(EXIT_RPC_PORT_BROKEN)
+
     def start(self) -> None:
         if self.grpc is not None:
-            self.grpc.server.start()
+            self.grpc.start()
         if self.health_server is not None:
             self.health_server.server.start()
         self.http.start()
@@ -238,9 +259,14 @@ class IndexerServer:
         if not self.warmup.finished_ok:
             return
         self.grpc = create_grpc_server(
-            self.config, self.plane, self.health, share_port=True, probe_socket=self.worker.probe_socket()
+            self.config,
+            self.plane,
+            self.health,
+            share_port=True,
+            probe_socket=self.worker.probe_socket(),
+            report=self._rpc_port,
         )
-        self.grpc.server.start()
+        self.grpc.start()
         self.peer_cap.add_port(self.grpc.port, Port.GRPC)
         address = host_port(self.config.grpc_host, self.grpc.port)
         if self.http_rpc is not None:  # the RPCs over HTTP too: the shared socket's connections go to ready workers
@@ -276,6 +302,8 @@ class IndexerServer:
         if self.health_server is not None:
             self.health_server.stop()
         self.health.close()
+        if self._probe_dir is not None:
+            self._probe_dir.cleanup()
         self._idle_trim.stop()
         self.peer_cap.stop()
         if self._unwatch is not None:

@@ -63,6 +63,7 @@ from typing import TYPE_CHECKING
 
 from indexer_service.service import cgroups
 from indexer_service.service.adapters import prometheus
+from indexer_service.service.codec import SERVICE_NAME
 from indexer_service.service.config import ServiceConfig
 from indexer_service.service.overload.allocator import IdleTrim, configure_malloc
 from indexer_service.service.process.lifecycle import ShutdownSignals
@@ -518,13 +519,18 @@ class Supervisor:
         return self.min_ready if self.ever_ready else self.workers
 
     def _refresh(self) -> None:
-        """The replica is ready while enough workers are (and it is not draining): health port, gauge, /readyz."""
+        """The replica is ready while enough workers are (and it is not draining): health port, gauge, /readyz.
+        It is alive (the health port's server-wide name, liveness) while enough workers run that were ready once:
+        a worker not ready because callers hold all its places keeps the replica alive (a worker whose port is
+        broken exits, and is restarted)."""
+        alive = not self.draining and sum(s.process is not None and s.ever_ready for s in self.slots) >= self.needed()
+        self.health.set_serving(alive, [""])
         ready = not self.draining and self.ready_workers() >= self.needed()
         reason = "" if ready else self.not_ready_reason()
         if ready != self.pod_ready:
             self.pod_ready = ready
             self.ever_ready = self.ever_ready or ready
-            self.health.set_serving(ready)
+            self.health.set_serving(ready, [SERVICE_NAME])
             self.metrics.ready.set(int(ready))
             if ready:
                 log.info("ready workers=%d workers_ready=%d %s", self.workers, self.ready_workers(), self.listening)

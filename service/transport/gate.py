@@ -131,6 +131,8 @@ class Lane:
     # The calls holding a place, and the calls waiting for their request, each by id, with their peer.
     live: dict[int, str | None] = field(default_factory=dict)
     waiting: dict[int, tuple[float, str | None, tuple, Route]] = field(default_factory=dict)
+    # Calls its threads have finished (not exact under races between threads: read only for progress).
+    finished: int = 0
     by_peer: Counter = field(default_factory=Counter)
     waiting_by_peer: Counter = field(default_factory=Counter)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -346,6 +348,7 @@ class CallGate:
                     self._let_go(lane.by_peer, lane, peer)
                 if not started.value and route.count_never_started:
                     self.on_never_started(route.method)
+                lane.finished += 1
                 done.finish()
 
     def _sweep(self) -> None:
@@ -377,6 +380,10 @@ class CallGate:
         self.shed(route.method, reason, f"{message} ({peer or 'a peer'})")
         grpcio.end_call(args, code, message)
         return True
+
+    def idle(self) -> bool:
+        """No call in any lane: none waiting for its request, queued or running."""
+        return not any(lane.live or lane.waiting for lane in self.lanes)
 
     def held(self, lane: Lane) -> int:
         """Calls holding a place in ``lane`` now."""

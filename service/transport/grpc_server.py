@@ -36,6 +36,7 @@ from indexer_service.service.reasons import ShedReason
 from indexer_service.service.rpcs import RPCS
 from indexer_service.service.transport.gate import Accounting, CallGate, Lane
 from indexer_service.service.transport.health import HEALTH_SERVICE_NAME, HealthServicer
+from indexer_service.service.transport.port_watch import RpcPortWatch
 from indexer_service.service.transport.reflection import Reflection
 
 log = logging.getLogger(__name__)
@@ -341,10 +342,22 @@ class GrpcServer:
     lane: Lane
     watchdog: DrainWatchdog
     reflection: Reflection
+    watch: RpcPortWatch | None = None
+
+    def start(self) -> None:
+        self.server.start()
+        if self.watch is not None:
+            self.watch.start()
 
     def stop(self, grace: float) -> None:
+        if self.watch is not None:
+            self.watch.stop()
         self.gate.end_waiting()  # calls that never sent their request do not hold the grace
-        self.server.stop(grace).wait()
+        stopped, end = self.server.stop(grace), time.monotonic() + grace
+        while not stopped.wait(0.05) and time.monotonic() < end:
+            if self.gate.idle():  # no call of ours left: what remains is connections that ignore the GOAWAY
+                self.server.stop(0)
+        stopped.wait()
         busy = self.gate.shutdown(POOL_STOP_SECONDS)
         if busy:
             log.warning("rpc_threads_still_busy count=%d after_seconds=%.1f", busy, POOL_STOP_SECONDS)
@@ -358,10 +371,12 @@ def create_grpc_server(
     health_servicer: HealthServicer,
     share_port: bool = False,
     probe_socket: Path | None = None,
+    report: Callable[[str, bool], None] | None = None,
 ) -> GrpcServer:
     """The RPC server, bound (and, as gRPC binds, listening: it takes connections into its backlog from here on)
     but not started. ``share_port``: SO_REUSEPORT, for a worker of several; ``probe_socket``: a unix socket the
-    server also listens on, plaintext, for the supervisor's health probes (service/process/supervisor.py)."""
+    server also listens on, plaintext, for health probes (its own watch's, the supervisor's); ``report``: told
+    whether the port takes new callers (service/transport/port_watch.py), once :meth:`GrpcServer.start` ran."""
     gate = make_gate(config, Accounting(plane.metrics, plane.shed))
     lane = gate.lane("grpc", config.grpc_workers, config.max_concurrent_rpcs, config.max_concurrent_rpcs_per_peer)
     server = grpc.server(
@@ -396,7 +411,8 @@ def create_grpc_server(
             server.add_insecure_port(f"unix:{probe_socket}")
         except RuntimeError as exc:
             raise OSError(f"cannot bind the probe socket {probe_socket}: {exc}") from None
-    return GrpcServer(server, port, gate, lane, watchdog, reflection)
+    watch = None if report is None else RpcPortWatch(gate, lane, report, probe_socket)
+    return GrpcServer(server, port, gate, lane, watchdog, reflection, watch)
 
 
 @dataclass
