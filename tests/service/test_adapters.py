@@ -1,6 +1,7 @@
 """The adapters together (service/adapters/__init__.py): one registry of features; probe_all probes every adapter's
-library (Triton only where asked) and announces each fallback once, which the metrics then show; and nothing in the
-product outside service/adapters/ and kernels/triton_adapter.py names a private module or attribute of grpcio,
+library (Triton only where asked) and announces each fallback once, which the metrics then show; a real ``serve``
+on a Triton without parallel compile warms up ahead of time, serves, and says which fallback it took; and nothing in
+the product outside service/adapters/ and kernels/triton_adapter.py names a private module or attribute of grpcio,
 uvicorn, prometheus_client or Triton (the sources, read with ``ast``; the reader itself is checked on snippets for
 what it must and must not find)."""
 
@@ -9,16 +10,23 @@ from __future__ import annotations
 import ast
 import logging
 import re
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 
 from indexer_service.kernels import triton_adapter
-from indexer_service.service import adapters
+from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
+from indexer_service.protos.indexer.v1 import indexer_pb2_grpc as pb_grpc
+from indexer_service.service import adapters, codec
 from indexer_service.service.adapters import grpcio, prometheus, uvicorn_http
 from indexer_service.service.metrics import Metrics
+from testkit.harness import ServiceProcess, clean_env, listen_flags, metric_total
+from testkit.harness import scrape as scrape_samples
 from testkit.paths import REPO
+from tests.golden import GOLDEN, chunk_inputs, metadata_as_dict
 
 LIBRARIES = ("grpc", "uvicorn", "prometheus_client", "triton")
 ALLOWED = (REPO / "service" / "adapters", REPO / "kernels" / "triton_adapter.py")
@@ -220,3 +228,36 @@ def test_probe_all_takes_tritons_fallbacks_only_where_asked_and_says_each_once(
             "indexer_dependency_fallback", {"library": "triton", "feature": feature}
         )
         assert value == (feature == "async_compile"), feature
+
+
+# `serve` in a process whose Triton has no AsyncCompileMode where the JIT still works (its parallel compile gone, as
+# Triton 3.4 ships it): the default configuration's ahead-of-time warmup, with two compile workers.
+WITHOUT_ASYNC_COMPILE = (
+    "import sys\n"
+    "import triton.runtime._async_compile as mode\n"
+    "del mode.AsyncCompileMode\n"
+    "from indexer_service.service.process.cli import main\n"
+    "sys.exit(main(sys.argv[1:]))\n"
+)
+
+
+def test_serve_on_a_triton_without_parallel_compile_warms_up_serves_and_says_so(triton_cache_dir: Path) -> None:
+    command = [sys.executable, "-c", WITHOUT_ASYNC_COMPILE, "serve", *listen_flags()]
+    env = clean_env(TRITON_CACHE_DIR=str(triton_cache_dir))
+    with ServiceProcess("--warmup-workers", "2", command=command, env=env) as server:
+        with grpc.insecure_channel(server.address) as channel:
+            stub = pb_grpc.PrefillMetadataStub(channel)
+            status = stub.GetWarmupStatus(pb.GetWarmupStatusRequest(), timeout=10)
+            for case in GOLDEN["chunk_metadata"][:4]:
+                answer = stub.BuildChunk(codec.chunk_inputs_to_proto(chunk_inputs(case)), timeout=10)
+                assert metadata_as_dict(codec.metadata_from_proto(answer.metadata)) == case["expected"]
+        assert status.ready and status.target == "cuda:90" and status.keys
+        assert all(key.state == pb.KEY_STATE_COMPILED for key in status.keys), status.keys
+        assert [(f.library, f.feature) for f in status.dependency_fallbacks] == [("triton", "async_compile")]
+        samples = scrape_samples(server.http_url)
+        for feature in adapters.FEATURES["triton"]:
+            value = metric_total(samples, "indexer_dependency_fallback", library="triton", feature=feature)
+            assert value == (feature == "async_compile"), feature
+        log = server.log()
+    assert "dependency_fallbacks=triton.async_compile" in log
+    assert log.count("dependency_fallback triton async_compile: triton.runtime._async_compile.AsyncCompileMode") == 1
