@@ -28,7 +28,7 @@ import inspect
 import os
 import sys
 import tempfile
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -214,7 +214,7 @@ def features() -> PrometheusFeatures:
 # -- multiprocess_value_class -----------------------------------------------------------------------------------
 
 
-def name_multiprocess_dir(path: Path, repick: Callable[[], bool] | None = None) -> bool:
+def name_multiprocess_dir(path: Path) -> bool:
     """Make ``path`` this process's multiprocess directory (``PROMETHEUS_MULTIPROC_DIR``, which processes started from
     here inherit); returns whether the metrics this process makes from now on keep their values there. Named before
     prometheus_client is imported, they do: prometheus_client picks the multiprocess value class itself. Named after,
@@ -222,10 +222,6 @@ def name_multiprocess_dir(path: Path, repick: Callable[[], bool] | None = None) 
     os.environ[ENVIRONMENT] = str(path)
     if VALUES_MODULE not in sys.modules:
         return True
-    return (repick or _repick_value_class)()
-
-
-def _repick_value_class() -> bool:
     if not features().multiprocess_value_class:
         return False
     values = sys.modules[VALUES_MODULE]
