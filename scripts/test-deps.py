@@ -74,9 +74,10 @@ PINNED_MODULES = (
 )
 
 # What each end runs (111-126 s here at load average 5-7; both ends together must stay within 6 minutes): the
-# transports over gRPC and HTTP (the RPCs, their pool and caller, the grpcio internals the adapters read, reflection
+# transports over gRPC and HTTP (the RPCs, their gate and caller, the grpcio internals the adapters read, reflection
 # and health Check/List/Watch, TLS, the HTTP ports and their errors, protobuf's own serialization against the fast
-# path's bytes), the metrics (one process, and the multiprocess files of workers), the drain on SIGTERM, and the
+# path's bytes), the metrics (one process, and the multiprocess files of workers, with the prometheus_client
+# internals the adapters read, and each of their public paths), the drain on SIGTERM, and the
 # floods. Left to `make test`: what the libraries play no part in (warmups, CPU pinning, signals at every moment of
 # a start) and the second form of a flood another test here already sends (the health port's idle connections,
 # the workers' full port).
@@ -87,6 +88,8 @@ TESTS = (
     "tests/service/test_adapter_grpcio.py",
     "tests/service/test_health.py",
     "tests/service/test_port_watch.py",
+    "tests/service/test_adapter_prometheus.py",
+    "tests/service/test_adapters.py",
     "tests/service/test_streams.py",
     "tests/service/test_protocols.py",
     "tests/service/test_codec.py",

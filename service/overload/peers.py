@@ -27,12 +27,14 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
-
-from prometheus_client import Counter
+from typing import TYPE_CHECKING
 
 from indexer_service.service.logs import RateLimitedLog
 from indexer_service.service.overload.allocator import open_fds
 from indexer_service.service.reasons import Port
+
+if TYPE_CHECKING:  # the supervisor imports this module before it names the multiprocess directory
+    from prometheus_client import Counter
 
 log = logging.getLogger(__name__)
 

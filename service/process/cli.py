@@ -59,9 +59,8 @@ def _serve(args: argparse.Namespace) -> int:
         signals.close()
         raise
     try:
-        from indexer_service.service.adapters import probe_all
-
-        probe_all()  # before any worker: each library feature on or on its public path, announced once
+        # Each library's features are probed, and its fallbacks announced, with the start line (announce_start):
+        # in a supervisor, once its multiprocess directory is named (service/adapters/prometheus.py says why).
         from indexer_service.service.process.supervisor import resolve_workers
 
         workers, source = resolve_workers(config.workers)
@@ -98,9 +97,11 @@ def _keys(args: argparse.Namespace) -> int:
 
 def _precompile(args: argparse.Namespace) -> int:
     from indexer_service.kernels.specialization import warmup_keys
+    from indexer_service.service.adapters import probe_all
     from indexer_service.service.compute.warmup import compile_and_log, use_triton_cache_dir
 
     config = _configure(args, needs_warmup="precompile")
+    probe_all(triton=True)  # Triton's fallbacks, announced before the compiles that take them
     cache_dir = use_triton_cache_dir(config.triton_cache_dir)
     keys = warmup_keys(config.model)
     log.info(

@@ -30,7 +30,7 @@ from indexer_service.service.adapters.uvicorn_http import HttpLimits, protocol_s
 from indexer_service.service.addresses import host_port
 from indexer_service.service.codec import SERVICE_NAME
 from indexer_service.service.compute.backends import make_backend
-from indexer_service.service.compute.devices import resolve_backend
+from indexer_service.service.compute.devices import resolve_backend, uses_triton
 from indexer_service.service.compute.warmup import Warmup, use_triton_cache_dir
 from indexer_service.service.config import ServiceConfig
 from indexer_service.service.dataplane import DataPlane
@@ -130,6 +130,9 @@ class IndexerServer:
         self.worker = worker
         cache_dir = use_triton_cache_dir(config.triton_cache_dir)
         self.backend = resolve_backend(config.backend)
+        # Probed already where the CLI started this process (the start line names the fallbacks); here for servers
+        # made otherwise, before the metrics show them.
+        adapters.probe_all(triton=uses_triton(self.backend, config.warmup_enabled))
         self.metrics = Metrics(worker=worker is not None)
         self.warmup = Warmup(
             warmup_keys(config.model),
@@ -355,9 +358,11 @@ def tls_mode(config: ServiceConfig) -> str:
 
 
 def announce_start(config: ServiceConfig, workers: int, port_file: Path | None) -> None:
-    """The start-up log lines (what is starting, every setting, the TLS mode), then the port file's check: a
-    process that could not report its ports fails before anything listens. Shared by the one process and the
-    supervisor."""
+    """The start-up log lines (what is starting, with the dependency fallbacks its libraries took; every setting;
+    the TLS mode), then the port file's check: a process that could not report its ports fails before anything
+    listens. Shared by the one process and the supervisor (whose workers probe Triton themselves: it never imports
+    it)."""
+    adapters.probe_all(triton=workers == 1 and uses_triton(config.backend, config.warmup_enabled))
     mode = "one process" if workers == 1 else f"supervisor of {workers} worker processes"
     log.info(
         "start pid=%d indexer-service %s mode=%s backend=%s warmup_target=%s dependency_fallbacks=%s",
