@@ -135,6 +135,13 @@ class Metrics:
             "indexer_warmup_failures_total", "Keys whose warmup compile failed.", registry=r
         )
         self.ready = None if worker else _ready_gauge(r)
+        self.warmup_misses_total = Counter(
+            "indexer_warmup_misses_total",
+            "Requests whose kernel variant is outside the model's warmup set, on any backend (a GPU replica would "
+            'compile it after ready), by variant (the first 32 by name, then "other").',
+            ["variant"],
+            registry=r,
+        )
         self.compiles_after_ready_total = Counter(
             "indexer_compiles_after_ready_total",
             "Kernel compiles (including disk-cache loads) after the server turned ready; should stay 0.",

@@ -53,13 +53,14 @@ LIMITED = dataclasses.replace(
 
 
 class WarmedSet:
-    """A finished warmup that compiled exactly ``ratios`` (strict mode's admitted set)."""
+    """A finished warmup whose model set is ``ratios`` and that compiled exactly them (strict mode's admitted set)."""
 
     finished_ok = True
     state = WarmupState.READY
 
     def __init__(self, ratios: tuple[int, ...]) -> None:
         self._keys = frozenset(CompileKey(r) for r in ratios)
+        self.model_keys = tuple(self._keys)
 
     def compiled_keys(self) -> frozenset[CompileKey]:
         return self._keys
