@@ -68,7 +68,7 @@ from indexer_service.service.overload.limits import RequestLimits, fast_path_lim
 from indexer_service.service.reasons import ShedReason
 from indexer_service.service.rpcs import RPCS, parse_request
 from indexer_service.service.tracing import RpcTracer
-from indexer_service.service.version import VERSION
+from indexer_service.service.version import version_line
 
 log = logging.getLogger(__name__)
 
@@ -466,7 +466,7 @@ class DataPlane:
             compiles_after_ready=self.readiness.compiles_after_ready,
             ready=self.readiness.ready,
             auto_crossover_elements=self.backend.selector.crossover if self.backend.selector else 0,
-            server_version=VERSION,
+            server_version=version_line(),
             dependency_fallbacks=[
                 pb.DependencyFallback(library=f.library, feature=f.feature, detail=f.describe())
                 for f in adapters.taken()

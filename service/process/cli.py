@@ -22,7 +22,7 @@ from indexer_service.service.config import (
     unknown_environment,
 )
 from indexer_service.service.logs import configure_logging
-from indexer_service.service.version import VERSION
+from indexer_service.service.version import version_line
 
 log = logging.getLogger(__name__)
 
@@ -271,7 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="indexer-service",
         description="DeepSeek-V4 sparse-indexer prefill chunk metadata over gRPC, with warmup-gated readiness.",
     )
-    parser.add_argument("--version", action="version", version=f"%(prog)s {VERSION}")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version_line()}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     serve = commands.add_parser(
@@ -279,7 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the server (gRPC and HTTP)",
         description="Start the gRPC and HTTP servers, warm up, serve until SIGTERM, then drain and exit 0.",
     )
-    serve.add_argument("--version", action="version", version=f"indexer-service {VERSION}")
+    serve.add_argument("--version", action="version", version=f"indexer-service {version_line()}")
     add_config_arguments(serve)
     serve.add_argument(
         "--port-file", type=Path, metavar="PATH", help="write the bound ports as JSON here once every listener is up"

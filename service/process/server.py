@@ -51,7 +51,7 @@ from indexer_service.service.transport.grpc_server import (
 )
 from indexer_service.service.transport.health import HealthServicer
 from indexer_service.service.transport.http_app import HttpConnectionEvents, HttpRefusals, ProbeApp, RpcApp
-from indexer_service.service.version import VERSION
+from indexer_service.service.version import VERSION, build
 from indexer_service.service.workerproto import WorkerLink
 
 log = logging.getLogger(__name__)
@@ -365,9 +365,12 @@ def announce_start(config: ServiceConfig, workers: int, port_file: Path | None) 
     adapters.probe_all(triton=workers == 1 and uses_triton(config.backend, config.warmup_enabled))
     mode = "one process" if workers == 1 else f"supervisor of {workers} worker processes"
     log.info(
-        "start pid=%d indexer-service %s mode=%s backend=%s warmup_target=%s dependency_fallbacks=%s",
+        "start pid=%d indexer-service %s commit=%s image_revision=%s mode=%s backend=%s warmup_target=%s "
+        "dependency_fallbacks=%s",
         os.getpid(),
         VERSION,
+        build()["commit"],
+        build()["image_revision"] or "-",
         mode,
         config.backend,
         config.warmup_target,

@@ -38,7 +38,9 @@ from indexer_service.service.logs import (
     request_id_from,
 )
 from indexer_service.service.overload.limits import max_request_bytes
+from indexer_service.service.version import build, version_line
 from testkit.harness import FAST_START, INDEXER_SERVICE, ServiceProcess, clean_env, wait_for
+from testkit.paths import REPO
 from tests.service.conftest import StartServer, scrape
 
 VERSION = metadata.version("indexer-service")
@@ -155,10 +157,19 @@ def test_the_cli_warns_about_unknown_variables_and_goes_on() -> None:
     assert "did you mean INDEXER_MAX_NUM_SEQS?" in warning[0]
 
 
-def test_version_flags_print_the_package_version() -> None:
+def test_version_flags_print_the_package_version_and_the_commit() -> None:
     for argv in (["--version"], ["serve", "--version"]):
         done = subprocess.run([INDEXER_SERVICE, *argv], capture_output=True, text=True, timeout=60)
-        assert (done.returncode, done.stdout) == (0, f"indexer-service {VERSION}\n"), done.stderr
+        assert (done.returncode, done.stdout) == (0, f"indexer-service {version_line()}\n"), done.stderr
+    # from this checkout: its HEAD; in an image, what the build set (and the image's revision)
+    assert build()["commit"].startswith(git_head()[:12])
+    env = clean_env(INDEXER_BUILD_COMMIT="0123456789ab", INDEXER_IMAGE_REVISION="deadbeef")
+    done = subprocess.run([INDEXER_SERVICE, "--version"], capture_output=True, text=True, timeout=60, env=env)
+    assert done.stdout == f"indexer-service {VERSION} (commit 0123456789ab, image deadbeef)\n", done.stderr
+
+
+def git_head() -> str:
+    return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True, cwd=REPO).stdout
 
 
 # --- a real server ------------------------------------------------------------------------------------------
@@ -212,7 +223,7 @@ def json_server(tmp_path_factory: pytest.TempPathFactory):
 def test_every_line_of_a_json_server_is_an_object_and_the_first_names_the_version(json_server) -> None:
     lines = [line for line in json_server.log().splitlines() if line.strip()]
     start, config = json.loads(lines[0]), json.loads(lines[1])
-    assert start["event"] == "start" and f" indexer-service {VERSION} " in start["msg"]
+    assert start["event"] == "start" and f" indexer-service {VERSION} commit={build()['commit']} " in start["msg"]
     assert re.fullmatch(UTC_ISO, start["ts"]) and start["backend"] == "numpy"
     assert config["event"] == "config:" and config["log_format"] == "json"
     assert all(line.startswith("{") for line in lines if not re.match(r"[EWI]\d{4} ", line)), lines
@@ -315,14 +326,15 @@ def test_unknown_methods_are_counted_and_logged_and_health_and_reflection_still_
 def test_the_version_is_served_and_the_build_info_and_process_metrics_exported(json_server) -> None:
     with grpc.insecure_channel(json_server.address) as channel:
         answer = channel.unary_unary(f"/{SERVICE_NAME}/GetWarmupStatus")(b"", timeout=10)
-    assert pb.GetWarmupStatusResponse.FromString(answer).server_version == VERSION
+    assert pb.GetWarmupStatusResponse.FromString(answer).server_version == version_line()
     check = subprocess.run([INDEXER_SERVICE, "check", json_server.address], capture_output=True, text=True, timeout=60)
-    assert check.returncode == 0 and f" server_version={VERSION}\n" in check.stdout, check.stdout
+    assert check.returncode == 0 and f" server_version={version_line()}\n" in check.stdout, check.stdout
     metrics = scrape(json_server)
     [info] = metrics.samples("indexer_build_info")
-    assert info.value == 1 and info.labels["version"] == VERSION
+    assert info.value == 1 and info.labels["version"] == VERSION and info.labels["commit"] == build()["commit"]
     assert info.labels["grpcio"] == grpc.__version__ and info.labels["numpy"] == np.__version__
-    assert set(info.labels) == {"version", "python", "grpcio", "protobuf", "numpy", "torch", "triton"}
+    labels = {"version", "commit", "image_revision", "python", "grpcio", "protobuf", "numpy", "torch", "triton"}
+    assert set(info.labels) == labels
     assert metrics.value("process_cpu_seconds_total") > 0
     assert metrics.value("process_resident_memory_bytes") > 0
 
