@@ -21,7 +21,8 @@ import re
 import sys
 import threading
 import time
-from collections.abc import Hashable
+import weakref
+from collections.abc import Callable, Hashable
 from contextvars import ContextVar
 
 log = logging.getLogger(__name__)  # the failed-call lines
@@ -151,9 +152,11 @@ def configure_logging(level: str, log_format: str = "text", worker: int | None =
 
 class RateLimitedLog:
     """At most one line per key every ``interval`` seconds on ``logger``, with how many times the key came up since
-    the last line (this one included). :meth:`note` writes the refusal lines of shed calls and HTTP refusals,
-    ``<event> reason=<reason> count=<n> <fields> last=<detail>`` (a warning per event and reason);
-    :class:`FailedCallLog` asks :meth:`due` and writes lines of its own shape."""
+    the last line (this one included), and none left unwritten: an event that comes while its key's line is not due
+    is held (the latest one's line, in its call's request-id context) and written by a timer once it is, at most
+    ``interval`` plus :data:`FLUSH_SECONDS` after the event. :meth:`note` writes the refusal lines of shed calls and
+    HTTP refusals, ``<event> reason=<reason> count=<n> <fields> last=<detail>`` (a warning per event and reason);
+    :meth:`write` takes a line of any shape."""
 
     def __init__(self, logger: logging.Logger, interval: float) -> None:
         self.logger = logger
@@ -161,26 +164,84 @@ class RateLimitedLog:
         self._lock = threading.Lock()
         self._pending: dict[Hashable, int] = {}
         self._last: dict[Hashable, float] = {}
+        self._held: dict[Hashable, tuple[Callable[[int], None], str]] = {}
+        _FLUSHER.watch(self)
 
-    def due(self, key: Hashable) -> int | None:
-        """The events since the last line of ``key`` when a line is due now (the caller writes it), else None."""
+    def write(self, key: Hashable, line: Callable[[int], None]) -> None:
+        """One more event of ``key``; ``line(count)`` writes its line, now when one is due, else once it is (unless
+        a later event's line replaces it: the line names the last event, the count all of them)."""
         now = time.monotonic()
         with self._lock:
             count = self._pending.get(key, 0) + 1
             if now - self._last.get(key, -self.interval) < self.interval:
                 self._pending[key] = count
-                return None
+                self._held[key] = (line, REQUEST_ID.get())
+                return
             self._pending[key] = 0
             self._last[key] = now
-        return count
+            self._held.pop(key, None)
+        line(count)
+
+    def flush(self, now: float | None = None) -> int:
+        """Write every held line that is due; returns how many."""
+        now = time.monotonic() if now is None else now
+        due = []
+        with self._lock:
+            for key, held in list(self._held.items()):
+                if now - self._last.get(key, -self.interval) >= self.interval:
+                    due.append((held, self._pending.get(key, 0)))
+                    self._pending[key] = 0
+                    self._last[key] = now
+                    del self._held[key]
+        for (line, request_id), count in due:
+            token = REQUEST_ID.set(request_id)
+            try:
+                line(count)
+            finally:
+                REQUEST_ID.reset(token)
+        return len(due)
 
     def note(self, event: str, reason: str, detail: str, fields: str = "") -> None:
-        """One more ``reason`` for ``event``; its line when one is due."""
-        count = self.due((event, reason))
-        if count is None:
-            return
+        """One more ``reason`` for ``event``."""
         more = f" {fields}" if fields else ""
-        self.logger.warning("%s reason=%s count=%d%s last=%r", event, reason, count, more, detail)
+        self.write(
+            (event, reason),
+            lambda count: self.logger.warning("%s reason=%s count=%d%s last=%r", event, reason, count, more, detail),
+        )
+
+
+# How often held lines are looked at: a held line is written at most its interval plus this after its event.
+FLUSH_SECONDS = 1.0
+
+
+class _Flusher:
+    """One daemon thread for the process that writes every live :class:`RateLimitedLog`'s held lines once due."""
+
+    def __init__(self) -> None:
+        self._logs: weakref.WeakSet[RateLimitedLog] = weakref.WeakSet()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def watch(self, rate_limited: RateLimitedLog) -> None:
+        with self._lock:
+            self._logs.add(rate_limited)
+            if self._thread is None or not self._thread.is_alive():  # started lazily; again after a fork
+                self._thread = threading.Thread(target=self._run, name="log-flush", daemon=True)
+                self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(FLUSH_SECONDS)
+            with self._lock:
+                logs = list(self._logs)
+            for rate_limited in logs:
+                try:
+                    rate_limited.flush()
+                except Exception:  # a line that cannot be written must not stop the others'
+                    log.exception("a held log line could not be written")
+
+
+_FLUSHER = _Flusher()
 
 
 class LibraryCallbackErrors:
@@ -196,12 +257,13 @@ class LibraryCallbackErrors:
 
     def record(self, where: str, exc: BaseException, detail: str = "") -> None:
         self.metrics.child(self.metrics.library_callback_errors_total, where).inc()
-        count = self._log.due(where)
-        if count is not None:
-            more = f" {detail}" if detail else ""
-            self.logger.error(
+        more = f" {detail}" if detail else ""
+        self._log.write(
+            where,
+            lambda count: self.logger.error(
                 "library_callback_error where=%s count=%d error=%r%s", where, count, exc, more, exc_info=exc
-            )
+            ),
+        )
 
 
 # One line per (transport, method, code) at most this often; the line counts every failure in between.
@@ -219,17 +281,21 @@ class FailedCallLog:
 
     def record(self, transport: str, method: str, code: str, details: str, peer: str, milliseconds: float) -> None:
         internal = code == "INTERNAL"
-        count = 1 if internal else self.log.due((transport, method, code))
-        if count is None:
-            return
-        self.log.logger.log(
-            logging.ERROR if internal else logging.INFO,
-            "%s method=%s code=%s count=%d ms=%.3f peer=%s details=%s",
-            transport,
-            method,
-            code,
-            count,
-            milliseconds,
-            peer,
-            json.dumps(details),
-        )
+
+        def line(count: int) -> None:
+            self.log.logger.log(
+                logging.ERROR if internal else logging.INFO,
+                "%s method=%s code=%s count=%d ms=%.3f peer=%s details=%s",
+                transport,
+                method,
+                code,
+                count,
+                milliseconds,
+                peer,
+                json.dumps(details),
+            )
+
+        if internal:
+            line(1)
+        else:
+            self.log.write((transport, method, code), line)

@@ -119,16 +119,44 @@ def test_request_ids_from_callers_are_kept_only_when_safe() -> None:
 
 def test_the_rate_limited_log_writes_one_line_per_key_and_interval_with_the_count(caplog) -> None:
     limited = RateLimitedLog(logging.getLogger("indexer_service.test"), interval=3600.0)
-    assert [limited.due("a") for _ in range(4)] == [1, None, None, None]
-    assert limited.due("b") == 1
+    written: list[tuple[str, int]] = []
+    for _ in range(4):
+        limited.write("a", lambda count: written.append(("a", count)))
+    limited.write("b", lambda count: written.append(("b", count)))
+    assert written == [("a", 1), ("b", 1)]
+    assert limited.flush() == 0  # the held line of "a" is not due yet
     limited._last["a"] -= 3600.0  # the interval has passed
-    assert limited.due("a") == 4  # three held back and this one
+    limited.write("a", lambda count: written.append(("a", count)))
+    assert written[-1] == ("a", 4)  # three held back and this one
     with caplog.at_level(logging.WARNING, logger="indexer_service.test"):
         for n in range(3):
             limited.note("http refused", "body_too_large", f"call {n}", "port=8081")
     assert [r.getMessage() for r in caplog.records] == [
         "http refused reason=body_too_large count=1 port=8081 last='call 0'"
     ]
+
+
+def test_no_held_line_stays_unwritten_past_its_interval(caplog) -> None:
+    # Five failures in a burst, then nothing: the four held back are written, with their count and the last one's
+    # request id, once the interval has passed, by the timer (a line's last event is never lost).
+    failed = FailedCallLog(interval=0.5)
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(TextFormatter().format(record))  # formatted as written, as a handler
+    logger = logging.getLogger("indexer_service.service.logs")
+    logger.addHandler(handler)
+    try:
+        with caplog.at_level(logging.INFO, logger="indexer_service.service.logs"):
+            for n in range(5):
+                token = REQUEST_ID.set(f"req-{n}")
+                failed.record("rpc", "BuildChunk", "INVALID_ARGUMENT", f"bad {n}", "peer", 1.0)
+                REQUEST_ID.reset(token)
+            wait_for(lambda: len(lines) == 2, 5, "the held line, written by the timer")
+    finally:
+        logger.removeHandler(handler)
+    first, held = lines
+    assert "count=1" in first and 'details="bad 0"' in first and first.endswith("request_id=req-0")
+    assert "count=4" in held and 'details="bad 4"' in held and held.endswith("request_id=req-4")
 
 
 def test_failed_calls_are_rate_limited_per_method_and_code_but_internal_never(caplog) -> None:
