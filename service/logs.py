@@ -4,8 +4,10 @@ rate limit that keeps a flood of failing calls from becoming a flood of lines.
 Every line is one event: ``event key=value ...`` in the message. ``log_format = "text"`` writes
 ``2026-12-04T15:48:36.123Z INFO logger event key=value ... request_id=... worker=N`` (``request_id`` while a call
 is served, ``worker`` in a worker process); ``"json"`` writes one object a line with ``ts``, ``level``,
-``logger``, ``event``, ``msg`` (the whole message), each ``key=value`` of the message as a key of its own (numbers
-as numbers, quoted values unquoted), ``request_id``, ``worker`` and ``exc`` (a traceback) where they apply:
+``logger``, ``event`` (a stable snake_case name: :func:`record_event`), ``msg`` (the whole message), each
+``key=value`` of the message as a key of its own (numbers as numbers, quoted values unquoted; another library's
+lines keep their text whole), ``request_id``, ``worker`` and ``exc`` (a traceback) where they apply; under it, a
+configuration error at start is a JSON line too (:func:`error_line`):
 ``worker`` is a worker process's own slot on each of its lines, and in the supervisor's lines about a worker
 (``worker exited worker=1 ...``) that worker's, from the message.
 """
@@ -96,6 +98,22 @@ def message_fields(message: str) -> tuple[str, dict[str, object]]:
     return event.strip(), fields
 
 
+# An event's name: lower-case words, at most four (``shed``, ``worker exited``, ``rpc_port_taking_callers``).
+_EVENT = re.compile(r"[a-z][a-z0-9_]*(?: [a-z][a-z0-9_]*){0,3}").fullmatch
+OWN_LOGGERS = "indexer_service"
+
+
+def record_event(record: logging.LogRecord, message: str) -> tuple[str, dict[str, object]]:
+    """A record's ``event`` and its fields: for this service's own lines, the words before the first
+    ``key=value`` as one snake_case name (``worker exited`` -> ``worker_exited``) and the fields, or ``message``
+    where the line starts with free text; for another library's (uvicorn's, gRPC's, OpenTelemetry's), the name
+    ``<library>_log`` and no fields: its text stays whole in ``msg``, never split into keys."""
+    if not record.name.startswith(OWN_LOGGERS):
+        return f"{record.name.split('.', 1)[0]}_log", {}
+    event, fields = message_fields(message)
+    return (event.replace(" ", "_") if _EVENT(event) else "message"), fields
+
+
 def _field_value(text: str) -> object:
     if text[:1] in ("'", '"') and len(text) >= 2:
         try:
@@ -118,7 +136,7 @@ class JsonFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         message = record.getMessage()
-        event, fields = message_fields(message)
+        event, fields = record_event(record, message)
         line: dict[str, object] = {
             "ts": utc_timestamp(record.created),
             "level": record.levelname,
@@ -144,10 +162,52 @@ def _traceback(formatter: logging.Formatter, record: logging.LogRecord) -> str:
 
 def configure_logging(level: str, log_format: str = "text", worker: int | None = None) -> None:
     """The process's log lines on stderr, at ``level``, in ``log_format`` (``text`` or ``json``, the setting's
-    choices); ``worker``: this process's slot, on every line."""
+    choices); ``worker``: this process's slot, on every line. Other libraries' lines of one logger and text (an
+    exporter failing every few seconds, say) are written at most once every ``LIBRARY_LOG_INTERVAL_SECONDS``, with
+    how many came meanwhile."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter((JsonFormatter if log_format == "json" else TextFormatter)(worker))
+    handler.addFilter(LibraryLogLimit(LIBRARY_LOG_INTERVAL_SECONDS))
     logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
+
+
+LIBRARY_LOG_INTERVAL_SECONDS = 10.0
+
+
+class LibraryLogLimit(logging.Filter):
+    """Lets another library's record through at most once per (logger, message template) every ``interval``
+    seconds; the one let through after a pause says how many were dropped (``[N more like it]``). The service's
+    own records pass: its rate-limited lines are :class:`RateLimitedLog`'s."""
+
+    def __init__(self, interval: float) -> None:
+        super().__init__()
+        self.interval = interval
+        self._lock = threading.Lock()
+        self._last: dict[tuple[str, str], float] = {}
+        self._dropped: dict[tuple[str, str], int] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.name.startswith(OWN_LOGGERS):
+            return True
+        key, now = (record.name, str(record.msg)), time.monotonic()
+        with self._lock:
+            if now - self._last.get(key, -self.interval) < self.interval:
+                self._dropped[key] = self._dropped.get(key, 0) + 1
+                return False
+            self._last[key] = now
+            dropped = self._dropped.pop(key, 0)
+        if dropped:
+            record.msg = f"{record.msg} [{dropped} more like it]"
+        return True
+
+
+def error_line(log_format: str, logger: str, event: str, message: str, **fields: object) -> str:
+    """A line for stderr before logging is configured (a configuration error at start): JSON under
+    ``log_format = "json"``, with the fields of a log line; else ``message`` as it is."""
+    if log_format != "json":
+        return message
+    line = {"ts": utc_timestamp(time.time()), "level": "ERROR", "logger": logger, "event": event, "msg": message}
+    return json.dumps(line | {k: v for k, v in fields.items() if v is not None}, default=str)
 
 
 class RateLimitedLog:

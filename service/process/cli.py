@@ -19,9 +19,10 @@ from indexer_service.service.config import (
     ServiceConfig,
     add_config_arguments,
     config_from_arguments,
+    requested_log_format,
     unknown_environment,
 )
-from indexer_service.service.logs import configure_logging
+from indexer_service.service.logs import configure_logging, error_line
 from indexer_service.service.version import version_line
 
 log = logging.getLogger(__name__)
@@ -73,11 +74,12 @@ def _serve(args: argparse.Namespace) -> int:
 
             code = serve(config, args.port_file, signals)
     except ConfigError as exc:  # found only once the server is built (none should be)
-        print(f"indexer-service serve: {exc}", file=sys.stderr)
+        print(_error(args, "config_error", exc, setting=exc.setting, source=exc.source), file=sys.stderr)
         code = EXIT_USAGE
     except (OSError, RuntimeError) as exc:  # a fatal start-up error: grpcio, bind, port file, the HTTP server
         log.error("fatal %s", exc)
-        print(f"indexer-service serve: {exc}", file=sys.stderr)
+        if config.log_format != "json":  # the log line above is the JSON log's whole account
+            print(f"indexer-service serve: {exc}", file=sys.stderr)
         code = EXIT_FAILED
     except BaseException:
         log.exception("fatal internal error")
@@ -339,11 +341,19 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_BROKEN_PIPE
     except (ConfigError, UsageError) as exc:
-        print(f"indexer-service {args.command}: {exc}", file=sys.stderr)
+        setting = exc.setting if isinstance(exc, ConfigError) else None
+        source = exc.source if isinstance(exc, ConfigError) else None
+        print(_error(args, "config_error", exc, setting=setting, source=source), file=sys.stderr)
         return EXIT_USAGE
     except OSError as exc:
-        print(f"indexer-service {args.command}: {exc}", file=sys.stderr)
+        print(_error(args, "fatal", exc), file=sys.stderr)
         return EXIT_FAILED
+
+
+def _error(args: argparse.Namespace, event: str, exc: BaseException, **fields: object) -> str:
+    """The one stderr line of a command that failed before or without its log: ``indexer-service CMD: ...``, or
+    under JSON logs (the flag, the environment, or the config file says so) a JSON line of the log's shape."""
+    return error_line(requested_log_format(args), __name__, event, f"indexer-service {args.command}: {exc}", **fields)
 
 
 if __name__ == "__main__":

@@ -376,7 +376,7 @@ def announce_start(config: ServiceConfig, workers: int, port_file: Path | None) 
         config.warmup_target,
         adapters.summary(),
     )
-    log.info("config: %s", config.summary())
+    log.info("config %s", config.summary())
     raise_open_files_limit()
     log.info(
         "tls mode=%s cert=%s client_ca=%s",

@@ -28,7 +28,7 @@ _PR_SET_PDEATHSIG = 1
 # How often the main thread looks whether the warmup has finished, while it waits for a signal.
 _WARMUP_POLL_SECONDS = 0.05
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("indexer_service.service.process.worker")  # its name also when run as __main__
 
 
 def die_with_parent(parent: int) -> None:

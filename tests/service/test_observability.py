@@ -15,6 +15,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 from importlib import metadata
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -32,6 +33,7 @@ from indexer_service.service.logs import (
     REQUEST_ID,
     FailedCallLog,
     JsonFormatter,
+    LibraryLogLimit,
     RateLimitedLog,
     TextFormatter,
     message_fields,
@@ -253,7 +255,8 @@ def test_every_line_of_a_json_server_is_an_object_and_the_first_names_the_versio
     start, config = json.loads(lines[0]), json.loads(lines[1])
     assert start["event"] == "start" and f" indexer-service {VERSION} commit={build()['commit']} " in start["msg"]
     assert re.fullmatch(UTC_ISO, start["ts"]) and start["backend"] == "numpy"
-    assert config["event"] == "config:" and config["log_format"] == "json"
+    assert config["event"] == "config" and config["log_format"] == "json" and config["config_file"] == "none"
+    assert "log_format: flag --log-format" in config["sources"], config["sources"]
     assert all(line.startswith("{") for line in lines if not re.match(r"[EWI]\d{4} ", line)), lines
 
 
@@ -392,3 +395,58 @@ def test_workers_log_json_with_their_slot_and_export_process_metrics_per_process
     supervisor = psutil.Process(server.pid)
     created = sorted(p.create_time() for p in (supervisor, *supervisor.children()))
     assert len(created) == 3 and all(abs(a - b) < 0.1 for a, b in zip(started, created, strict=True)), started
+
+
+def json_of(logger: str, message: str, *args: object) -> dict:
+    record = logging.LogRecord(logger, logging.INFO, __file__, 1, message, args, None)
+    return json.loads(JsonFormatter().format(record))
+
+
+def test_every_json_line_has_a_stable_event_and_other_libraries_keep_their_text() -> None:
+    assert json_of("indexer_service.service.process.supervisor", "worker exited worker=%d code=%d", 1, 0)["event"] == (
+        "worker_exited"
+    )
+    own = json_of("indexer_service.service.compute.backends", "serving without the compiled fast path (x=1 here)")
+    assert own["event"] == "message" and own["msg"].startswith("serving without")
+    library = json_of("uvicorn.error", "Started server process [%d] key=value", 7144)
+    assert library["event"] == "uvicorn_log" and library["msg"] == "Started server process [7144] key=value"
+    assert "key" not in library  # another library's text is never split into keys
+    assert json_of("opentelemetry.exporter.otlp", "Failed to export spans to %s", "x")["event"] == "opentelemetry_log"
+
+
+def test_another_librarys_repeated_lines_are_written_once_per_interval_with_the_count() -> None:
+    limit = LibraryLogLimit(interval=3600.0)
+
+    def record(logger: str, message: str) -> logging.LogRecord:
+        return logging.LogRecord(logger, logging.ERROR, __file__, 1, message, (), None)
+
+    exporter = [record("opentelemetry.exporter", "Failed to export batch code: %s") for _ in range(5)]
+    assert [limit.filter(r) for r in exporter] == [True, False, False, False, False]
+    assert limit.filter(record("opentelemetry.exporter", "another text"))  # another template: its own line
+    assert all(limit.filter(record("indexer_service.x", "shed")) for _ in range(3))  # the service's own pass
+    limit._last[("opentelemetry.exporter", "Failed to export batch code: %s")] -= 3600.0
+    again = record("opentelemetry.exporter", "Failed to export batch code: %s")
+    assert limit.filter(again) and again.getMessage().endswith("[4 more like it]")
+
+
+@pytest.mark.parametrize("how", ["flag", "env", "file"])
+def test_a_configuration_error_at_start_is_a_json_line_under_json_logs(tmp_path: Path, how: str) -> None:
+    flags, env = ["--grpc-port", "-5"], clean_env()
+    if how == "flag":
+        flags += ["--log-format", "json"]
+    elif how == "env":
+        env["INDEXER_LOG_FORMAT"] = "json"
+    else:
+        (tmp_path / "c.toml").write_text('log_format = "json"\n')
+        flags += ["--config", str(tmp_path / "c.toml")]
+    done = subprocess.run([INDEXER_SERVICE, "serve", *flags], capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode == 2
+    [line] = done.stderr.splitlines()
+    error = json.loads(line)
+    assert (error["level"], error["event"], error["setting"], error["source"]) == (
+        "ERROR",
+        "config_error",
+        "grpc_port",
+        "flag --grpc-port",
+    )
+    assert error["msg"].startswith("indexer-service serve: invalid config: grpc_port (from flag --grpc-port)")

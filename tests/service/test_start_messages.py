@@ -12,6 +12,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from indexer_service.service.version import build
 from testkit.harness import FAST_START, INDEXER_SERVICE, ServiceProcess, clean_env
 from tests.service.conftest import StartServer
 
@@ -44,7 +45,8 @@ def test_the_first_line_says_what_starts_and_the_ready_line_where_it_listens(
     server = start_server(*FAST_START, "--workers", workers)
     lines = server.log().splitlines()
     first = lines[0]
-    assert " start pid=" in first and f"indexer-service {VERSION} {mode}" in first, lines[:3]
+    assert " start pid=" in first and f"indexer-service {VERSION} commit={build()['commit']} " in first, lines[:3]
+    assert f" {mode}" in first
     assert "backend=numpy warmup_target=none" in first
     assert any(ready in line and line.endswith(addresses(server)) for line in lines), server.log()
 
