@@ -5,5 +5,5 @@
 cd "$(git rev-parse --show-toplevel 2>/dev/null || pwd)"
 . scripts/device-env.sh
 nproc; lscpu | grep -m1 "Model name" || true; git log -1 --format="commit %H %cI" 2>/dev/null || true
-timeout 540 $PY -m benchmarks.bench_rpc --batches small,medium --rounds "${ROUNDS:-6}" --seconds 2 \
+timeout 540 $PY -m benchmarks.bench_rpc --batches small-8,medium-64 --rounds "${ROUNDS:-6}" --seconds 2 \
     --out "${OUT:-/tmp}/device-rpc.json" 2>&1 | tail -40
