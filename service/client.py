@@ -32,8 +32,10 @@ server to connect to, UNAVAILABLE naming the address and why (connection refused
 retry policy's backoff. ``health`` and ``warmup_status`` never wait: they report on the server as it is now.
 
 Reconnecting: a connection that fails is tried again after a backoff that gRPC grows by 1.6x an attempt (with +-20 %
-jitter) up to ``max_reconnect_backoff_seconds`` (5 s by default; gRPC's own default, 120 s, left a client minutes behind
-a server that came back after an outage). The same bound spaces DNS re-resolutions after a failed connection.
+jitter) up to ``max_reconnect_backoff_seconds`` (5 s by default; gRPC's own bound, 120 s, can leave a client minutes
+behind a server that is back). The same bound is the least time between two DNS re-resolutions; a resolution that
+fails (a name with no address while every replica is down) is retried on gRPC's own backoff, up to 120 s, which no
+channel option changes.
 
 Metadata: ``IndexerClient(..., metadata=...)`` is sent with every call, each method's ``metadata=`` with that call
 (its keys replace the client's): a request id (``x-request-id``, which the server logs and returns in the trailing
