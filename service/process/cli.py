@@ -6,6 +6,7 @@ import argparse
 import logging
 import math
 import os
+import re
 import signal
 import socket
 import ssl
@@ -13,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from indexer_service.service.addresses import split_host_port
+from indexer_service.service.addresses import TARGET_SCHEMES, split_host_port
 from indexer_service.service.config import (
     ConfigError,
     ServiceConfig,
@@ -199,11 +200,60 @@ def tls_diagnosis(args: argparse.Namespace, credentials: object) -> str | None:
     return None
 
 
+# What a client sends first on an HTTP/2 connection (RFC 9113, 3.4): the preface and an empty SETTINGS frame.
+_H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
+_RPC_PORT_DEFAULT = "the RPC port (grpc_port, 50051 by default)"
+
+
+def _check_address(address: str) -> None:
+    """A usage error for an address without a port, which gRPC would take as port 443 (and report unreachable, or
+    reach another service), or not a ``host:port`` at all (an IPv6 literal without brackets, a port out of range).
+    Targets with another scheme than ``dns:`` are gRPC's to read."""
+    if not address.strip():
+        raise UsageError("address: must not be empty")
+    if address.startswith("dns:"):
+        name = address.removeprefix("dns:").rsplit("/", 1)[-1]  # dns:///name:port, dns://server/name:port
+    elif address.startswith(TARGET_SCHEMES):
+        return
+    else:
+        name = address
+    if name.startswith("["):  # [v6]:port
+        port = name.partition("]")[2].removeprefix(":")
+    else:
+        port = name.rpartition(":")[2] if ":" in name else ""
+    if not port:
+        raise UsageError(
+            f"address {address!r} has no port: a port is needed, {_RPC_PORT_DEFAULT}, e.g. {address.rstrip(':')}:50051"
+        )
+    try:
+        split_host_port(name)
+    except ValueError as exc:
+        raise UsageError(f"address: {exc}") from None
+
+
+def http_diagnosis(args: argparse.Namespace) -> str | None:
+    """The status line a plaintext port answers to an HTTP/2 connection preface when it speaks HTTP/1.x (one of
+    the server's HTTP ports, or another HTTP server), where gRPC says only that the connection failed; None when
+    it does not (a gRPC server answers with binary frames) or cannot be asked."""
+    try:
+        where = split_host_port(args.address)
+    except ValueError:  # another gRPC target (dns:///...): no one socket to try
+        return None
+    try:
+        with socket.create_connection(where, timeout=min(args.timeout, 3.0)) as connection:
+            connection.sendall(_H2_PREFACE)
+            answer = connection.recv(256)
+    except OSError:
+        return None
+    if not answer.startswith(b"HTTP/"):
+        return None
+    return answer.split(b"\r\n", 1)[0].decode("ascii", "replace")
+
+
 def _check(args: argparse.Namespace) -> int:
     if not math.isfinite(args.timeout) or args.timeout <= 0:
         raise UsageError(f"--timeout: must be a finite number of seconds > 0, got {args.timeout}")
-    if not args.address.strip():
-        raise UsageError("address: must not be empty")
+    _check_address(args.address)
     # gRPC core's own handshake log lines (INFO) would repeat, less clearly, what the diagnosis below says; set
     # before grpc is first imported (the credentials import it).
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
@@ -232,23 +282,34 @@ def _check(args: argparse.Namespace) -> int:
             code = exc.code()
             if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 print(f"unreachable address={args.address} code={code.name} details={exc.details()!r}")
-                if code is grpc.StatusCode.UNAVAILABLE and (why := tls_diagnosis(args, credentials)) is not None:
+                if code is not grpc.StatusCode.UNAVAILABLE:
+                    return EXIT_UNREACHABLE
+                if credentials is None and (status_line := http_diagnosis(args)) is not None:
+                    print(
+                        f"http: this port speaks HTTP/1.x, not gRPC (it answered {status_line!r}): an HTTP port, such "
+                        "as http_port (8080 by default: /metrics, /livez, /readyz) or http_rpc_port (8081: the RPCs "
+                        f"over HTTP); check {_RPC_PORT_DEFAULT}"
+                    )
+                elif (why := tls_diagnosis(args, credentials)) is not None:
                     print(f"tls: {why}")
                 return EXIT_UNREACHABLE
             # Answered, but not as an indexer-service port (another service, refused credentials, ...).
             print(f"not an indexer-service port address={args.address} code={code.name} details={exc.details()!r}")
             return EXIT_FAILED
         try:
-            status = client.warmup_status()
+            status, refusal = client.warmup_status(), ""
         except grpc.RpcError as exc:
             if exc.code() is not grpc.StatusCode.UNIMPLEMENTED:
                 print(f"not serving address={args.address} code={exc.code().name} details={exc.details()!r}")
                 return EXIT_FAILED
-            status = None
+            status, refusal = None, exc.details() or ""
     if status is None:
+        # The health port names the RPC port it belongs to in its refusal ("... on port 50051").
+        named = re.search(r"\bon port (\d+)", refusal)
+        rpc_port = f"the RPC port (grpc_port: {named[1]} on this server)" if named else _RPC_PORT_DEFAULT
         print(
             f"reached address={args.address} port=health-only: it serves grpc.health.v1 alone, for probes "
-            "(health_port, 50052 by default); the RPCs and the warmup status are on the RPC port (grpc_port, 50051)"
+            f"(health_port, 50052 by default); the RPCs and the warmup status are on {rpc_port}"
         )
         print(f"health overall={overall} {SERVICE_NAME}={service}")
         return EXIT_OK if service == "SERVING" else EXIT_FAILED
@@ -309,12 +370,15 @@ def build_parser() -> argparse.ArgumentParser:
         "check",
         help="ask a running server for its health and warmup status",
         description="Call a running server once; print its health and warmup status. Exit 0 when serving, 1 when "
-        "not serving (or answering as something else), 2 on a usage error (a bad flag, an unreadable --tls-* "
-        "file), 3 when unreachable (connection refused, TLS handshake failed, no answer within --timeout). "
+        "not serving (or answering as something else), 2 on a usage error (a bad flag, an address without a port, "
+        "an unreadable --tls-* file), 3 when unreachable (connection refused, TLS handshake failed, an HTTP port, "
+        "no answer within --timeout). "
         "Takes only the flags below, not the server's settings. Any --tls* flag turns TLS on; the server's "
         "certificate must then chain to --tls-ca, or to the system's trusted roots without it.",
     )
-    check.add_argument("address", help="host:port of the gRPC server (or a gRPC target such as dns:///name:port)")
+    check.add_argument(
+        "address", help="host:port of the gRPC server's RPC port (or a gRPC target such as dns:///name:port)"
+    )
     check.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS", help="deadline of each call")
     check.add_argument("--tls", action="store_true", help="connect with TLS, trusting the system's roots")
     check.add_argument("--tls-ca", metavar="PEM", help="connect with TLS, trusting this CA bundle")

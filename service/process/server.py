@@ -169,7 +169,8 @@ class IndexerServer:
             probe = Path(self._probe_dir.name) / "rpc.sock"
             self.grpc = create_grpc_server(config, self.plane, self.health, probe_socket=probe, report=self._rpc_port)
             self.grpc_port = self.grpc.port
-            self.health_server = create_health_server(config, self.health, Accounting(self.metrics, self.plane.shed))
+            accounting = Accounting(self.metrics, self.plane.shed)
+            self.health_server = create_health_server(config, self.health, accounting, self.grpc_port)
             self.health_port = self.health_server.port
             sockets = bind_shared(config)
         else:  # the gRPC server comes once warmed up (join_rpc_port); the supervisor serves the health port

@@ -328,7 +328,7 @@ class Supervisor:
         bound = {SHARED_LISTENERS[name].port_setting: sock.getsockname()[1] for name, sock in self.listeners.items()}
         shed = ShedLog(self.metrics).record
         self.health = HealthServicer(HEALTH_NAMES, shed)
-        self.health_server = create_health_server(config, self.health, Accounting(self.metrics, shed))
+        self.health_server = create_health_server(config, self.health, Accounting(self.metrics, shed), grpc_port)
         health_port = self.health_server.port
         self.config = replace(config, grpc_port=grpc_port, health_port=health_port, workers=1, **bound)
         self._write_status("starting")

@@ -444,12 +444,13 @@ class HealthServer:
 
 
 def create_health_server(
-    config: ServiceConfig, health_servicer: HealthServicer, accounting: Accounting
+    config: ServiceConfig, health_servicer: HealthServicer, accounting: Accounting, rpc_port: int | None = None
 ) -> HealthServer:
     """The probe listener: grpc.health.v1 only, plaintext (kubelet's gRPC probes speak no TLS), through a gate of
     its own (a probe never waits behind RPC work, its limit or its connections); its own cap on connections
     (``health_max_connections``) and the same idle and handshake bounds as the RPC port. A call to any other
-    method is answered UNIMPLEMENTED naming the RPC port."""
+    method is answered UNIMPLEMENTED naming the RPC port: ``rpc_port``, the port bound (``grpc_port`` may be 0),
+    else ``grpc_port``."""
     gate = make_gate(config, accounting)
     lane = gate.lane("health", HEALTH_THREADS, HEALTH_PLACES, HEALTH_PEER_SHARE)
     server = grpc.server(
@@ -461,7 +462,7 @@ def create_health_server(
         ],
     )
     health_servicer.register(server, gate, lane)
-    server.add_generic_rpc_handlers((HealthPortOnly(accounting.unknown_method, config.grpc_port),))
+    server.add_generic_rpc_handlers((HealthPortOnly(accounting.unknown_method, rpc_port or config.grpc_port),))
     address = host_port(config.grpc_host, config.health_port)
     try:
         port = server.add_insecure_port(address)
