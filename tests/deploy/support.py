@@ -308,8 +308,8 @@ def expand_grafana(expr: str) -> str:
 
 
 def metric_names(expr: str) -> set[str]:
-    """Sample names a PromQL expression reads (every metric of the service starts with indexer_)."""
-    return set(re.findall(r"\bindexer_[a-zA-Z0-9_]+", expr))
+    """Sample names a PromQL expression reads: the service's own (indexer_...) and its processes' (process_...)."""
+    return set(re.findall(r"\b(?:indexer|process)_[a-zA-Z0-9_]+", expr))
 
 
 def markdown_anchors(text: str) -> set[str]:

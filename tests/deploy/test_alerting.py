@@ -123,7 +123,7 @@ def test_dashboard_filters_by_deployment_and_shows_issue_18s_panels() -> None:
     variables = [v["name"] for v in board["templating"]["list"]]
     assert variables[:5] == ["datasource", "cluster", "namespace", "job", "instance"]
     for title, expr in dashboard_targets():
-        selectors = re.findall(r"\bindexer_\w+\{([^}]*)\}", expr)
+        selectors = re.findall(r"\b(?:indexer|process)_\w+\{([^}]*)\}", expr)
         assert selectors, (title, expr)
         for selector in selectors:
             for label in ("cluster", "namespace", "job", "instance"):
