@@ -452,6 +452,7 @@ GUARD = (
 
 
 @requires_prometheus
+@pytest.mark.exclusive  # the replica must stay idle (calls under 50 ms at p99): no other process test beside it
 def test_prometheus_scrapes_the_server_and_answers_every_dashboard_query(pod: Server, workdir: Path) -> None:
     """The pod's one process under traffic that carries a caller's 1 us deadlines, a real Prometheus evaluating the
     rules: every dashboard query answers; a warmup miss that appears while Prometheus scrapes fires
