@@ -383,6 +383,13 @@ def deadline_of(args: tuple) -> float | None:
     return args[1].call_details.deadline
 
 
+def peer_of(args: tuple) -> str | None:
+    """The caller's address of a call grpcio submitted; None where ``receive_ahead`` is off."""
+    if len(args) != 7 or not features().receive_ahead:
+        return None
+    return _host_port(args[1].call.peer())
+
+
 def end_call(args: tuple, code: str, details: str) -> bool:
     """End a call grpcio submitted (its arguments, :func:`submitted` read them) with status ``code`` (a
     ``grpc.StatusCode`` name in lower case) and ``details``, as grpcio's own abort does, without running it. False

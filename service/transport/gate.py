@@ -73,16 +73,22 @@ def peer_key(peer: str) -> str:
         return peer
 
 
+# A deadline this close after its request was in is its caller's doing: gRPC core keeps deadlines to the millisecond
+# (a 1 us budget arrives as up to a millisecond), and no server answers within a few.
+ON_ARRIVAL_SECONDS = 0.005
+
+
 def never_started_reason(deadline: float | None, queued_at: float, now: float | None = None) -> ShedReason:
     """Why a call ended before its behaviour started, and whose doing it was: its deadline passed while it waited in
-    the server (``queue_deadline``, overload), its deadline had passed before its request was in
-    (``deadline_on_arrival``, its caller's), or its caller cancelled or reset it (``caller_cancelled``). Without the
-    deadline (grpcio's internals differ): ``queue_deadline``."""
+    the server (``queue_deadline``, overload), its deadline had passed before its request was in or came within
+    ``ON_ARRIVAL_SECONDS`` of it (``deadline_on_arrival``, its caller's), or its caller cancelled or reset it
+    (``caller_cancelled``). Without the deadline (grpcio's internals differ): ``queue_deadline``."""
     if deadline is None:
         return ShedReason.QUEUE_DEADLINE
     if deadline > (time.time() if now is None else now):
         return ShedReason.CALLER_CANCELLED
-    return ShedReason.DEADLINE_ON_ARRIVAL if deadline <= queued_at else ShedReason.QUEUE_DEADLINE
+    on_arrival = deadline <= queued_at + ON_ARRIVAL_SECONDS
+    return ShedReason.DEADLINE_ON_ARRIVAL if on_arrival else ShedReason.QUEUE_DEADLINE
 
 
 class Accounting:
@@ -189,7 +195,8 @@ class CallGate:
         self.lanes: list[Lane] = [self.refusals]
         self.routes: dict[Callable, Route] = {}
         self.started = threading.local()  # whether the call a thread runs has started its behaviour
-        self.on_never_started: Callable[[str, ShedReason], None] = lambda method, reason: None
+        # (method, why, the caller's address) of a call that ended before its behaviour started
+        self.on_never_started: Callable[[str, ShedReason, str], None] = lambda method, reason, peer: None
         # (method, seconds from its request in to a thread taking it, seconds from its request in to its end)
         self.timed: Callable[[str, float, float], None] = lambda method, wait, total: None
         self._ids = itertools.count()
@@ -367,7 +374,7 @@ class CallGate:
                         self.timed(route.method, taken_at - queued_at, time.time() - queued_at)
                         if not started.value:
                             reason = never_started_reason(grpcio.deadline_of(args), queued_at)
-                            self.on_never_started(route.method, reason)
+                            self.on_never_started(route.method, reason, grpcio.peer_of(args) or "a peer")
                 except Exception:
                     log.exception("a gRPC call's bookkeeping failed")
                 lane.finished += 1

@@ -142,7 +142,7 @@ def rpc_handlers(
         ShedReason.DEADLINE_ON_ARRIVAL: "its deadline had passed before its request was in",
         ShedReason.CALLER_CANCELLED: "its caller cancelled or reset it before it started",
     }
-    gate.on_never_started = lambda method, reason: plane.shed(method, reason, never_started[reason])
+    gate.on_never_started = lambda method, reason, peer: plane.shed(method, reason, f"{never_started[reason]} ({peer})")
     wait_seconds, call_seconds = plane.metrics.call_wait_seconds, plane.metrics.call_seconds
     child = plane.metrics.child
 
@@ -209,7 +209,7 @@ def served(
             gone = call.gone_at_start
             if gone is not None:
                 reason = never_started_reason(call.deadline, getattr(started, "queued_at", 0.0))
-                plane.shed(method, reason, f"{gone.name} before the call started")
+                plane.shed(method, reason, f"{gone.name} before the call started ({call.peer})")
                 context.abort(GRPC_STATUS[gone], "the caller went away (cancelled, or past its deadline) first")
             response = serve(method, request, caller=call)
             if call.ticket is not None:  # held until the call ends (call.end); cancelled if unread meanwhile

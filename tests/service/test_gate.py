@@ -159,7 +159,7 @@ def test_a_call_whose_behaviour_never_started_is_reported_with_its_method(make_g
     gate = make_gate()
     lane = gate.lane("work", 1, 10)
     behaviour, never_started, ended = routed(gate, lane), [], []
-    gate.on_never_started = lambda method, reason: never_started.append((method, reason))
+    gate.on_never_started = lambda method, reason, peer: never_started.append((method, reason))
     for fn in (lambda b: None, lambda b: b()):  # gRPC's wrapper, when the caller went away meanwhile; then served
         gate.submit(fn, behaviour).add_done_callback(ended.append)
     wait_for(lambda: len(ended) == 2, 5, "the two calls to end")
@@ -171,6 +171,7 @@ def test_whose_doing_a_call_that_never_started_was() -> None:
     queued_at, now = 100.0, 105.0
     assert never_started_reason(99.0, queued_at, now) is ShedReason.DEADLINE_ON_ARRIVAL  # expired before it was in
     assert never_started_reason(100.0, queued_at, now) is ShedReason.DEADLINE_ON_ARRIVAL
+    assert never_started_reason(100.004, queued_at, now) is ShedReason.DEADLINE_ON_ARRIVAL  # a 1 us budget, in ms
     assert never_started_reason(102.0, queued_at, now) is ShedReason.QUEUE_DEADLINE  # expired while it waited here
     assert never_started_reason(110.0, queued_at, now) is ShedReason.CALLER_CANCELLED  # its deadline still ahead
     assert never_started_reason(None, queued_at, now) is ShedReason.QUEUE_DEADLINE
