@@ -551,11 +551,11 @@ def test_workers_restarts_alert_once_per_kind_on_a_live_prometheus(image_cache: 
         assert [s["metric"]["worker"] for s in hung] == ["1"], hung
 
         # What the runbook reads: the supervisor's lines about the worker, with their fields as JSON keys.
-        (hung_line,) = json_events(server, "worker hung")
+        (hung_line,) = json_events(server, "worker_hung")
         assert hung_line["worker"] == 1 and hung_line["pid"] == victim and hung_line["silent_seconds"] >= 1
-        (exited,) = json_events(server, "worker exited")
+        (exited,) = json_events(server, "worker_exited")
         assert exited["reason"] == "hung" and exited["code"] == -9 and exited["pid"] == victim, exited
-        (restarted,) = json_events(server, "worker restarted")
+        (restarted,) = json_events(server, "worker_restarted")
         assert restarted["reason"] == "hung" and restarted["worker"] == 1 and restarted["restarts"] == 1, restarted
 
         # The container restarts: a new supervisor and two new workers on the same HTTP port (the same target).
