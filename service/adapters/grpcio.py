@@ -60,25 +60,13 @@ _SERVER_NAMES = {
         "_SEND_INITIAL_METADATA_AND_SEND_MESSAGE_TOKEN",
     ),
 }
+# What grpcio submits to its pool for a call after the function itself, in order (both functions take the same).
+_IN_POOL_PARAMETERS = ("rpc_event", "state", "behavior", "argument_thunk", "request_deserializer", "response_serializer")
 # The parameters of the grpc._server functions a feature calls or recognises, in order.
 _PARAMETERS = {
     "receive_ahead": {
-        "_unary_response_in_pool": (
-            "rpc_event",
-            "state",
-            "behavior",
-            "argument_thunk",
-            "request_deserializer",
-            "response_serializer",
-        ),
-        "_stream_response_in_pool": (
-            "rpc_event",
-            "state",
-            "behavior",
-            "argument_thunk",
-            "request_deserializer",
-            "response_serializer",
-        ),
+        "_unary_response_in_pool": _IN_POOL_PARAMETERS,
+        "_stream_response_in_pool": _IN_POOL_PARAMETERS,
         "_receive_message": ("state", "call", "request_deserializer"),
         "_abort": ("state", "call", "code", "details"),
     },
