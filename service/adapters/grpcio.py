@@ -61,7 +61,14 @@ _SERVER_NAMES = {
     ),
 }
 # What grpcio submits to its pool for a call after the function itself, in order (both functions take the same).
-_IN_POOL_PARAMETERS = ("rpc_event", "state", "behavior", "argument_thunk", "request_deserializer", "response_serializer")
+_IN_POOL_PARAMETERS = (
+    "rpc_event",
+    "state",
+    "behavior",
+    "argument_thunk",
+    "request_deserializer",
+    "response_serializer",
+)
 # The parameters of the grpc._server functions a feature calls or recognises, in order.
 _PARAMETERS = {
     "receive_ahead": {
