@@ -47,10 +47,13 @@ class KeyState(enum.Enum):
 
 @dataclass(frozen=True)
 class KeyProgress:
+    """One key's warmup. ``cached``: a COMPILED key that Triton loaded from its cache instead of compiling."""
+
     key: CompileKey
     state: KeyState
     seconds: float = 0.0
     error: str = ""
+    cached: bool = False
 
 
 def use_triton_cache_dir(configured: str) -> str | None:
@@ -77,14 +80,23 @@ def compile_and_log(
     phase: str,
     on_outcome: Callable[[CompileOutcome], None] | None = None,
 ) -> list[CompileOutcome]:
-    """Compile ``keys``, logging ``<phase> n/N key=... seconds=...`` per key. Every key must be in
-    ``model_keys``, the model's warmup set (:func:`~kernels.specialization.warmup_keys`): the compile engine
-    refuses any other before anything compiles."""
+    """Compile ``keys``, logging ``<phase> n/N key=... seconds=... source=cache|compiler proof=...`` per key. Every
+    key must be in ``model_keys``, the model's warmup set (:func:`~kernels.specialization.warmup_keys`): the compile
+    engine refuses any other before anything compiles."""
     from indexer_service.kernels.compile_engine import compile_keys
 
     def progress(done: int, total: int, outcome: CompileOutcome) -> None:
         if outcome.ok:
-            log.info("%s %d/%d key=%s seconds=%.3f", phase, done, total, outcome.key.label(), outcome.seconds)
+            log.info(
+                "%s %d/%d key=%s seconds=%.3f source=%s proof=%s",
+                phase,
+                done,
+                total,
+                outcome.key.label(),
+                outcome.seconds,
+                "cache" if outcome.cached else "compiler",
+                outcome.proof,
+            )
         else:
             log.error(
                 "%s %d/%d key=%s seconds=%.3f failed error=%r",
@@ -205,11 +217,19 @@ class Warmup:
         if not outcome.ok:
             self.metrics.warmup_failures_total.inc()
         with self._lock:
-            self._progress[outcome.key] = KeyProgress(outcome.key, state, outcome.seconds, outcome.error or "")
+            self._progress[outcome.key] = KeyProgress(
+                outcome.key, state, outcome.seconds, outcome.error or "", outcome.ok and outcome.cached
+            )
             self._publish_counts()
 
     def _publish_counts(self) -> None:
-        """The compiled and failed gauges from the per-key states (caller holds the lock)."""
-        for state, label in ((KeyState.COMPILED, "compiled"), (KeyState.FAILED, "failed")):
-            count = sum(p.state is state for p in self._progress.values())
+        """The compiled, cached and failed gauges from the per-key states (caller holds the lock): a key loaded
+        from Triton's cache counts as cached, not compiled."""
+        progress = self._progress.values()
+        counts = {
+            "compiled": sum(p.state is KeyState.COMPILED and not p.cached for p in progress),
+            "cached": sum(p.state is KeyState.COMPILED and p.cached for p in progress),
+            "failed": sum(p.state is KeyState.FAILED for p in progress),
+        }
+        for label, count in counts.items():
             self.metrics.warmup_keys.labels(state=label).set(count)
