@@ -60,7 +60,7 @@ RUN apt-get update \
     && apt-get install -y --no-install-recommends gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/* \
     && python -c "import os, sys, sysconfig; h = os.path.join(sysconfig.get_paths()['include'], 'Python.h'); \
-os.path.exists(h) or sys.exit(f'{h} missing: this base has no Python headers, so the C extensions cannot build')"
+os.path.exists(h) or sys.exit(f'{h} missing: this base has no Python headers (Debian: python3-dev), so the C extensions cannot build')"
 
 # One virtual environment, copied whole into the final stage (same base, so the same interpreter path). The GPU
 # one sees the base's own site-packages: its CUDA torch and Triton, which the GPU lock leaves out so that pip

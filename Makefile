@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test test-quick lint protos docs clean
+.PHONY: serve test test-quick image-test lint protos docs clean
 
 # torch is pinned to the CPU build that lies on local disk (PIP_FIND_LINKS); a bare `torch` requirement
 # would make pip fetch a multi-GB CUDA build. The GPU image brings its own torch and skips this step.
@@ -36,6 +36,12 @@ test: $(STAMP)
 # and Triton first (26 s serial against 29-36 s on 2 workers, measured back to back here).
 test-quick: $(STAMP)
 	$(PY) -m pytest -q -m "not process and not slow and not gpu" tests/kernels tests/service
+
+# The CPU image users deploy: built with docker or podman (whichever answers here; podman and buildah installed from
+# the distribution where neither is), on the pinned base where its registry answers, else on the same base made here
+# from Debian's packages; then run as deploy/base runs its pod and checked from outside (tests/deploy/image.py).
+image-test: $(STAMP)
+	$(PY) -m tests.deploy.image
 
 # Style, then the import layers of pyproject.toml's [tool.importlinter] (tests/system/test_import_layers.py too).
 lint: $(STAMP)
