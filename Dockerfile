@@ -3,9 +3,10 @@
 # Either engine: podman build (buildah) reads this file the same way; `make image-test` builds and runs the CPU
 # image with whichever the machine has.
 #
-# Two stages on the variant's base: `builder` installs the locked dependencies and the project into a virtual
-# environment (with a C compiler for service/compute/fastpath.c and service/overload/budget.c), and the final
-# stage copies that environment alone, so the CPU image carries no compiler, no build tree and no pip cache.
+# Build stages on the variant's base: `deps` installs the locked dependencies into a virtual environment (with a C
+# compiler), `builder` the project on top (service/compute/fastpath.c and service/overload/budget.c compiled), and
+# the final stage copies the environment and the project alone, so the CPU image carries no compiler, no build tree
+# and no pip cache, and a change of the sources changes a layer of a few hundred KB, not the 1.7 GB environment.
 # The final stage then compiles the default model's warmup set into TRITON_CACHE_DIR, in this very image, so a
 # pod's warmup loads kernels (a few ms a key) instead of compiling them. A cache built anywhere else (another
 # image, another Triton or CUDA) is not hit: Triton's cache key covers the whole toolchain.
@@ -39,7 +40,7 @@ FROM ${CPU_BASE} AS base-cpu
 # `podman build .` would skip base-gpu and then look for an image called "base-gpu". DL3006 cannot follow a stage
 # name built from an ARG.
 # hadolint ignore=DL3006
-FROM base-${VARIANT:-gpu} AS builder
+FROM base-${VARIANT:-gpu} AS deps
 ARG VARIANT
 # A directory of the build context holding every file of the variant's lock (`make image-test` fills
 # .cache/wheelhouse/VARIANT from the machine's own pip configuration): pip then installs from it alone, with no
@@ -90,6 +91,10 @@ RUN --mount=type=bind,target=/context \
     fi; \
     python -m pip install --require-hashes --no-deps "$@" -r "${lock}" \
     && python -c "import sysconfig; open(sysconfig.get_paths()['purelib'] + '/indexer-service.pth', 'w').write('/opt/indexer/app\\n')"
+
+# The project on top, in a stage of its own: a change of the sources leaves the stage above, and so the final
+# stage's copy of its environment, as they were (buildah keys a COPY --from by the stage it reads).
+FROM deps AS builder
 COPY pyproject.toml setup.py README.md ./
 COPY kernels ./kernels
 COPY protos ./protos
@@ -131,7 +136,7 @@ RUN groupadd --gid 10001 indexer \
         && rm -rf /var/lib/apt/lists/*; \
     fi
 
-COPY --from=builder /opt/indexer/venv /opt/indexer/venv
+COPY --from=deps /opt/indexer/venv /opt/indexer/venv
 COPY --from=builder /opt/indexer/app /opt/indexer/app
 
 USER 10001:10001

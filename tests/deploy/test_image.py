@@ -62,15 +62,17 @@ def stage_graph(build_args: dict[str, str], *, apply_defaults: bool) -> dict[str
 @pytest.mark.parametrize("variant", [*VARIANTS, None], ids=[*VARIANTS, "plain build"])
 @pytest.mark.parametrize("engine", ["BuildKit", "buildah"])
 def test_the_stage_graph_reaches_the_variant_base(variant: str | None, engine: str) -> None:
-    """Builder and final stage start from the variant's base stage, and the final stage copies only from the
-    builder, whether or not VARIANT is passed. A plain `podman build .` once failed with `short-name "base-gpu"`:
-    buildah picked the stages before applying VARIANT's default, skipped base-gpu, and then looked for an image."""
+    """The dependencies' stage and the final stage start from the variant's base stage, the project's stage from
+    the dependencies', and the final stage copies from those two only, whether or not VARIANT is passed. A plain
+    `podman build .` once failed with `short-name "base-gpu"`: buildah picked the stages before applying VARIANT's
+    default, skipped base-gpu, and then looked for an image."""
     default = dockerfile_arg_defaults(dockerfile_instructions())["VARIANT"]
     graph = stage_graph({} if variant is None else {"VARIANT": variant}, apply_defaults=engine == "BuildKit")
     expected = f"base-{variant or default}"
-    assert graph["stages"]["builder"] == expected and graph["final"] == expected, graph
-    assert set(graph["copies"]) == {"builder"}, graph
-    assert set(graph["stages"]) == {"base-cpu", "base-gpu", "builder"}, graph
+    assert graph["stages"]["deps"] == expected and graph["final"] == expected, graph
+    assert graph["stages"]["builder"] == "deps", graph
+    assert set(graph["copies"]) == {"deps", "builder"}, graph
+    assert set(graph["stages"]) == {"base-cpu", "base-gpu", "deps", "builder"}, graph
 
 
 def test_every_base_is_fully_qualified() -> None:
@@ -87,11 +89,11 @@ def test_every_base_is_fully_qualified() -> None:
 
 
 def test_the_final_stage_carries_no_compiler_for_cpu_and_sets_home_after_root() -> None:
-    """The compiler is the builder's (and, on a GPU, the final stage's: Triton builds its launcher stub at the
+    """The compiler is the build stages' (and, on a GPU, the final stage's: Triton builds its launcher stub at the
     first start); HOME is set only once the steps run as the serving user, so no root pip step sees a HOME it does
     not own (pip's cache-ownership warning)."""
     instructions = dockerfile_instructions()
-    builder = stage_named(instructions, "builder")
+    builder = [*stage_named(instructions, "deps"), *stage_named(instructions, "builder")]
     final = [i for i in instructions if i.stage == max(j.stage for j in instructions)]
     assert any("gcc" in i.args for i in builder if i.keyword == "RUN")
     (compiler,) = [i.args for i in final if i.keyword == "RUN" and "gcc" in i.args]
@@ -132,7 +134,7 @@ def test_the_builder_fails_when_an_extension_was_not_built(tmp_path: Path) -> No
 
 def test_the_builder_checks_for_python_headers() -> None:
     """A base without Python.h fails the build at once, naming what is missing, before any install."""
-    builder = stage_named(dockerfile_instructions(), "builder")
+    builder = stage_named(dockerfile_instructions(), "deps")
     (step,) = [i.args for i in builder if i.keyword == "RUN" and "Python.h" in i.args]
     assert "sys.exit(" in step and "python3-dev" in step
 
@@ -146,7 +148,7 @@ def test_the_wheelhouse_reaches_the_build_context_and_nothing_else_does(tmp_path
         (tmp_path / rel).write_text("")
     assert docker_context_files(tmp_path) == [".cache/wheelhouse/cpu/numpy-2.3.5-cp311-cp311-x.whl", "pyproject.toml"]
     assert image.WHEELHOUSE.startswith(".cache/wheelhouse/")
-    builder = stage_named(dockerfile_instructions(), "builder")
+    builder = stage_named(dockerfile_instructions(), "deps")
     (step,) = [i.args for i in builder if i.keyword == "RUN" and "--require-hashes" in i.args]
     assert "--mount=type=bind,target=/context" in step and '--find-links "/context/${PIP_WHEELHOUSE}"' in step
     assert "--no-index" in step, "with a wheelhouse, pip looks nowhere else (a dead find-links host costs retries)"

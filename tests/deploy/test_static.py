@@ -457,11 +457,11 @@ def test_hadolint_passes_at_the_strictest_threshold() -> None:
 
 
 def test_image_installs_the_way_the_readme_and_makefile_do() -> None:
-    """The README's two steps, by hash, in the builder stage: the variant's lock (the CPU one holds the same torch
+    """The README's two steps, by hash, in the build stages: the variant's lock (the CPU one holds the same torch
     the README and the Makefile install, as its CPU build), then the plain, non-editable install of the project."""
     instructions = dockerfile_instructions()
-    builder = stage_named(instructions, "builder")
-    runs = [ins.args for ins in builder if ins.keyword == "RUN"]
+    build = [*stage_named(instructions, "deps"), *stage_named(instructions, "builder")]
+    runs = [ins.args for ins in build if ins.keyword == "RUN"]
     docker_pips = [cmd for run in runs for cmd in pip_install_commands(run)]
     makefile_pips = [requirement_args(cmd) for cmd in pip_install_commands((ROOT / "Makefile").read_text())]
     readme_pips = [requirement_args(cmd) for cmd in pip_install_commands((ROOT / "README.md").read_text())]
@@ -501,12 +501,15 @@ def test_image_precompiles_into_the_cache_it_serves_from() -> None:
     assert f"--cache-dir {cache_dir}" in precompile[0].replace('"', "")
     assert "--target cuda:90" in precompile[0].replace('"', "")
     assert 'CUDA_VISIBLE_DEVICES=""' in precompile[0], "the build must not depend on (or use) a GPU"
-    # Compiled as the serving user, after the builder's environment and project are copied into this stage.
+    # Compiled as the serving user, after the build stages' environment and project are copied into this stage.
     keywords = [i.keyword for i in final]
     precompile_at = next(n for n, i in enumerate(final) if "indexer-service precompile" in i.args)
     assert keywords.index("USER") < precompile_at
-    copied = {i.args.split()[-1] for i in final[:precompile_at] if i.keyword == "COPY" and "--from=builder" in i.args}
-    assert copied == {"/opt/indexer/venv", "/opt/indexer/app"}, copied
+    copied = {tuple(i.args.split()) for i in final[:precompile_at] if i.keyword == "COPY" and "--from=" in i.args}
+    assert copied == {
+        ("--from=deps", "/opt/indexer/venv", "/opt/indexer/venv"),
+        ("--from=builder", "/opt/indexer/app", "/opt/indexer/app"),
+    }, copied
     assert "--require-proof" in precompile[0], "a key the build could not prove must fail the build"
 
 
