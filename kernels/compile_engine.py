@@ -30,9 +30,9 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.backends.driver import DriverBase
@@ -43,6 +43,9 @@ from indexer_service.kernels.inputs import ChunkInputs, chunk_host_part
 from indexer_service.kernels.numpy_backend import chunk_arrays_numpy
 from indexer_service.kernels.specialization import BLOCK_SIZE, POINTER_ALIGNMENT, CompileKey
 from indexer_service.kernels.triton_kernel import KERNEL_JIT_OPTIONS, serialise_ast_parse
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +98,8 @@ class _StandInDriver(DriverBase):
         return self.target
 
     def get_active_torch_device(self) -> torch.device:
+        import torch
+
         return torch.device("cpu")
 
     def get_benchmarker(self):
@@ -123,6 +128,8 @@ def check_keys(keys: Sequence[CompileKey], allowed: Sequence[CompileKey]) -> Non
 
 def warmup_arguments(key: CompileKey, device: torch.device) -> list[object]:
     """Tensors and scalars that make Triton choose exactly ``key``'s variant."""
+    import torch  # here, not on import: a start that only loads the compiler need not wait for torch
+
     args: list[object] = []
     for cls in key.pointer_classes:
         # A fresh allocation is aligned; one element in, it is not.
@@ -208,6 +215,8 @@ def prove_key(key: CompileKey, *, on_gpu: bool) -> str | None:
         builder = TritonChunkBuilder(
             "cuda", kernel=triton_kernel._build_prefill_metadata_kernel, admit=launched.append, poison=PROOF_SENTINEL
         )
+        import torch
+
         where = f"cuda:{torch.cuda.current_device()}"
     else:
         builder = TritonChunkBuilder(
@@ -327,6 +336,8 @@ def compile_keys(
     check_keys(keys, allowed)
     serialise_ast_parse()  # the compiles below parse the kernel's source, in parallel when workers > 1
     log.debug("Triton compiler start-up took %.3f s", start_compiler())
+    import torch  # the warmup's arguments are tensors (and Triton's argument binder imports torch anyway)
+
     if target is None:
         kernel, gpu_target, device = triton_kernel._build_prefill_metadata_kernel, None, torch.device("cuda")
     else:

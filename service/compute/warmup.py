@@ -56,6 +56,30 @@ class KeyProgress:
     cached: bool = False
 
 
+_preloads: list[threading.Thread] = []
+
+
+def preload_compiler() -> None:
+    """Start loading Triton in a thread of its own: its import and the hash of its installation that keys its
+    cache (``start_compiler``: 0.5 to 0.8 s here, most of it in file reads and hashlib, which leave the interpreter
+    free). Called by ``serve`` before it imports and builds the server, so that this overlaps that and the warmup
+    thread's import of torch; :meth:`Warmup.load_compiler` waits for it. Not torch itself: its import holds the
+    interpreter, so beside the server's start it only slowed both (measured: ready later, not sooner). Idempotent;
+    a failure here is left for the warmup to meet again and report."""
+    if _preloads:
+        return
+
+    def compiler() -> None:
+        with contextlib.suppress(Exception):
+            from indexer_service.kernels.compile_engine import start_compiler
+
+            start_compiler()
+
+    thread = threading.Thread(target=compiler, name="preload-triton", daemon=True)
+    thread.start()
+    _preloads.append(thread)
+
+
 def use_triton_cache_dir(configured: str) -> str | None:
     """Point Triton at ``configured`` unless TRITON_CACHE_DIR is already set, which always wins.
 
@@ -168,12 +192,17 @@ class Warmup:
             return frozenset(k for k, p in self._progress.items() if p.state is KeyState.COMPILED)
 
     def load_compiler(self) -> None:
-        """Import the compile engine (torch and Triton: seconds) ahead of :meth:`run`, so that the workers of a
-        replica, which take turns for the compiles, import it in parallel. An import that fails is left for
-        :meth:`run` to meet again and report."""
+        """Import the compile engine and torch (seconds) ahead of :meth:`run`, so that the workers of a replica,
+        which take turns for the compiles, import them in parallel; in one process, wait for
+        :func:`preload_compiler`'s threads instead. An import that fails is left for :meth:`run` to meet again and
+        report."""
         if self.enabled:
             with contextlib.suppress(Exception):
+                import torch  # noqa: F401
+
                 import indexer_service.kernels.compile_engine  # noqa: F401
+            for thread in _preloads:
+                thread.join()
 
     def run(self) -> WarmupState:
         """Compile every key; READY only when all compiled. Never raises: anything unexpected is FAILED."""

@@ -70,6 +70,10 @@ def _serve(args: argparse.Namespace) -> int:
 
             code = supervise(config, workers, source, args.port_file, signals)
         else:
+            if config.warmup_enabled:  # Triton loads while the server is imported and built
+                from indexer_service.service.compute.warmup import preload_compiler
+
+                preload_compiler()
             from indexer_service.service.process.server import serve
 
             code = serve(config, args.port_file, signals)

@@ -60,6 +60,19 @@ def test_a_key_loaded_from_the_cache_says_so(cache_dir, workers):
     assert [(o.ok, o.cached) for o in other] == [(True, False)]
 
 
+def test_loading_the_compile_engine_leaves_torch_alone():
+    """Importing the compile engine (and the kernel) loads Triton, not torch: a CPU server's start imports torch
+    once, in its warmup thread, beside the thread that loads Triton and hashes its installation."""
+    probe = (
+        "import sys\n"
+        "import indexer_service.kernels.compile_engine, indexer_service.kernels.triton_kernel\n"
+        "loaded = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'triton'))\n"
+        "assert 'triton' in loaded and 'torch' not in loaded, loaded\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
 class _FinalizerThatYields:
     def __del__(self):
         time.sleep(0)  # lets another thread run while the collector frees this in the middle of a parse
