@@ -469,10 +469,12 @@ def test_image_installs_the_way_the_readme_and_makefile_do() -> None:
     def torch_pins(commands: list[list[str]]) -> set[str]:
         return {req for cmd in commands for req in cmd if re.match(r"torch\b", req)}
 
-    (makefile_torch,) = torch_pins(makefile_pips)
-    assert read_lock(LOCKS["cpu"]).pins["torch"] == Version(makefile_torch.split("==")[1] + "+cpu")
+    # The Makefile installs torch==TORCH_VERSION+cpu through scripts/install-torch.py (tests/system/test_install.py).
+    (makefile_version,) = re.findall(r"^TORCH_VERSION \?= (\S+)$", (ROOT / "Makefile").read_text(), re.M)
+    assert not torch_pins(makefile_pips), "torch comes through scripts/install-torch.py"
+    assert read_lock(LOCKS["cpu"]).pins["torch"] == Version(makefile_version + "+cpu")
     if torch_pins(readme_pips):
-        assert torch_pins(readme_pips) == {makefile_torch}
+        assert torch_pins(readme_pips) == {f"torch=={makefile_version}+cpu"}
     # Step one: the variant's lock, every file by hash, nothing resolved; step two: the project, nothing fetched.
     # ("$@" holds the wheelhouse's --no-index --find-links DIR when the build argument PIP_WHEELHOUSE is set.)
     assert [[a for a in requirement_args(cmd) if a != "$@"] for cmd in docker_pips] == [[], ["."]], docker_pips
