@@ -75,14 +75,17 @@ WORKDIR /opt/indexer/src
 # CPU lock holds torch's CPU build, the README's first step, and names where pip finds it; the GPU lock leaves
 # out the base's torch and Triton). --no-deps: the lock is the whole set, pip resolves nothing, and a file that
 # is not the locked one fails the build. With a wheelhouse, the lock's own --find-links line is dropped and pip
-# looks nowhere else. Before the sources, so this layer (and the final stage's copy of it) is rebuilt only when a
-# lock changes. The pip configuration and CA bundle of the machine that builds may come in as build secrets
+# looks nowhere else; first, the base's Python must be the one the lock was resolved for (its `# python:` line).
+# Before the sources, so this layer (and the final stage's copy of it) is rebuilt only when a lock changes. The pip configuration and CA bundle of the machine that builds may come in as build secrets
 # (`pip.conf`, `pip-cert`): mounted for this step only, never stored in a layer.
 COPY requirements ./requirements
 RUN --mount=type=bind,target=/context \
     --mount=type=secret,id=pip.conf,target=/run/secrets/pip.conf \
     --mount=type=secret,id=pip-cert,target=/run/secrets/pip-cert \
     set -e; lock="requirements/image-${VARIANT}.txt"; \
+    python -c "import re, sys; want = re.search(r'^# python: (\S+)', open(sys.argv[1]).read(), re.M).group(1); \
+have = '%d.%d' % sys.version_info[:2]; \
+have == want or sys.exit(f'{sys.argv[1]} is locked for Python {want}, this base has {have}: re-lock for it')" "${lock}"; \
     if [ -s /run/secrets/pip.conf ]; then export PIP_CONFIG_FILE=/run/secrets/pip.conf; fi; \
     if [ -s /run/secrets/pip-cert ]; then export PIP_CERT=/run/secrets/pip-cert; fi; \
     if [ -n "${PIP_WHEELHOUSE}" ]; then \

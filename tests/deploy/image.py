@@ -27,7 +27,7 @@ from outside, each step timed.
 Containers and volumes are removed at the end, pass or fail; the image stays, tagged IMAGE_TAG, with its layers in
 the engine's storage (podman's /var/lib/containers persists on the machine): the next run builds from that cache.
 Environment: IMAGE_ENGINE (docker, podman), IMAGE_BASE (auto, pinned, local), IMAGE_TAG, IMAGE_READY_SECONDS (the
-ready-time target, 2.0 s).
+ready-time target, 2.0 s, reported), IMAGE_READY_LIMIT (10 s: a start slower than this fails).
 """
 
 from __future__ import annotations
@@ -66,6 +66,9 @@ TAG = os.environ.get("IMAGE_TAG", "localhost/indexer-service:image-test-cpu")
 # The targets of the issue this test holds the image to.
 IMAGE_SIZE_LIMIT = 2_000_000_000
 READY_SECONDS = float(os.environ.get("IMAGE_READY_SECONDS", "2.0"))
+# Reported against READY_SECONDS, failed only past this: on a 2-core machine shared with other jobs, torch's import
+# alone (which Triton 3.6's argument binder makes every warmup pay) took 1.7-2.1 s.
+READY_LIMIT = float(os.environ.get("IMAGE_READY_LIMIT", "10.0"))
 NOT_SERVING_SECONDS = 1.0
 
 # The base made here when the pinned one cannot be pulled: what python:3.11-slim-bookworm is, from Debian's own
@@ -135,7 +138,10 @@ class Steps:
         lines = [f"  {name:<{width}}  {seconds:7.2f} s" for name, seconds in self.seconds.items()]
         lines.append(f"  {'total':<{width}}  {sum(self.seconds.values()):7.2f} s")
         if self.ready is not None:
-            lines.append(f"  ready {self.ready:.2f} s after the container started (target {READY_SECONDS} s)")
+            verdict = "met" if self.ready <= READY_SECONDS else "missed"
+            lines.append(
+                f"  ready {self.ready:.2f} s after the container started (target {READY_SECONDS} s: {verdict})"
+            )
         return "\n".join(lines)
 
 
@@ -353,15 +359,48 @@ def lock_hashes(text: str) -> set[str]:
     return set(re.findall(r"--hash=sha256:([0-9a-f]{64})", text))
 
 
-def wheel_download_command(requirements: Path, destination: Path) -> list[str]:
+def lock_python(text: str) -> str:
+    """The Python a lock was resolved for (its `# python:` header line), which its image's base must have."""
+    match = re.search(r"^# python: (\d+)\.(\d+)$", text, re.M)
+    check(match, "a lock without its `# python: X.Y` line: regenerate it with scripts/lock-image-deps.py")
+    return f"{match.group(1)}.{match.group(2)}"
+
+
+def wheel_download_command(requirements: Path, destination: Path, python: str = "3.11") -> list[str]:
     """The machine's own pip (its configuration, indexes, CA bundle) fetching the lock's files for the image's
     Python and platform, by hash, nothing resolved."""
     platforms = [f"--platform={p}" for p in WHEEL_PLATFORMS]
+    abi = "cp" + python.replace(".", "")
     return [
         sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--require-hashes", "--only-binary=:all:",
-        "--python-version=3.11", "--implementation=cp", "--abi=cp311", *platforms,
+        f"--python-version={python}", "--implementation=cp", f"--abi={abi}", *platforms,
         "--dest", str(destination), "-r", str(requirements),
     ]  # fmt: skip
+
+
+def lock_resolution_command(requirements: Path, python: str) -> list[str]:
+    """pip finding, for every requirement of a lock, a file for ``python`` on the image's platform, downloading
+    nothing: the GPU lock cannot be installed here (no GPU base), but it can be resolved for its Python."""
+    platforms = [f"--platform={p}" for p in WHEEL_PLATFORMS]
+    abi = "cp" + python.replace(".", "")
+    return [
+        sys.executable, "-m", "pip", "install", "--dry-run", "--quiet", "--ignore-installed", "--no-deps",
+        "--only-binary=:all:", f"--python-version={python}", "--implementation=cp", f"--abi={abi}", *platforms,
+        "--target", str(WORK / "lock-resolution"), "-r", str(requirements),
+    ]  # fmt: skip
+
+
+def check_gpu_lock(steps: Steps) -> None:
+    """requirements/image-gpu.txt, resolved for the Python its header names (the GPU base's) on the image's
+    platform: every pinned version has a file there."""
+    lock = REPO / "requirements" / "image-gpu.txt"
+    text = lock.read_text()
+    python = lock_python(text)
+    bare = WORK / "image-gpu.requirements.txt"
+    bare.write_text("".join(line for line in text.splitlines(keepends=True) if not line.startswith("--")))
+    out = run(lock_resolution_command(bare, python), check_rc=False, timeout=600)
+    check(out.returncode == 0, f"the GPU lock does not resolve for Python {python}:\n{out.stderr[-2000:]}")
+    steps.note("gpu lock", f"requirements/image-gpu.txt resolves for Python {python} on x86_64 manylinux")
 
 
 def fill_wheelhouse(steps: Steps) -> None:
@@ -378,10 +417,11 @@ def fill_wheelhouse(steps: Steps) -> None:
     WORK.mkdir(parents=True, exist_ok=True)
     bare = WORK / "image-cpu.requirements.txt"
     bare.write_text("".join(line for line in lock.splitlines(keepends=True) if not line.startswith("--")))
-    out = run(wheel_download_command(bare, destination), check_rc=False, timeout=1800)
+    python = lock_python(lock)
+    out = run(wheel_download_command(bare, destination, python), check_rc=False, timeout=1800)
     if out.returncode != 0:
         steps.note("wheels", f"not all found through this machine's pip configuration: {last_line(out.stderr)}")
-        run(wheel_download_command(LOCK, destination), timeout=1800)
+        run(wheel_download_command(LOCK, destination, python), timeout=1800)
     count = sum(1 for p in destination.iterdir() if p.suffix == ".whl")
     size = sum(p.stat().st_size for p in destination.iterdir())
     steps.note("wheels", f"{count} files, {size / 1e6:.0f} MB in {WHEELHOUSE}")
@@ -857,7 +897,8 @@ def check_cli(engine: Engine, running: Running, steps: Steps) -> None:
     port = next(p["containerPort"] for p in Pod.from_base().server["ports"] if p["name"] == "grpc")
     out = engine("exec", running.name, "indexer-service", "check", f"127.0.0.1:{port}", check_rc=False)
     check(out.returncode == 0, f"indexer-service check exited {out.returncode}:\n{out.stdout}{out.stderr}")
-    steps.note("check", out.stdout.strip().splitlines()[-1] if out.stdout.strip() else "exit 0")
+    said = out.stdout.strip().splitlines()
+    steps.note("check", f"exit 0: {' / '.join(said[:2])}" if said else "exit 0")
 
 
 def check_prebuilt_cache_script(engine: Engine, running: Running, steps: Steps) -> None:
@@ -921,7 +962,7 @@ def check_sigterm(engine: Engine, running: Running, steps: Steps) -> None:
         except PermissionError:  # a rootless engine's process: ask the engine
             engine("kill", "--signal", "TERM", running.name)
         exit_code = int(engine("wait", running.name, timeout=60).stdout.split()[0])
-        exited = time.time()
+        exited = epoch(engine.inspect("container", running.name)["State"]["FinishedAt"])
         watch.join(5)
         not_serving = [at for at, status in watch.seen if status == "NOT_SERVING"]
     finally:
@@ -970,6 +1011,11 @@ def serve_and_check(engine: Engine, healthcheck: dict, steps: Steps) -> None:
                 else f"ready {ready:.2f} s",
             )
             steps.ready = ready
+            check(ready <= READY_LIMIT, f"ready {ready:.2f} s after container start, over {READY_LIMIT} s")
+            if ready > READY_SECONDS:
+                steps.note(
+                    "ready", f"over the {READY_SECONDS} s target (IMAGE_READY_SECONDS); failed past {READY_LIMIT} s"
+                )
         with steps.step("warmup"):
             check_warmup(samples(running.ports["http-metrics"]), log, steps)
         with steps.step("golden"):
@@ -1006,6 +1052,8 @@ def main() -> int:
             engine = settle_podman(engine, base, steps)
         with steps.step("wheels"):
             fill_wheelhouse(steps)
+        with steps.step("gpu lock"):
+            check_gpu_lock(steps)
         with steps.step("build"):
             check_build_log(build(engine, base, steps))
         with steps.step("image"):

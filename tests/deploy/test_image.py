@@ -132,6 +132,35 @@ def test_the_builder_fails_when_an_extension_was_not_built(tmp_path: Path) -> No
     assert missing.returncode != 0 and "_fastpath" in missing.stderr, missing.stderr
 
 
+def test_the_build_refuses_a_lock_resolved_for_another_python(tmp_path: Path) -> None:
+    """Each lock names the Python it was resolved for (scripts/lock-image-deps.py's LOCK_PYTHON); the dependencies'
+    step checks its base's Python against it before pip runs, so a base whose Python moved fails with that, not with
+    a missing wheel. The check, run here: passes on this Python's lock, fails naming both on another's."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("lock_image_deps", ROOT / "scripts" / "lock-image-deps.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    for variant, path in (
+        ("cpu", ROOT / "requirements" / "image-cpu.txt"),
+        ("gpu", ROOT / "requirements" / "image-gpu.txt"),
+    ):
+        assert image.lock_python(path.read_text()) == script.LOCK_PYTHON[variant]
+        assert path.read_text().startswith(script.header(variant)), f"{path.name}: header not the generator's"
+    deps = stage_named(dockerfile_instructions(), "deps")
+    (step,) = [i.args for i in deps if i.keyword == "RUN" and "--require-hashes" in i.args]
+    (command,) = [c for c in re.findall(r'python -c "([^"]+)" "\$\{lock\}"', step)]
+    assert step.index(command) < step.index("pip install"), "checked before pip runs"
+    here = f"{sys.version_info[0]}.{sys.version_info[1]}"
+    for python, fails in ((here, False), ("3.99", True)):
+        lock = tmp_path / f"lock-{python}.txt"
+        lock.write_text(f"# GENERATED\n# python: {python}\nnumpy==2.3.5 \\\n    --hash=sha256:{'0' * 64}\n")
+        out = subprocess.run([sys.executable, "-c", command, str(lock)], capture_output=True, text=True, timeout=60)
+        assert (out.returncode != 0) == fails, out.stderr
+        if fails:
+            assert f"locked for Python 3.99, this base has {here}" in out.stderr
+
+
 def test_the_builder_checks_for_python_headers() -> None:
     """A base without Python.h fails the build at once, naming what is missing, before any install."""
     builder = stage_named(dockerfile_instructions(), "deps")
@@ -154,6 +183,34 @@ def test_the_wheelhouse_reaches_the_build_context_and_nothing_else_does(tmp_path
     assert "--no-index" in step, "with a wheelhouse, pip looks nowhere else (a dead find-links host costs retries)"
     args = {i.args.split("=", 1)[0] for i in builder if i.keyword == "ARG"}
     assert {"PIP_WHEELHOUSE", "PIP_RETRIES", "PIP_TIMEOUT"} <= args
+
+
+def test_a_dead_find_links_host_costs_the_build_seconds_not_minutes(tmp_path: Path) -> None:
+    """Without a wheelhouse, the build's pip reads the lock's --find-links line; where that host does not resolve,
+    pip's own default (5 retries with backoff) cost about 10 s for every requirement, 9 minutes for the lock. The
+    build arguments PIP_RETRIES and PIP_TIMEOUT reach pip as its own variables: with their defaults, a requirement
+    gives up on such a host within a few seconds."""
+    import time
+
+    defaults = dockerfile_arg_defaults(stage_named(dockerfile_instructions(), "deps"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+    env |= {
+        "PIP_CONFIG_FILE": os.devnull,
+        "PIP_RETRIES": defaults["PIP_RETRIES"],
+        "PIP_TIMEOUT": defaults["PIP_TIMEOUT"],
+    }
+    argv = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-index", "--dest", str(tmp_path)]
+    start = time.monotonic()
+    out = subprocess.run(
+        [*argv, "--find-links", "https://wheels.invalid/torch/", "six"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode != 0 and "wheels.invalid" in out.stdout + out.stderr
+    assert time.monotonic() - start < 6, f"{time.monotonic() - start:.1f} s on one requirement"
+    assert int(defaults["PIP_RETRIES"]) <= 3 and int(defaults["PIP_TIMEOUT"]) <= 60
 
 
 # --- make image-test's replay of the pod ----------------------------------------------------------------------
