@@ -75,9 +75,10 @@ WORKDIR /opt/indexer/src
 # CPU lock holds torch's CPU build, the README's first step, and names where pip finds it; the GPU lock leaves
 # out the base's torch and Triton). --no-deps: the lock is the whole set, pip resolves nothing, and a file that
 # is not the locked one fails the build. With a wheelhouse, the lock's own --find-links line is dropped and pip
-# looks nowhere else; first, the base's Python must be the one the lock was resolved for (its `# python:` line).
-# Before the sources, so this layer (and the final stage's copy of it) is rebuilt only when a lock changes. The pip configuration and CA bundle of the machine that builds may come in as build secrets
-# (`pip.conf`, `pip-cert`): mounted for this step only, never stored in a layer.
+# looks nowhere else. First, the base's Python must be the one the lock was resolved for (its `# python:` line).
+# Before the sources, so this layer (and the final stage's copy of it) is rebuilt only when a lock changes. The
+# pip configuration and CA bundle of the machine that builds may come in as build secrets (`pip.conf`,
+# `pip-cert`): mounted for this step only, never stored in a layer.
 COPY requirements ./requirements
 RUN --mount=type=bind,target=/context \
     --mount=type=secret,id=pip.conf,target=/run/secrets/pip.conf \
