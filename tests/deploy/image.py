@@ -13,6 +13,8 @@ from outside, each step timed.
 3. **wheels**: every file of requirements/image-cpu.txt in .cache/wheelhouse/cpu, fetched by this machine's pip
    with this machine's configuration (its indexes, find-links, CA bundle); the build mounts that directory for its
    install step (build argument PIP_WHEELHOUSE), so nothing of the configuration reaches the image.
+   **gpu lock**: requirements/image-gpu.txt resolved (nothing downloaded) for the Python its header names, the GPU
+   base's, on the image's platform: the GPU variant is not built here, its lock is checked.
 4. **build**: `--build-arg VARIANT=cpu`, each step's seconds printed.
 5. **image**: size (at most 2.0 GB), no C compiler, both C extensions load, no build tree or pip configuration,
    the HEALTHCHECK kept (podman keeps it in the docker format only).
@@ -255,10 +257,10 @@ def settle_podman(engine: Engine, image: str, steps: Steps) -> Engine:
             candidate = Engine(engine.name, options, limits)
             out = candidate("run", "--rm", *candidate.run_options(), "--network=none", image, "true", check_rc=False)
             if out.returncode == 0:
-                said = [f"runtime {runtime or 'default'}", "its default limits" if not limits else " ".join(limits)]
-                for failure in dict.fromkeys(failures):
-                    said.append(f"(refused: {failure})")
-                steps.note("runtime", "podman: " + ", ".join(said))
+                said = f"podman: runtime {runtime or 'default'}, " + (" ".join(limits) or "its default limits")
+                if failures:  # what was refused on the way, each once
+                    said += "; refused before: " + "; ".join(dict.fromkeys(f[-90:] for f in failures))
+                steps.note("runtime", said)
                 return candidate
             failures.append(last_line(out.stderr))
     raise CheckFailed("podman cannot start a container here:\n" + "\n".join(failures))
@@ -430,9 +432,23 @@ def fill_wheelhouse(steps: Steps) -> None:
 # --- the build ------------------------------------------------------------------------------------------------
 
 
+def machine_pip_cert() -> str | None:
+    """The CA bundle this machine's pip is configured with (PIP_CERT or pip.conf's cert), if any."""
+    cert = os.environ.get("PIP_CERT")
+    if not cert:
+        out = run([sys.executable, "-m", "pip", "config", "get", "global.cert"], check_rc=False)
+        cert = out.stdout.strip() if out.returncode == 0 else ""
+    return cert if cert and Path(cert).is_file() else None
+
+
 def build_command(engine: Engine, base: str) -> list[str]:
+    """The build: the CPU variant on ``base``, pip reading the wheelhouse alone. The machine's CA bundle goes in as
+    the `pip-cert` build secret, mounted for the install step and kept in no layer (the image's check below looks
+    for it); not its pip.conf, whose paths (find-links, constraints) lie on this machine, not in the build."""
     args = ["build", "--build-arg=VARIANT=cpu", f"--build-arg=CPU_BASE={base}"]
     args += [f"--build-arg=PIP_WHEELHOUSE={WHEELHOUSE}", "--tag", TAG, "--file", str(DOCKERFILE)]
+    if cert := machine_pip_cert():
+        args.append(f"--secret=id=pip-cert,src={cert}")
     if engine.podman:
         # The OCI format has no HEALTHCHECK: podman would drop it. Its limits apply to the build's steps too.
         args += ["--format=docker", "--layers", *engine.limits]

@@ -231,6 +231,22 @@ def test_the_wheel_download_uses_this_machines_pip_for_the_lock_python() -> None
     assert not [a for a in argv if a.startswith(("--index-url", "--extra-index-url", "--find-links", "--cert"))]
 
 
+def test_the_build_gets_the_machines_ca_bundle_as_a_secret_and_nothing_else(tmp_path: Path, monkeypatch) -> None:
+    """The build reads the wheelhouse (a build argument naming a folder of the context) and, where this machine's
+    pip has a CA bundle, that bundle as the `pip-cert` secret (stored in no layer); no index, find-links or pip.conf
+    of this machine reaches the build's arguments."""
+    cert = tmp_path / "ca.pem"
+    cert.write_text("-----BEGIN CERTIFICATE-----\n")
+    monkeypatch.setenv("PIP_CERT", str(cert))
+    argv = image.build_command(image.Engine("podman", ("--runtime", "runc"), ("--ulimit=nproc=4096:4096",)), "base")
+    assert f"--secret=id=pip-cert,src={cert}" in argv
+    assert f"--build-arg=PIP_WHEELHOUSE={image.WHEELHOUSE}" in argv and "--format=docker" in argv
+    assert argv[:3] == ["podman", "--runtime", "runc"] and "--ulimit=nproc=4096:4096" in argv
+    assert not [a for a in argv if re.search(r"index-url|find-links|pip\.conf|PIP_CONFIG", a)]
+    monkeypatch.setenv("PIP_CERT", str(tmp_path / "missing.pem"))
+    assert not [a for a in image.build_command(image.Engine("docker"), "base") if a.startswith("--secret")]
+
+
 def test_podman_limits_fall_back_to_what_the_machine_allows() -> None:
     """Podman's own defaults first; then the machine's hard limits (open files capped at podman's 1048576), then
     process limits podman's monitor can grant."""
