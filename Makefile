@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test test-quick image-test lint protos docs clean
+.PHONY: serve test test-deps test-quick image-test lint protos docs clean
 
 # torch first, as its CPU build (torch==$(TORCH_VERSION)+cpu): a bare `torch` requirement would make pip fetch the
 # multi-GB CUDA build from PyPI. From local disk where pip's own configuration finds it (find-links), else from
@@ -37,6 +37,16 @@ test: $(STAMP)
 	bash scripts/install-client-tools.sh
 	$(PY) -m pytest -q $(XDIST)
 
+# The dependency ends (CI runs it after `make test`): the transport, health, flood and HTTP tests and four attack
+# rows (`benchmarks.attack --check`) at the declared lower bounds and at the newest releases within pyproject.toml's
+# ranges of grpcio (with its health and reflection packages), protobuf, prometheus-client and uvicorn[standard], each
+# end in a venv of its own under .venv-deps/ that installs only those and borrows the rest from $(VENV); rebuilt only
+# when the versions change (scripts/test-deps.py). Both ends, one after the other, on this 2-core machine while other
+# jobs shared it: 292 s with the venvs already made (load average 5-7; each end's tests 111-126 s of it), 513 s
+# making both venvs first under load average 5-15 (each venv 12-21 s, the rest the tests slowed by the load).
+test-deps: $(STAMP)
+	$(PY) scripts/test-deps.py
+
 # The inner loop: the kernels and the in-process service tests, without the tests that start processes (marked
 # `process` at collection: tests/tiers.py), the `slow` ones and the GPU ones. No workers: each would import torch
 # and Triton first (26 s serial against 29-36 s on 2 workers, measured back to back here).
@@ -65,4 +75,4 @@ docs: $(STAMP)
 	$(PY) -m indexer_service.service.settings_table
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) .venv-deps

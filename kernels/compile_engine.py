@@ -17,7 +17,8 @@ The kernel is looked up in :mod:`kernels.triton_kernel` at call time, so a test 
 
 Keys compile in parallel through Triton's ``AsyncCompileMode`` when ``workers > 1``: most of a compile
 runs in native code and ``ptxas`` subprocesses, so threads overlap (benchmarks/bench_warmup.py measures
-it).
+it). That mode, the stand-in driver's swap and the installation hash reach past Triton's public API: each goes
+through kernels/triton_adapter.py, which takes the public path where this Triton differs.
 """
 
 from __future__ import annotations
@@ -36,9 +37,8 @@ import numpy as np
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.backends.driver import DriverBase
-from triton.runtime.driver import driver
 
-from indexer_service.kernels import specialization, triton_kernel
+from indexer_service.kernels import specialization, triton_adapter, triton_kernel
 from indexer_service.kernels.inputs import ChunkInputs, chunk_host_part
 from indexer_service.kernels.numpy_backend import chunk_arrays_numpy
 from indexer_service.kernels.specialization import BLOCK_SIZE, POINTER_ALIGNMENT, CompileKey
@@ -252,14 +252,8 @@ def compile_only_driver(target: GPUTarget | None) -> Iterator[None]:
     if target is None:
         yield
         return
-    # Restore whatever was active before, without asking for the default driver: with no GPU, creating
-    # it fails ("0 active drivers").
-    previous = driver._active
-    driver.set_active(_StandInDriver(target))
-    try:
+    with triton_adapter.stand_in_active(_StandInDriver(target)):
         yield
-    finally:
-        driver.set_active(previous)
 
 
 # The key whose compile runs in this thread (set around each warm and each pooled compile), so that Triton's
@@ -292,27 +286,15 @@ def cache_hits() -> Iterator[set[CompileKey]]:
         compilation.listener = previous
 
 
-def _async_compile_mode():
-    try:
-        from triton.runtime._async_compile import AsyncCompileMode
-    except ImportError:  # Triton before 3.5: no parallel compile inside the JIT
-        return None
-    return AsyncCompileMode
-
-
-def start_compiler() -> float:
-    """Seconds spent hashing the Triton installation, which its cache key covers.
+def start_compiler() -> float | None:
+    """Seconds spent hashing the Triton installation, which its cache key covers; None where this Triton leaves it
+    to the first compile (triton_adapter's ``compiler_key``).
 
     Triton does it once per process, on the first compile (about 0.8 s here, cache hit or not); doing it
     first keeps it out of the first key's compile seconds.
     """
     start = time.perf_counter()
-    try:
-        from triton.runtime.cache import triton_key
-    except ImportError:  # older layouts keep it in the compiler module
-        from triton.compiler.compiler import triton_key
-    triton_key()
-    return time.perf_counter() - start
+    return time.perf_counter() - start if triton_adapter.hash_installation() else None
 
 
 def compile_keys(
@@ -335,7 +317,9 @@ def compile_keys(
     """
     check_keys(keys, allowed)
     serialise_ast_parse()  # the compiles below parse the kernel's source, in parallel when workers > 1
-    log.debug("Triton compiler start-up took %.3f s", start_compiler())
+    hashed = start_compiler()
+    if hashed is not None:
+        log.debug("Triton compiler start-up took %.3f s", hashed)
     import torch  # the warmup's arguments are tensors (and Triton's argument binder imports torch anyway)
 
     if target is None:
@@ -344,9 +328,7 @@ def compile_keys(
         # A fresh JITFunction per ahead-of-time run: its per-device caches remember the target.
         kernel = triton.jit(triton_kernel._build_prefill_metadata_kernel_fn, **KERNEL_JIT_OPTIONS)
         gpu_target, device = parse_target(target), torch.device("cpu")
-    async_mode = _async_compile_mode() if workers > 1 else None
-    if workers > 1 and async_mode is None:
-        log.warning("this Triton has no AsyncCompileMode: compiling %d keys one by one", len(keys))
+    async_mode = triton_adapter.async_compile_mode() if workers > 1 else None
 
     outcomes: dict[CompileKey, CompileOutcome] = {}
     compiled: list[CompileOutcome] = []  # in completion order; proved after the compiler's driver is restored

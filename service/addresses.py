@@ -3,6 +3,10 @@ writer and one reader for the servers, the client, the CLI and the test kit."""
 
 from __future__ import annotations
 
+# The gRPC target schemes (``dns:///name:port``, ``ipv4:a:p1,b:p2``, ``unix:path`` ...): a target that starts with one
+# is not a ``host:port``.
+TARGET_SCHEMES = ("dns:", "ipv4:", "ipv6:", "unix:", "unix-abstract:", "vsock:", "xds:")
+
 
 def host_port(host: str, port: int) -> str:
     """``host:port``, or ``[host]:port`` for an IPv6 literal (it has colons of its own)."""

@@ -27,8 +27,21 @@ with many workers.
 
 Wait for ready: ``build_chunk`` and ``plan_batch`` wait, within the call's deadline, for a replica to be connected and
 SERVING (gRPC's ``wait_for_ready``), so a scheduler that starts beside replicas still warming up gets its answer once
-one is ready instead of UNAVAILABLE at once. ``IndexerClient(..., wait_for_ready=False)`` fails fast instead. ``health``
-and ``warmup_status`` never wait: they report on the server as it is now.
+one is ready instead of UNAVAILABLE at once. ``IndexerClient(..., wait_for_ready=False)`` fails fast instead: with no
+server to connect to, UNAVAILABLE naming the address and why (connection refused, an HTTP/1.x server, ...) within the
+retry policy's backoff. ``health`` and ``warmup_status`` never wait: they report on the server as it is now.
+
+Reconnecting: a connection that fails is tried again after a backoff that gRPC grows by 1.6x an attempt (with +-20 %
+jitter) up to ``max_reconnect_backoff_seconds`` (5 s by default; gRPC's own bound, 120 s, can leave a client minutes
+behind a server that is back). The same bound is the least time between two DNS re-resolutions; a resolution that
+fails (a name with no address while every replica is down) is retried on gRPC's own backoff, up to 120 s, which no
+channel option changes.
+
+Metadata: ``IndexerClient(..., metadata=...)`` is sent with every call, each method's ``metadata=`` with that call
+(its keys replace the client's): a request id (``x-request-id``, which the server logs and returns in the trailing
+metadata, ``grpc.RpcError.trailing_metadata()`` on a failure), a W3C ``traceparent`` that the server's span takes as
+its parent. Keys are sent in lowercase; keys and values are checked when given (header names, printable ASCII
+values, ``bytes`` for ``-bin`` keys): a ValueError naming the entry, not an INTERNAL "Invalid metadata" from the call.
 """
 
 from __future__ import annotations
@@ -36,6 +49,8 @@ from __future__ import annotations
 import ipaddress
 import itertools
 import json
+import math
+import re
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -48,15 +63,16 @@ from indexer_service.kernels.planner import BatchInputs, PrefillPlan
 from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
 from indexer_service.protos.indexer.v1 import indexer_pb2_grpc as pb_grpc
 from indexer_service.service import codec
-from indexer_service.service.addresses import split_host_port
+from indexer_service.service.addresses import TARGET_SCHEMES, split_host_port
 from indexer_service.service.codec import SERVICE_NAME
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 2**20  # the server's default max_message_bytes
 DEFAULT_TIMEOUT_SECONDS = 10.0
 DEFAULT_CONNECTIONS = 8  # per address: see the module docstring
+DEFAULT_MAX_RECONNECT_BACKOFF_SECONDS = 5.0  # see the module docstring
 
-
-_SCHEMES = ("dns:", "ipv4:", "ipv6:", "unix:", "unix-abstract:", "vsock:", "xds:")
+# gRPC metadata: (key, value) pairs; a value is str, or bytes for a key ending in "-bin".
+Metadata = Sequence[tuple[str, str | bytes]]
 
 
 def channel_target(addresses: str | Sequence[str]) -> str:
@@ -68,7 +84,7 @@ def channel_target(addresses: str | Sequence[str]) -> str:
     addresses = list(addresses)
     if not addresses:
         raise ValueError("no server address given")
-    if any(a.startswith(_SCHEMES) for a in addresses):
+    if any(a.startswith(TARGET_SCHEMES) for a in addresses):
         if len(addresses) > 1:
             raise ValueError(f"a target with a scheme stands alone, got {addresses!r}")
         return addresses[0]
@@ -91,6 +107,64 @@ def channel_target(addresses: str | Sequence[str]) -> str:
     if len(families) > 1:
         raise ValueError(f"IPv4 and IPv6 literals cannot share one channel, got {addresses!r}")
     return f"ipv{families.pop()}:{','.join(addresses)}"
+
+
+# What gRPC accepts as a metadata key (an HTTP/2 header name, lowercase; "grpc-" names are gRPC's own) and as a text
+# value (printable ASCII): checked before sending, as gRPC refuses a bad entry only at the call, with INTERNAL
+# "Invalid metadata", which reads like the server's fault.
+_METADATA_KEY = re.compile(r"[0-9a-z_.-]+")
+_METADATA_TEXT = re.compile(r"[\x20-\x7e]*")
+
+
+def checked_metadata(metadata: Metadata | None) -> tuple[tuple[str, str | bytes], ...]:
+    """``metadata`` as a tuple of ``(key, value)`` pairs, keys in lowercase (header names are case-insensitive and
+    HTTP/2 sends them so), each checked as gRPC will check it; a ValueError naming the first entry gRPC would
+    refuse."""
+    entries = []
+    for entry in metadata or ():
+        if not (isinstance(entry, tuple | list) and len(entry) == 2 and isinstance(entry[0], str)):
+            raise ValueError(f"metadata: each entry is a (key, value) pair with a str key, got {entry!r}")
+        key, value = entry[0].lower(), entry[1]
+        entries.append((key, value))
+        if not _METADATA_KEY.fullmatch(key) or key.startswith("grpc-"):
+            raise ValueError(
+                f"metadata key {key!r}: letters, digits, '-', '_' and '.' only, not starting with 'grpc-' (gRPC's own)"
+            )
+        if key.endswith("-bin"):
+            if not isinstance(value, bytes):
+                raise ValueError(f"metadata {key!r}: a key ending in '-bin' takes bytes, got {type(value).__name__}")
+        elif not isinstance(value, str) or not _METADATA_TEXT.fullmatch(value):
+            raise ValueError(f"metadata {key!r}: the value must be a str of printable ASCII, got {value!r}")
+    return tuple(entries)
+
+
+def merged_metadata(
+    defaults: tuple[tuple[str, str | bytes], ...], metadata: Metadata | None
+) -> tuple[tuple[str, str | bytes], ...]:
+    """The client's ``defaults`` with a call's ``metadata`` (checked) after them; a key the call gives replaces every
+    entry of the defaults under that key."""
+    if not metadata:
+        return defaults
+    call = checked_metadata(metadata)
+    given = {key for key, _ in call}
+    return tuple(entry for entry in defaults if entry[0] not in given) + call
+
+
+def reconnect_options(max_backoff_seconds: float | None) -> list[tuple[str, int]]:
+    """Channel options that bound the wait between connection attempts (and between DNS re-resolutions after a
+    failed connection) to ``max_backoff_seconds``, with gRPC's +-20 % jitter; None: gRPC's defaults (a backoff
+    that grows to 120 s, re-resolution at most every 30 s)."""
+    if max_backoff_seconds is None:
+        return []
+    if not (math.isfinite(max_backoff_seconds) and max_backoff_seconds > 0):
+        raise ValueError(f"max_reconnect_backoff_seconds: must be a finite number > 0, got {max_backoff_seconds}")
+    cap_ms = max(100, round(max_backoff_seconds * 1000))  # gRPC waits at least 100 ms whatever it is given
+    return [
+        ("grpc.max_reconnect_backoff_ms", cap_ms),
+        # gRPC caps the attempts after the first: its first wait (1 s) must not exceed a smaller cap either.
+        ("grpc.initial_reconnect_backoff_ms", min(1000, cap_ms)),
+        ("grpc.dns_min_time_between_resolutions_ms", cap_ms),
+    ]
 
 
 def service_config(max_attempts: int = 5, health_check: bool = True) -> str:
@@ -162,7 +236,9 @@ class IndexerClient:
     ``health_check=False`` sends calls to replicas that are not SERVING too (what ``indexer-service check``
     needs to ask a warming server for its status). ``credentials`` (see :func:`tls_credentials`) makes the
     channel TLS. ``wait_for_ready`` (default on): ``build_chunk`` and ``plan_batch`` wait within their deadline
-    for a connected, SERVING replica instead of failing UNAVAILABLE at once.
+    for a connected, SERVING replica instead of failing UNAVAILABLE at once. ``max_reconnect_backoff_seconds``
+    bounds the wait between connection attempts (None: gRPC's 120 s). ``metadata`` goes with every call, before
+    (and replaced key by key by) a call's own ``metadata=``.
     """
 
     def __init__(
@@ -176,16 +252,21 @@ class IndexerClient:
         wait_for_ready: bool = True,
         credentials: grpc.ChannelCredentials | None = None,
         connections: int = DEFAULT_CONNECTIONS,
+        max_reconnect_backoff_seconds: float | None = DEFAULT_MAX_RECONNECT_BACKOFF_SECONDS,
+        metadata: Metadata = (),
     ) -> None:
         self.timeout = timeout
         self.wait_for_ready = wait_for_ready
+        self.metadata = checked_metadata(metadata)
         options = [
             ("grpc.service_config", service_config(max_attempts, health_check)),
             ("grpc.enable_retries", 1),
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
+            *reconnect_options(max_reconnect_backoff_seconds),
         ]
         target = channel_target(target)
+        self.target = target
 
         def make_channel(extra: list[tuple[str, object]]) -> grpc.Channel:
             if credentials is not None:
@@ -207,39 +288,60 @@ class IndexerClient:
     def close(self) -> None:
         self.pool.close()
 
-    def _call(self, method: str, request: object, timeout: float | None) -> object:
+    def _call(self, method: str, request: object, timeout: float | None, metadata: Metadata | None) -> object:
+        sent = merged_metadata(self.metadata, metadata)
         index = self.pool.acquire()
         try:
             return getattr(self.stubs[index], method)(
-                request, timeout=timeout or self.timeout, wait_for_ready=self.wait_for_ready
+                request, timeout=timeout or self.timeout, metadata=sent, wait_for_ready=self.wait_for_ready
             )
         finally:
             self.pool.release(index)
 
     def build_chunk(
-        self, inputs: ChunkInputs, *, omit_token_to_seq: bool = False, timeout: float | None = None
+        self,
+        inputs: ChunkInputs,
+        *,
+        omit_token_to_seq: bool = False,
+        timeout: float | None = None,
+        metadata: Metadata | None = None,
     ) -> ChunkMetadata | None:
         """One chunk's metadata; None when the chunk holds no compressed token. ``token_to_seq`` is None when
         omitted."""
         request = codec.chunk_inputs_to_proto(inputs, omit_token_to_seq)
-        response = self._call("BuildChunk", request, timeout)
+        response = self._call("BuildChunk", request, timeout, metadata)
         return codec.metadata_from_proto(response.metadata) if response.HasField("metadata") else None
 
     def plan_batch(
-        self, batch: BatchInputs, *, omit_token_to_seq: bool = False, timeout: float | None = None
+        self,
+        batch: BatchInputs,
+        *,
+        omit_token_to_seq: bool = False,
+        timeout: float | None = None,
+        metadata: Metadata | None = None,
     ) -> PrefillPlan:
         """The batch's prefill chunk plan and the metadata of every non-empty chunk."""
         request = codec.batch_inputs_to_proto(batch, omit_token_to_seq)
-        return codec.plan_from_proto(self._call("PlanBatch", request, timeout))
+        return codec.plan_from_proto(self._call("PlanBatch", request, timeout, metadata))
 
-    def warmup_status(self, *, timeout: float | None = None) -> pb.GetWarmupStatusResponse:
+    def warmup_status(
+        self, *, timeout: float | None = None, metadata: Metadata | None = None
+    ) -> pb.GetWarmupStatusResponse:
         """The warmup's progress; never waits for a ready server (use ``health_check=False`` to ask one that is
         warming up)."""
-        return self.stub.GetWarmupStatus(pb.GetWarmupStatusRequest(), timeout=timeout or self.timeout)
+        return self.stub.GetWarmupStatus(
+            pb.GetWarmupStatusRequest(),
+            timeout=timeout or self.timeout,
+            metadata=merged_metadata(self.metadata, metadata),
+        )
 
-    def health(self, service: str = SERVICE_NAME, *, timeout: float | None = None) -> str:
+    def health(
+        self, service: str = SERVICE_NAME, *, timeout: float | None = None, metadata: Metadata | None = None
+    ) -> str:
         """``SERVING``, ``NOT_SERVING`` or ``SERVICE_UNKNOWN`` from grpc.health.v1 Check."""
         response = self.health_stub.Check(
-            health_pb2.HealthCheckRequest(service=service), timeout=timeout or self.timeout
+            health_pb2.HealthCheckRequest(service=service),
+            timeout=timeout or self.timeout,
+            metadata=merged_metadata(self.metadata, metadata),
         )
         return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)

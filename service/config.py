@@ -18,6 +18,7 @@ import os
 import re
 import ssl
 import tomllib
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from importlib import resources
@@ -239,13 +240,19 @@ class ServiceConfig:
         return self.warmup_target != NO_WARMUP
 
     def summary(self) -> str:
-        """One log line: every setting, the long ratio list as its distinct values."""
+        """One log line: every setting, the long ratio list as its distinct values; then the config file read
+        (``config_file``, ``none``) and where each setting not at its default came from (``sources``), as
+        :func:`load_config` recorded them (:func:`sources_of`)."""
         parts = []
         for f in fields(self):
             value = getattr(self, f.name)
             if f.name == "compress_ratios":
                 value = ",".join(str(r) for r in dict.fromkeys(value)) + f" ({len(value)} layers)"
             parts.append(f"{f.name}={value}")
+        sources = sources_of(self)
+        config_file = next((where[5:] for where in sources.values() if where.startswith("file ")), "none")
+        changed = ", ".join(f"{name}: {where}" for name, where in sources.items() if where != "default")
+        parts += [f"config_file={config_file}", f"sources={json.dumps(changed or 'every setting at its default')}"]
         return " ".join(parts)
 
 
@@ -558,7 +565,19 @@ def load_config(
 
     config = ServiceConfig(**values)
     _validate(config, sources, needs_warmup)
+    _SOURCES[id(config)] = dict(sources)
+    weakref.finalize(config, _SOURCES.pop, id(config), None)  # the entry goes with the configuration
     return config
+
+
+# Where each setting of a loaded configuration came from, by the configuration's id while it lives.
+_SOURCES: dict[int, dict[str, str]] = {}
+
+
+def sources_of(config: ServiceConfig) -> dict[str, str]:
+    """Where each setting of ``config`` came from (``default``, ``file PATH``, ``env NAME``, ``flag --NAME``,
+    ``model_config PATH``), as :func:`load_config` found them; empty for a configuration made otherwise."""
+    return _SOURCES.get(id(config), {})
 
 
 def _validate(config: ServiceConfig, sources: Mapping[str, str], needs_warmup: str = "") -> None:
@@ -711,6 +730,21 @@ def config_from_arguments(args: argparse.Namespace, needs_warmup: str = "") -> S
     return load_config(
         flags, config_file=args.config, flag_names=getattr(args, "flag_names", None), needs_warmup=needs_warmup
     )
+
+
+def requested_log_format(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> str:
+    """The log format a command asked for, read as loading would (flag, then environment, then the config file),
+    for an error found before the configuration loads; ``text`` where none says or one cannot be read."""
+    env = os.environ if env is None else env
+    if getattr(args, "log_format", None):
+        return str(args.log_format)
+    if (value := env.get(ENV_PREFIX + "LOG_FORMAT")) is not None:
+        return value
+    config_file = getattr(args, "config", None) or env.get(CONFIG_FILE_ENV)
+    try:
+        return str(tomllib.loads(Path(config_file).read_text()).get("log_format", "text")) if config_file else "text"
+    except (OSError, ValueError):  # unreadable or not TOML: the error being reported says so
+        return "text"
 
 
 def unknown_environment(env: Mapping[str, str] | None = None) -> dict[str, str | None]:

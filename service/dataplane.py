@@ -54,17 +54,26 @@ from indexer_service.service.errors import (
     ServiceError,
     Shed,
 )
-from indexer_service.service.logs import FailedCallLog
+from indexer_service.service.logs import FailedCallLog, RateLimitedLog
 from indexer_service.service.metrics import UNKNOWN_METHOD, Metrics
-from indexer_service.service.overload.admission import Admission, Caller, Refused, default_response_budget
+from indexer_service.service.overload.admission import (
+    SHED_LOG_INTERVAL_SECONDS,
+    Admission,
+    Caller,
+    Refused,
+    default_response_budget,
+)
 from indexer_service.service.overload.books import NOT_COMPILED, load_compiled
 from indexer_service.service.overload.limits import RequestLimits, fast_path_limits
 from indexer_service.service.reasons import ShedReason
 from indexer_service.service.rpcs import RPCS, parse_request
 from indexer_service.service.tracing import RpcTracer
-from indexer_service.service.version import VERSION
+from indexer_service.service.version import version_line
 
 log = logging.getLogger(__name__)
+
+# Kernel variants indexer_warmup_misses_total names one by one; any further one is "other".
+MAX_MISSED_VARIANTS = 32
 
 # What a planned chunk costs besides its bytes, in bytes of response: each is a few Python objects and a
 # backend call (~150 us against ~1 GB/s for the arrays), which is what makes tiny-budget plans expensive.
@@ -134,7 +143,9 @@ class DataPlane:
         self.warmup = warmup
         self.backend = backend
         self.readiness = Readiness(warmup, metrics, backend.name)
-        self.limits = RequestLimits(config, admit_launch)
+        self.limits = RequestLimits(config, admit_launch, frozenset(warmup.model_keys), self._warmup_miss)
+        self._missed: set[str] = set()  # the variants named in indexer_warmup_misses_total so far
+        self._miss_log = RateLimitedLog(log, SHED_LOG_INTERVAL_SECONDS)
         budget = config.response_budget_bytes or default_response_budget(memory_limit())
         # Waiters hold a gRPC thread each: at most a quarter of the pool waits, so with the heavy lane's own
         # slots at least half of it is always free for light calls (a full-size attack with half the pool
@@ -149,8 +160,10 @@ class DataPlane:
         )
         self._warmed = False  # warmup.finished_ok, read until it is True (two property frames per call)
         self._fast_limits = fast_path_limits(config)
-        self._fast_admitted: tuple[int, ...] | None = None  # strict mode's admitted ratios for the fast path
-        self._fast_admitted_known = self.limits.admit_launch is None  # None (any) known from the start
+        # The ratios the fast path serves: the warmup set's (strict mode: the warmed ones, known once the warmup is
+        # over); any other goes the general way, where it is counted as a warmup miss.
+        self._fast_admitted: tuple[int, ...] | None = None
+        self._fast_admitted_known = False
         # Set when the shutdown grace ends: calls still running were cut by the shutdown, not by their callers.
         self.shutdown_cut = threading.Event()
         self.last_call_end = time.monotonic()
@@ -371,15 +384,33 @@ class DataPlane:
         self.metrics.child(self.metrics.request_query_tokens, method).observe(tokens)
 
     def _admitted_ratios(self) -> tuple[int, ...] | None:
-        """Strict mode's admitted compress ratios for the fast path (None: any). Read once the warmup is over (the
-        fast path serves only then): the numpy backend compiles nothing after it, so the warmed set no longer
-        changes."""
+        """The compress ratios the fast path serves: the model's warmup set's, or in strict mode the warmed ones.
+        Read once the warmup is over (the fast path serves only then): the numpy backend compiles nothing after it,
+        so the warmed set no longer changes."""
         if not self._fast_admitted_known:
+            keys = self.warmup.compiled_keys() if self.limits.admit_launch is not None else self.warmup.model_keys
             # The keys a fast-path request can need: the service's own (aligned buffers, int32 scalars).
-            launchable = {k.compress_ratio for k in self.warmup.compiled_keys() if k == CompileKey(k.compress_ratio)}
+            launchable = {k.compress_ratio for k in keys if k == CompileKey(k.compress_ratio)}
             self._fast_admitted = tuple(sorted(launchable))
             self._fast_admitted_known = True
         return self._fast_admitted
+
+    def _warmup_miss(self, key: CompileKey) -> None:
+        """A request whose kernel variant is outside the model's warmup set: counted by variant (the first
+        ``MAX_MISSED_VARIANTS`` by name, any later as "other": callers choose the ratio) and logged rate-limited,
+        on every backend, so a model config that would compile after ready on a GPU replica shows on a CPU one."""
+        label = key.label()
+        if label not in self._missed:
+            if len(self._missed) >= MAX_MISSED_VARIANTS:
+                label = "other"
+            else:
+                self._missed.add(label)
+        self.metrics.child(self.metrics.warmup_misses_total, label).inc()
+        self._miss_log.note(
+            "warmup_miss",
+            label,
+            "a GPU replica would compile this kernel variant after ready: fix the model config or the warmup set",
+        )
 
     def _build_chunk(self, request: pb.BuildChunkRequest) -> bytes:
         inputs = codec.chunk_inputs_from_proto(request)
@@ -435,7 +466,7 @@ class DataPlane:
             compiles_after_ready=self.readiness.compiles_after_ready,
             ready=self.readiness.ready,
             auto_crossover_elements=self.backend.selector.crossover if self.backend.selector else 0,
-            server_version=VERSION,
+            server_version=version_line(),
             dependency_fallbacks=[
                 pb.DependencyFallback(library=f.library, feature=f.feature, detail=f.describe())
                 for f in adapters.taken()

@@ -4,8 +4,10 @@ rate limit that keeps a flood of failing calls from becoming a flood of lines.
 Every line is one event: ``event key=value ...`` in the message. ``log_format = "text"`` writes
 ``2026-12-04T15:48:36.123Z INFO logger event key=value ... request_id=... worker=N`` (``request_id`` while a call
 is served, ``worker`` in a worker process); ``"json"`` writes one object a line with ``ts``, ``level``,
-``logger``, ``event``, ``msg`` (the whole message), each ``key=value`` of the message as a key of its own (numbers
-as numbers, quoted values unquoted), ``request_id``, ``worker`` and ``exc`` (a traceback) where they apply:
+``logger``, ``event`` (a stable snake_case name: :func:`record_event`), ``msg`` (the whole message), each
+``key=value`` of the message as a key of its own (numbers as numbers, quoted values unquoted; another library's
+lines keep their text whole), ``request_id``, ``worker`` and ``exc`` (a traceback) where they apply; under it, a
+configuration error at start is a JSON line too (:func:`error_line`):
 ``worker`` is a worker process's own slot on each of its lines, and in the supervisor's lines about a worker
 (``worker exited worker=1 ...``) that worker's, from the message.
 """
@@ -21,7 +23,8 @@ import re
 import sys
 import threading
 import time
-from collections.abc import Hashable
+import weakref
+from collections.abc import Callable, Hashable
 from contextvars import ContextVar
 
 log = logging.getLogger(__name__)  # the failed-call lines
@@ -95,6 +98,22 @@ def message_fields(message: str) -> tuple[str, dict[str, object]]:
     return event.strip(), fields
 
 
+# An event's name: lower-case words, at most four (``shed``, ``worker exited``, ``rpc_port_taking_callers``).
+_EVENT = re.compile(r"[a-z][a-z0-9_]*(?: [a-z][a-z0-9_]*){0,3}").fullmatch
+OWN_LOGGERS = "indexer_service"
+
+
+def record_event(record: logging.LogRecord, message: str) -> tuple[str, dict[str, object]]:
+    """A record's ``event`` and its fields: for this service's own lines, the words before the first
+    ``key=value`` as one snake_case name (``worker exited`` -> ``worker_exited``) and the fields, or ``message``
+    where the line starts with free text; for another library's (uvicorn's, gRPC's, OpenTelemetry's), the name
+    ``<library>_log`` and no fields: its text stays whole in ``msg``, never split into keys."""
+    if not record.name.startswith(OWN_LOGGERS):
+        return f"{record.name.split('.', 1)[0]}_log", {}
+    event, fields = message_fields(message)
+    return (event.replace(" ", "_") if _EVENT(event) else "message"), fields
+
+
 def _field_value(text: str) -> object:
     if text[:1] in ("'", '"') and len(text) >= 2:
         try:
@@ -117,7 +136,7 @@ class JsonFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         message = record.getMessage()
-        event, fields = message_fields(message)
+        event, fields = record_event(record, message)
         line: dict[str, object] = {
             "ts": utc_timestamp(record.created),
             "level": record.levelname,
@@ -143,17 +162,61 @@ def _traceback(formatter: logging.Formatter, record: logging.LogRecord) -> str:
 
 def configure_logging(level: str, log_format: str = "text", worker: int | None = None) -> None:
     """The process's log lines on stderr, at ``level``, in ``log_format`` (``text`` or ``json``, the setting's
-    choices); ``worker``: this process's slot, on every line."""
+    choices); ``worker``: this process's slot, on every line. Other libraries' lines of one logger and text (an
+    exporter failing every few seconds, say) are written at most once every ``LIBRARY_LOG_INTERVAL_SECONDS``, with
+    how many came meanwhile."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter((JsonFormatter if log_format == "json" else TextFormatter)(worker))
+    handler.addFilter(LibraryLogLimit(LIBRARY_LOG_INTERVAL_SECONDS))
     logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
+
+
+LIBRARY_LOG_INTERVAL_SECONDS = 10.0
+
+
+class LibraryLogLimit(logging.Filter):
+    """Lets another library's record through at most once per (logger, message template) every ``interval``
+    seconds; the one let through after a pause says how many were dropped (``[N more like it]``). The service's
+    own records pass: its rate-limited lines are :class:`RateLimitedLog`'s."""
+
+    def __init__(self, interval: float) -> None:
+        super().__init__()
+        self.interval = interval
+        self._lock = threading.Lock()
+        self._last: dict[tuple[str, str], float] = {}
+        self._dropped: dict[tuple[str, str], int] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.name.startswith(OWN_LOGGERS):
+            return True
+        key, now = (record.name, str(record.msg)), time.monotonic()
+        with self._lock:
+            if now - self._last.get(key, -self.interval) < self.interval:
+                self._dropped[key] = self._dropped.get(key, 0) + 1
+                return False
+            self._last[key] = now
+            dropped = self._dropped.pop(key, 0)
+        if dropped:
+            record.msg = f"{record.msg} [{dropped} more like it]"
+        return True
+
+
+def error_line(log_format: str, logger: str, event: str, message: str, **fields: object) -> str:
+    """A line for stderr before logging is configured (a configuration error at start): JSON under
+    ``log_format = "json"``, with the fields of a log line; else ``message`` as it is."""
+    if log_format != "json":
+        return message
+    line = {"ts": utc_timestamp(time.time()), "level": "ERROR", "logger": logger, "event": event, "msg": message}
+    return json.dumps(line | {k: v for k, v in fields.items() if v is not None}, default=str)
 
 
 class RateLimitedLog:
     """At most one line per key every ``interval`` seconds on ``logger``, with how many times the key came up since
-    the last line (this one included). :meth:`note` writes the refusal lines of shed calls and HTTP refusals,
-    ``<event> reason=<reason> count=<n> <fields> last=<detail>`` (a warning per event and reason);
-    :class:`FailedCallLog` asks :meth:`due` and writes lines of its own shape."""
+    the last line (this one included), and none left unwritten: an event that comes while its key's line is not due
+    is held (the latest one's line, in its call's request-id context) and written by a timer once it is, at most
+    ``interval`` plus :data:`FLUSH_SECONDS` after the event. :meth:`note` writes the refusal lines of shed calls and
+    HTTP refusals, ``<event> reason=<reason> count=<n> <fields> last=<detail>`` (a warning per event and reason);
+    :meth:`write` takes a line of any shape."""
 
     def __init__(self, logger: logging.Logger, interval: float) -> None:
         self.logger = logger
@@ -161,26 +224,84 @@ class RateLimitedLog:
         self._lock = threading.Lock()
         self._pending: dict[Hashable, int] = {}
         self._last: dict[Hashable, float] = {}
+        self._held: dict[Hashable, tuple[Callable[[int], None], str]] = {}
+        _FLUSHER.watch(self)
 
-    def due(self, key: Hashable) -> int | None:
-        """The events since the last line of ``key`` when a line is due now (the caller writes it), else None."""
+    def write(self, key: Hashable, line: Callable[[int], None]) -> None:
+        """One more event of ``key``; ``line(count)`` writes its line, now when one is due, else once it is (unless
+        a later event's line replaces it: the line names the last event, the count all of them)."""
         now = time.monotonic()
         with self._lock:
             count = self._pending.get(key, 0) + 1
             if now - self._last.get(key, -self.interval) < self.interval:
                 self._pending[key] = count
-                return None
+                self._held[key] = (line, REQUEST_ID.get())
+                return
             self._pending[key] = 0
             self._last[key] = now
-        return count
+            self._held.pop(key, None)
+        line(count)
+
+    def flush(self, now: float | None = None) -> int:
+        """Write every held line that is due; returns how many."""
+        now = time.monotonic() if now is None else now
+        due = []
+        with self._lock:
+            for key, held in list(self._held.items()):
+                if now - self._last.get(key, -self.interval) >= self.interval:
+                    due.append((held, self._pending.get(key, 0)))
+                    self._pending[key] = 0
+                    self._last[key] = now
+                    del self._held[key]
+        for (line, request_id), count in due:
+            token = REQUEST_ID.set(request_id)
+            try:
+                line(count)
+            finally:
+                REQUEST_ID.reset(token)
+        return len(due)
 
     def note(self, event: str, reason: str, detail: str, fields: str = "") -> None:
-        """One more ``reason`` for ``event``; its line when one is due."""
-        count = self.due((event, reason))
-        if count is None:
-            return
+        """One more ``reason`` for ``event``."""
         more = f" {fields}" if fields else ""
-        self.logger.warning("%s reason=%s count=%d%s last=%r", event, reason, count, more, detail)
+        self.write(
+            (event, reason),
+            lambda count: self.logger.warning("%s reason=%s count=%d%s last=%r", event, reason, count, more, detail),
+        )
+
+
+# How often held lines are looked at: a held line is written at most its interval plus this after its event.
+FLUSH_SECONDS = 1.0
+
+
+class _Flusher:
+    """One daemon thread for the process that writes every live :class:`RateLimitedLog`'s held lines once due."""
+
+    def __init__(self) -> None:
+        self._logs: weakref.WeakSet[RateLimitedLog] = weakref.WeakSet()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def watch(self, rate_limited: RateLimitedLog) -> None:
+        with self._lock:
+            self._logs.add(rate_limited)
+            if self._thread is None or not self._thread.is_alive():  # started lazily; again after a fork
+                self._thread = threading.Thread(target=self._run, name="log-flush", daemon=True)
+                self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(FLUSH_SECONDS)
+            with self._lock:
+                logs = list(self._logs)
+            for rate_limited in logs:
+                try:
+                    rate_limited.flush()
+                except Exception:  # a line that cannot be written must not stop the others'
+                    log.exception("a held log line could not be written")
+
+
+_FLUSHER = _Flusher()
 
 
 class LibraryCallbackErrors:
@@ -196,12 +317,13 @@ class LibraryCallbackErrors:
 
     def record(self, where: str, exc: BaseException, detail: str = "") -> None:
         self.metrics.child(self.metrics.library_callback_errors_total, where).inc()
-        count = self._log.due(where)
-        if count is not None:
-            more = f" {detail}" if detail else ""
-            self.logger.error(
+        more = f" {detail}" if detail else ""
+        self._log.write(
+            where,
+            lambda count: self.logger.error(
                 "library_callback_error where=%s count=%d error=%r%s", where, count, exc, more, exc_info=exc
-            )
+            ),
+        )
 
 
 # One line per (transport, method, code) at most this often; the line counts every failure in between.
@@ -219,17 +341,21 @@ class FailedCallLog:
 
     def record(self, transport: str, method: str, code: str, details: str, peer: str, milliseconds: float) -> None:
         internal = code == "INTERNAL"
-        count = 1 if internal else self.log.due((transport, method, code))
-        if count is None:
-            return
-        self.log.logger.log(
-            logging.ERROR if internal else logging.INFO,
-            "%s method=%s code=%s count=%d ms=%.3f peer=%s details=%s",
-            transport,
-            method,
-            code,
-            count,
-            milliseconds,
-            peer,
-            json.dumps(details),
-        )
+
+        def line(count: int) -> None:
+            self.log.logger.log(
+                logging.ERROR if internal else logging.INFO,
+                "%s method=%s code=%s count=%d ms=%.3f peer=%s details=%s",
+                transport,
+                method,
+                code,
+                count,
+                milliseconds,
+                peer,
+                json.dumps(details),
+            )
+
+        if internal:
+            line(1)
+        else:
+            self.log.write((transport, method, code), line)

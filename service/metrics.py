@@ -136,6 +136,13 @@ class Metrics:
             "indexer_warmup_failures_total", "Keys whose warmup compile failed.", registry=r
         )
         self.ready = None if worker else _ready_gauge(r)
+        self.warmup_misses_total = Counter(
+            "indexer_warmup_misses_total",
+            "Requests whose kernel variant is outside the model's warmup set, on any backend (a GPU replica would "
+            'compile it after ready), by variant (the first 32 by name, then "other").',
+            ["variant"],
+            registry=r,
+        )
         self.compiles_after_ready_total = Counter(
             "indexer_compiles_after_ready_total",
             "Kernel compiles (including disk-cache loads) after the server turned ready; should stay 0.",
@@ -145,6 +152,21 @@ class Metrics:
             "indexer_request_duration_seconds",
             "RPC latency inside the server, by method and gRPC status code.",
             ["method", "code"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.call_wait_seconds = per_call_histogram(
+            "indexer_call_wait_seconds",
+            "Seconds a gRPC call waited in the server for a thread, from its request being in, by method.",
+            ["method"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.call_seconds = per_call_histogram(
+            "indexer_call_seconds",
+            "Seconds a gRPC call spent in the server, from its request being in to its end (answered, refused or "
+            "cut), by method.",
+            ["method"],
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
@@ -190,13 +212,7 @@ class Metrics:
             ["reason"],
             registry=r,
         )
-        self.dependency_fallback = Gauge(
-            "indexer_dependency_fallback",
-            "1 where a library's internals differ and the service took the feature's public path (service/adapters).",
-            ["library", "feature"],
-            registry=r,
-            multiprocess_mode="livemax",
-        )
+        self.dependency_fallback = _dependency_fallback_gauge(r)
         self.library_callback_errors_total = _library_callback_errors_counter(r)
         self._children: dict[tuple[int, tuple[str, ...]], object] = {}
         self.build_info.labels(**build_labels()).set(1)
@@ -209,10 +225,7 @@ class Metrics:
 
     def show_fallbacks(self) -> None:
         """``indexer_dependency_fallback``: every adapter feature, 1 for those on their public path now."""
-        on_fallback = {(f.library, f.feature) for f in adapters.taken()}
-        for library, features in adapters.FEATURES.items():
-            for feature in features:
-                self.dependency_fallback.labels(library, feature).set(int((library, feature) in on_fallback))
+        show_fallbacks(self.dependency_fallback)
 
     def child(self, metric: M, *label_values: str) -> M:
         """``metric.labels(*label_values)``, resolved once: ``labels()`` validates its arguments and takes a
@@ -232,6 +245,26 @@ def _request_errors_counter(registry: CollectorRegistry) -> Counter:
         ["method", "code"],
         registry=registry,
     )
+
+
+def _dependency_fallback_gauge(registry: CollectorRegistry) -> Gauge:
+    """``indexer_dependency_fallback``, the one definition: each process's (a worker's and its supervisor's alike),
+    the largest over the live ones (``livemax``)."""
+    return Gauge(
+        "indexer_dependency_fallback",
+        "1 where a library's internals differ and the service took the feature's public path (service/adapters).",
+        ["library", "feature"],
+        registry=registry,
+        multiprocess_mode="livemax",
+    )
+
+
+def show_fallbacks(gauge: Gauge) -> None:
+    """Every adapter feature's series of ``gauge``: 1 for those on their public path in this process now, else 0."""
+    on_fallback = {(f.library, f.feature) for f in adapters.taken()}
+    for library, features in adapters.FEATURES.items():
+        for feature in features:
+            gauge.labels(library, feature).set(int((library, feature) in on_fallback))
 
 
 def _library_callback_errors_counter(registry: CollectorRegistry) -> Counter:
@@ -312,7 +345,7 @@ class _ReplicaCollector:
         self.own = own
 
     def collect(self):
-        from prometheus_client.metrics_core import Metric
+        from prometheus_client.core import Metric
 
         seen = set()
         with _files_locked(self.path, fcntl.LOCK_SH):  # not while a dead worker's files are retired
@@ -326,7 +359,7 @@ class _ReplicaCollector:
         yield from self._process_families()
 
     def _process_families(self):
-        from prometheus_client.metrics_core import Metric
+        from prometheus_client.core import Metric
 
         from indexer_service.service.workerproto import worker_slot
 
@@ -367,26 +400,19 @@ def _files_locked(path: str, operation: int) -> Iterator[None]:
 def retire_process(pid: int, path: str) -> bool:
     """The files of dead process ``pid`` in multiprocess directory ``path``: its live gauges removed
     (prometheus_client's ``mark_process_dead``), its counters, histograms and summaries added into one file per type
-    (``counter_retired.db``...) and removed. Totals never go down, and the directory keeps one set of files per live
-    process plus the retired ones, however many processes died. Done under an exclusive lock, so a scrape never
-    sees a value twice or not at all; False (nothing done, try again) while a scrape holds the files."""
+    (``counter_retired.db``...) and removed (service/adapters/prometheus.py, ``retire_process``; on its public path
+    they stay, counted as before). Totals never go down, and the directory keeps one set of files per live process
+    plus the retired ones, however many processes died. Done under an exclusive lock, so a scrape never sees a value
+    twice or not at all; False (nothing done, try again) while a scrape holds the files."""
     from prometheus_client import multiprocess
-    from prometheus_client.mmap_dict import MmapedDict
+
+    from indexer_service.service.adapters import prometheus
 
     try:
         with _files_locked(path, fcntl.LOCK_EX | fcntl.LOCK_NB):
             multiprocess.mark_process_dead(pid, path)
-            for kind in RETIRED_TYPES:
-                dead = os.path.join(path, f"{kind}_{pid}.db")
-                if not os.path.exists(dead):
-                    continue
-                retired = MmapedDict(os.path.join(path, f"{kind}_retired.db"))
-                try:
-                    for key, value, _, _ in MmapedDict.read_all_values_from_file(dead):
-                        retired.write_value(key, retired.read_value(key)[0] + value, 0.0)
-                finally:
-                    retired.close()
-                os.remove(dead)
+            if prometheus.features().retire_process:
+                prometheus.fold_into_retired(pid, path, RETIRED_TYPES)
     except BlockingIOError:
         return False
     return True
@@ -395,7 +421,8 @@ def retire_process(pid: int, path: str) -> bool:
 class SupervisorMetrics:
     """What the supervisor of several workers writes into the shared multiprocess directory: each worker slot's
     state, its restarts by reason, the replica's readiness (``indexer_ready``, which workers leave to it), and its
-    own open descriptors and health port's refusals (peer cap, Watch streams), added to the workers'."""
+    own open descriptors, health port's refusals (peer cap, Watch streams) and dependency fallbacks, added to the
+    workers'."""
 
     def __init__(self, workers: int) -> None:
         r = CollectorRegistry()  # never served: the workers' /metrics read the files
@@ -427,6 +454,9 @@ class SupervisorMetrics:
         # The health port's calls to other methods, and exceptions on its gRPC polling thread.
         self.request_errors_total = _request_errors_counter(r)
         self.library_callback_errors_total = _library_callback_errors_counter(r)
+        # Its own fallbacks (its health port's grpcio, the multiprocess files' prometheus_client) beside the workers'.
+        self.dependency_fallback = _dependency_fallback_gauge(r)
+        show_fallbacks(self.dependency_fallback)
         for n in range(workers):
             slot = str(n)
             self.worker_up.labels(worker=slot).set(0)

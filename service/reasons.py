@@ -19,7 +19,9 @@ class ShedReason(StrEnum):
     MEMORY = "memory"  # the response budget stayed full for admission_wait_seconds
     HEAVY_LANE = "heavy_lane"  # every heavy-lane slot stayed busy for admission_wait_seconds
     WORK_LIMIT = "work_limit"  # the request's work is above a limit (max_plan_chunks)
-    QUEUE_DEADLINE = "queue_deadline"  # the caller's deadline passed, or it cancelled, while the call waited to start
+    QUEUE_DEADLINE = "queue_deadline"  # the call's deadline passed while it waited in the server (its request in)
+    DEADLINE_ON_ARRIVAL = "deadline_on_arrival"  # the call's deadline had passed before its request was in
+    CALLER_CANCELLED = "caller_cancelled"  # its caller cancelled or reset the call before it started
     SHUTDOWN = "shutdown"  # still running when the shutdown grace ended
     UNREAD_RESPONSE = "unread_response"  # the caller did not read its response (or a health watcher its status)
     STREAM_LIMIT = "stream_limit"  # a Watch or reflection stream over its per-connection or total cap (streams.py)
@@ -55,3 +57,11 @@ class Port(StrEnum):
     HEALTH = "health"
     HTTP = "http"
     HTTP_RPC = "http_rpc"
+
+
+# The shed reasons that are the service's own overload (too little capacity for the traffic it was sent): the only ones
+# the shedding alerts page for (deploy/prometheus/indexer.rules.yml; a test holds the rules to this set). The others
+# are callers' behaviour (a limit, a caller that left or sent nothing, a flood) or the service's own drain (shutdown).
+OVERLOAD_REASONS = frozenset(
+    {ShedReason.CONCURRENCY, ShedReason.MEMORY, ShedReason.HEAVY_LANE, ShedReason.QUEUE_DEADLINE}
+)

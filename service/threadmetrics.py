@@ -23,9 +23,8 @@ from bisect import bisect_left
 from collections import Counter, deque
 from collections.abc import Callable, Iterator, Sequence
 
-from prometheus_client import CollectorRegistry
-from prometheus_client.metrics_core import GaugeMetricFamily, HistogramMetricFamily, Metric
-from prometheus_client.utils import floatToGoString
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
 
 log = logging.getLogger(__name__)
 
@@ -147,6 +146,16 @@ class _Folder:
 _FOLDER = _Folder()
 
 
+def bucket_labels(bounds: Sequence[float]) -> tuple[str, ...]:
+    """The ``le`` label of each of ``bounds`` (the last one infinite), as prometheus_client's own Histogram writes it:
+    read off one, unregistered, through its public ``collect``. With workers that Histogram serves these series, so
+    the labels must be the same. Made only where no multiprocess directory is named (service/metrics.py
+    ``per_call_histogram``): there a Histogram's values live in this process's memory, not in a file."""
+    histogram = Histogram("bounds", "", buckets=bounds, registry=None)
+    (family,) = histogram.collect()
+    return tuple(sample.labels["le"] for sample in family.samples if sample.name.endswith("_bucket"))
+
+
 class ThreadHistogram(_Family):
     """A histogram (``labels(...).observe(v)``) whose observations take no lock."""
 
@@ -159,6 +168,7 @@ class ThreadHistogram(_Family):
         registry: CollectorRegistry,
     ) -> None:
         self._bounds = (*sorted(float(b) for b in buckets if b != math.inf), math.inf)
+        self._le = bucket_labels(self._bounds)
         super().__init__(name, documentation, labelnames, registry)
 
     def _child(self) -> HistogramChild:
@@ -172,9 +182,9 @@ class ThreadHistogram(_Family):
         for values, child in self._items():
             counts, total = child.totals()
             cumulative, buckets = 0.0, []
-            for bound, count in zip(self._bounds, counts, strict=True):
+            for le, count in zip(self._le, counts, strict=True):
                 cumulative += count
-                buckets.append((floatToGoString(bound), cumulative))
+                buckets.append((le, cumulative))
             family.add_metric(list(values), buckets, total)
             family.add_sample(f"{self._name}_created", dict(zip(self._labelnames, values, strict=True)), child.created)
         yield family

@@ -114,12 +114,18 @@ class RawGrpcConnection:
         return self.h2.remote_settings.max_concurrent_streams
 
     def start_call(
-        self, path: str, message: bytes, reset: bool = False, flush: bool = True, grpc_timeout: str | None = None
+        self,
+        path: str,
+        message: bytes | None,
+        reset: bool = False,
+        flush: bool = True,
+        grpc_timeout: str | None = None,
     ) -> int | None:
-        """Open a stream with one unary gRPC request (HEADERS, then DATA ending the stream); with ``reset``, a
-        RST_STREAM (CANCEL) right after; with ``grpc_timeout`` (the header's value, e.g. ``"1u"``: one
-        microsecond) a deadline. The stream id, or None when the server's stream limit or a GOAWAY leaves no room
-        for a new stream (the limit being enforced is the server's defence)."""
+        """Open a stream with one unary gRPC request (HEADERS, then DATA ending the stream); ``message`` None: the
+        HEADERS alone, the stream left open (a call whose request never comes); with ``reset``, a RST_STREAM
+        (CANCEL) right after; with ``grpc_timeout`` (the header's value, e.g. ``"1u"``: one microsecond) a
+        deadline. The stream id, or None when the server's stream limit or a GOAWAY leaves no room for a new stream
+        (the limit being enforced is the server's defence)."""
         with self._lock:
             if self.closed.is_set():
                 return None
@@ -137,7 +143,8 @@ class RawGrpcConnection:
                         *([("grpc-timeout", grpc_timeout)] if grpc_timeout else []),
                     ],
                 )
-                self.h2.send_data(stream_id, grpc_frame(message), end_stream=True)
+                if message is not None:
+                    self.h2.send_data(stream_id, grpc_frame(message), end_stream=True)
                 self.streams[stream_id] = StreamOutcome(stream_id, time.monotonic() - self._begin)
                 if reset:
                     self.h2.reset_stream(stream_id, h2.errors.ErrorCodes.CANCEL)
@@ -253,6 +260,56 @@ def stream_endings(outcomes: list[StreamOutcome]) -> dict[str, int]:
         else:
             names["open"] += 1
     return dict(names)
+
+
+class RawSilentCalls:
+    """``connections`` connections (from FLOOD_PEER), each keeping ``streams_each`` calls of ``path`` open whose
+    request never comes: a stream the server ends is replaced within ``reopen_pause`` seconds (and a connection
+    the server closes, by a new one), from :meth:`open` to :meth:`close` (a ``with`` block)."""
+
+    def __init__(
+        self, host: str, port: int, path: str, connections: int, streams_each: int, reopen_pause: float = 0.5
+    ) -> None:
+        self.host, self.port, self.path = host, port, path
+        self.connections, self.streams_each, self.reopen_pause = connections, streams_each, reopen_pause
+        self._open: list[RawGrpcConnection] = []
+        self._done: list[StreamOutcome] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._keep, name="raw-silent-calls", daemon=True)
+
+    def _keep(self) -> None:
+        while not self._stop.is_set():
+            for i, conn in enumerate(self._open):
+                if conn.closed.is_set():
+                    self._done += conn.streams.values()
+                    with contextlib.suppress(OSError):
+                        self._open[i] = conn = RawGrpcConnection(self.host, self.port)
+                open_now = sum(not s.ended for s in conn.streams.values())
+                for _ in range(self.streams_each - open_now):
+                    if conn.start_call(self.path, None) is None:
+                        break
+            self._stop.wait(self.reopen_pause)
+
+    def open(self) -> RawSilentCalls:
+        self._open = [RawGrpcConnection(self.host, self.port) for _ in range(self.connections)]
+        self._thread.start()
+        return self
+
+    def close(self) -> dict[str, int]:
+        """Stop, close every connection (once), and return how the calls ended (``stream_endings``)."""
+        if not self._stop.is_set():
+            self._stop.set()
+            self._thread.join(10.0)
+            for conn in self._open:
+                conn.close()
+                self._done += conn.streams.values()
+        return stream_endings(self._done)
+
+    def __enter__(self) -> RawSilentCalls:
+        return self.open()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
 
 class StalledStreams:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Self
@@ -228,6 +230,34 @@ class Callers(Paced):
         """OK calls among those started in ``[start, stop)`` (seconds since :meth:`start`)."""
         codes = [r.code for r in self.calls_in(start, stop)]
         return codes.count(grpc.StatusCode.OK) / len(codes) if codes else float("nan")
+
+
+class HttpVictim(Paced):
+    """One well-behaved caller of an RPC over HTTP (``POST url + path``, binary protobuf ``body``, a fresh connection
+    per call, a 1 s timeout), ``pause`` seconds apart: what an HTTP client sees while the port is attacked."""
+
+    def __init__(self, url: str, path: str, body: bytes, pause: float = 0.02, max_seconds: float = 600.0) -> None:
+        super().__init__("http-victim", 1, pause, max_seconds)
+        self.url, self.body = url + path, body
+        self.outcomes: list[int | str] = []  # an HTTP status, or the error that ended the call
+
+    def step(self, thread_index: int) -> None:
+        request = urllib.request.Request(
+            self.url, data=self.body, headers={"content-type": "application/x-protobuf"}, method="POST"
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=1.0) as answer:
+                answer.read()
+                outcome: int | str = answer.status
+        except urllib.error.HTTPError as exc:
+            outcome = exc.code
+        except OSError as exc:
+            outcome = type(exc).__name__
+        self.outcomes.append(outcome)
+
+    def figures(self) -> dict:
+        calls = len(self.outcomes)
+        return {"calls": calls, "ok_ratio": round(self.outcomes.count(200) / calls, 4) if calls else None}
 
 
 class FreshClients(Paced):

@@ -1,13 +1,16 @@
 """Where the service reaches past a library's public API, and what it does where that reach fails.
 
-One adapter module per library holds every such reach-in (nothing else in the product names a library's private
-attribute: tests/service/test_adapters.py reads the sources): :mod:`.grpcio`, :mod:`.uvicorn_http`,
-:mod:`.prometheus`, and, since the kernels never import the service, ``kernels/triton_adapter.py``. Each reach-in is
-a *feature* with a public fallback. An adapter probes its library once, at start, before anything listens: where the
-internals a feature uses are all there, the feature is on; where one is missing or differs, the service takes the
-public path instead and says so through :func:`take`: one WARNING naming what is off, the start line,
-``indexer_dependency_fallback{library,feature}`` 1, and GetWarmupStatus's ``dependency_fallbacks``. A version
-within the declared range never refuses to start, and never loses a feature silently.
+One adapter module per library holds every such reach-in: :mod:`.grpcio`, :mod:`.uvicorn_http`, :mod:`.prometheus`,
+and, since the kernels never import the service, ``kernels/triton_adapter.py``, which reports what it finds as plain
+data for :func:`probe_all` to take. Nothing else in the product names a library's private module or attribute
+(tests/service/test_adapters.py reads the sources). Each reach-in is a *feature* with a public fallback. An adapter
+probes its library once a process, at start, before anything listens (Triton only in a process that imports it:
+:func:`probe_all`): where the internals a feature uses are all there, the feature is on; where one is missing or
+differs, the service takes the public path instead and says so through :func:`take`: one WARNING naming what is off,
+the start line, ``indexer_dependency_fallback{library,feature}`` 1, and GetWarmupStatus's ``dependency_fallbacks``.
+A version within the declared range never refuses to start, and never loses a feature silently. Each adapter's
+tests hide what it relies on, one name at a time: tests/service/test_adapter_grpcio.py,
+tests/service/test_adapter_uvicorn.py, tests/service/test_adapter_prometheus.py, tests/kernels/test_triton_adapter.py.
 """
 
 from __future__ import annotations
@@ -25,12 +28,14 @@ FEATURES: dict[str, tuple[str, ...]] = {
     "grpcio": ("call_state", "receive_ahead", "send_without_waiting"),
     # uvicorn's httptools protocol with this server's limits on heads, trailers, idle time and connections.
     "uvicorn": ("limited_protocol",),
-    # prometheus_client's value class picked again once the multiprocess directory is named; a dead worker's
-    # counts folded into one file.
+    # prometheus_client's value class picked again where it was imported before the multiprocess directory was
+    # named; a dead worker's counts folded into one file.
     "prometheus_client": ("multiprocess_value_class", "retire_process"),
-    # Triton's parallel compile inside the JIT; its installation hash computed ahead of the first compile.
-    "triton": ("async_compile", "compiler_key"),
+    # Triton's parallel compile inside the JIT; its installation hash computed ahead of the first compile; the
+    # driver that was active put back after an ahead-of-time compile's stand-in.
+    "triton": ("async_compile", "compiler_key", "compile_only_driver"),
 }
+TRITON = "triton"
 
 # Where code of the service runs on a library's own thread (indexer_library_callback_errors_total's ``where``):
 # a receive's and a send's completion on gRPC's polling thread; the limited HTTP protocol's steps in its callbacks
@@ -81,10 +86,19 @@ def summary() -> str:
     return ",".join(f"{f.library}.{f.feature}" for f in taken()) or "none"
 
 
-def probe_all() -> list[Fallback]:
-    """Probe every adapter's library now (each probes once per process) and return the fallbacks taken."""
-    from indexer_service.service.adapters import grpcio, uvicorn_http
+def probe_all(triton: bool = False) -> list[Fallback]:
+    """Probe every adapter's library now (each probes once per process) and return the fallbacks taken. ``triton``:
+    Triton too, where this process imports it anyway (a warmup, a GPU backend, ``precompile``); it is left alone
+    elsewhere (the numpy backend with no warmup, the supervisor of several workers), and so are its fallbacks. Call
+    it once the process's multiprocess directory, if it has one, is named (:mod:`.prometheus` says why)."""
+    from indexer_service.service.adapters import grpcio, prometheus, uvicorn_http
 
     grpcio.features()
     uvicorn_http.limited_protocol_on()
+    prometheus.features()
+    if triton:
+        from indexer_service.kernels import triton_adapter
+
+        for feature, missing, public_path in triton_adapter.fallbacks():
+            take(Fallback(TRITON, feature, missing, public_path))
     return taken()

@@ -60,25 +60,20 @@ _SERVER_NAMES = {
         "_SEND_INITIAL_METADATA_AND_SEND_MESSAGE_TOKEN",
     ),
 }
+# What grpcio submits to its pool for a call after the function itself, in order (both functions take the same).
+_IN_POOL_PARAMETERS = (
+    "rpc_event",
+    "state",
+    "behavior",
+    "argument_thunk",
+    "request_deserializer",
+    "response_serializer",
+)
 # The parameters of the grpc._server functions a feature calls or recognises, in order.
 _PARAMETERS = {
     "receive_ahead": {
-        "_unary_response_in_pool": (
-            "rpc_event",
-            "state",
-            "behavior",
-            "argument_thunk",
-            "request_deserializer",
-            "response_serializer",
-        ),
-        "_stream_response_in_pool": (
-            "rpc_event",
-            "state",
-            "behavior",
-            "argument_thunk",
-            "request_deserializer",
-            "response_serializer",
-        ),
+        "_unary_response_in_pool": _IN_POOL_PARAMETERS,
+        "_stream_response_in_pool": _IN_POOL_PARAMETERS,
         "_receive_message": ("state", "call", "request_deserializer"),
         "_abort": ("state", "call", "code", "details"),
     },
@@ -373,6 +368,21 @@ def without_request(args: tuple) -> tuple:
             return b"" if internals._is_rpc_state_active(state) else None
 
     return (*args[:4], no_request, *args[5:])
+
+
+def deadline_of(args: tuple) -> float | None:
+    """The deadline (time.time() seconds) of a call grpcio submitted; None where ``receive_ahead`` is off (the
+    arguments cannot be read)."""
+    if len(args) != 7 or not features().receive_ahead:
+        return None
+    return args[1].call_details.deadline
+
+
+def peer_of(args: tuple) -> str | None:
+    """The caller's address of a call grpcio submitted; None where ``receive_ahead`` is off."""
+    if len(args) != 7 or not features().receive_ahead:
+        return None
+    return _host_port(args[1].call.peer())
 
 
 def end_call(args: tuple, code: str, details: str) -> bool:

@@ -34,3 +34,10 @@ def resolve_backend(choice: str) -> str:
     if choice == "triton":
         raise BackendUnavailableError("triton needs a CUDA GPU, and torch sees none")
     return "numpy"
+
+
+def uses_triton(backend: str, warmup_enabled: bool) -> bool:
+    """Whether a serving process with ``backend`` (as configured, or as resolved) imports Triton: a warmup compiles
+    with it (in process on the GPU, or ahead of time for a target), and a GPU backend launches with it. ``auto``
+    with no GPU visible serves with numpy, as :func:`resolve_backend` decides without importing torch."""
+    return warmup_enabled or backend == "triton" or (backend == "auto" and bool(gpu_device_nodes()))

@@ -243,11 +243,10 @@ def _wait(cond: threading.Condition, give_up: float, caller: Caller, reason: She
     if left <= 0:
         raise Refused(reason, message)
     why_gone = caller.gone()
-    if why_gone is not None:
+    if why_gone is not None:  # its deadline passed while it waited here (overload), or its caller cancelled
+        reason = ShedReason.CALLER_CANCELLED if why_gone is Code.CANCELLED else ShedReason.QUEUE_DEADLINE
         raise Refused(
-            ShedReason.QUEUE_DEADLINE,
-            f"the caller went away ({getattr(why_gone, 'name', why_gone)}) while the call waited to start",
-            gone=True,
+            reason, f"the caller went away ({getattr(why_gone, 'name', why_gone)}) while the call waited", gone=True
         )
     cond.wait(min(left, _WAIT_SLICE_SECONDS))
 

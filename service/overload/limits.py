@@ -74,11 +74,20 @@ def _at(field: str, index: int | None = None) -> str:
 
 class RequestLimits:
     """The configured limits and policy one request is checked against. ``admit_launch`` is strict mode's
-    :func:`launch_admission` (None: any kernel variant may compile)."""
+    :func:`launch_admission` (None: any kernel variant may compile). ``warmup_set``: the model's kernel variants;
+    ``on_miss(key)`` hears each request whose variant is outside it (None: nobody listens)."""
 
-    def __init__(self, config: ServiceConfig, admit_launch: Callable[[CompileKey], None] | None) -> None:
+    def __init__(
+        self,
+        config: ServiceConfig,
+        admit_launch: Callable[[CompileKey], None] | None,
+        warmup_set: frozenset[CompileKey] = frozenset(),
+        on_miss: Callable[[CompileKey], None] | None = None,
+    ) -> None:
         self.config = config
         self.admit_launch = admit_launch
+        self.warmup_set = warmup_set
+        self.on_miss = on_miss
 
     def check_request(self, inputs: ChunkInputs | BatchInputs) -> ValidBatch:
         """Malformed input first (INVALID_ARGUMENT), then limits (RESOURCE_EXHAUSTED), then policy
@@ -105,10 +114,13 @@ class RequestLimits:
                 "not supported: no engine shards compressed KV across DCP ranks (vLLM's builder rejects it); "
                 "DCP is supported at compress ratio 0 or 1"
             )
+        # Service-owned buffers are always aligned and scalars validated to int32, so the ratio alone decides the
+        # variant, on either backend; the Triton backend checks each real launch again.
+        key = CompileKey(compress_ratio=ratio)
+        if self.on_miss is not None and key not in self.warmup_set:
+            self.on_miss(key)
         if self.admit_launch is not None:
-            # Service-owned buffers are always aligned and scalars validated to int32, so the ratio alone
-            # decides the variant, on either backend; the Triton backend checks each real launch again.
-            self.admit_launch(CompileKey(compress_ratio=ratio))
+            self.admit_launch(key)
         return valid
 
     def check_plan_model_len(self, batch: BatchInputs) -> None:

@@ -27,12 +27,14 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
-
-from prometheus_client import Counter
+from typing import TYPE_CHECKING
 
 from indexer_service.service.logs import RateLimitedLog
 from indexer_service.service.overload.allocator import open_fds
 from indexer_service.service.reasons import Port
+
+if TYPE_CHECKING:  # the supervisor imports this module before it names the multiprocess directory
+    from prometheus_client import Counter
 
 log = logging.getLogger(__name__)
 
@@ -166,9 +168,11 @@ class PeerCap:
             started = _clock()
             try:
                 closed = self.check(open_fds())
-            except Exception:  # a /proc format it does not know: say so (rate-limited), keep serving
-                if self._log.due("failed") is not None:
-                    log.exception("connection cap check failed")
+            except Exception as exc:  # a /proc format it does not know: say so (rate-limited), keep serving
+                self._log.write(
+                    "failed",
+                    lambda count, exc=exc: log.error("connection cap check failed count=%d", count, exc_info=exc),
+                )
                 closed = 0
             spent = _clock() - started
             interval = min(
@@ -213,18 +217,20 @@ class PeerCap:
             name, closed = self.ports[port], sum(closed for _, _, closed in peers_cut)
             total += closed
             self.closed_total.labels(port=name).inc(closed)
-            count = self._log.due(name)  # per port, not per peer: many peers make one line, not many
-            if count is not None:
-                held, worst, _ = max(peers_cut)
-                log.warning(
+            held, worst, _ = max(peers_cut)
+            peers = len(peers_cut)
+            self._log.write(  # per port, not per peer: many peers make one line, not many
+                name,
+                lambda count, name=name, peers=peers, worst=worst, held=held, closed=closed: log.warning(
                     "peers over their connection cap port=%s peers=%d worst_peer=%s held=%d "
                     "max_connections_per_peer=%d closed=%d count=%d",
                     name,
-                    len(peers_cut),
+                    peers,
                     worst,
                     held,
                     self.cap,
                     closed,
                     count,
-                )
+                ),
+            )
         return total

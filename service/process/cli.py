@@ -6,6 +6,7 @@ import argparse
 import logging
 import math
 import os
+import re
 import signal
 import socket
 import ssl
@@ -13,16 +14,17 @@ import sys
 import time
 from pathlib import Path
 
-from indexer_service.service.addresses import split_host_port
+from indexer_service.service.addresses import TARGET_SCHEMES, split_host_port
 from indexer_service.service.config import (
     ConfigError,
     ServiceConfig,
     add_config_arguments,
     config_from_arguments,
+    requested_log_format,
     unknown_environment,
 )
-from indexer_service.service.logs import configure_logging
-from indexer_service.service.version import VERSION
+from indexer_service.service.logs import configure_logging, error_line
+from indexer_service.service.version import version_line
 
 log = logging.getLogger(__name__)
 
@@ -59,9 +61,8 @@ def _serve(args: argparse.Namespace) -> int:
         signals.close()
         raise
     try:
-        from indexer_service.service.adapters import probe_all
-
-        probe_all()  # before any worker: each library feature on or on its public path, announced once
+        # Each library's features are probed, and its fallbacks announced, with the start line (announce_start):
+        # in a supervisor, once its multiprocess directory is named (service/adapters/prometheus.py says why).
         from indexer_service.service.process.supervisor import resolve_workers
 
         workers, source = resolve_workers(config.workers)
@@ -78,11 +79,12 @@ def _serve(args: argparse.Namespace) -> int:
 
             code = serve(config, args.port_file, signals)
     except ConfigError as exc:  # found only once the server is built (none should be)
-        print(f"indexer-service serve: {exc}", file=sys.stderr)
+        print(_error(args, "config_error", exc, setting=exc.setting, source=exc.source), file=sys.stderr)
         code = EXIT_USAGE
     except (OSError, RuntimeError) as exc:  # a fatal start-up error: grpcio, bind, port file, the HTTP server
         log.error("fatal %s", exc)
-        print(f"indexer-service serve: {exc}", file=sys.stderr)
+        if config.log_format != "json":  # the log line above is the JSON log's whole account
+            print(f"indexer-service serve: {exc}", file=sys.stderr)
         code = EXIT_FAILED
     except BaseException:
         log.exception("fatal internal error")
@@ -103,9 +105,11 @@ def _keys(args: argparse.Namespace) -> int:
 def _precompile(args: argparse.Namespace) -> int:
     from indexer_service.kernels.compile_engine import PROOF_SKIPPED
     from indexer_service.kernels.specialization import warmup_keys
+    from indexer_service.service.adapters import probe_all
     from indexer_service.service.compute.warmup import compile_and_log, use_triton_cache_dir
 
     config = _configure(args, needs_warmup="precompile")
+    probe_all(triton=True)  # Triton's fallbacks, announced before the compiles that take them
     cache_dir = use_triton_cache_dir(config.triton_cache_dir)
     keys = warmup_keys(config.model)
     log.info(
@@ -206,11 +210,60 @@ def tls_diagnosis(args: argparse.Namespace, credentials: object) -> str | None:
     return None
 
 
+# What a client sends first on an HTTP/2 connection (RFC 9113, 3.4): the preface and an empty SETTINGS frame.
+_H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
+_RPC_PORT_DEFAULT = "the RPC port (grpc_port, 50051 by default)"
+
+
+def _check_address(address: str) -> None:
+    """A usage error for an address without a port, which gRPC would take as port 443 (and report unreachable, or
+    reach another service), or not a ``host:port`` at all (an IPv6 literal without brackets, a port out of range).
+    Targets with another scheme than ``dns:`` are gRPC's to read."""
+    if not address.strip():
+        raise UsageError("address: must not be empty")
+    if address.startswith("dns:"):
+        name = address.removeprefix("dns:").rsplit("/", 1)[-1]  # dns:///name:port, dns://server/name:port
+    elif address.startswith(TARGET_SCHEMES):
+        return
+    else:
+        name = address
+    if name.startswith("["):  # [v6]:port
+        port = name.partition("]")[2].removeprefix(":")
+    else:
+        port = name.rpartition(":")[2] if ":" in name else ""
+    if not port:
+        raise UsageError(
+            f"address {address!r} has no port: a port is needed, {_RPC_PORT_DEFAULT}, e.g. {address.rstrip(':')}:50051"
+        )
+    try:
+        split_host_port(name)
+    except ValueError as exc:
+        raise UsageError(f"address: {exc}") from None
+
+
+def http_diagnosis(args: argparse.Namespace) -> str | None:
+    """The status line a plaintext port answers to an HTTP/2 connection preface when it speaks HTTP/1.x (one of
+    the server's HTTP ports, or another HTTP server), where gRPC says only that the connection failed; None when
+    it does not (a gRPC server answers with binary frames) or cannot be asked."""
+    try:
+        where = split_host_port(args.address)
+    except ValueError:  # another gRPC target (dns:///...): no one socket to try
+        return None
+    try:
+        with socket.create_connection(where, timeout=min(args.timeout, 3.0)) as connection:
+            connection.sendall(_H2_PREFACE)
+            answer = connection.recv(256)
+    except OSError:
+        return None
+    if not answer.startswith(b"HTTP/"):
+        return None
+    return answer.split(b"\r\n", 1)[0].decode("ascii", "replace")
+
+
 def _check(args: argparse.Namespace) -> int:
     if not math.isfinite(args.timeout) or args.timeout <= 0:
         raise UsageError(f"--timeout: must be a finite number of seconds > 0, got {args.timeout}")
-    if not args.address.strip():
-        raise UsageError("address: must not be empty")
+    _check_address(args.address)
     # gRPC core's own handshake log lines (INFO) would repeat, less clearly, what the diagnosis below says; set
     # before grpc is first imported (the credentials import it).
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
@@ -239,23 +292,34 @@ def _check(args: argparse.Namespace) -> int:
             code = exc.code()
             if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 print(f"unreachable address={args.address} code={code.name} details={exc.details()!r}")
-                if code is grpc.StatusCode.UNAVAILABLE and (why := tls_diagnosis(args, credentials)) is not None:
+                if code is not grpc.StatusCode.UNAVAILABLE:
+                    return EXIT_UNREACHABLE
+                if credentials is None and (status_line := http_diagnosis(args)) is not None:
+                    print(
+                        f"http: this port speaks HTTP/1.x, not gRPC (it answered {status_line!r}): an HTTP port, such "
+                        "as http_port (8080 by default: /metrics, /livez, /readyz) or http_rpc_port (8081: the RPCs "
+                        f"over HTTP); check {_RPC_PORT_DEFAULT}"
+                    )
+                elif (why := tls_diagnosis(args, credentials)) is not None:
                     print(f"tls: {why}")
                 return EXIT_UNREACHABLE
             # Answered, but not as an indexer-service port (another service, refused credentials, ...).
             print(f"not an indexer-service port address={args.address} code={code.name} details={exc.details()!r}")
             return EXIT_FAILED
         try:
-            status = client.warmup_status()
+            status, refusal = client.warmup_status(), ""
         except grpc.RpcError as exc:
             if exc.code() is not grpc.StatusCode.UNIMPLEMENTED:
                 print(f"not serving address={args.address} code={exc.code().name} details={exc.details()!r}")
                 return EXIT_FAILED
-            status = None
+            status, refusal = None, exc.details() or ""
     if status is None:
+        # The health port names the RPC port it belongs to in its refusal ("... on port 50051").
+        named = re.search(r"\bon port (\d+)", refusal)
+        rpc_port = f"the RPC port (grpc_port: {named[1]} on this server)" if named else _RPC_PORT_DEFAULT
         print(
             f"reached address={args.address} port=health-only: it serves grpc.health.v1 alone, for probes "
-            "(health_port, 50052 by default); the RPCs and the warmup status are on the RPC port (grpc_port, 50051)"
+            f"(health_port, 50052 by default); the RPCs and the warmup status are on {rpc_port}"
         )
         print(f"health overall={overall} {SERVICE_NAME}={service}")
         return EXIT_OK if service == "SERVING" else EXIT_FAILED
@@ -280,7 +344,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="indexer-service",
         description="DeepSeek-V4 sparse-indexer prefill chunk metadata over gRPC, with warmup-gated readiness.",
     )
-    parser.add_argument("--version", action="version", version=f"%(prog)s {VERSION}")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version_line()}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     serve = commands.add_parser(
@@ -288,7 +352,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the server (gRPC and HTTP)",
         description="Start the gRPC and HTTP servers, warm up, serve until SIGTERM, then drain and exit 0.",
     )
-    serve.add_argument("--version", action="version", version=f"indexer-service {VERSION}")
+    serve.add_argument("--version", action="version", version=f"indexer-service {version_line()}")
     add_config_arguments(serve)
     serve.add_argument(
         "--port-file", type=Path, metavar="PATH", help="write the bound ports as JSON here once every listener is up"
@@ -322,12 +386,15 @@ def build_parser() -> argparse.ArgumentParser:
         "check",
         help="ask a running server for its health and warmup status",
         description="Call a running server once; print its health and warmup status. Exit 0 when serving, 1 when "
-        "not serving (or answering as something else), 2 on a usage error (a bad flag, an unreadable --tls-* "
-        "file), 3 when unreachable (connection refused, TLS handshake failed, no answer within --timeout). "
+        "not serving (or answering as something else), 2 on a usage error (a bad flag, an address without a port, "
+        "an unreadable --tls-* file), 3 when unreachable (connection refused, TLS handshake failed, an HTTP port, "
+        "no answer within --timeout). "
         "Takes only the flags below, not the server's settings. Any --tls* flag turns TLS on; the server's "
         "certificate must then chain to --tls-ca, or to the system's trusted roots without it.",
     )
-    check.add_argument("address", help="host:port of the gRPC server (or a gRPC target such as dns:///name:port)")
+    check.add_argument(
+        "address", help="host:port of the gRPC server's RPC port (or a gRPC target such as dns:///name:port)"
+    )
     check.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS", help="deadline of each call")
     check.add_argument("--tls", action="store_true", help="connect with TLS, trusting the system's roots")
     check.add_argument("--tls-ca", metavar="PEM", help="connect with TLS, trusting this CA bundle")
@@ -354,11 +421,19 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_BROKEN_PIPE
     except (ConfigError, UsageError) as exc:
-        print(f"indexer-service {args.command}: {exc}", file=sys.stderr)
+        setting = exc.setting if isinstance(exc, ConfigError) else None
+        source = exc.source if isinstance(exc, ConfigError) else None
+        print(_error(args, "config_error", exc, setting=setting, source=source), file=sys.stderr)
         return EXIT_USAGE
     except OSError as exc:
-        print(f"indexer-service {args.command}: {exc}", file=sys.stderr)
+        print(_error(args, "fatal", exc), file=sys.stderr)
         return EXIT_FAILED
+
+
+def _error(args: argparse.Namespace, event: str, exc: BaseException, **fields: object) -> str:
+    """The one stderr line of a command that failed before or without its log: ``indexer-service CMD: ...``, or
+    under JSON logs (the flag, the environment, or the config file says so) a JSON line of the log's shape."""
+    return error_line(requested_log_format(args), __name__, event, f"indexer-service {args.command}: {exc}", **fields)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import logging
 import os
 import socket
 import ssl
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -27,8 +28,9 @@ from indexer_service.kernels.specialization import warmup_keys
 from indexer_service.service import adapters
 from indexer_service.service.adapters.uvicorn_http import HttpLimits, protocol_settings
 from indexer_service.service.addresses import host_port
+from indexer_service.service.codec import SERVICE_NAME
 from indexer_service.service.compute.backends import make_backend
-from indexer_service.service.compute.devices import resolve_backend
+from indexer_service.service.compute.devices import resolve_backend, uses_triton
 from indexer_service.service.compute.warmup import Warmup, use_triton_cache_dir
 from indexer_service.service.config import ServiceConfig
 from indexer_service.service.dataplane import DataPlane
@@ -49,10 +51,13 @@ from indexer_service.service.transport.grpc_server import (
 )
 from indexer_service.service.transport.health import HealthServicer
 from indexer_service.service.transport.http_app import HttpConnectionEvents, HttpRefusals, ProbeApp, RpcApp
-from indexer_service.service.version import VERSION
+from indexer_service.service.version import VERSION, build
 from indexer_service.service.workerproto import WorkerLink
 
 log = logging.getLogger(__name__)
+
+# A worker's exit code when its gRPC port is broken (its supervisor restarts it): EX_SOFTWARE.
+EXIT_RPC_PORT_BROKEN = 70
 
 _HTTP_START_TIMEOUT_SECONDS = 10.0
 
@@ -125,6 +130,9 @@ class IndexerServer:
         self.worker = worker
         cache_dir = use_triton_cache_dir(config.triton_cache_dir)
         self.backend = resolve_backend(config.backend)
+        # Probed already where the CLI started this process (the start line names the fallbacks); here for servers
+        # made otherwise, before the metrics show them.
+        adapters.probe_all(triton=uses_triton(self.backend, config.warmup_enabled))
         self.metrics = Metrics(worker=worker is not None)
         self.warmup = Warmup(
             warmup_keys(config.model),
@@ -147,15 +155,22 @@ class IndexerServer:
         self.tracer = start_tracing()
         self.plane = DataPlane(config, self.metrics, self.warmup, backend, admit, self.tracer)
         self.health = HealthServicer(HEALTH_NAMES, self.plane.shed)
-        self.plane.readiness.add_listener(self.health.set_serving)
+        readiness = self.plane.readiness
+        readiness.add_listener(lambda ready: self.health.set_serving(ready, [SERVICE_NAME]))
+        readiness.add_alive_listener(lambda alive: self.health.set_serving(alive, [""]))
         if worker is not None:
-            self.plane.readiness.add_listener(worker.report_ready)
+            readiness.add_listener(worker.report_ready)
+            readiness.add_alive_listener(self._exit_if_broken)
         self.grpc: GrpcServer | None = None
         self.grpc_port = config.grpc_port
+        # The RPC port's own probe socket, for its watch (a worker's is its supervisor's too).
+        self._probe_dir = None if worker is not None else tempfile.TemporaryDirectory(prefix="indexer-probe-")
         if worker is None:
-            self.grpc = create_grpc_server(config, self.plane, self.health)
+            probe = Path(self._probe_dir.name) / "rpc.sock"
+            self.grpc = create_grpc_server(config, self.plane, self.health, probe_socket=probe, report=self._rpc_port)
             self.grpc_port = self.grpc.port
-            self.health_server = create_health_server(config, self.health, Accounting(self.metrics, self.plane.shed))
+            accounting = Accounting(self.metrics, self.plane.shed)
+            self.health_server = create_health_server(config, self.health, accounting, self.grpc_port)
             self.health_port = self.health_server.port
             sockets = bind_shared(config)
         else:  # the gRPC server comes once warmed up (join_rpc_port); the supervisor serves the health port
@@ -191,9 +206,19 @@ class IndexerServer:
             ports |= {self.grpc_port: Port.GRPC, self.health_port: Port.HEALTH}
         self.peer_cap = PeerCap(config.max_connections_per_peer, ports, self.metrics.peer_connections_closed_total)
 
+    def _rpc_port(self, problem: str, broken: bool) -> None:
+        self.plane.readiness.set_rpc_port(problem, broken)
+
+    def _exit_if_broken(self, alive: bool) -> None:
+        """A worker whose RPC port is broken (not its callers' doing) ends, and its supervisor starts another."""
+        if not alive and self.plane.readiness.rpc_port_broken:
+            log.critical("worker exiting: its gRPC port is broken (%s)", self.plane.readiness.not_ready_reason())
+            logging.shutdown()
+            os._exit(EXIT_RPC_PORT_BROKEN)
+
     def start(self) -> None:
         if self.grpc is not None:
-            self.grpc.server.start()
+            self.grpc.start()
         if self.health_server is not None:
             self.health_server.server.start()
         self.http.start()
@@ -235,9 +260,14 @@ class IndexerServer:
         if not self.warmup.finished_ok:
             return
         self.grpc = create_grpc_server(
-            self.config, self.plane, self.health, share_port=True, probe_socket=self.worker.probe_socket()
+            self.config,
+            self.plane,
+            self.health,
+            share_port=True,
+            probe_socket=self.worker.probe_socket(),
+            report=self._rpc_port,
         )
-        self.grpc.server.start()
+        self.grpc.start()
         self.peer_cap.add_port(self.grpc.port, Port.GRPC)
         address = host_port(self.config.grpc_host, self.grpc.port)
         if self.http_rpc is not None:  # the RPCs over HTTP too: the shared socket's connections go to ready workers
@@ -273,6 +303,8 @@ class IndexerServer:
         if self.health_server is not None:
             self.health_server.stop()
         self.health.close()
+        if self._probe_dir is not None:
+            self._probe_dir.cleanup()
         self._idle_trim.stop()
         self.peer_cap.stop()
         if self._unwatch is not None:
@@ -327,20 +359,25 @@ def tls_mode(config: ServiceConfig) -> str:
 
 
 def announce_start(config: ServiceConfig, workers: int, port_file: Path | None) -> None:
-    """The start-up log lines (what is starting, every setting, the TLS mode), then the port file's check: a
-    process that could not report its ports fails before anything listens. Shared by the one process and the
-    supervisor."""
+    """The start-up log lines (what is starting, with the dependency fallbacks its libraries took; every setting;
+    the TLS mode), then the port file's check: a process that could not report its ports fails before anything
+    listens. Shared by the one process and the supervisor (whose workers probe Triton themselves: it never imports
+    it)."""
+    adapters.probe_all(triton=workers == 1 and uses_triton(config.backend, config.warmup_enabled))
     mode = "one process" if workers == 1 else f"supervisor of {workers} worker processes"
     log.info(
-        "start pid=%d indexer-service %s mode=%s backend=%s warmup_target=%s dependency_fallbacks=%s",
+        "start pid=%d indexer-service %s commit=%s image_revision=%s mode=%s backend=%s warmup_target=%s "
+        "dependency_fallbacks=%s",
         os.getpid(),
         VERSION,
+        build()["commit"],
+        build()["image_revision"] or "-",
         mode,
         config.backend,
         config.warmup_target,
         adapters.summary(),
     )
-    log.info("config: %s", config.summary())
+    log.info("config %s", config.summary())
     raise_open_files_limit()
     log.info(
         "tls mode=%s cert=%s client_ca=%s",

@@ -27,8 +27,10 @@ replica shares:
   ``/metrics`` of any worker is the replica's; here ``indexer_ready``, ``indexer_worker_up``,
   ``indexer_worker_ready`` and ``indexer_worker_restarts_total{worker,reason}``, and this process's share of
   ``indexer_open_fds`` and of the health port's ``indexer_peer_connections_closed_total`` and
-  ``indexer_requests_shed_total`` (:class:`~service.metrics.SupervisorMetrics`). A dead worker's files are retired
-  (service/metrics.py :func:`retire_process`): the directory does not grow with restarts.
+  ``indexer_requests_shed_total`` (:class:`~service.metrics.SupervisorMetrics`). The directory is named before this
+  process imports prometheus_client (:func:`supervise`), which then keeps the supervisor's values there as it does
+  the workers'. A dead worker's files are retired (service/metrics.py :func:`retire_process`): the directory does
+  not grow with restarts.
 - **The warmup**: workers warm up one at a time under a file lock; the first compiles into the Triton cache,
   the others load what it wrote.
 - **The runtime directory** (``$TMPDIR/indexer-workers-*``): removed on every exit the supervisor controls; one
@@ -53,17 +55,17 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from indexer_service.service import cgroups
+from indexer_service.service.adapters import prometheus
+from indexer_service.service.codec import SERVICE_NAME
 from indexer_service.service.config import ServiceConfig
-from indexer_service.service.metrics import retire_process
 from indexer_service.service.overload.allocator import IdleTrim, configure_malloc
-from indexer_service.service.overload.peers import PeerCap
 from indexer_service.service.process.lifecycle import ShutdownSignals
 from indexer_service.service.process.listeners import bind_shared, bind_tcp
 from indexer_service.service.reasons import Port, RestartReason
@@ -81,6 +83,9 @@ from indexer_service.service.workerproto import (
     config_to_json,
     probe_socket,
 )
+
+if TYPE_CHECKING:  # the module imports prometheus_client, which must wait until the directory is named
+    from indexer_service.service.overload.peers import PeerCap
 
 log = logging.getLogger(__name__)
 
@@ -259,7 +264,18 @@ class WorkerProbe:
 
 
 class Supervisor:
-    def __init__(self, config: ServiceConfig, workers: int, source: str, signals: ShutdownSignals) -> None:
+    """The replica's shared parts and its workers; ``runtime``: its directory, the multiprocess one named
+    (:func:`supervise`), ``metrics_in_files`` whether this process's metrics keep their values there."""
+
+    def __init__(
+        self,
+        config: ServiceConfig,
+        workers: int,
+        source: str,
+        signals: ShutdownSignals,
+        runtime: RuntimeDir,
+        metrics_in_files: bool = True,
+    ) -> None:
         self.config = config
         self.workers = workers
         self.source = source
@@ -270,7 +286,8 @@ class Supervisor:
         self.hang_seconds = config.worker_hang_seconds
         self.draining = False
         self.pod_ready = self.ever_ready = False
-        self.runtime: RuntimeDir | None = None
+        self.runtime: RuntimeDir | None = runtime
+        self.metrics_in_files = metrics_in_files
         self._grpc_hold: socket.socket | None = None
         self.listeners: dict[str, socket.socket] = {}
         self.health = self.health_server = None
@@ -290,6 +307,7 @@ class Supervisor:
     def start(self) -> None:
         from indexer_service.service.metrics import SupervisorMetrics
         from indexer_service.service.overload.admission import ShedLog
+        from indexer_service.service.overload.peers import PeerCap
         from indexer_service.service.process.server import listening_addresses
         from indexer_service.service.transport.gate import Accounting
         from indexer_service.service.transport.grpc_server import HEALTH_NAMES, create_health_server
@@ -297,9 +315,12 @@ class Supervisor:
 
         for leftover in remove_leftovers(Path(tempfile.gettempdir())):
             log.warning("removed the runtime directory of a supervisor that is gone path=%s", leftover)
-        self.runtime = RuntimeDir()
-        self.metrics_dir.mkdir()
-        _use_multiprocess_metrics(self.metrics_dir)
+        if not self.metrics_in_files:
+            log.warning(
+                "the supervisor's own series are not in /metrics (%s): prometheus_client was imported before the "
+                "multiprocess directory was named, and its value class cannot be picked again",
+                prometheus.SUPERVISOR_SERIES,
+            )
         config = self.config
         self.metrics = SupervisorMetrics(self.workers)
         self._grpc_hold, grpc_port = reserve_grpc_port(config.grpc_host, config.grpc_port)
@@ -307,7 +328,7 @@ class Supervisor:
         bound = {SHARED_LISTENERS[name].port_setting: sock.getsockname()[1] for name, sock in self.listeners.items()}
         shed = ShedLog(self.metrics).record
         self.health = HealthServicer(HEALTH_NAMES, shed)
-        self.health_server = create_health_server(config, self.health, Accounting(self.metrics, shed))
+        self.health_server = create_health_server(config, self.health, Accounting(self.metrics, shed), grpc_port)
         health_port = self.health_server.port
         self.config = replace(config, grpc_port=grpc_port, health_port=health_port, workers=1, **bound)
         self._write_status("starting")
@@ -402,7 +423,10 @@ class Supervisor:
                 self._exited(slot)
             if slot.restart_at is not None and time.monotonic() >= slot.restart_at and not self.draining:
                 self._spawn(slot)
-        self._to_retire = [pid for pid in self._to_retire if not retire_process(pid, str(self.metrics_dir))]
+        if self._to_retire:
+            from indexer_service.service.metrics import retire_process
+
+            self._to_retire = [pid for pid in self._to_retire if not retire_process(pid, str(self.metrics_dir))]
         self._refresh()
         return True
 
@@ -495,13 +519,18 @@ class Supervisor:
         return self.min_ready if self.ever_ready else self.workers
 
     def _refresh(self) -> None:
-        """The replica is ready while enough workers are (and it is not draining): health port, gauge, /readyz."""
+        """The replica is ready while enough workers are (and it is not draining): health port, gauge, /readyz.
+        It is alive (the health port's server-wide name, liveness) while enough workers run that were ready once:
+        a worker not ready because callers hold all its places keeps the replica alive (a worker whose port is
+        broken exits, and is restarted)."""
+        alive = not self.draining and sum(s.process is not None and s.ever_ready for s in self.slots) >= self.needed()
+        self.health.set_serving(alive, [""])
         ready = not self.draining and self.ready_workers() >= self.needed()
         reason = "" if ready else self.not_ready_reason()
         if ready != self.pod_ready:
             self.pod_ready = ready
             self.ever_ready = self.ever_ready or ready
-            self.health.set_serving(ready)
+            self.health.set_serving(ready, [SERVICE_NAME])
             self.metrics.ready.set(int(ready))
             if ready:
                 log.info("ready workers=%d workers_ready=%d %s", self.workers, self.ready_workers(), self.listening)
@@ -582,29 +611,30 @@ class Supervisor:
             self.runtime.remove()
 
 
-def _use_multiprocess_metrics(path: Path) -> None:
-    """Metrics of this process and of every worker (which inherit the environment) go to files in ``path``.
-    prometheus_client picks its value class when imported: pick it again if it was imported already."""
-    os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(path)
-    if "prometheus_client.values" in sys.modules:
-        from prometheus_client import values
-
-        values.ValueClass = values.get_value_class()
-
-
 def supervise(
     config: ServiceConfig, workers: int, source: str, port_file: Path | None, signals: ShutdownSignals
 ) -> int:
     """Run ``workers`` worker processes until a shutdown signal (SIGTERM, SIGINT, SIGHUP), then drain them all;
     returns the exit code. The runtime directory is removed on every way out of here (a drain, an error)."""
-    from indexer_service.service.process.server import announce_start
+    # The multiprocess directory is named first: prometheus_client picks where its values live when it is imported
+    # (by the start line's probes and the server's modules, below), and finds it named, as its documentation asks.
+    runtime = RuntimeDir()
+    try:
+        metrics_dir = runtime.path / METRICS_DIR
+        metrics_dir.mkdir()
+        metrics_in_files = prometheus.name_multiprocess_dir(metrics_dir)
+        from indexer_service.service.process.server import announce_start
 
-    announce_start(config, workers, port_file)
-    configure_malloc(config.malloc_arena_max, config.malloc_retain_bytes)  # one arena: the idle trim returns all
+        announce_start(config, workers, port_file)
+        configure_malloc(config.malloc_arena_max, config.malloc_retain_bytes)  # one arena: the idle trim returns all
+    except BaseException:
+        runtime.remove()
+        raise
     if signals.pending() is not None:
         log.info("shutdown signal=%s before the server started", signals.wait().name)
+        runtime.remove()
         return 0
-    supervisor = Supervisor(config, workers, source, signals)
+    supervisor = Supervisor(config, workers, source, signals, runtime, metrics_in_files)
     try:
         supervisor.start()
         wrote_ports = False

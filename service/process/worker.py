@@ -28,7 +28,7 @@ _PR_SET_PDEATHSIG = 1
 # How often the main thread looks whether the warmup has finished, while it waits for a signal.
 _WARMUP_POLL_SECONDS = 0.05
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("indexer_service.service.process.worker")  # its name also when run as __main__
 
 
 def die_with_parent(parent: int) -> None:
@@ -44,6 +44,8 @@ def run_worker(link: WorkerLink, signals: object) -> int:
     :func:`service.process.server.serve`, with a link instead of a port file and the gRPC port joined once warmed up."""
     # Imported here, not at the top: main() has tied this process to its supervisor's life before the server's
     # imports (numpy, grpc, a backend) take their time.
+    from indexer_service.service import adapters
+    from indexer_service.service.compute.devices import uses_triton
     from indexer_service.service.logs import configure_logging
     from indexer_service.service.overload.allocator import configure_malloc
     from indexer_service.service.process.server import IndexerServer
@@ -51,7 +53,9 @@ def run_worker(link: WorkerLink, signals: object) -> int:
 
     config = config_from_json((link.runtime_dir / CONFIG_FILE).read_text())
     configure_logging(config.log_level, config.log_format, link.slot)
-    log.info("start pid=%d indexer-service %s", os.getpid(), VERSION)
+    # Its libraries as its supervisor's, and Triton, which only workers import: their fallbacks on its start line.
+    adapters.probe_all(triton=uses_triton(config.backend, config.warmup_enabled))
+    log.info("start pid=%d indexer-service %s dependency_fallbacks=%s", os.getpid(), VERSION, adapters.summary())
     configure_malloc(config.malloc_arena_max, config.malloc_retain_bytes)
     server = IndexerServer(config, link) if signals.pending() is None else None
     if server is None or signals.pending() is not None:

@@ -73,6 +73,24 @@ def peer_key(peer: str) -> str:
         return peer
 
 
+# A deadline this close after its request was in is its caller's doing: gRPC core keeps deadlines to the millisecond
+# (a 1 us budget arrives as up to a millisecond), and no server answers within a few.
+ON_ARRIVAL_SECONDS = 0.005
+
+
+def never_started_reason(deadline: float | None, queued_at: float, now: float | None = None) -> ShedReason:
+    """Why a call ended before its behaviour started, and whose doing it was: its deadline passed while it waited in
+    the server (``queue_deadline``, overload), its deadline had passed before its request was in or came within
+    ``ON_ARRIVAL_SECONDS`` of it (``deadline_on_arrival``, its caller's), or its caller cancelled or reset it
+    (``caller_cancelled``). Without the deadline (grpcio's internals differ): ``queue_deadline``."""
+    if deadline is None:
+        return ShedReason.QUEUE_DEADLINE
+    if deadline > (time.time() if now is None else now):
+        return ShedReason.CALLER_CANCELLED
+    on_arrival = deadline <= queued_at + ON_ARRIVAL_SECONDS
+    return ShedReason.DEADLINE_ON_ARRIVAL if on_arrival else ShedReason.QUEUE_DEADLINE
+
+
 class Accounting:
     """What a gate counts and logs beyond its sheds, on a metrics object of the process (the serving process's, or
     the supervisor's for its health port): exceptions of our code on a library's thread (counted by where, logged
@@ -131,6 +149,8 @@ class Lane:
     # The calls holding a place, and the calls waiting for their request, each by id, with their peer.
     live: dict[int, str | None] = field(default_factory=dict)
     waiting: dict[int, tuple[float, str | None, tuple, Route]] = field(default_factory=dict)
+    # Calls its threads have finished (not exact under races between threads: read only for progress).
+    finished: int = 0
     by_peer: Counter = field(default_factory=Counter)
     waiting_by_peer: Counter = field(default_factory=Counter)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -175,7 +195,10 @@ class CallGate:
         self.lanes: list[Lane] = [self.refusals]
         self.routes: dict[Callable, Route] = {}
         self.started = threading.local()  # whether the call a thread runs has started its behaviour
-        self.on_never_started: Callable[[str], None] = lambda method: None
+        # (method, why, the caller's address) of a call that ended before its behaviour started
+        self.on_never_started: Callable[[str, ShedReason, str], None] = lambda method, reason, peer: None
+        # (method, seconds from its request in to a thread taking it, seconds from its request in to its end)
+        self.timed: Callable[[str, float, float], None] = lambda method, wait, total: None
         self._ids = itertools.count()
         self._threads: list[threading.Thread] = []
         self._stop = threading.Event()
@@ -272,7 +295,7 @@ class CallGate:
         done = CallDone() if done is None else done
         lane.live[call] = peer
         try:
-            lane.queue.put((call, fn, args, done, route))
+            lane.queue.put((call, fn, args, done, route, time.time()))
         except BaseException:  # nothing will run it: its place and grpcio's count of it go back, then the error
             lane.live.pop(call, None)
             if peer is not None and lane.peer_share is not None:
@@ -306,7 +329,7 @@ class CallGate:
         swapped = tuple(refusing if arg is behaviour else arg for arg in args)
         call = next(self._ids)
         self.refusals.live[call] = None
-        self.refusals.queue.put((call, fn, swapped, done, route))  # a refusal that never starts counts as its call
+        self.refusals.queue.put((call, fn, swapped, done, route, time.time()))  # never started: counts as its call
         return done
 
     def _hold(self, counts: Counter, lane: Lane, peer: str) -> bool:
@@ -334,18 +357,27 @@ class CallGate:
     def _work(self, lane: Lane) -> None:
         take, live, started = lane.queue.get, lane.live, self.started
         while (item := take()) is not None:
-            call, fn, args, done, route = item
+            call, fn, args, done, route, queued_at = item
             started.value = False
+            started.queued_at = queued_at
+            taken_at = time.time()
             try:
                 fn(*args)
             except BaseException:
                 log.exception("a gRPC call's handler raised past gRPC's own handling")
             finally:
-                peer = live.pop(call, None)
-                if peer is not None:
-                    self._let_go(lane.by_peer, lane, peer)
-                if not started.value and route.count_never_started:
-                    self.on_never_started(route.method)
+                try:  # the thread must outlive anything its bookkeeping meets
+                    peer = live.pop(call, None)
+                    if peer is not None:
+                        self._let_go(lane.by_peer, lane, peer)
+                    if route.count_never_started:  # the RPCs: timed, and counted when they never started
+                        self.timed(route.method, taken_at - queued_at, time.time() - queued_at)
+                        if not started.value:
+                            reason = never_started_reason(grpcio.deadline_of(args), queued_at)
+                            self.on_never_started(route.method, reason, grpcio.peer_of(args) or "a peer")
+                except Exception:
+                    log.exception("a gRPC call's bookkeeping failed")
+                lane.finished += 1
                 done.finish()
 
     def _sweep(self) -> None:
@@ -377,6 +409,10 @@ class CallGate:
         self.shed(route.method, reason, f"{message} ({peer or 'a peer'})")
         grpcio.end_call(args, code, message)
         return True
+
+    def idle(self) -> bool:
+        """No call in any lane: none waiting for its request, queued or running."""
+        return not any(lane.live or lane.waiting for lane in self.lanes)
 
     def held(self, lane: Lane) -> int:
         """Calls holding a place in ``lane`` now."""

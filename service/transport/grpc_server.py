@@ -34,8 +34,9 @@ from indexer_service.service.overload.admission import Caller, DrainWatchdog
 from indexer_service.service.overload.limits import max_request_bytes
 from indexer_service.service.reasons import ShedReason
 from indexer_service.service.rpcs import RPCS
-from indexer_service.service.transport.gate import Accounting, CallGate, Lane
+from indexer_service.service.transport.gate import Accounting, CallGate, Lane, never_started_reason
 from indexer_service.service.transport.health import HEALTH_SERVICE_NAME, HealthServicer
+from indexer_service.service.transport.port_watch import RpcPortWatch
 from indexer_service.service.transport.reflection import Reflection
 
 log = logging.getLogger(__name__)
@@ -136,8 +137,20 @@ def rpc_handlers(
 
         return refuse
 
-    never_started = "the caller cancelled, reset the stream or passed its deadline before the call started"
-    gate.on_never_started = lambda method: plane.shed(method, ShedReason.QUEUE_DEADLINE, never_started)
+    never_started = {
+        ShedReason.QUEUE_DEADLINE: "its deadline passed while it waited in the server",
+        ShedReason.DEADLINE_ON_ARRIVAL: "its deadline had passed before its request was in",
+        ShedReason.CALLER_CANCELLED: "its caller cancelled or reset it before it started",
+    }
+    gate.on_never_started = lambda method, reason, peer: plane.shed(method, reason, f"{never_started[reason]} ({peer})")
+    wait_seconds, call_seconds = plane.metrics.call_wait_seconds, plane.metrics.call_seconds
+    child = plane.metrics.child
+
+    def timed(method: str, wait: float, total: float) -> None:
+        child(wait_seconds, method).observe(wait)
+        child(call_seconds, method).observe(total)
+
+    gate.timed = timed
     refusals = {reason: refusal(reason) for reason in (ShedReason.CONCURRENCY, ShedReason.PEER_SHARE)}
     handlers = {}
     for method in RPCS:
@@ -195,7 +208,8 @@ def served(
         try:
             gone = call.gone_at_start
             if gone is not None:
-                plane.shed(method, ShedReason.QUEUE_DEADLINE, f"{gone.name} before the call started")
+                reason = never_started_reason(call.deadline, getattr(started, "queued_at", 0.0))
+                plane.shed(method, reason, f"{gone.name} before the call started ({call.peer})")
                 context.abort(GRPC_STATUS[gone], "the caller went away (cancelled, or past its deadline) first")
             response = serve(method, request, caller=call)
             if call.ticket is not None:  # held until the call ends (call.end); cancelled if unread meanwhile
@@ -341,10 +355,23 @@ class GrpcServer:
     lane: Lane
     watchdog: DrainWatchdog
     reflection: Reflection
+    watch: RpcPortWatch | None = None
 
-    def stop(self, grace: float) -> None:
+    def start(self) -> None:
+        self.server.start()
+        if self.watch is not None:
+            self.watch.start()
+
+    def stop(self, grace: float | None) -> None:
+        """Stop taking calls, give those in flight ``grace`` seconds (None: none), then end the gate's threads."""
+        if self.watch is not None:
+            self.watch.stop()
         self.gate.end_waiting()  # calls that never sent their request do not hold the grace
-        self.server.stop(grace).wait()
+        stopped, end = self.server.stop(grace), time.monotonic() + (grace or 0.0)
+        while not stopped.wait(0.05) and time.monotonic() < end:
+            if self.gate.idle():  # no call of ours left: what remains is connections that ignore the GOAWAY
+                self.server.stop(0)
+        stopped.wait()
         busy = self.gate.shutdown(POOL_STOP_SECONDS)
         if busy:
             log.warning("rpc_threads_still_busy count=%d after_seconds=%.1f", busy, POOL_STOP_SECONDS)
@@ -358,10 +385,12 @@ def create_grpc_server(
     health_servicer: HealthServicer,
     share_port: bool = False,
     probe_socket: Path | None = None,
+    report: Callable[[str, bool], None] | None = None,
 ) -> GrpcServer:
     """The RPC server, bound (and, as gRPC binds, listening: it takes connections into its backlog from here on)
     but not started. ``share_port``: SO_REUSEPORT, for a worker of several; ``probe_socket``: a unix socket the
-    server also listens on, plaintext, for the supervisor's health probes (service/process/supervisor.py)."""
+    server also listens on, plaintext, for health probes (its own watch's, the supervisor's); ``report``: told
+    whether the port takes new callers (service/transport/port_watch.py), once :meth:`GrpcServer.start` ran."""
     gate = make_gate(config, Accounting(plane.metrics, plane.shed))
     lane = gate.lane("grpc", config.grpc_workers, config.max_concurrent_rpcs, config.max_concurrent_rpcs_per_peer)
     server = grpc.server(
@@ -396,7 +425,8 @@ def create_grpc_server(
             server.add_insecure_port(f"unix:{probe_socket}")
         except RuntimeError as exc:
             raise OSError(f"cannot bind the probe socket {probe_socket}: {exc}") from None
-    return GrpcServer(server, port, gate, lane, watchdog, reflection)
+    watch = None if report is None else RpcPortWatch(gate, lane, report, probe_socket)
+    return GrpcServer(server, port, gate, lane, watchdog, reflection, watch)
 
 
 @dataclass
@@ -414,12 +444,13 @@ class HealthServer:
 
 
 def create_health_server(
-    config: ServiceConfig, health_servicer: HealthServicer, accounting: Accounting
+    config: ServiceConfig, health_servicer: HealthServicer, accounting: Accounting, rpc_port: int | None = None
 ) -> HealthServer:
     """The probe listener: grpc.health.v1 only, plaintext (kubelet's gRPC probes speak no TLS), through a gate of
     its own (a probe never waits behind RPC work, its limit or its connections); its own cap on connections
     (``health_max_connections``) and the same idle and handshake bounds as the RPC port. A call to any other
-    method is answered UNIMPLEMENTED naming the RPC port."""
+    method is answered UNIMPLEMENTED naming the RPC port: ``rpc_port``, the port bound (``grpc_port`` may be 0),
+    else ``grpc_port``."""
     gate = make_gate(config, accounting)
     lane = gate.lane("health", HEALTH_THREADS, HEALTH_PLACES, HEALTH_PEER_SHARE)
     server = grpc.server(
@@ -431,7 +462,7 @@ def create_health_server(
         ],
     )
     health_servicer.register(server, gate, lane)
-    server.add_generic_rpc_handlers((HealthPortOnly(accounting.unknown_method, config.grpc_port),))
+    server.add_generic_rpc_handlers((HealthPortOnly(accounting.unknown_method, rpc_port or config.grpc_port),))
     address = host_port(config.grpc_host, config.health_port)
     try:
         port = server.add_insecure_port(address)

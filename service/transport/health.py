@@ -166,13 +166,15 @@ class HealthServicer:
         with self._lock:
             self._watchers[service].discard(watcher)
 
-    def set_serving(self, serving: bool) -> None:
-        """Every name SERVING or NOT_SERVING; watchers hear of a change. Ignored once drained."""
+    def set_serving(self, serving: bool, names: Sequence[str] | None = None) -> None:
+        """``names`` (every name by default) SERVING or NOT_SERVING; watchers hear of a change. Ignored once
+        drained."""
         status = SERVING if serving else NOT_SERVING
         with self._lock:
             if self._drained:
                 return
-            changed = [name for name, old in self._status.items() if old != status]
+            chosen = self._status if names is None else names
+            changed = [name for name in chosen if self._status[name] != status]
             for name in changed:
                 self._status[name] = status
             targets = [send for name in changed for send in self._watchers[name]]

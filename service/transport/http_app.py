@@ -2,7 +2,8 @@
 
 ``http_port`` (:class:`ProbeApp`, always plaintext, for Prometheus and the probes):
 
-- ``GET /livez``: 200 while the process runs.
+- ``GET /livez``: 200 while the process runs, 503 with the reason while its RPC port is broken (no call finishing,
+  or no answer, for 30 s: service/transport/port_watch.py), as the server-wide health name says.
 - ``GET /readyz``: 200 once warmup has finished, 503 with the reason before that and while draining. With
   several workers, the replica's readiness, whichever worker answers (the supervisor's verdict, ``pod_not_ready``:
   enough workers ready, service/process/supervisor.py), so a worker warming up after a restart does not flip it.
@@ -210,8 +211,10 @@ class ProbeApp:
             await reply_error(send, 405, f"{path} answers GET and HEAD only", [(b"allow", b"GET, HEAD")])
         elif path == "/metrics":
             await self.metrics_app(scope, receive, send)
-        elif path == "/livez":
-            await _reply(send, 200, b"ok\n")
+        elif path == "/livez":  # the process runs and its RPC port is not broken (callers cannot turn it)
+            readiness = self.plane.readiness
+            broken = readiness.rpc_port_broken
+            await _reply(send, 503 if broken else 200, f"{readiness.not_ready_reason() if broken else 'ok'}\n".encode())
         elif path == "/readyz":
             pod = self.pod_not_ready  # worker mode: the replica's readiness is the supervisor's verdict
             reason = pod() if pod is not None else self.plane.readiness.not_ready_reason()

@@ -324,8 +324,8 @@ def expand_grafana(expr: str) -> str:
 
 
 def metric_names(expr: str) -> set[str]:
-    """Sample names a PromQL expression reads (every metric of the service starts with indexer_)."""
-    return set(re.findall(r"\bindexer_[a-zA-Z0-9_]+", expr))
+    """Sample names a PromQL expression reads: the service's own (indexer_...) and its processes' (process_...)."""
+    return set(re.findall(r"\b(?:indexer|process)_[a-zA-Z0-9_]+", expr))
 
 
 def markdown_anchors(text: str) -> set[str]:
@@ -492,14 +492,16 @@ def base_env(**overrides: str) -> dict[str, str]:
 
 
 class Server(LoggedProcess):
-    """`indexer-service serve` on 127.0.0.1, both ports chosen by the kernel and read from --port-file."""
+    """`indexer-service serve` on 127.0.0.1, its ports chosen by the kernel and read from --port-file; ``http_port``:
+    the HTTP port instead (a restarted server where Prometheus scrapes the one before)."""
 
-    def __init__(self, workdir: Path, name: str, argv: list[str] | None = None, **env: str) -> None:
+    def __init__(self, workdir: Path, name: str, argv: list[str] | None = None, http_port: int = 0, **env: str) -> None:
         self.port_file = workdir / f"{name}.ports.json"
+        self.port_file.unlink(missing_ok=True)  # a server of the same name before: its ports are not this one's
         argv = [*(argv or ["indexer-service", "serve"]), "--port-file", str(self.port_file)]
         # Loopback only, ports chosen by the kernel: these override whatever the caller's (pod's) env says.
         listen = {"INDEXER_GRPC_HOST": "127.0.0.1", "INDEXER_HTTP_HOST": "127.0.0.1"}
-        listen |= {"INDEXER_GRPC_PORT": "0", "INDEXER_HTTP_PORT": "0", "INDEXER_HEALTH_PORT": "0"}
+        listen |= {"INDEXER_GRPC_PORT": "0", "INDEXER_HTTP_PORT": str(http_port), "INDEXER_HEALTH_PORT": "0"}
         listen |= {"INDEXER_HTTP_RPC_PORT": "0"}
         env = base_env(**{**env, **listen})
         super().__init__(argv, workdir / f"{name}.log", env)
@@ -546,6 +548,43 @@ class Server(LoggedProcess):
             for labels, value in self.samples().get("indexer_request_duration_seconds_count", [])
             if labels["method"] == method and labels["code"] == code
         )
+
+
+# A PlanBatch of 1,000 one-query chunks (omitting token_to_seq): about 0.2 s of server CPU on this project's host,
+# ten times EXPIRING_DEADLINE, so it starts and expires while served: DEADLINE_EXCEEDED in indexer_request_errors_total.
+EXPIRING_DEADLINE = 0.02
+# A compress ratio outside the pod's warmup set (1, 4, 128): every such request is a warmup miss.
+MISSED_RATIO = 8
+
+
+def send_expiring_call(client) -> None:
+    """One call the server starts and that expires while served (the caller sees DEADLINE_EXCEEDED)."""
+    from indexer_service.kernels.planner import BatchInputs
+
+    slow = BatchInputs(np.array([0, 1000]), np.array([2**16]), RATIO, 0, 2**20, max_logits_bytes=4)
+    try:
+        client.plan_batch(slow, omit_token_to_seq=True, timeout=EXPIRING_DEADLINE)
+    except grpc.RpcError as exc:
+        assert exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED, exc
+    else:
+        raise AssertionError(f"a 0.2 s PlanBatch finished within {EXPIRING_DEADLINE} s")
+
+
+def send_expired_call(client) -> None:
+    """A caller's 1 us deadline: the server sheds it (mostly deadline_on_arrival), or it never reaches the server."""
+    from indexer_service.kernels.inputs import ChunkInputs
+
+    try:
+        client.build_chunk(ChunkInputs(QSL, SEQ_LENS, RATIO, 0, 2), timeout=1e-6)
+    except grpc.RpcError as exc:
+        assert exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED, exc
+
+
+def send_warmup_miss(client, ratio: int = MISSED_RATIO) -> None:
+    """A BuildChunk at a compress ratio outside the warmup set: served, and counted as a warmup miss."""
+    from indexer_service.kernels.inputs import ChunkInputs
+
+    assert client.build_chunk(ChunkInputs(QSL, SEQ_LENS, ratio, 0, 2)) is not None
 
 
 def send_traffic(client, rounds: int) -> None:

@@ -10,7 +10,7 @@ import re
 
 import yaml
 
-from indexer_service.service.reasons import ShedReason
+from indexer_service.service.reasons import OVERLOAD_REASONS, ShedReason
 from tests.deploy.support import (
     DEPLOY,
     PROMETHEUS_CONFIG,
@@ -25,7 +25,6 @@ RUNBOOK_BASE = "https://github.com/indexer-service/indexer-service/blob/main/dep
 DEPLOYMENT_LABELS = {"cluster", "namespace", "job"}
 # The callers' reasons ShedReason had when this was written.
 CALLER_REASONS = {ShedReason.WORK_LIMIT, ShedReason.UNREAD_RESPONSE}
-OVERLOAD_REASONS = {ShedReason.CONCURRENCY, ShedReason.MEMORY, ShedReason.HEAVY_LANE, ShedReason.QUEUE_DEADLINE}
 
 
 def rules_by_name() -> dict[str, dict]:
@@ -104,7 +103,7 @@ def test_unknown_methods_have_their_own_info_alert_and_never_the_error_ratio() -
     rules = rules_by_name()
     ratio = rules["IndexerHighErrorRatio"]["expr"]
     selectors = re.findall(r"indexer_request(?:_errors_total|_duration_seconds_count)\{([^}]*)\}", ratio)
-    assert len(selectors) == 3 and all('method!="unknown"' in s for s in selectors), selectors
+    assert len(selectors) == 4 and all('method!="unknown"' in s for s in selectors), selectors
     unknown = rules["IndexerUnknownMethodCalls"]
     assert 'indexer_request_errors_total{method="unknown", code="UNIMPLEMENTED"}' in unknown["expr"]
     assert unknown["labels"]["severity"] == "info"
@@ -124,7 +123,7 @@ def test_dashboard_filters_by_deployment_and_shows_issue_18s_panels() -> None:
     variables = [v["name"] for v in board["templating"]["list"]]
     assert variables[:5] == ["datasource", "cluster", "namespace", "job", "instance"]
     for title, expr in dashboard_targets():
-        selectors = re.findall(r"\bindexer_\w+\{([^}]*)\}", expr)
+        selectors = re.findall(r"\b(?:indexer|process)_\w+\{([^}]*)\}", expr)
         assert selectors, (title, expr)
         for selector in selectors:
             for label in ("cluster", "namespace", "job", "instance"):
@@ -150,3 +149,61 @@ def test_plain_prometheus_dns_job_labels_the_namespace() -> None:
             # Prometheus anchors relabel regexes at both ends; the default replacement is $1.
             match = re.fullmatch(relabel["regex"], name)
             assert match and match.group(1) == name.split(".")[1], name
+
+
+# The guard of every count of calls that expired in the server: p99 from the request being in to the end, per replica.
+SLOW_CALLS = (
+    "histogram_quantile(0.99, sum by (cluster, namespace, job, instance, le) (rate(indexer_call_seconds_bucket[5m])))"
+)
+
+
+def one_line(expr: str) -> str:
+    return re.sub(r"\s+", " ", expr).replace("( ", "(").replace(" )", ")")
+
+
+def test_expired_calls_count_against_the_service_only_where_its_calls_take_long() -> None:
+    """The server sees deadlines only to about a millisecond: a caller's 1 us deadlines are shed queue_deadline or
+    expire while served now and then. The error ratio counts DEADLINE_EXCEEDED, and the shedding alerts
+    queue_deadline, only from a replica whose calls take 50 ms or more at p99; deadline_on_arrival and
+    caller_cancelled are never overload."""
+    rules = rules_by_name()
+    ratio = one_line(rules["IndexerHighErrorRatio"]["expr"])
+    assert (
+        'rate(indexer_request_errors_total{method!="unknown", code="DEADLINE_EXCEEDED"}[5m]) '
+        f"unless on (cluster, namespace, job, instance) ({SLOW_CALLS} < 0.05)"
+    ) in ratio
+    for name in ("IndexerShedding", "IndexerSheddingSustained"):
+        expr = one_line(rules[name]["expr"])
+        assert (
+            "unless on (cluster, namespace, job, instance, reason) "
+            f'label_replace({SLOW_CALLS} < 0.05, "reason", "{ShedReason.QUEUE_DEADLINE}", "", "")'
+        ) in expr, name
+    assert {ShedReason.DEADLINE_ON_ARRIVAL, ShedReason.CALLER_CANCELLED}.isdisjoint(OVERLOAD_REASONS)
+    assert ShedReason.QUEUE_DEADLINE in OVERLOAD_REASONS
+
+
+def test_restart_alerts_are_one_series_per_replica_and_alert_at_once() -> None:
+    rules = rules_by_name()
+    workers, processes = rules["IndexerWorkerRestarts"], rules["IndexerProcessRestarts"]
+    for rule in (workers, processes):
+        assert "for" not in rule, rule["alert"]
+        (kept,) = re.findall(r"sum by \(([^)]*)\)", rule["expr"])
+        assert {label.strip() for label in kept.split(",")} == DEPLOYMENT_LABELS | {"instance"}, rule["alert"]
+        assert rule["labels"]["severity"] == "warning"
+    # A worker's restart is the worker alert's alone: the process alert reads the supervisor's (or the one process's)
+    # start time, never a worker's.
+    assert 'process!="worker"' in processes["expr"] and "indexer_worker_restarts_total" not in processes["expr"]
+    assert "process_start_time_seconds" not in workers["expr"]
+    assert re.search(r"increase\(indexer_worker_restarts_total\[15m\]\)\)\)\s*> 0$", workers["expr"])
+
+
+def test_warmup_misses_alert_sees_a_series_that_appears_at_one() -> None:
+    rule = rules_by_name()["IndexerWarmupMisses"]
+    expr = one_line(rule["expr"])
+    assert "(indexer_warmup_misses_total unless indexer_warmup_misses_total offset 1h)" in expr
+    assert "increase(indexer_warmup_misses_total[1h]) > 0" in expr
+    assert "for" not in rule and rule["labels"]["severity"] == "warning"
+    # The compile it causes on a GPU replica is not told twice.
+    assert "unless on (cluster, namespace, job) ((indexer_warmup_misses_total unless" in one_line(
+        rules_by_name()["IndexerCompilesAfterReady"]["expr"]
+    )

@@ -5,14 +5,18 @@ every dashboard query from a live server."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
+import re
 import shlex
 import shutil
 import signal
 import stat
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -23,6 +27,7 @@ import trustme
 
 from indexer_service.service.client import IndexerClient
 from indexer_service.service.config import load_config
+from indexer_service.service.reasons import RestartReason
 from tests.deploy.support import (
     INSTALL_HINT,
     Prometheus,
@@ -42,9 +47,13 @@ from tests.deploy.support import (
     metric_names,
     one,
     render,
+    send_expired_call,
+    send_expiring_call,
     send_traffic,
+    send_warmup_miss,
     server_shutdown_seconds,
     substitute,
+    wait_for,
 )
 
 pytestmark = pytest.mark.skipif(kustomize_command() is None, reason=f"no kustomize/kubectl: {INSTALL_HINT}")
@@ -336,8 +345,12 @@ def not_served_by(server: Server) -> set[str]:
 
 
 def test_every_metric_of_the_alerts_and_the_dashboard_is_exported(pod: Server) -> None:
-    with IndexerClient(pod.address) as client:
+    with IndexerClient(pod.address, max_attempts=1) as client:
         send_traffic(client, 2)
+        # The series that appear at their first event: a warmup miss, a call that expired while served.
+        send_warmup_miss(client)
+        send_expiring_call(client)
+        send_expired_call(client)
     exported = set(pod.samples())
     wanted = {name for rule in alert_rules() for name in metric_names(rule["expr"])}
     wanted |= {name for _, expr in dashboard_targets() for name in metric_names(expr)}
@@ -347,51 +360,220 @@ def test_every_metric_of_the_alerts_and_the_dashboard_is_exported(pod: Server) -
     assert not missing, f"named but not exported: {sorted(missing)}"
 
 
-@pytest.mark.skipif(find_tool("prometheus") is None, reason=f"no prometheus: {INSTALL_HINT}")
-def test_prometheus_scrapes_the_server_and_answers_every_dashboard_query(pod: Server, workdir: Path) -> None:
-    (workdir / "prometheus").mkdir()
-    prometheus = Prometheus(workdir / "prometheus", [f"127.0.0.1:{pod.http_port}"])
-    stop = threading.Event()
-    errors: list[BaseException] = []
+requires_prometheus = pytest.mark.skipif(find_tool("prometheus") is None, reason=f"no prometheus: {INSTALL_HINT}")
 
-    def traffic() -> None:
-        # Rates need increases inside the query window: keep calls coming (bounded by the deadline below).
-        deadline = time.monotonic() + 60
+
+class Traffic:
+    """Calls on a thread until stopped (at most ``seconds``): rounds of send_traffic, each with a call whose caller
+    gave it a 1 us deadline (``expired``), 0.05 s apart. ``tolerant``: failed calls are counted, not raised (a
+    worker being killed under it)."""
+
+    def __init__(self, address: str, seconds: float, expired: bool = True, tolerant: bool = False) -> None:
+        self.address, self.seconds, self.expired, self.tolerant = address, seconds, expired, tolerant
+        self.errors: list[BaseException] = []
+        self.failed = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        deadline = time.monotonic() + self.seconds
         try:
-            with IndexerClient(pod.address) as client:
-                while not stop.is_set() and time.monotonic() < deadline:
-                    send_traffic(client, 1)
+            with IndexerClient(self.address, max_attempts=1) as client:
+                while not self._stop.is_set() and time.monotonic() < deadline:
+                    try:
+                        send_traffic(client, 1)
+                        if self.expired:
+                            send_expired_call(client)
+                    except (grpc.RpcError, AssertionError):
+                        if not self.tolerant:
+                            raise
+                        self.failed += 1
                     time.sleep(0.05)
         except BaseException as exc:
-            errors.append(exc)
+            self.errors.append(exc)
 
-    sender = threading.Thread(target=traffic, daemon=True)
-    sender.start()
+    def __enter__(self) -> Traffic:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._stop.set()
+        self._thread.join(15)
+
+
+def wait_for_data(prometheus: Prometheus, queries: list[tuple[str, str]], timeout: float) -> None:
+    """Every (title, PromQL) returns a finite value within ``timeout`` seconds."""
+    pending = dict(enumerate(queries))
+    deadline = time.monotonic() + timeout
+    while pending and time.monotonic() < deadline:
+        for n, (_, expr) in list(pending.items()):
+            if any(math.isfinite(float(series["value"][1])) for series in prometheus.query(expr)):
+                del pending[n]
+        time.sleep(0.5)
+    assert not pending, f"dashboard queries without data: {[queries[n] for n in pending]}\n{prometheus.proc.log()}"
+
+
+def alerts_by_state(prometheus: Prometheus) -> dict[str, list[dict]]:
+    """The alerts Prometheus holds now, by state (pending, firing), each with its labels and value."""
+    found: dict[str, list[dict]] = {}
+    for alert in prometheus.api("alerts")["alerts"]:
+        found.setdefault(alert["state"], []).append(alert)
+    return found
+
+
+def wait_for_alert(prometheus: Prometheus, name: str, timeout: float) -> list[dict]:
+    """The firing alerts named ``name`` once there is one, within ``timeout`` seconds."""
+    return wait_for(
+        lambda: [a for a in alerts_by_state(prometheus).get("firing", []) if a["labels"]["alertname"] == name],
+        timeout,
+        f"{name} firing",
+        interval=0.5,
+    )
+
+
+def scraped(prometheus: Prometheus) -> bool:
+    return any(series["value"][1] == "1" for series in prometheus.query("up"))
+
+
+def dashboard_queries(server: Server) -> list[tuple[str, str]]:
+    """Every dashboard query, expanded, but those of series ``server``'s shape cannot export."""
+    return [
+        (title, expand_grafana(expr))
+        for title, expr in dashboard_targets()
+        if not metric_names(expr) <= not_served_by(server)
+    ]
+
+
+# The alerts that may be pending on a healthy replica under this traffic: callers' refusals (the 1 us deadlines'
+# deadline_on_arrival) are info, and pending for 15 minutes before they fire.
+CALLERS_ALERT = "IndexerCallersRefused"
+GUARD = (
+    "histogram_quantile(0.99, sum by (cluster, namespace, job, instance, le) (rate(indexer_call_seconds_bucket[5m])))"
+)
+
+
+@requires_prometheus
+@pytest.mark.exclusive  # the replica must stay idle (calls under 50 ms at p99): no other process test beside it
+def test_prometheus_scrapes_the_server_and_answers_every_dashboard_query(pod: Server, workdir: Path) -> None:
+    """The pod's one process under traffic that carries a caller's 1 us deadlines, a real Prometheus evaluating the
+    rules: every dashboard query answers; a warmup miss that appears while Prometheus scrapes fires
+    IndexerWarmupMisses at once; the caller's expired calls raise no overload or error alert, not even pending."""
+    (workdir / "prometheus").mkdir()
+    with IndexerClient(pod.address, max_attempts=1) as client:
+        send_expiring_call(client)  # the DEADLINE_EXCEEDED series, before Prometheus: no rate of it to alert on
+    prometheus = Prometheus(workdir / "prometheus", [f"127.0.0.1:{pod.http_port}"])
     try:
-        # Every query but those of series only a supervisor of several workers writes.
-        queries = [
-            (title, expand_grafana(expr))
-            for title, expr in dashboard_targets()
-            if not metric_names(expr) <= not_served_by(pod)
-        ]
-        pending = dict(enumerate(queries))
-        deadline = time.monotonic() + 45
-        while pending and time.monotonic() < deadline:
-            for n, (_, expr) in list(pending.items()):
-                result = prometheus.query(expr)
-                if any(math.isfinite(float(series["value"][1])) for series in result):
-                    del pending[n]
-            time.sleep(0.5)
-        assert not pending, f"dashboard queries without data: {[queries[n] for n in pending]}\n{prometheus.proc.log()}"
+        with Traffic(pod.address, 90) as traffic:
+            wait_for(lambda: scraped(prometheus), 30, "first scrape", interval=0.5)
+            # A variant no call has asked for before: its series appears, at 1, while Prometheus scrapes.
+            with IndexerClient(pod.address, max_attempts=1) as client:
+                send_warmup_miss(client, ratio=16)
+            (misses,) = wait_for_alert(prometheus, "IndexerWarmupMisses", 30)
+            assert misses["labels"]["job"] == prometheus.job and misses["labels"]["severity"] == "warning"
+            wait_for_data(prometheus, dashboard_queries(pod), 45)
 
-        # The rules load in plain Prometheus and evaluate cleanly on live data; a healthy server fires nothing,
-        # not even with the caller's INVALID_ARGUMENT errors in the mix.
-        rules = [r for g in prometheus.api("rules")["groups"] for r in g["rules"]]
-        assert {r["name"] for r in rules} == {r["alert"] for r in alert_rules()}
-        assert all(r["health"] == "ok" for r in rules), [(r["name"], r.get("lastError")) for r in rules]
-        assert prometheus.api("alerts")["alerts"] == []
+            # The rules load in plain Prometheus and evaluate cleanly on live data.
+            rules = [r for g in prometheus.api("rules")["groups"] for r in g["rules"]]
+            assert {r["name"] for r in rules} == {r["alert"] for r in alert_rules()}
+            assert all(r["health"] == "ok" for r in rules), [(r["name"], r.get("lastError")) for r in rules]
+            # The caller's 1 us deadlines were shed, some as queue_deadline (the server sees deadlines to about a
+            # millisecond): on this idle replica, that is no overload and no error, not even pending.
+            shed = {s["metric"]["reason"] for s in prometheus.query("indexer_requests_shed_total > 0")}
+            assert "deadline_on_arrival" in shed, shed
+            (p99,) = prometheus.query(GUARD)
+            alerts = alerts_by_state(prometheus)
+        assert not traffic.errors, traffic.errors
+        firing = {a["labels"]["alertname"] for a in alerts.get("firing", [])}
+        pending = {a["labels"]["alertname"]: a["labels"].get("reason") for a in alerts.get("pending", [])}
+        assert firing == {"IndexerWarmupMisses"}, alerts
+        assert set(pending) <= {CALLERS_ALERT}, (alerts, p99)
+        assert pending.get(CALLERS_ALERT, "deadline_on_arrival") in {"deadline_on_arrival", "caller_cancelled"}
+        assert float(p99["value"][1]) < 0.05, f"this replica's calls took {p99} s at p99: not an idle replica"
     finally:
-        stop.set()
-        sender.join(10)
         prometheus.stop()
-    assert not errors, errors
+
+
+def worker_pid(server: Server, slot: int) -> int:
+    """The pid of the worker now in ``slot``, from the supervisor's log (JSON or text: ``msg`` holds the line)."""
+    found = re.findall(rf"worker (?:started|restarted) worker={slot} pid=(\d+)", server.log())
+    assert found, server.log()
+    return int(found[-1])
+
+
+def json_events(server: Server, pattern: str) -> list[dict]:
+    """The JSON log lines whose event matches ``pattern`` (the runbooks' `jq 'select(.event | test(...))'`)."""
+    lines = [json.loads(line) for line in server.log().splitlines() if line.startswith("{")]
+    return [line for line in lines if re.fullmatch(pattern, str(line.get("event")))]
+
+
+@requires_prometheus
+def test_workers_restarts_alert_once_per_kind_on_a_live_prometheus(image_cache: Path, tmp_path: Path) -> None:
+    """The pod's server with two workers and JSON logs (on a seeded cache), scraped by a real Prometheus with the
+    project's rules. Every worker x reason restart series is there at 0 before any restart. A worker stopped
+    (SIGSTOP) is killed as hung and restarted: IndexerWorkerRestarts fires at once, one alert for the replica,
+    IndexerProcessRestarts does not; the supervisor's worker hung / exited / restarted lines carry what the runbook
+    reads. Every dashboard query answers, the worker panels included. Then the container restarts (the supervisor
+    and both workers): one IndexerProcessRestarts alert, not one per process."""
+    run = Path(tempfile.mkdtemp(prefix="wk-", dir="/tmp"))  # short: the supervisor's unix sockets live under it
+    (tmp_path / "model").mkdir()
+    argv, env = pod_environment(tmp_path / "model", seed_cache(image_cache, tmp_path / "triton-cache"))
+    env |= {"INDEXER_WORKERS": "2", "INDEXER_LOG_FORMAT": "json", "INDEXER_WORKER_HANG_SECONDS": "2"}
+    env["TMPDIR"] = str(run)
+    server = Server(tmp_path, "workers", argv, **env).wait_ready()
+    victim = 0
+    prometheus = None
+    try:
+        assert server.workers == 2
+        restarts = {
+            (labels["worker"], labels["reason"]): value
+            for labels, value in server.samples()["indexer_worker_restarts_total"]
+        }
+        assert restarts == {(w, r): 0.0 for w in ("0", "1") for r in RestartReason}, restarts
+        (tmp_path / "prometheus").mkdir()
+        prometheus = Prometheus(tmp_path / "prometheus", [f"127.0.0.1:{server.http_port}"])
+        with Traffic(server.address, 150, tolerant=True) as traffic:
+            wait_for(lambda: scraped(prometheus), 30, "first scrape", interval=0.5)
+            with IndexerClient(server.address, max_attempts=1) as client:
+                send_warmup_miss(client)
+            time.sleep(3)  # a few scrapes of the restart series at 0
+            assert "IndexerWorkerRestarts" not in {a["labels"]["alertname"] for a in prometheus.api("alerts")["alerts"]}
+            victim = worker_pid(server, 1)
+            os.kill(victim, signal.SIGSTOP)
+            wait_for(lambda: f"worker hung worker=1 pid={victim}" in server.log(), 30, "the stopped worker killed")
+            wait_for(lambda: "worker restarted worker=1" in server.log(), 30, "the worker restarted")
+            (worker_alert,) = wait_for_alert(prometheus, "IndexerWorkerRestarts", 30)
+            assert worker_alert["labels"]["instance"] == f"127.0.0.1:{server.http_port}"
+            assert float(worker_alert["value"]) == 1
+            wait_for_data(prometheus, dashboard_queries(server), 45)
+            firing = {a["labels"]["alertname"] for a in alerts_by_state(prometheus).get("firing", [])}
+            assert "IndexerProcessRestarts" not in firing, firing
+        assert not traffic.errors, traffic.errors
+        hung = prometheus.query('increase(indexer_worker_restarts_total{reason="hung"}[5m]) > 0')
+        assert [s["metric"]["worker"] for s in hung] == ["1"], hung
+
+        # What the runbook reads: the supervisor's lines about the worker, with their fields as JSON keys.
+        (hung_line,) = json_events(server, "worker_hung")
+        assert hung_line["worker"] == 1 and hung_line["pid"] == victim and hung_line["silent_seconds"] >= 1
+        (exited,) = json_events(server, "worker_exited")
+        assert exited["reason"] == "hung" and exited["code"] == -9 and exited["pid"] == victim, exited
+        (restarted,) = json_events(server, "worker_restarted")
+        assert restarted["reason"] == "hung" and restarted["worker"] == 1 and restarted["restarts"] == 1, restarted
+
+        # The container restarts: a new supervisor and two new workers on the same HTTP port (the same target).
+        assert server.stop() == 0, server.log()[-3000:]
+        server = Server(tmp_path, "workers", argv, http_port=server.http_port, **env).wait_ready()
+        (process_alert,) = wait_for_alert(prometheus, "IndexerProcessRestarts", 45)
+        assert process_alert["labels"]["instance"] == f"127.0.0.1:{server.http_port}"
+        assert float(process_alert["value"]) == 1
+        # The worker alert is still the one of the hung worker, not a second one for the restarted container.
+        alerts = prometheus.api("alerts")["alerts"]
+        (worker_alert,) = [a for a in alerts if a["labels"]["alertname"] == "IndexerWorkerRestarts"]
+        assert float(worker_alert["value"]) == 1, alerts
+    finally:
+        if victim:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(victim, signal.SIGKILL)  # never left stopped, whatever failed above
+        server.stop()
+        if prometheus is not None:
+            prometheus.stop()
+        shutil.rmtree(run, ignore_errors=True)

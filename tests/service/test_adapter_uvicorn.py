@@ -1,14 +1,14 @@
 """service/adapters/uvicorn_http.py: the probe names each uvicorn internal the limited protocol relies on when it is
 missing or differs, and the service then serves on uvicorn's public settings (and says so); the protocol's own faults
-drop one connection, counted and logged, never the event loop; nothing else in the product reaches into uvicorn.
-Real uvicorn servers on 127.0.0.1; the installed uvicorn's classes, with one internal hidden at a time."""
+drop one connection, counted and logged, never the event loop (that nothing else in the product reaches into uvicorn:
+tests/service/test_adapters.py). Real uvicorn servers on 127.0.0.1; the installed uvicorn's classes, with one internal
+hidden at a time."""
 
 from __future__ import annotations
 
 import contextlib
 import http.client
 import logging
-import re
 import socket
 import sys
 import threading
@@ -30,7 +30,6 @@ from indexer_service.service.reasons import HttpRefusal
 from indexer_service.service.transport.http_app import HttpConnectionEvents, HttpRefusals
 from testkit.harness import LOOPBACK, http_get, wait_for
 from testkit.http1raw import chunked_request, seconds_until_closed
-from testkit.paths import REPO
 from testkit.payloads import BUILD_CHUNK_PATH, SMALL_BUILD_CHUNK
 
 LIMITS = uvicorn_http.HttpLimits(max_head_bytes=1024, idle_seconds=0.5, max_connections=100)
@@ -127,31 +126,6 @@ def test_the_public_settings_are_uvicorns_public_config() -> None:
     config = uvicorn.Config(lambda scope, receive, send: None, **uvicorn_http.public_settings(LIMITS))
     assert config.http == "h11" and config.h11_max_incomplete_event_size == 1024
     assert config.limit_concurrency == 100 and config.timeout_keep_alive == 0.5
-
-
-def test_nothing_outside_the_adapters_reaches_into_uvicorn() -> None:
-    """uvicorn's protocol modules, its protocol classes, and the private names the limited protocol uses are named
-    in service/adapters/ only."""
-    private = {
-        "uvicorn.protocols",
-        "HttpToolsProtocol",
-        "H11Protocol",
-        "RequestResponseCycle",
-        "_unset_keepalive_if_required",
-        "timeout_keep_alive_task",
-        *(name for name in uvicorn_http.METHODS if name.startswith("on_")),
-        *(f".{name}" for names in uvicorn_http.ATTRIBUTES.values() for name in names if name != "scope"),
-        ".pipeline",
-    }
-    pattern = re.compile("|".join(re.escape(name) + r"\b" for name in sorted(private)))
-    found = [
-        f"{path.relative_to(REPO)}:{number}: {line.strip()}"
-        for path in sorted((REPO / "service").rglob("*.py"))
-        if "adapters" not in path.relative_to(REPO / "service").parts
-        for number, line in enumerate(path.read_text().splitlines(), 1)
-        if pattern.search(line)
-    ]
-    assert not found, found
 
 
 class FaultyEvents:

@@ -176,6 +176,38 @@ def test_check_an_unreachable_address() -> None:
     assert out.returncode == 3 and "unreachable" in out.stdout and "UNAVAILABLE" in out.stdout
 
 
+@pytest.mark.parametrize(
+    ("address", "example"),
+    [
+        ("127.0.0.1", "127.0.0.1:50051"),
+        ("localhost:", "localhost:50051"),
+        ("[::1]", "[::1]:50051"),
+        ("dns:///indexer-headless", "dns:///indexer-headless:50051"),
+    ],
+)
+def test_check_without_a_port_says_a_port_is_needed(address: str, example: str) -> None:
+    """Before: gRPC took port 443 and check said only "unreachable" (or reached whatever listens there)."""
+    from indexer_service.service.process.cli import main as cli_main
+
+    out = run("check", address, timeout=60)
+    assert out.returncode == 2 and not out.stdout, out.stdout + out.stderr
+    assert out.stderr.count("\n") == 1 and f"address {address!r} has no port: a port is needed" in out.stderr
+    assert "grpc_port, 50051 by default" in out.stderr and f"e.g. {example}" in out.stderr, out.stderr
+    assert cli_main(["check", address]) == 2
+
+
+def test_check_on_an_http_port_says_it_is_http(live_server: ServiceProcess) -> None:
+    """Both HTTP ports: unreachable over gRPC (3), and a line that says the port speaks HTTP/1.x, with its status
+    line, and where the gRPC port is."""
+    for port in (live_server.http_port, live_server.http_rpc_port):
+        out = run("check", f"{LOOPBACK}:{port}", "--timeout", "3", timeout=60)
+        assert out.returncode == 3, out.stdout + out.stderr
+        first, second = out.stdout.splitlines()
+        assert first.startswith(f"unreachable address={LOOPBACK}:{port} code=UNAVAILABLE")
+        assert second.startswith("http: this port speaks HTTP/1.x, not gRPC (it answered 'HTTP/1.1 400 "), second
+        assert "http_port (8080 by default" in second and "check the RPC port (grpc_port, 50051 by default)" in second
+
+
 @pytest.fixture(scope="module")
 def pem(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     import trustme

@@ -1,11 +1,15 @@
 """The scheduler's client against real server processes: numpy in and out, round-robin over replicas, retries
 through the service config when a replica drains or dies, health checks that skip a replica that is not
-ready, deadlines."""
+ready, deadlines; metadata of the client and of each call; a bounded reconnect backoff; what it says when no
+server, or the health port, answers."""
 
 from __future__ import annotations
 
+import itertools
 import json
+import re
 import signal
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -16,9 +20,16 @@ import pytest
 
 from indexer_service.kernels.inputs import ChunkInputs
 from indexer_service.kernels.numpy_backend import build_chunk_metadata_numpy
+from indexer_service.kernels.planner import BatchInputs
 from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
 from indexer_service.protos.indexer.v1 import indexer_pb2_grpc as pb_grpc
-from indexer_service.service.client import IndexerClient, channel_target, service_config
+from indexer_service.service.client import (
+    IndexerClient,
+    channel_target,
+    checked_metadata,
+    reconnect_options,
+    service_config,
+)
 from indexer_service.service.codec import SERVICE_NAME, encode_int32
 from testkit.harness import FAST_START, ServiceProcess, wait_for
 from tests.service.conftest import FAILING_WARMUP, StartServer, scrape
@@ -26,6 +37,10 @@ from tests.service.conftest import FAILING_WARMUP, StartServer, scrape
 pytestmark = pytest.mark.slow
 
 E1 = ChunkInputs(np.array([0, 1, 4, 9], dtype=np.int64), np.array([20, 10, 5], dtype=np.int64), 4, 1, 3)
+# A chunk the server refuses, INVALID_ARGUMENT (query_start_loc goes down), and a batch it refuses likewise.
+BAD_CHUNK = ChunkInputs(np.array([0, 5, 3]), np.array([5, 5]), 4, 0, 2)
+BAD_BATCH = BatchInputs(np.array([0, 5, 3]), np.array([5, 5]), 4, num_decodes=0, max_model_len=64)
+TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"  # W3C trace context's example
 
 
 def served(server: ServiceProcess, code: str = "OK") -> float:
@@ -251,3 +266,261 @@ def test_arrays_outside_int32_are_refused_before_sending() -> None:
         encode_int32(np.array([2**31]), "seq_lens")
     with pytest.raises(ValueError, match="integers"):
         encode_int32(np.array([1.5]), "seq_lens")
+
+
+class RecordsMetadata(grpc.GenericRpcHandler):
+    """Records the method and the metadata of every call it sees, and answers none (UNIMPLEMENTED)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, dict[str, list[str | bytes]]]] = []
+
+    def service(self, handler_call_details: grpc.HandlerCallDetails) -> None:
+        sent: dict[str, list[str | bytes]] = {}
+        for key, value in handler_call_details.invocation_metadata:
+            sent.setdefault(key, []).append(value)
+        self.calls.append((handler_call_details.method.rsplit("/", 1)[-1], sent))
+        return None
+
+
+def test_metadata_of_the_client_and_of_each_call_reach_the_server() -> None:
+    """Every method sends the client's metadata and the call's; a key the call gives replaces the client's, every
+    other entry of the client's stays (a key given twice included), and keys are sent in lowercase."""
+    recorder = RecordsMetadata()
+    server = grpc.server(ThreadPoolExecutor(max_workers=2))
+    server.add_generic_rpc_handlers((recorder,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    defaults = (("X-Request-Id", "client-id"), ("x-tenant", "a"), ("x-tenant", "b"), ("x-token-bin", b"\x00\xff"))
+    calls = [
+        lambda c, m: c.build_chunk(E1, metadata=m),
+        lambda c, m: c.plan_batch(BAD_BATCH, metadata=m),
+        lambda c, m: c.warmup_status(metadata=m),
+        lambda c, m: c.health(metadata=m),
+    ]
+    try:
+        with IndexerClient(f"127.0.0.1:{port}", health_check=False, max_attempts=1, metadata=defaults) as client:
+            for call in calls:
+                for metadata in (
+                    None,
+                    [("x-request-id", "call-id"), ("traceparent", TRACEPARENT)],
+                ):
+                    with pytest.raises(grpc.RpcError) as refused:
+                        call(client, metadata)
+                    assert refused.value.code() is grpc.StatusCode.UNIMPLEMENTED
+    finally:
+        server.stop(None).wait()
+    assert [method for method, _ in recorder.calls] == [
+        m for m in ("BuildChunk", "PlanBatch", "GetWarmupStatus", "Check") for _ in range(2)
+    ]
+    for index, (method, sent) in enumerate(recorder.calls):
+        assert sent["x-tenant"] == ["a", "b"] and sent["x-token-bin"] == [b"\x00\xff"], method
+        if index % 2 == 0:
+            assert sent["x-request-id"] == ["client-id"] and "traceparent" not in sent, method
+        else:
+            assert sent["x-request-id"] == ["call-id"] and sent["traceparent"] == [TRACEPARENT], method
+
+
+@pytest.mark.parametrize(
+    ("metadata", "fragment"),
+    [
+        ([("x request id", "a")], "letters, digits"),
+        ([("grpc-timeout", "1S")], "grpc-"),
+        ([("x-trace-bin", "text")], "takes bytes"),
+        ([("x-request-id", "line\nbreak")], "printable ASCII"),
+        ([("x-request-id", "caf\u00e9")], "printable ASCII"),
+        ([("x-request-id", b"bytes")], "printable ASCII"),
+        (["x-request-id"], "(key, value) pair"),
+    ],
+)
+def test_metadata_gRPC_would_refuse_is_a_value_error_naming_it(metadata: list, fragment: str) -> None:
+    """Before: INTERNAL "Invalid metadata" from the call, as if the server had failed."""
+    with pytest.raises(ValueError, match=re.escape(fragment)):
+        checked_metadata(metadata)
+    with pytest.raises(ValueError, match=re.escape(fragment)):
+        IndexerClient("127.0.0.1:1", metadata=metadata)
+    with IndexerClient("127.0.0.1:1") as client, pytest.raises(ValueError, match=re.escape(fragment)):
+        client.build_chunk(E1, metadata=metadata, timeout=1)
+
+
+def test_a_request_id_sent_by_the_client_comes_back_and_names_the_server_s_log_line(start_server: StartServer) -> None:
+    """The call's request id, else the client's, is the one the server logs on the failed call's line and returns
+    in the trailing metadata."""
+    server = start_server(*FAST_START)
+    with IndexerClient(server.address, metadata=(("x-request-id", "sched-7-default"),)) as client:
+        with pytest.raises(grpc.RpcError) as chunk:
+            client.build_chunk(BAD_CHUNK, metadata=(("x-request-id", "sched-7-call-1"),))
+        with pytest.raises(grpc.RpcError) as plan:  # another method: its own line within the log's rate limit
+            client.plan_batch(BAD_BATCH)
+    for refused, request_id, method in (
+        (chunk, "sched-7-call-1", "BuildChunk"),
+        (plan, "sched-7-default", "PlanBatch"),
+    ):
+        assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        assert ("x-request-id", request_id) in [(m.key, m.value) for m in refused.value.trailing_metadata()]
+
+        def logged(request_id: str = request_id, method: str = method) -> list[str]:
+            return [
+                line
+                for line in server.log().splitlines()
+                if f"rpc method={method} code=INVALID_ARGUMENT" in line and line.endswith(f"request_id={request_id}")
+            ]
+
+        wait_for(logged, 10, f"the failed {method} call's log line")
+
+
+def test_an_rpc_sent_to_the_health_port_is_told_the_rpc_port(start_server: StartServer) -> None:
+    """The health port answers SERVING to the client's health checks, then refuses the RPC itself: UNIMPLEMENTED,
+    naming the port the RPCs are on (the one bound, though the server was given port 0)."""
+    server = start_server(*FAST_START)
+    with IndexerClient(f"127.0.0.1:{server.health_port}") as client, pytest.raises(grpc.RpcError) as refused:
+        client.build_chunk(E1, timeout=10)
+    assert refused.value.code() is grpc.StatusCode.UNIMPLEMENTED
+    details = refused.value.details()
+    assert "this is the health port" in details and f"on port {server.grpc_port}" in details, details
+
+
+def test_without_wait_for_ready_no_server_is_unavailable_at_once_naming_the_address() -> None:
+    """Nothing listens on the port: UNAVAILABLE with the address and the connection's error, after the retry
+    policy's backoff (0.05 + 0.1 + 0.2 + 0.4 s), not at the deadline; with one attempt, at once."""
+    address = f"127.0.0.1:{free_port()}"
+    for attempts, within in ((5, 5.0), (1, 1.0)):
+        with IndexerClient(address, wait_for_ready=False, max_attempts=attempts) as client:
+            start = time.monotonic()
+            with pytest.raises(grpc.RpcError) as refused:
+                client.build_chunk(E1, timeout=30)
+            took = time.monotonic() - start
+        assert refused.value.code() is grpc.StatusCode.UNAVAILABLE
+        assert address in refused.value.details() and "refused" in refused.value.details(), refused.value.details()
+        assert took < within, (attempts, took)
+
+
+def test_reconnect_backoff_options() -> None:
+    assert reconnect_options(None) == []
+    assert dict(reconnect_options(5.0)) == {
+        "grpc.max_reconnect_backoff_ms": 5000,
+        "grpc.initial_reconnect_backoff_ms": 1000,
+        "grpc.dns_min_time_between_resolutions_ms": 5000,
+    }
+    assert dict(reconnect_options(0.5))["grpc.initial_reconnect_backoff_ms"] == 500  # never above the cap
+    assert dict(reconnect_options(0.01))["grpc.max_reconnect_backoff_ms"] == 100  # gRPC's floor
+    for bad in (0.0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="max_reconnect_backoff_seconds"):
+            IndexerClient("127.0.0.1:1", max_reconnect_backoff_seconds=bad)
+
+
+class AttemptRecorder:
+    """A port that takes every connection and closes it at once (a failed attempt, as a refused one is, to gRPC),
+    recording when each came."""
+
+    def __init__(self, port: int = 0) -> None:
+        self.socket = socket.create_server(("127.0.0.1", port), backlog=64)
+        self.socket.settimeout(0.1)
+        self.port = self.socket.getsockname()[1]
+        self.times: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                connection, _ = self.socket.accept()
+            except TimeoutError:
+                continue
+            self.times.append(time.monotonic())
+            connection.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self.socket.close()
+
+    def longest_wait(self, until: float) -> float:
+        """The longest time between two attempts, or from the last one to ``until``, still waiting."""
+        marks = [*self.times, until]
+        return max(b - a for a, b in itertools.pairwise(marks))
+
+
+def call_in_vain(client: IndexerClient, timeout: float) -> None:
+    """A call that waits for a server that never comes (its channel keeps trying to connect meanwhile)."""
+    with pytest.raises(grpc.RpcError):
+        client.build_chunk(E1, timeout=timeout)
+
+
+@pytest.mark.exclusive  # a bound on the spacing of timer-driven attempts: a loaded machine only stretches them
+def test_connection_attempts_are_spaced_at_most_by_the_backoff_cap() -> None:
+    """One connection each, for 28 s, to a port that fails every attempt. The default cap (5 s, gRPC adds +-20 %
+    jitter): no wait longer than 6 s (and a second of slack for a late timer). gRPC's own backoff (``None``): 1,
+    1.6, 2.56, 4.1, 6.55 then 10.5 s, each +-20 %; the sixth attempt comes by 19 s, so by 28 s either the seventh
+    came after a wait of at least 8.4 s or the client has been waiting at least 9 s for it."""
+    window = 28.0
+    recorders = {"capped": AttemptRecorder(), "grpc_default": AttemptRecorder()}
+    caps = {"capped": 5.0, "grpc_default": None}
+    clients = {
+        name: IndexerClient(f"127.0.0.1:{r.port}", connections=1, max_reconnect_backoff_seconds=caps[name])
+        for name, r in recorders.items()
+    }
+    waiting = ThreadPoolExecutor(max_workers=2)
+    try:
+        for client in clients.values():  # the call makes the channel connect; it keeps trying after the deadline
+            waiting.submit(call_in_vain, client, window + 5)
+        wait_for(lambda: all(r.times for r in recorders.values()), 10, "the first attempts")
+        time.sleep(max(0.0, min(r.times[0] for r in recorders.values()) + window - time.monotonic()))
+        now = time.monotonic()
+        spacing = {name: round(r.longest_wait(now), 2) for name, r in recorders.items()}
+        attempts = {name: len(r.times) for name, r in recorders.items()}
+    finally:
+        for client in clients.values():
+            client.close()
+        waiting.shutdown(wait=True)
+        for recorder in recorders.values():
+            recorder.close()
+    print(f"longest wait between connection attempts over {window} s: {spacing}, attempts: {attempts}")
+    assert spacing["capped"] <= 5.0 * 1.2 + 1.0, (spacing, attempts)
+    assert spacing["grpc_default"] > 8.0, (spacing, attempts)
+    assert attempts["capped"] >= 6, attempts  # after 1, 1.6, 2.56 and 4.1 s, one every 6 s at most
+
+
+def timed_call(client: IndexerClient, timeout: float) -> float:
+    """When (``time.monotonic()``) a call made now, waiting for a ready server, is answered."""
+    assert client.build_chunk(E1, timeout=timeout) is not None
+    return time.monotonic()
+
+
+@pytest.mark.exclusive  # a 10 s bound on reconnecting after the restart
+def test_a_client_is_back_at_full_rate_within_10_s_of_a_server_restarted_after_an_outage(
+    start_server: StartServer,
+) -> None:
+    """The server is killed and its port fails every connection for 25 s (gRPC's own backoff would have grown to
+    10.5 s by then: the test above), then a new server takes the same port. Eight calls made during the outage
+    wait, one on each of the client's eight connections (each call goes to the connection with the fewest in
+    flight); every one is answered within 10 s of the new server being ready: the client is back at full rate."""
+    port = free_port()
+    old = start_server(*FAST_START, "--grpc-port", str(port))
+    with IndexerClient(f"127.0.0.1:{port}") as client:
+        for _ in client.pool.channels:  # one call on each connection in turn: all eight connected
+            assert client.build_chunk(E1, timeout=30) is not None
+        for channel in client.pool.channels:
+            grpc.channel_ready_future(channel).result(timeout=10)
+        old.kill()
+        down = time.monotonic()
+        hold = AttemptRecorder(port)  # the port fails each attempt, and no other process takes it meanwhile
+        try:
+            with ThreadPoolExecutor(max_workers=8) as pool:
+                answered = [pool.submit(timed_call, client, 90) for _ in client.pool.channels]
+                time.sleep(max(0.0, down + 25 - time.monotonic()))
+                hold.close()
+                restarted = time.monotonic()
+                start_server(*FAST_START, "--grpc-port", str(port))
+                ready = time.monotonic()
+                back = sorted(future.result(timeout=90) - ready for future in answered)
+        finally:
+            hold.close()
+    figures = {
+        "attempts_during_outage": len(hold.times),
+        "start_to_ready_s": round(ready - restarted, 2),
+        "first_call_after_ready_s": round(back[0], 2),
+        "full_rate_after_ready_s": round(back[-1], 2),
+    }
+    print(f"reconnect after a 25 s outage: {figures}")
+    assert back[-1] < 10.0, figures

@@ -42,7 +42,10 @@ from tests.golden import GOLDEN, case_id, chunk_inputs, metadata_as_dict
 # tests/service/test_compiled_sanitized.py runs fewer: under ASan every Python allocation is a guarded malloc.
 FUZZ_EXAMPLES = int(os.environ.get("FASTPATH_FUZZ_EXAMPLES", examples(600)))
 FUZZ = settings(max_examples=FUZZ_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-BASE = load_config({"warmup_target": "none"}, env={})
+# The fast path serves the warmup set's ratios (any other goes the general way, counted as a warmup miss): every
+# ratio the tests below send is in this model's set.
+FAST_RATIOS = (1, 2, 3, 4, 7, 128)
+BASE = load_config({"warmup_target": "none", "compress_ratios": ",".join(map(str, FAST_RATIOS))}, env={})
 LIMITED = dataclasses.replace(
     BASE,
     max_num_seqs=FUZZ_LIMITS.max_num_seqs,
@@ -53,13 +56,14 @@ LIMITED = dataclasses.replace(
 
 
 class WarmedSet:
-    """A finished warmup that compiled exactly ``ratios`` (strict mode's admitted set)."""
+    """A finished warmup whose model set is ``ratios`` and that compiled exactly them (strict mode's admitted set)."""
 
     finished_ok = True
     state = WarmupState.READY
 
     def __init__(self, ratios: tuple[int, ...]) -> None:
         self._keys = frozenset(CompileKey(r) for r in ratios)
+        self.model_keys = tuple(self._keys)
 
     def compiled_keys(self) -> frozenset[CompileKey]:
         return self._keys
@@ -318,6 +322,13 @@ def test_strict_mode_admits_only_the_warmed_ratios() -> None:
     with pytest.raises(ServiceError) as outside:
         strict.fast.call("BuildChunk", refused)
     assert outside.value.code.name == "FAILED_PRECONDITION"
+
+
+def test_a_ratio_outside_the_warmup_set_goes_the_general_way_counted_as_a_miss(paths: Paths) -> None:
+    missed = _wire(dataclasses.replace(PLAIN, compress_ratio=16))
+    assert paths.native(missed) is None and not paths.check(missed)  # the same answer, from the general path
+    registry = paths.fast.metrics.registry
+    assert registry.get_sample_value("indexer_warmup_misses_total", {"variant": "r16-b1024-aligned-i32"}) >= 1
 
 
 def test_fast_path_calls_carry_the_native_backend_label(paths: Paths) -> None:

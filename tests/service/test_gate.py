@@ -22,7 +22,14 @@ from indexer_service.service.adapters import grpcio
 from indexer_service.service.config import load_config
 from indexer_service.service.metrics import Metrics
 from indexer_service.service.reasons import ShedReason
-from indexer_service.service.transport.gate import Accounting, CallDone, CallGate, Lane, peer_key
+from indexer_service.service.transport.gate import (
+    Accounting,
+    CallDone,
+    CallGate,
+    Lane,
+    never_started_reason,
+    peer_key,
+)
 from indexer_service.service.transport.grpc_server import HEALTH_NAMES, create_grpc_server
 from indexer_service.service.transport.health import HealthServicer
 from testkit.harness import wait_for
@@ -152,11 +159,22 @@ def test_a_call_whose_behaviour_never_started_is_reported_with_its_method(make_g
     gate = make_gate()
     lane = gate.lane("work", 1, 10)
     behaviour, never_started, ended = routed(gate, lane), [], []
-    gate.on_never_started = never_started.append
+    gate.on_never_started = lambda method, reason, peer: never_started.append((method, reason))
     for fn in (lambda b: None, lambda b: b()):  # gRPC's wrapper, when the caller went away meanwhile; then served
         gate.submit(fn, behaviour).add_done_callback(ended.append)
     wait_for(lambda: len(ended) == 2, 5, "the two calls to end")
-    assert never_started == [METHOD]
+    # Not grpcio's own arguments: no deadline to tell whose doing it was, so counted as the service's
+    assert never_started == [(METHOD, ShedReason.QUEUE_DEADLINE)]
+
+
+def test_whose_doing_a_call_that_never_started_was() -> None:
+    queued_at, now = 100.0, 105.0
+    assert never_started_reason(99.0, queued_at, now) is ShedReason.DEADLINE_ON_ARRIVAL  # expired before it was in
+    assert never_started_reason(100.0, queued_at, now) is ShedReason.DEADLINE_ON_ARRIVAL
+    assert never_started_reason(100.004, queued_at, now) is ShedReason.DEADLINE_ON_ARRIVAL  # a 1 us budget, in ms
+    assert never_started_reason(102.0, queued_at, now) is ShedReason.QUEUE_DEADLINE  # expired while it waited here
+    assert never_started_reason(110.0, queued_at, now) is ShedReason.CALLER_CANCELLED  # its deadline still ahead
+    assert never_started_reason(None, queued_at, now) is ShedReason.QUEUE_DEADLINE
 
 
 def test_past_its_places_a_call_runs_its_refusing_twin_on_the_refusal_lane(make_gate) -> None:
@@ -418,7 +436,7 @@ def test_an_exception_of_ours_on_the_polling_thread_is_counted_and_the_port_serv
     assert echo(channel)(b"next", timeout=5) == b"next"
     metrics = server.gate.accounting.metrics
     assert metrics.registry.get_sample_value("indexer_library_callback_errors_total", {"where": "receive_ahead"}) == 1
-    assert server.gate.held(server.lane) == 0  # the lost call's place came back
+    wait_for(lambda: server.gate.held(server.lane) == 0, 5, "every place back, the lost call's too")
     assert any("library_callback_error where=receive_ahead" in r.getMessage() for r in caplog.records)
 
 

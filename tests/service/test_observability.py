@@ -15,6 +15,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 from importlib import metadata
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -32,13 +33,16 @@ from indexer_service.service.logs import (
     REQUEST_ID,
     FailedCallLog,
     JsonFormatter,
+    LibraryLogLimit,
     RateLimitedLog,
     TextFormatter,
     message_fields,
     request_id_from,
 )
 from indexer_service.service.overload.limits import max_request_bytes
+from indexer_service.service.version import build, version_line
 from testkit.harness import FAST_START, INDEXER_SERVICE, ServiceProcess, clean_env, wait_for
+from testkit.paths import REPO
 from tests.service.conftest import StartServer, scrape
 
 VERSION = metadata.version("indexer-service")
@@ -117,16 +121,44 @@ def test_request_ids_from_callers_are_kept_only_when_safe() -> None:
 
 def test_the_rate_limited_log_writes_one_line_per_key_and_interval_with_the_count(caplog) -> None:
     limited = RateLimitedLog(logging.getLogger("indexer_service.test"), interval=3600.0)
-    assert [limited.due("a") for _ in range(4)] == [1, None, None, None]
-    assert limited.due("b") == 1
+    written: list[tuple[str, int]] = []
+    for _ in range(4):
+        limited.write("a", lambda count: written.append(("a", count)))
+    limited.write("b", lambda count: written.append(("b", count)))
+    assert written == [("a", 1), ("b", 1)]
+    assert limited.flush() == 0  # the held line of "a" is not due yet
     limited._last["a"] -= 3600.0  # the interval has passed
-    assert limited.due("a") == 4  # three held back and this one
+    limited.write("a", lambda count: written.append(("a", count)))
+    assert written[-1] == ("a", 4)  # three held back and this one
     with caplog.at_level(logging.WARNING, logger="indexer_service.test"):
         for n in range(3):
             limited.note("http refused", "body_too_large", f"call {n}", "port=8081")
     assert [r.getMessage() for r in caplog.records] == [
         "http refused reason=body_too_large count=1 port=8081 last='call 0'"
     ]
+
+
+def test_no_held_line_stays_unwritten_past_its_interval(caplog) -> None:
+    # Five failures in a burst, then nothing: the four held back are written, with their count and the last one's
+    # request id, once the interval has passed, by the timer (a line's last event is never lost).
+    failed = FailedCallLog(interval=0.5)
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(TextFormatter().format(record))  # formatted as written, as a handler
+    logger = logging.getLogger("indexer_service.service.logs")
+    logger.addHandler(handler)
+    try:
+        with caplog.at_level(logging.INFO, logger="indexer_service.service.logs"):
+            for n in range(5):
+                token = REQUEST_ID.set(f"req-{n}")
+                failed.record("rpc", "BuildChunk", "INVALID_ARGUMENT", f"bad {n}", "peer", 1.0)
+                REQUEST_ID.reset(token)
+            wait_for(lambda: len(lines) == 2, 5, "the held line, written by the timer")
+    finally:
+        logger.removeHandler(handler)
+    first, held = lines
+    assert "count=1" in first and 'details="bad 0"' in first and first.endswith("request_id=req-0")
+    assert "count=4" in held and 'details="bad 4"' in held and held.endswith("request_id=req-4")
 
 
 def test_failed_calls_are_rate_limited_per_method_and_code_but_internal_never(caplog) -> None:
@@ -155,10 +187,19 @@ def test_the_cli_warns_about_unknown_variables_and_goes_on() -> None:
     assert "did you mean INDEXER_MAX_NUM_SEQS?" in warning[0]
 
 
-def test_version_flags_print_the_package_version() -> None:
+def test_version_flags_print_the_package_version_and_the_commit() -> None:
     for argv in (["--version"], ["serve", "--version"]):
         done = subprocess.run([INDEXER_SERVICE, *argv], capture_output=True, text=True, timeout=60)
-        assert (done.returncode, done.stdout) == (0, f"indexer-service {VERSION}\n"), done.stderr
+        assert (done.returncode, done.stdout) == (0, f"indexer-service {version_line()}\n"), done.stderr
+    # from this checkout: its HEAD; in an image, what the build set (and the image's revision)
+    assert build()["commit"].startswith(git_head()[:12])
+    env = clean_env(INDEXER_BUILD_COMMIT="0123456789ab", INDEXER_IMAGE_REVISION="deadbeef")
+    done = subprocess.run([INDEXER_SERVICE, "--version"], capture_output=True, text=True, timeout=60, env=env)
+    assert done.stdout == f"indexer-service {VERSION} (commit 0123456789ab, image deadbeef)\n", done.stderr
+
+
+def git_head() -> str:
+    return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True, cwd=REPO).stdout
 
 
 # --- a real server ------------------------------------------------------------------------------------------
@@ -212,9 +253,10 @@ def json_server(tmp_path_factory: pytest.TempPathFactory):
 def test_every_line_of_a_json_server_is_an_object_and_the_first_names_the_version(json_server) -> None:
     lines = [line for line in json_server.log().splitlines() if line.strip()]
     start, config = json.loads(lines[0]), json.loads(lines[1])
-    assert start["event"] == "start" and f" indexer-service {VERSION} " in start["msg"]
+    assert start["event"] == "start" and f" indexer-service {VERSION} commit={build()['commit']} " in start["msg"]
     assert re.fullmatch(UTC_ISO, start["ts"]) and start["backend"] == "numpy"
-    assert config["event"] == "config:" and config["log_format"] == "json"
+    assert config["event"] == "config" and config["log_format"] == "json" and config["config_file"] == "none"
+    assert "log_format: flag --log-format" in config["sources"], config["sources"]
     assert all(line.startswith("{") for line in lines if not re.match(r"[EWI]\d{4} ", line)), lines
 
 
@@ -315,14 +357,15 @@ def test_unknown_methods_are_counted_and_logged_and_health_and_reflection_still_
 def test_the_version_is_served_and_the_build_info_and_process_metrics_exported(json_server) -> None:
     with grpc.insecure_channel(json_server.address) as channel:
         answer = channel.unary_unary(f"/{SERVICE_NAME}/GetWarmupStatus")(b"", timeout=10)
-    assert pb.GetWarmupStatusResponse.FromString(answer).server_version == VERSION
+    assert pb.GetWarmupStatusResponse.FromString(answer).server_version == version_line()
     check = subprocess.run([INDEXER_SERVICE, "check", json_server.address], capture_output=True, text=True, timeout=60)
-    assert check.returncode == 0 and f" server_version={VERSION}\n" in check.stdout, check.stdout
+    assert check.returncode == 0 and f" server_version={version_line()}\n" in check.stdout, check.stdout
     metrics = scrape(json_server)
     [info] = metrics.samples("indexer_build_info")
-    assert info.value == 1 and info.labels["version"] == VERSION
+    assert info.value == 1 and info.labels["version"] == VERSION and info.labels["commit"] == build()["commit"]
     assert info.labels["grpcio"] == grpc.__version__ and info.labels["numpy"] == np.__version__
-    assert set(info.labels) == {"version", "python", "grpcio", "protobuf", "numpy", "torch", "triton"}
+    labels = {"version", "commit", "image_revision", "python", "grpcio", "protobuf", "numpy", "torch", "triton"}
+    assert set(info.labels) == labels
     assert metrics.value("process_cpu_seconds_total") > 0
     assert metrics.value("process_resident_memory_bytes") > 0
 
@@ -352,3 +395,58 @@ def test_workers_log_json_with_their_slot_and_export_process_metrics_per_process
     supervisor = psutil.Process(server.pid)
     created = sorted(p.create_time() for p in (supervisor, *supervisor.children()))
     assert len(created) == 3 and all(abs(a - b) < 0.1 for a, b in zip(started, created, strict=True)), started
+
+
+def json_of(logger: str, message: str, *args: object) -> dict:
+    record = logging.LogRecord(logger, logging.INFO, __file__, 1, message, args, None)
+    return json.loads(JsonFormatter().format(record))
+
+
+def test_every_json_line_has_a_stable_event_and_other_libraries_keep_their_text() -> None:
+    assert json_of("indexer_service.service.process.supervisor", "worker exited worker=%d code=%d", 1, 0)["event"] == (
+        "worker_exited"
+    )
+    own = json_of("indexer_service.service.compute.backends", "serving without the compiled fast path (x=1 here)")
+    assert own["event"] == "message" and own["msg"].startswith("serving without")
+    library = json_of("uvicorn.error", "Started server process [%d] key=value", 7144)
+    assert library["event"] == "uvicorn_log" and library["msg"] == "Started server process [7144] key=value"
+    assert "key" not in library  # another library's text is never split into keys
+    assert json_of("opentelemetry.exporter.otlp", "Failed to export spans to %s", "x")["event"] == "opentelemetry_log"
+
+
+def test_another_librarys_repeated_lines_are_written_once_per_interval_with_the_count() -> None:
+    limit = LibraryLogLimit(interval=3600.0)
+
+    def record(logger: str, message: str) -> logging.LogRecord:
+        return logging.LogRecord(logger, logging.ERROR, __file__, 1, message, (), None)
+
+    exporter = [record("opentelemetry.exporter", "Failed to export batch code: %s") for _ in range(5)]
+    assert [limit.filter(r) for r in exporter] == [True, False, False, False, False]
+    assert limit.filter(record("opentelemetry.exporter", "another text"))  # another template: its own line
+    assert all(limit.filter(record("indexer_service.x", "shed")) for _ in range(3))  # the service's own pass
+    limit._last[("opentelemetry.exporter", "Failed to export batch code: %s")] -= 3600.0
+    again = record("opentelemetry.exporter", "Failed to export batch code: %s")
+    assert limit.filter(again) and again.getMessage().endswith("[4 more like it]")
+
+
+@pytest.mark.parametrize("how", ["flag", "env", "file"])
+def test_a_configuration_error_at_start_is_a_json_line_under_json_logs(tmp_path: Path, how: str) -> None:
+    flags, env = ["--grpc-port", "-5"], clean_env()
+    if how == "flag":
+        flags += ["--log-format", "json"]
+    elif how == "env":
+        env["INDEXER_LOG_FORMAT"] = "json"
+    else:
+        (tmp_path / "c.toml").write_text('log_format = "json"\n')
+        flags += ["--config", str(tmp_path / "c.toml")]
+    done = subprocess.run([INDEXER_SERVICE, "serve", *flags], capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode == 2
+    [line] = done.stderr.splitlines()
+    error = json.loads(line)
+    assert (error["level"], error["event"], error["setting"], error["source"]) == (
+        "ERROR",
+        "config_error",
+        "grpc_port",
+        "flag --grpc-port",
+    )
+    assert error["msg"].startswith("indexer-service serve: invalid config: grpc_port (from flag --grpc-port)")

@@ -346,6 +346,27 @@ def test_strict_mode_refuses_variants_outside_the_warmed_set(start_server: Start
             assert refused.value.code() is grpc.StatusCode.FAILED_PRECONDITION
             assert "r128-b1024-aligned-i32" in refused.value.details() and "strict" in refused.value.details()
         assert client.warmup_status().strict
+    # Each refusal is a warmup miss too, counted by the variant a GPU replica would have compiled
+    assert scrape(server).value("indexer_warmup_misses_total", variant="r128-b1024-aligned-i32") == 2
+
+
+def test_a_ratio_outside_the_warmup_set_is_a_warmup_miss_on_every_backend(start_server: StartServer) -> None:
+    # numpy never compiles, so compiles_after_ready cannot show that the model config and the traffic disagree:
+    # the miss is counted and logged, served as any request (through the general path: the fast path serves the
+    # warmup set's ratios).
+    server = start_server("--backend", "numpy", "--warmup-target", "none", "--compress-ratios", "4")
+    with IndexerClient(server.address) as client:
+        for ratio in (4, 8, 8, 16, 64):
+            inputs = ChunkInputs(E1_QSL, E1_SEQ, ratio, 1, 3)
+            assert_same_metadata(client.build_chunk(inputs), build_chunk_metadata_numpy(inputs))
+    metrics = scrape(server)
+    misses = {
+        key: metrics.value("indexer_warmup_misses_total", variant=f"r{key}-b1024-aligned-i32") for key in (8, 16, 64)
+    }
+    assert misses == {8: 2, 16: 1, 64: 1}
+    assert metrics.value("indexer_warmup_misses_total", variant="r4-b1024-aligned-i32") is None
+    assert metrics.value("indexer_compiles_after_ready_total") == 0
+    assert "warmup_miss reason=r8-b1024-aligned-i32" in server.log()
 
 
 def test_chunk_spec_round_trip_keeps_order(client: IndexerClient) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from indexer_service.service.version import build
 from testkit.harness import FAST_START, INDEXER_SERVICE, ServiceProcess, clean_env
 from tests.service.conftest import StartServer
 
@@ -44,7 +45,8 @@ def test_the_first_line_says_what_starts_and_the_ready_line_where_it_listens(
     server = start_server(*FAST_START, "--workers", workers)
     lines = server.log().splitlines()
     first = lines[0]
-    assert " start pid=" in first and f"indexer-service {VERSION} {mode}" in first, lines[:3]
+    assert " start pid=" in first and f"indexer-service {VERSION} commit={build()['commit']} " in first, lines[:3]
+    assert f" {mode}" in first
     assert "backend=numpy warmup_target=none" in first
     assert any(ready in line and line.endswith(addresses(server)) for line in lines), server.log()
 
@@ -92,5 +94,8 @@ def test_check_says_which_port_it_reached(start_server: StartServer) -> None:
     assert health.returncode == 0, health.stdout + health.stderr
     first, second = health.stdout.splitlines()
     assert first.startswith(f"reached address={health_address} port=health-only: it serves grpc.health.v1 alone")
-    assert "the RPCs and the warmup status are on the RPC port (grpc_port, 50051)" in first
+    # The health port's refusal of GetWarmupStatus names the RPC port the server bound.
+    assert first.endswith(
+        f"the RPCs and the warmup status are on the RPC port (grpc_port: {server.grpc_port} on this server)"
+    )
     assert second == "health overall=SERVING indexer.v1.PrefillMetadata=SERVING"

@@ -23,6 +23,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 )
 
 from indexer_service.kernels.inputs import ChunkInputs
+from indexer_service.service.client import IndexerClient
 from indexer_service.service.codec import SERVICE_NAME, chunk_inputs_to_proto
 from indexer_service.service.config import ConfigError
 from indexer_service.service.tracing import exporter_names
@@ -131,6 +132,28 @@ def test_each_rpc_is_a_server_span_child_of_the_caller_s_trace(start_server: Sta
     assert plan_span.status.code == plan_span.status.STATUS_CODE_ERROR
     status = attributes(spans[f"{SERVICE_NAME}/GetWarmupStatus"][1])
     assert status["indexer.transport"] == "http" and status["indexer.request_id"] == "traced-http"
+
+
+def test_the_python_client_s_traceparent_and_request_id_reach_the_span(start_server: StartServer, receiver) -> None:
+    """IndexerClient's metadata: the client's traceparent (every call of a scheduler's job in one trace) and the
+    call's request id; the server's span is the traceparent's child and carries the request id."""
+    env = clean_env(
+        OTEL_TRACES_EXPORTER="otlp",
+        OTEL_EXPORTER_OTLP_PROTOCOL="http/protobuf",
+        OTEL_EXPORTER_OTLP_ENDPOINT=receiver.url,
+        OTEL_BSP_SCHEDULE_DELAY="50",
+    )
+    server = start_server(*FAST_START, env=env)
+    inputs = ChunkInputs(np.array([0, 4, 10]), np.array([8, 20]), 4, 0, 2)
+    with IndexerClient(server.address, metadata=(("traceparent", TRACEPARENT),)) as client:
+        assert client.build_chunk(inputs, metadata=(("x-request-id", "client-traced-1"),)) is not None
+    deadline = time.monotonic() + 30
+    while not receiver.spans() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    [(_, span)] = receiver.spans()
+    assert span.name == f"{SERVICE_NAME}/BuildChunk"
+    assert span.trace_id.hex() == TRACE_ID and span.parent_span_id.hex() == PARENT_SPAN_ID
+    assert attributes(span)["indexer.request_id"] == "client-traced-1"
 
 
 def test_without_tracing_nothing_is_imported_or_exported(receiver) -> None:

@@ -75,7 +75,8 @@ def warmup_json(status: indexer_pb2.GetWarmupStatusResponse, pb: ModuleType) -> 
 
 
 # Runs inside the light environment with warnings as errors: versions, health, warmup status, each golden chunk
-# case, a batch plan and a bad request through the client, as one JSON object.
+# case, a batch plan and a bad request (with a request id of its own) through the client, with its settings beyond
+# the defaults (metadata, the reconnect backoff), as one JSON object.
 SCRIPT = f"""from __future__ import annotations
 import json, sys
 from dataclasses import fields
@@ -89,7 +90,7 @@ from indexer_service_client.protos.indexer.v1 import indexer_pb2
 address, request = sys.argv[1], json.loads(sys.stdin.read())
 out = {{"heavy": sorted(m for m in ("torch", "triton", "indexer_service") if m in sys.modules)}}
 out["versions"] = {{n: metadata.version(n) for n in ("grpcio", "grpcio-health-checking", "protobuf", "numpy")}}
-with IndexerClient(address, timeout=20) as client:
+with IndexerClient(address, timeout=20, max_reconnect_backoff_seconds=5.0, metadata=[("x-tenant", "light")]) as client:
     out["health"] = client.health()
     out["warmup"] = warmup_json(client.warmup_status(), indexer_pb2)
     answers = []
@@ -111,9 +112,11 @@ with IndexerClient(address, timeout=20) as client:
                         max_model_len=b["max_len"], max_logits_bytes=b["logits"])
     out["plan"] = plan_json(client.plan_batch(batch))
     try:
-        client.build_chunk(ChunkInputs(np.array([0, 5, 3]), np.array([5, 5]), 4, 0, 2))
+        client.build_chunk(ChunkInputs(np.array([0, 5, 3]), np.array([5, 5]), 4, 0, 2),
+                           metadata=[("x-request-id", "light-bad-1")])
     except grpc.RpcError as exc:
-        out["bad"] = [exc.code().name, exc.details()]
+        ids = [m.value for m in exc.trailing_metadata() if m.key == "x-request-id"]
+        out["bad"] = [exc.code().name, exc.details(), ids]
 print(json.dumps(out))
 """
 
@@ -241,8 +244,9 @@ def test_the_light_client_answers_a_live_server(light: LightEnvironment, server:
     for case, answer in zip(cases, out["answers"], strict=True):
         expected = case["expected"]
         assert answer == (None if expected is None else {k: expected[k] for k in answer}), case["name"]
-    code, details = out["bad"]
+    code, details, request_ids = out["bad"]
     assert code == "INVALID_ARGUMENT" and details.startswith("query_start_loc")
+    assert request_ids == ["light-bad-1"]  # the call's metadata went, and came back in the trailers
     # The plan and the warmup status as the server's own client, at the server's versions, reads them.
     batch = BatchInputs(
         np.array(BATCH["qsl"]),

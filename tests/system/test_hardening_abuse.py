@@ -216,7 +216,9 @@ def test_shedding_is_counted_and_logged(serve) -> None:
     summary = f"callers saw {seen}; the server counted shed {shed}, errors {errors}"
     assert seen.get("RESOURCE_EXHAUSTED", 0) >= 1, f"nothing was shed: {summary}"
     assert sum(shed.values()) >= seen.get("RESOURCE_EXHAUSTED", 0), summary
-    late = shed.get("queue_deadline", 0) + errors.get("DEADLINE_EXCEEDED", 0)
+    late = sum(shed.get(reason, 0) for reason in ("queue_deadline", "deadline_on_arrival")) + errors.get(
+        "DEADLINE_EXCEEDED", 0
+    )
     assert late <= seen.get("DEADLINE_EXCEEDED", 0), summary  # counted once, never invented
     assert "shed reason=" in server.log(), server.log()[-3000:]
 
