@@ -40,7 +40,9 @@ def make_plane(
     metrics = metrics if metrics is not None else Metrics()
     if warmup is None:
         keys = warmup_keys(config.model) if keys is None else keys
-        warmup = Warmup(keys, target=warmup_on, enabled=warmup_on is not None, workers=1, metrics=metrics)
+        warmup = Warmup(
+            keys, target=warmup_on, enabled=warmup_on is not None, workers=1, metrics=metrics, model=config.model
+        )
     if admit is None:
         admit = strict_admission(config, warmup)
     if isinstance(backend, str):
