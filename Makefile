@@ -4,14 +4,20 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test test-deps test-quick lint protos docs clean
+.PHONY: serve test test-deps test-quick image-test lint protos docs clean
 
-# torch is pinned to the CPU build that lies on local disk (PIP_FIND_LINKS); a bare `torch` requirement
-# would make pip fetch a multi-GB CUDA build. The GPU image brings its own torch and skips this step.
+# torch first, as its CPU build (torch==$(TORCH_VERSION)+cpu): a bare `torch` requirement would make pip fetch the
+# multi-GB CUDA build from PyPI. From local disk where pip's own configuration finds it (find-links), else from
+# PyTorch's CPU wheel index, TORCH_CPU_INDEX (override it for a mirror): scripts/install-torch.py decides, and says
+# which. The GPU image brings its own torch and skips this step.
+TORCH_VERSION ?= 2.13.0
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+INSTALL_TORCH = $(PYTHON) scripts/install-torch.py --python $(PY) --version $(TORCH_VERSION) --cpu-index $(TORCH_CPU_INDEX)
+
 $(STAMP): pyproject.toml setup.py service/compute/fastpath.c service/overload/budget.c protos/indexer/v1/indexer_wire.h
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "torch==2.13.0"
+	$(INSTALL_TORCH)
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $(STAMP)
 
@@ -46,6 +52,12 @@ test-deps: $(STAMP)
 # and Triton first (26 s serial against 29-36 s on 2 workers, measured back to back here).
 test-quick: $(STAMP)
 	$(PY) -m pytest -q -m "not process and not slow and not gpu" tests/kernels tests/service
+
+# The CPU image users deploy: built with docker or podman (whichever answers here; podman and buildah installed from
+# the distribution where neither is), on the pinned base where its registry answers, else on the same base made here
+# from Debian's packages; then run as deploy/base runs its pod and checked from outside (tests/deploy/image.py).
+image-test: $(STAMP)
+	$(PY) -m tests.deploy.image
 
 # Style, then the import layers of pyproject.toml's [tool.importlinter] (tests/system/test_import_layers.py too).
 lint: $(STAMP)

@@ -24,15 +24,16 @@ through kernels/triton_adapter.py, which takes the public path where this Triton
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.backends.driver import DriverBase
@@ -43,6 +44,9 @@ from indexer_service.kernels.numpy_backend import chunk_arrays_numpy
 from indexer_service.kernels.specialization import BLOCK_SIZE, POINTER_ALIGNMENT, CompileKey
 from indexer_service.kernels.triton_kernel import KERNEL_JIT_OPTIONS, serialise_ast_parse
 
+if TYPE_CHECKING:
+    import torch
+
 log = logging.getLogger(__name__)
 
 
@@ -50,12 +54,25 @@ class KeyRefusedError(ValueError):
     """A key that must never reach the compiler: unnormalised ratio, or outside the model's warmup set."""
 
 
+# What the proof of a compiled key came to (CompileOutcome.proof).
+PROOF_OK = "ok"  # launched once and every element equal to numpy's
+PROOF_SKIPPED = "skipped"  # it could not run here (this Triton's interpreter with this numpy)
+PROOF_FAILED = "failed"  # launched, and an element differs from numpy's (the key fails)
+PROOF_NONE = "none"  # not asked for, or a variant the service never launches
+
+
 @dataclass(frozen=True)
 class CompileOutcome:
+    """One key's compile: ``cached`` when Triton loaded it from its cache instead of compiling it (a Triton without
+    a compilation listener reports every key compiled); ``proof`` one of PROOF_OK, PROOF_SKIPPED, PROOF_FAILED
+    (the key fails: ``ok`` False), PROOF_NONE."""
+
     key: CompileKey
     seconds: float
     ok: bool
     error: str | None = None
+    cached: bool = False
+    proof: str = PROOF_NONE
 
 
 def parse_target(spec: str) -> GPUTarget:
@@ -81,6 +98,8 @@ class _StandInDriver(DriverBase):
         return self.target
 
     def get_active_torch_device(self) -> torch.device:
+        import torch
+
         return torch.device("cpu")
 
     def get_benchmarker(self):
@@ -109,6 +128,8 @@ def check_keys(keys: Sequence[CompileKey], allowed: Sequence[CompileKey]) -> Non
 
 def warmup_arguments(key: CompileKey, device: torch.device) -> list[object]:
     """Tensors and scalars that make Triton choose exactly ``key``'s variant."""
+    import torch  # here, not on import: a start that only loads the compiler need not wait for torch
+
     args: list[object] = []
     for cls in key.pointer_classes:
         # A fresh allocation is aligned; one element in, it is not.
@@ -134,6 +155,7 @@ class _TimedExecutor(Executor):
 
         def timed():
             start = time.perf_counter()
+            _compiling.key = key  # for the cache-hit listener, which Triton calls in this thread
             try:
                 result = fn(*args, **kwargs)
             except Exception as exc:
@@ -184,7 +206,7 @@ def prove_key(key: CompileKey, *, on_gpu: bool) -> str | None:
     run). Keys the service cannot launch (another block size or pointer class) are not launched: None."""
     from indexer_service.kernels.triton_launcher import TritonChunkBuilder
 
-    if key != CompileKey(key.compress_ratio) or key.block_size != BLOCK_SIZE:
+    if not launchable(key):
         return None
     inputs = proof_inputs(key.compress_ratio)
     host = chunk_host_part(inputs)
@@ -193,6 +215,8 @@ def prove_key(key: CompileKey, *, on_gpu: bool) -> str | None:
         builder = TritonChunkBuilder(
             "cuda", kernel=triton_kernel._build_prefill_metadata_kernel, admit=launched.append, poison=PROOF_SENTINEL
         )
+        import torch
+
         where = f"cuda:{torch.cuda.current_device()}"
     else:
         builder = TritonChunkBuilder(
@@ -211,6 +235,12 @@ def prove_key(key: CompileKey, *, on_gpu: bool) -> str | None:
     return None if wrong is None else f"proof launch on {where} disagrees with numpy: {wrong}"
 
 
+def launchable(key: CompileKey) -> bool:
+    """Whether the service ever launches ``key``'s variant (the default block size and pointer classes): only those
+    are proved."""
+    return key == CompileKey(key.compress_ratio) and key.block_size == BLOCK_SIZE
+
+
 def _describe(exc: BaseException) -> str:
     text = str(exc).strip() or type(exc).__name__
     return f"{type(exc).__name__}: {text}" if not text.startswith(type(exc).__name__) else text
@@ -224,6 +254,36 @@ def compile_only_driver(target: GPUTarget | None) -> Iterator[None]:
         return
     with triton_adapter.stand_in_active(_StandInDriver(target)):
         yield
+
+
+# The key whose compile runs in this thread (set around each warm and each pooled compile), so that Triton's
+# compilation listener can tell which key it reports on.
+_compiling = threading.local()
+
+
+@contextlib.contextmanager
+def cache_hits() -> Iterator[set[CompileKey]]:
+    """Within this block, the keys Triton loaded from its cache rather than compiled, through its compilation
+    listener (``triton.knobs.compilation.listener``, chained to any listener installed before). A Triton without
+    one fills nothing: every key then counts as compiled."""
+    hits: set[CompileKey] = set()
+    compilation = getattr(getattr(triton, "knobs", None), "compilation", None)
+    if compilation is None or not hasattr(compilation, "listener"):
+        yield hits
+        return
+    previous = compilation.listener
+
+    def listener(*args, **kwargs):
+        key = getattr(_compiling, "key", None)
+        if kwargs.get("cache_hit") and key is not None:
+            hits.add(key)
+        return previous(*args, **kwargs) if previous is not None else None
+
+    compilation.listener = listener
+    try:
+        yield hits
+    finally:
+        compilation.listener = previous
 
 
 def start_compiler() -> float | None:
@@ -260,6 +320,8 @@ def compile_keys(
     hashed = start_compiler()
     if hashed is not None:
         log.debug("Triton compiler start-up took %.3f s", hashed)
+    import torch  # the warmup's arguments are tensors (and Triton's argument binder imports torch anyway)
+
     if target is None:
         kernel, gpu_target, device = triton_kernel._build_prefill_metadata_kernel, None, torch.device("cuda")
     else:
@@ -273,6 +335,8 @@ def compile_keys(
     done = 0
 
     def finish(outcome: CompileOutcome) -> None:
+        if outcome.ok and outcome.key in hits:
+            outcome = dataclasses.replace(outcome, cached=True)
         compiled.append(outcome)
 
     def conclude(outcome: CompileOutcome) -> None:
@@ -285,6 +349,7 @@ def compile_keys(
             progress(done, len(keys), outcome)
 
     def warm(key: CompileKey) -> None:
+        _compiling.key = key
         kernel.warmup(
             *warmup_arguments(key, device),
             grid=(1,),
@@ -292,7 +357,7 @@ def compile_keys(
             COMPRESS_RATIO=key.compress_ratio,
         )
 
-    with compile_only_driver(gpu_target), contextlib.ExitStack() as parallel:
+    with compile_only_driver(gpu_target), cache_hits() as hits, contextlib.ExitStack() as parallel:
         # With an async compile mode, warming a key submits its compile to this pool and returns; the outcome
         # comes from the future. Without, warming a key is its compile.
         timed: _TimedExecutor | None = None
@@ -323,19 +388,22 @@ def compile_keys(
 
 
 def _proved(outcome: CompileOutcome, *, on_gpu: bool) -> CompileOutcome:
-    """The outcome after :func:`prove_key`: failed with the proof's message when the launch disagrees."""
+    """The outcome after :func:`prove_key`: its ``proof`` set, failed with the proof's message when the launch
+    disagrees."""
+    if not launchable(outcome.key):
+        return outcome
     start = time.perf_counter()
     try:
         wrong = prove_key(outcome.key, on_gpu=on_gpu)
     except ProofUnavailableError as exc:
         log.warning("proof skipped key=%s: %s", outcome.key.label(), exc)
-        return outcome
+        return dataclasses.replace(outcome, proof=PROOF_SKIPPED)
     except Exception as exc:  # the proof must never take the warmup down: a failed key, not a crash
         wrong = f"proof launch raised {_describe(exc)}"
     log.debug("proof key=%s seconds=%.4f ok=%s", outcome.key.label(), time.perf_counter() - start, wrong is None)
     if wrong is None:
-        return outcome
-    return CompileOutcome(outcome.key, outcome.seconds, False, f"compiled, but {wrong}")
+        return dataclasses.replace(outcome, proof=PROOF_OK)
+    return dataclasses.replace(outcome, ok=False, error=f"compiled, but {wrong}", proof=PROOF_FAILED)
 
 
 def watch_compiles(callback: Callable[[str], None]) -> Callable[[], None]:

@@ -18,13 +18,16 @@ import ast
 import functools
 import threading
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-import torch
 import triton
 import triton.language as tl
 
 from indexer_service.kernels.inputs import DcpConfig
 from indexer_service.kernels.specialization import BLOCK_SIZE, SCALAR_ARGS, CompileKey, key_for_launch
+
+if TYPE_CHECKING:  # the launch's tensors; the kernel itself never needs torch imported (seconds, on a CPU start)
+    import torch
 
 # The DCP scalars only pick a branch and bound a min/max: specializing them on ==1 / %16 would multiply the
 # compiled variants for no speed (kernel times with and without: benchmarks/bench_kernel.py).

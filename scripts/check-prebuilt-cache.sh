@@ -27,7 +27,7 @@ serve_on() {
     local cache="$1" ports="$WORK/ports.json"
     rm -f "$ports"
     TRITON_CACHE_DIR="$cache" INDEXER_GRPC_HOST=127.0.0.1 INDEXER_HTTP_HOST=127.0.0.1 \
-        "${CLI[@]}" serve --grpc-port 0 --http-port 0 --http-rpc-port 0 --port-file "$ports" >"$WORK/serve.log" 2>&1 &
+        "${CLI[@]}" serve --grpc-port 0 --health-port 0 --http-port 0 --http-rpc-port 0 --port-file "$ports" >"$WORK/serve.log" 2>&1 &
     SERVER_PID=$!
     for _ in $(seq 1 6000); do
         if [ -s "$ports" ] && python3 - "$ports" <<'PY' 2>/dev/null; then

@@ -71,10 +71,13 @@ def inputs_digest() -> str:
 
 
 def header(variant: str) -> str:
+    """The lock's header; its `# python:` line is the Python it was resolved for, which the image's build checks
+    against its base's before installing anything."""
     return (
         f"# The {variant.upper()} image's Python dependencies, pinned by hash.\n"
         "# GENERATED: python scripts/lock-image-deps.py\n"
         f"# inputs-sha256: {inputs_digest()}\n"
+        f"# python: {LOCK_PYTHON[variant]}\n"
     )
 
 

@@ -38,7 +38,8 @@ COMPILE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0
 TOKEN_BUCKETS = tuple(float(4**i) for i in range(0, 11))  # 1 .. ~1M
 REQUEST_COUNT_BUCKETS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 4096.0)
 
-WARMUP_STATES = ("planned", "compiled", "failed")
+# planned: the warmup set's size; compiled: keys compiled by this warmup; cached: keys Triton loaded from its cache.
+WARMUP_STATES = ("planned", "compiled", "cached", "failed")
 # The method label of calls to a method the service does not have (gRPC and HTTP), counted with code UNIMPLEMENTED.
 UNKNOWN_METHOD = "unknown"
 # Metric types whose values add up over processes: a dead process's are folded into one file of retired values.
@@ -106,7 +107,7 @@ class Metrics:
         )
         self.warmup_keys = Gauge(
             "indexer_warmup_keys",
-            "Compile keys of the warmup set, by state (planned = size of the set).",
+            "Compile keys of the warmup set, by state (planned: the set's size; cached: loaded from Triton's cache).",
             ["state"],
             registry=r,
             multiprocess_mode="livemax",

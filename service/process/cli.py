@@ -71,6 +71,10 @@ def _serve(args: argparse.Namespace) -> int:
 
             code = supervise(config, workers, source, args.port_file, signals)
         else:
+            if config.warmup_enabled:  # Triton loads while the server is imported and built
+                from indexer_service.service.compute.warmup import preload_compiler
+
+                preload_compiler()
             from indexer_service.service.process.server import serve
 
             code = serve(config, args.port_file, signals)
@@ -99,6 +103,7 @@ def _keys(args: argparse.Namespace) -> int:
 
 
 def _precompile(args: argparse.Namespace) -> int:
+    from indexer_service.kernels.compile_engine import PROOF_SKIPPED
     from indexer_service.kernels.specialization import warmup_keys
     from indexer_service.service.adapters import probe_all
     from indexer_service.service.compute.warmup import compile_and_log, use_triton_cache_dir
@@ -116,16 +121,21 @@ def _precompile(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     outcomes = compile_and_log(keys, keys, config.warmup_target, config.warmup_workers, "precompile")
     failed = sum(not o.ok for o in outcomes)
+    unproved = sum(o.ok and o.proof == PROOF_SKIPPED for o in outcomes)
+    refused = failed or (unproved and args.require_proof)
     log.log(
-        logging.ERROR if failed else logging.INFO,
-        "precompile %s keys=%d failed=%d seconds=%.3f cache_dir=%s",
-        "failed" if failed else "done",
+        logging.ERROR if refused else logging.INFO,
+        "precompile %s keys=%d failed=%d unproved=%d seconds=%.3f cache_dir=%s",
+        "failed" if refused else "done",
         len(keys),
         failed,
+        unproved,
         time.perf_counter() - start,
         cache_dir or "(Triton's default)",
     )
-    return EXIT_FAILED if failed else EXIT_OK
+    if unproved and args.require_proof:
+        log.error("precompile --require-proof: %d keys compiled but could not be proved here", unproved)
+    return EXIT_FAILED if refused else EXIT_OK
 
 
 def _check_credentials(args: argparse.Namespace) -> object:
@@ -364,6 +374,12 @@ def build_parser() -> argparse.ArgumentParser:
         "key fails.",
     )
     add_config_arguments(precompile, aliases={"warmup_target": "--target", "triton_cache_dir": "--cache-dir"})
+    precompile.add_argument(
+        "--require-proof",
+        action="store_true",
+        help="exit 1 also when a key's proof (one launch checked against numpy) cannot run here, as when this "
+        "Triton's interpreter cannot run with this numpy",
+    )
     precompile.set_defaults(run=_precompile)
 
     check = commands.add_parser(

@@ -148,6 +148,12 @@ def substitute(text: str, variables: dict[str, str]) -> str:
     return re.sub(r"\$\{(?P<name>\w+)(?::-(?P<default>[^}]*))?\}|\$(?P<bare>\w+)", one_var, text)
 
 
+def stage_named(instructions: list[Instruction], name: str) -> list[Instruction]:
+    """The instructions of the stage ``FROM ... AS name``."""
+    (index,) = {i.stage for i in instructions if i.keyword == "FROM" and i.args.lower().endswith(f" as {name}")}
+    return [i for i in instructions if i.stage == index]
+
+
 def dockerfile_env(instructions: list[Instruction]) -> dict[str, str]:
     env = {}
     for ins in instructions:
@@ -174,7 +180,17 @@ def pip_install_commands(text: str) -> list[list[str]]:
 
 def requirement_args(argv: list[str]) -> list[str]:
     """The requirement specifiers of a pip install argv: options and their values dropped."""
-    takes_value = {"--index-url", "-i", "--extra-index-url", "-f", "--find-links", "-c", "--constraint", "-r"}
+    takes_value = {
+        "--index-url",
+        "-i",
+        "--extra-index-url",
+        "-f",
+        "--find-links",
+        "-c",
+        "--constraint",
+        "-r",
+        "--target",
+    }
     result, skip = [], False
     for token in argv:
         if skip:

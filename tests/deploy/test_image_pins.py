@@ -48,7 +48,7 @@ def test_every_image_the_build_pulls_is_pinned_by_digest() -> None:
 @pytest.mark.parametrize(
     ("old", "new"),
     [
-        (r"(ARG CPU_BASE=python:3.11-slim-bookworm)@sha256:[0-9a-f]{64}", r"\1"),
+        (r"(ARG CPU_BASE=docker.io/library/python:3.11-slim-bookworm)@sha256:[0-9a-f]{64}", r"\1"),
         (r"\A", "# syntax=docker/dockerfile:1\n"),
     ],
     ids=["base by tag", "frontend by tag"],

@@ -51,6 +51,7 @@ from tests.deploy.support import (
     render,
     requirement_args,
     server_shutdown_seconds,
+    stage_named,
     substitute,
 )
 
@@ -477,31 +478,35 @@ def test_hadolint_passes_at_the_strictest_threshold() -> None:
 
 
 def test_image_installs_the_way_the_readme_and_makefile_do() -> None:
-    """The README's two steps, by hash: the variant's lock (the CPU one holds the same torch the README and the
-    Makefile install, as its CPU build), then the plain, non-editable install of the project."""
+    """The README's two steps, by hash, in the build stages: the variant's lock (the CPU one holds the same torch
+    the README and the Makefile install, as its CPU build), then the plain, non-editable install of the project."""
     instructions = dockerfile_instructions()
-    final_stage = max(i.stage for i in instructions)
-    docker_pips = [
-        cmd
-        for ins in instructions
-        if ins.keyword == "RUN" and ins.stage == final_stage
-        for cmd in pip_install_commands(ins.args)
-    ]
+    build = [*stage_named(instructions, "deps"), *stage_named(instructions, "builder")]
+    runs = [ins.args for ins in build if ins.keyword == "RUN"]
+    docker_pips = [cmd for run in runs for cmd in pip_install_commands(run)]
     makefile_pips = [requirement_args(cmd) for cmd in pip_install_commands((ROOT / "Makefile").read_text())]
     readme_pips = [requirement_args(cmd) for cmd in pip_install_commands((ROOT / "README.md").read_text())]
 
     def torch_pins(commands: list[list[str]]) -> set[str]:
         return {req for cmd in commands for req in cmd if re.match(r"torch\b", req)}
 
-    (makefile_torch,) = torch_pins(makefile_pips)
-    assert read_lock(LOCKS["cpu"]).pins["torch"] == Version(makefile_torch.split("==")[1] + "+cpu")
+    # The Makefile installs torch==TORCH_VERSION+cpu through scripts/install-torch.py (tests/system/test_install.py).
+    (makefile_version,) = re.findall(r"^TORCH_VERSION \?= (\S+)$", (ROOT / "Makefile").read_text(), re.M)
+    assert not torch_pins(makefile_pips), "torch comes through scripts/install-torch.py"
+    assert read_lock(LOCKS["cpu"]).pins["torch"] == Version(makefile_version + "+cpu")
     if torch_pins(readme_pips):
-        assert torch_pins(readme_pips) == {makefile_torch}
+        assert torch_pins(readme_pips) == {f"torch=={makefile_version}+cpu"}
     # Step one: the variant's lock, every file by hash, nothing resolved; step two: the project, nothing fetched.
-    assert [requirement_args(cmd) for cmd in docker_pips] == [[], ["."]], docker_pips
+    # ("$@" holds the wheelhouse's --no-index --find-links DIR when the build argument PIP_WHEELHOUSE is set.)
+    assert [[a for a in requirement_args(cmd) if a != "$@"] for cmd in docker_pips] == [[], ["."]], docker_pips
     locked, project = docker_pips
-    assert {"--require-hashes", "--no-deps"} <= set(locked) and "requirements/image-${VARIANT}.txt" in locked
+    assert {"--require-hashes", "--no-deps", "-r"} <= set(locked)
+    (lock_step,) = [run for run in runs if "--require-hashes" in run]
+    assert 'lock="requirements/image-${VARIANT}.txt"' in lock_step and '-r "${lock}"' in lock_step
     assert {"--no-deps", "--no-build-isolation"} <= set(project)
+    # Nothing of the final stage installs: it copies the builder's environment and project.
+    final = [i for i in instructions if i.stage == max(j.stage for j in instructions)]
+    assert not [cmd for ins in final if ins.keyword == "RUN" for cmd in pip_install_commands(ins.args)]
     if readme_pips:
         assert ["."] in readme_pips, "README documents another plain install than the image runs"
 
@@ -519,11 +524,16 @@ def test_image_precompiles_into_the_cache_it_serves_from() -> None:
     assert f"--cache-dir {cache_dir}" in precompile[0].replace('"', "")
     assert "--target cuda:90" in precompile[0].replace('"', "")
     assert 'CUDA_VISIBLE_DEVICES=""' in precompile[0], "the build must not depend on (or use) a GPU"
-    # Compiled as the serving user, after the project is installed in this same stage.
+    # Compiled as the serving user, after the build stages' environment and project are copied into this stage.
     keywords = [i.keyword for i in final]
     precompile_at = next(n for n, i in enumerate(final) if "indexer-service precompile" in i.args)
     assert keywords.index("USER") < precompile_at
-    assert any("pip install" in i.args for i in final[:precompile_at] if i.keyword == "RUN")
+    copied = {tuple(i.args.split()) for i in final[:precompile_at] if i.keyword == "COPY" and "--from=" in i.args}
+    assert copied == {
+        ("--from=deps", "/opt/indexer/venv", "/opt/indexer/venv"),
+        ("--from=builder", "/opt/indexer/app", "/opt/indexer/app"),
+    }, copied
+    assert "--require-proof" in precompile[0], "a key the build could not prove must fail the build"
 
 
 def test_image_entrypoint_ports_and_healthcheck() -> None:
@@ -577,7 +587,12 @@ def test_docker_context_holds_what_pip_install_needs(tmp_path: Path) -> None:
     for rel in files:
         (context / rel).parent.mkdir(parents=True, exist_ok=True)
         (context / rel).write_bytes((ROOT / rel).read_bytes())
-    copied = {src for i in dockerfile_instructions() if i.keyword == "COPY" for src in i.args.split()[:-1]}
+    copied = {
+        src
+        for i in dockerfile_instructions()
+        if i.keyword == "COPY" and "--from=" not in i.args
+        for src in i.args.split()[:-1]
+    }
     assert {"pyproject.toml", "setup.py"} <= copied
     assert all((context / src).exists() for src in copied), copied
     assert not [f for f in files if f.endswith(".so")], "a locally built extension must not reach the image"

@@ -12,7 +12,13 @@ import time
 
 import pytest
 
-from indexer_service.kernels.compile_engine import KeyRefusedError, compile_keys, parse_target, watch_compiles
+from indexer_service.kernels.compile_engine import (
+    PROOF_OK,
+    KeyRefusedError,
+    compile_keys,
+    parse_target,
+    watch_compiles,
+)
 from indexer_service.kernels.specialization import CompileKey, ModelConfig, warmup_keys
 from indexer_service.kernels.triton_kernel import serialise_ast_parse
 
@@ -38,6 +44,33 @@ def test_aot_compiles_the_default_warmup_set_for_cuda90(cache_dir, workers):
     assert {o.key for _, _, o in seen} == set(keys)
     cubins = list(cache_dir.rglob("*.cubin"))
     assert len(cubins) == len(keys)
+
+
+@pytest.mark.parametrize("workers", [1, 2], ids=["sequential", "parallel"])
+def test_a_key_loaded_from_the_cache_says_so(cache_dir, workers):
+    """The first compile of a key is the compiler's; the same keys ahead of time again, on the same cache, are
+    Triton's cache loads, told apart through its compilation listener. Every key is proved either way."""
+    keys = warmup_keys(DEFAULT_MODEL)
+    first = compile_keys(keys, keys, target="cuda:90", workers=workers)
+    assert [(o.ok, o.cached, o.proof) for o in first] == [(True, False, PROOF_OK)] * len(keys)
+    again = compile_keys(keys, keys, target="cuda:90", workers=workers)
+    assert [(o.ok, o.cached, o.proof) for o in again] == [(True, True, PROOF_OK)] * len(keys)
+    # Another target is another cache entry: compiled, not loaded.
+    other = compile_keys(keys[:1], keys, target="cuda:80", workers=workers)
+    assert [(o.ok, o.cached) for o in other] == [(True, False)]
+
+
+def test_loading_the_compile_engine_leaves_torch_alone():
+    """Importing the compile engine (and the kernel) loads Triton, not torch: a CPU server's start imports torch
+    once, in its warmup thread, beside the thread that loads Triton and hashes its installation."""
+    probe = (
+        "import sys\n"
+        "import indexer_service.kernels.compile_engine, indexer_service.kernels.triton_kernel\n"
+        "loaded = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'triton'))\n"
+        "assert 'triton' in loaded and 'torch' not in loaded, loaded\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
 class _FinalizerThatYields:

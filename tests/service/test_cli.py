@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import socket
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -95,12 +96,42 @@ def test_keys_prints_the_normalised_warmup_set(tmp_path: Path) -> None:
 
 def test_precompile_fills_a_triton_cache(tmp_path: Path) -> None:
     cache = tmp_path / "cache"
-    out = run("precompile", "--target", "cuda:90", "--cache-dir", str(cache))
+    out = run("precompile", "--require-proof", "--target", "cuda:90", "--cache-dir", str(cache))
     assert out.returncode == 0, out.stderr
     for n in (1, 2, 3):
         assert f"precompile {n}/3 key=" in out.stderr
-    assert "precompile done keys=3 failed=0" in out.stderr and str(cache) in out.stderr
+    assert "precompile done keys=3 failed=0 unproved=0" in out.stderr and str(cache) in out.stderr
+    assert out.stderr.count("source=compiler proof=ok") == 3
     assert len(list(cache.rglob("*.cubin"))) == 3
+    # Again on the same cache: every key is loaded from it, and says so.
+    again = run("precompile", "--require-proof", "--target", "cuda:90", "--cache-dir", str(cache))
+    assert again.returncode == 0 and again.stderr.count("source=cache proof=ok") == 3, again.stderr
+
+
+# The CLI with every proof unavailable, as Triton 3.6's interpreter is with numpy 2.4 (the image's lock pairs
+# them no more: requirements/image.in).
+WITHOUT_PROOFS = (
+    "import sys\n"
+    "from indexer_service.kernels import compile_engine\n"
+    "def unavailable(key, *, on_gpu):\n"
+    "    raise compile_engine.ProofUnavailableError('this interpreter cannot run here (test)')\n"
+    "compile_engine.prove_key = unavailable\n"
+    "from indexer_service.service.process.cli import main\n"
+    "sys.exit(main(sys.argv[1:]))\n"
+)
+
+
+def test_precompile_require_proof_fails_when_a_proof_cannot_run(tmp_path: Path) -> None:
+    """Without --require-proof a skipped proof is a warning (the keys compiled); with it, the command fails: the
+    image build passes it, so an image whose keys were never proved cannot be built."""
+    argv = [sys.executable, "-c", WITHOUT_PROOFS, "precompile", "--target", "cuda:90", "--cache-dir", str(tmp_path)]
+    lenient = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=clean_env())
+    assert lenient.returncode == 0, lenient.stderr
+    assert lenient.stderr.count("proof=skipped") == 3 and "unproved=3" in lenient.stderr
+    strict = subprocess.run([*argv, "--require-proof"], capture_output=True, text=True, timeout=120, env=clean_env())
+    assert strict.returncode == 1, strict.stderr
+    assert "precompile failed keys=3 failed=0 unproved=3" in strict.stderr
+    assert "--require-proof: 3 keys compiled but could not be proved here" in strict.stderr
 
 
 def test_precompile_exits_nonzero_when_a_key_fails(tmp_path: Path) -> None:

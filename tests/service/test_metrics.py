@@ -103,11 +103,10 @@ def test_request_metrics_count_the_calls(after_calls: tuple[Scrape, Scrape], ser
 
 def test_warmup_and_readiness_metrics(after_calls: tuple[Scrape, Scrape]) -> None:
     before, after = after_calls
-    assert {s.labels["state"]: s.value for s in after.samples("indexer_warmup_keys")} == {
-        "planned": 3,
-        "compiled": 3,
-        "failed": 0,
-    }
+    states = {s.labels["state"]: s.value for s in after.samples("indexer_warmup_keys")}
+    # Compiled now or loaded from Triton's cache (a state of its own), whichever this server's cache made it.
+    assert set(states) == {"planned", "compiled", "cached", "failed"}
+    assert states["planned"] == states["compiled"] + states["cached"] == 3 and states["failed"] == 0
     per_key = {s.labels["key"]: s.value for s in after.samples("indexer_warmup_key_compile_seconds")}
     assert set(per_key) == KEY_LABELS and all(0 < v < 60 for v in per_key.values())
     assert after.value("indexer_compile_duration_seconds_count", phase="warmup") == 3
