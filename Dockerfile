@@ -164,6 +164,14 @@ EXPOSE 50051 8080 8081 50052
 HEALTHCHECK --interval=15s --timeout=10s --start-period=5m --retries=3 \
     CMD ["python", "-c", "import os, sys, urllib.request\ntry:\n    url = 'http://127.0.0.1:%s/readyz' % os.environ.get('INDEXER_HTTP_PORT', '8080')\n    ok = urllib.request.urlopen(url, timeout=5).status == 200\nexcept Exception:\n    ok = False\nsys.exit(0 if ok else 1)"]
 
+# The commit the image is built from (--build-arg REVISION=$(git rev-parse HEAD)): its revision label and, through
+# the environment, the commit that --version, the start line, GetWarmupStatus and indexer_build_info name. Last, so
+# a new commit changes only this layer.
+ARG REVISION=unknown
+LABEL org.opencontainers.image.revision="${REVISION}"
+ENV INDEXER_BUILD_COMMIT=${REVISION} \
+    INDEXER_IMAGE_REVISION=${REVISION}
+
 # The server handles SIGTERM itself (NOT_SERVING, drain, exit 0), so it runs as PID 1 with no shell in between.
 ENTRYPOINT ["indexer-service"]
 CMD ["serve"]

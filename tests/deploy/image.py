@@ -65,6 +65,10 @@ LOCK = REPO / "requirements" / "image-cpu.txt"
 WHEELHOUSE = ".cache/wheelhouse/cpu"
 WORK = REPO / ".cache" / "image-test"
 TAG = os.environ.get("IMAGE_TAG", "localhost/indexer-service:image-test-cpu")
+# The commit the image is built from: its REVISION build argument (the revision label, and the build the server names).
+REVISION = (
+    subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip() or "unknown"
+)
 # The targets of the issue this test holds the image to.
 IMAGE_SIZE_LIMIT = 2_000_000_000
 READY_SECONDS = float(os.environ.get("IMAGE_READY_SECONDS", "2.0"))
@@ -445,7 +449,7 @@ def build_command(engine: Engine, base: str) -> list[str]:
     """The build: the CPU variant on ``base``, pip reading the wheelhouse alone. The machine's CA bundle goes in as
     the `pip-cert` build secret, mounted for the install step and kept in no layer (the image's check below looks
     for it); not its pip.conf, whose paths (find-links, constraints) lie on this machine, not in the build."""
-    args = ["build", "--build-arg=VARIANT=cpu", f"--build-arg=CPU_BASE={base}"]
+    args = ["build", "--build-arg=VARIANT=cpu", f"--build-arg=CPU_BASE={base}", f"--build-arg=REVISION={REVISION}"]
     args += [f"--build-arg=PIP_WHEELHOUSE={WHEELHOUSE}", "--tag", TAG, "--file", str(DOCKERFILE)]
     if cert := machine_pip_cert():
         args.append(f"--secret=id=pip-cert,src={cert}")
@@ -533,6 +537,11 @@ def check_image(engine: Engine, steps: Steps) -> dict:
     check(config.get("User") == "10001:10001", f"the image runs as {config.get('User')!r}, not 10001:10001")
     env = dict(item.partition("=")[::2] for item in config.get("Env", []))
     check(not [k for k in env if k.startswith("PIP_")], f"pip settings in the image's environment: {env}")
+    labels = config.get("Labels") or info.get("Labels") or {}
+    check(
+        labels.get("org.opencontainers.image.revision") == REVISION == env.get("INDEXER_BUILD_COMMIT"),
+        f"the image does not name its commit {REVISION}: labels {labels}, env {env}",
+    )
     probe = run_in_image(
         engine,
         "set -e; for cc in gcc cc c99 clang tcc x86_64-linux-gnu-gcc; do if command -v $cc; then exit 3; fi; done; "
@@ -913,6 +922,7 @@ def check_cli(engine: Engine, running: Running, steps: Steps) -> None:
     port = next(p["containerPort"] for p in Pod.from_base().server["ports"] if p["name"] == "grpc")
     out = engine("exec", running.name, "indexer-service", "check", f"127.0.0.1:{port}", check_rc=False)
     check(out.returncode == 0, f"indexer-service check exited {out.returncode}:\n{out.stdout}{out.stderr}")
+    check(f"(commit {REVISION}, image {REVISION})" in out.stdout, f"check does not name the build:\n{out.stdout}")
     said = out.stdout.strip().splitlines()
     steps.note("check", f"exit 0: {' / '.join(said[:2])}" if said else "exit 0")
 
