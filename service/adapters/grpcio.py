@@ -281,7 +281,7 @@ def submitted(args: tuple, unary_request: Callable[[object], bool]) -> Submitted
     """What ``args`` (grpcio's arguments after the context's ``run``) are a call of; None where they are not
     grpcio's call arguments as this adapter knows them. ``unary_request(behavior)``: whether the behaviour's method
     has one request message (its handler says; the arguments alone do not tell unary-stream from stream-stream)."""
-    if len(args) != 7 or not features().receive_ahead:
+    if not _readable(args):
         return None
     function, rpc_event, _state, behavior = args[:4]
     if function is not _UNARY_RESPONSE_IN_POOL and function is not _STREAM_RESPONSE_IN_POOL:
@@ -297,6 +297,11 @@ def behavior_among(args: Iterable[object], known: object) -> object | None:
 
 def _host_port(peer: bytes) -> str:
     return peer.decode("utf8", "replace")
+
+
+def _readable(args: tuple) -> bool:
+    """Whether ``args`` can be read as grpcio's arguments for a call (``receive_ahead`` on, their number right)."""
+    return len(args) == 7 and features().receive_ahead
 
 
 # -- receive_ahead ------------------------------------------------------------------------------------------------
@@ -357,7 +362,7 @@ def without_request(args: tuple) -> tuple:
     that does not wait for the request (the refusal does not read it: b"" stands in, or None when the call has
     already ended, as grpcio's thunk gives); others as they are. grpcio's own thunk would hold a refusal thread
     until the request came."""
-    if len(args) != 7 or not features().receive_ahead:
+    if not _readable(args):
         return args
     from grpc import _server as internals
 
@@ -373,14 +378,14 @@ def without_request(args: tuple) -> tuple:
 def deadline_of(args: tuple) -> float | None:
     """The deadline (time.time() seconds) of a call grpcio submitted; None where ``receive_ahead`` is off (the
     arguments cannot be read)."""
-    if len(args) != 7 or not features().receive_ahead:
+    if not _readable(args):
         return None
     return args[1].call_details.deadline
 
 
 def peer_of(args: tuple) -> str | None:
     """The caller's address of a call grpcio submitted; None where ``receive_ahead`` is off."""
-    if len(args) != 7 or not features().receive_ahead:
+    if not _readable(args):
         return None
     return _host_port(args[1].call.peer())
 
@@ -389,7 +394,7 @@ def end_call(args: tuple, code: str, details: str) -> bool:
     """End a call grpcio submitted (its arguments, :func:`submitted` read them) with status ``code`` (a
     ``grpc.StatusCode`` name in lower case) and ``details``, as grpcio's own abort does, without running it. False
     where the call had ended already, or where ``receive_ahead`` is off (the arguments cannot be read)."""
-    if len(args) != 7 or not features().receive_ahead:
+    if not _readable(args):
         return False
     from grpc import _server as internals
     from grpc._cython import cygrpc
