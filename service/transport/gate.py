@@ -247,10 +247,11 @@ class CallGate:
             behaviour = grpcio.behavior_among(args, self.routes)
             return self._admit(fn, args, self.routes.get(behaviour, self._unknown), None, behaviour)
         route = self.routes.get(seen.behavior, self._unknown)
+        lane = route.lane
+        peer = peer_key(seen.peer) if lane.peer_share is not None else None  # the share's key, where there is one
         if not seen.unary_request:
-            return self._admit(fn, args, route, seen.peer, seen.behavior)
-        lane, peer = route.lane, peer_key(seen.peer) if route.lane.peer_share else None
-        if lane.peer_share is not None and not self._hold(lane.waiting_by_peer, lane, peer):
+            return self._admit(fn, args, route, peer, seen.behavior)
+        if peer is not None and not self._hold(lane.waiting_by_peer, lane, peer):
             return self._refuse(fn, grpcio.without_request(args), route, ShedReason.PEER_SHARE, seen.behavior)
         call = next(self._ids)
         done = CallDone()
@@ -285,11 +286,12 @@ class CallGate:
         done: CallDone | None = None,
         call: int | None = None,
     ) -> CallDone:
-        """Take a place in the route's lane and queue the call, or refuse it."""
+        """Take a place in the route's lane and queue the call, or refuse it. ``peer``: the key of the lane's per-peer
+        share (None where the lane has none, or the peer is not known)."""
         lane = route.lane
         if len(lane.live) >= lane.places:
             return self._refuse(fn, args, route, ShedReason.CONCURRENCY, behaviour, done)
-        if peer is not None and lane.peer_share is not None and not self._hold(lane.by_peer, lane, peer):
+        if peer is not None and not self._hold(lane.by_peer, lane, peer):
             return self._refuse(fn, args, route, ShedReason.PEER_SHARE, behaviour, done)
         call = next(self._ids) if call is None else call
         done = CallDone() if done is None else done
@@ -298,7 +300,7 @@ class CallGate:
             lane.queue.put((call, fn, args, done, route, time.time()))
         except BaseException:  # nothing will run it: its place and grpcio's count of it go back, then the error
             lane.live.pop(call, None)
-            if peer is not None and lane.peer_share is not None:
+            if peer is not None:
                 self._let_go(lane.by_peer, lane, peer)
             done.finish()
             raise
