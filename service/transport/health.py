@@ -26,14 +26,18 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import grpc
-from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2
 
 from indexer_service.service.adapters import grpcio
 from indexer_service.service.overload.admission import DrainWatchdog, Watched
 from indexer_service.service.reasons import ShedReason
 from indexer_service.service.transport.gate import CallGate, Lane
-from indexer_service.service.transport.streams import WATCH_STREAMS_PER_CONNECTION, ShedFn, StreamSlots
+from indexer_service.service.transport.streams import (
+    WATCH_STREAMS_PER_CONNECTION,
+    ShedFn,
+    StreamSlots,
+    parsed_or_refused,
+)
 
 log = logging.getLogger(__name__)
 
@@ -106,12 +110,8 @@ class HealthServicer:
         self.on_error = gate.on_error
 
     def _parsed(self, message_type: type, raw: bytes, context: grpc.ServicerContext, method: str) -> object:
-        try:
-            return message_type.FromString(raw)
-        except DecodeError:
-            detail = f"a {message_type.DESCRIPTOR.name} that does not parse ({len(raw)} bytes)"
-            self._shed(method, ShedReason.UNDECODABLE, f"{detail} from {context.peer()}")
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{detail}: send a grpc.health.v1 {message_type.__name__}")
+        advice = f": send a grpc.health.v1 {message_type.__name__}"
+        return parsed_or_refused(message_type, raw, context, method, self._shed, advice)
 
     def _unknown(self, service: str) -> str:
         known = ", ".join(repr(name) for name in self._status)

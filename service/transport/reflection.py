@@ -22,7 +22,6 @@ from importlib import resources
 
 import grpc
 from google.protobuf import descriptor_pb2
-from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2 as rpb
 
@@ -34,6 +33,7 @@ from indexer_service.service.transport.streams import (
     REFLECTION_STREAMS_PER_CONNECTION,
     ShedFn,
     StreamSlots,
+    parsed_or_refused,
 )
 
 V1ALPHA = rpb.DESCRIPTOR.services_by_name["ServerReflection"].full_name
@@ -174,13 +174,9 @@ class Reflection:
                     return
                 finally:
                     wait.release()
-                try:
-                    parsed = rpb.ServerReflectionRequest.FromString(request)
-                except DecodeError:
-                    detail = f"a ServerReflectionRequest that does not parse ({len(request)} bytes)"
-                    self.shed(METHOD, ShedReason.UNDECODABLE, f"{detail} from {peer}")
-                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, detail)
-                yield self.servicer.answer(parsed)
+                yield self.servicer.answer(
+                    parsed_or_refused(rpb.ServerReflectionRequest, request, context, METHOD, self.shed)
+                )
         finally:
             self.slots.give_back(peer)
 

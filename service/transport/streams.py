@@ -14,6 +14,7 @@ from collections import Counter
 from collections.abc import Callable
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from indexer_service.service.reasons import ShedReason
 from indexer_service.service.transport.gate import peer_key
@@ -96,3 +97,17 @@ class StreamSlots:
                     del counts[key]
             if self._waiting:
                 self._lock.notify_all()
+
+
+def parsed_or_refused(
+    message_type: type, raw: bytes, context: grpc.ServicerContext, method: str, shed: ShedFn, advice: str = ""
+) -> object:
+    """``raw`` parsed as ``message_type``; a request that does not parse is counted (shed ``undecodable``, with the
+    peer) and its call ended INVALID_ARGUMENT saying so, ``advice`` after it: grpcio's own deserializer would answer
+    INTERNAL and, for a unary-stream method, keep the call."""
+    try:
+        return message_type.FromString(raw)
+    except DecodeError:
+        detail = f"a {message_type.DESCRIPTOR.name} that does not parse ({len(raw)} bytes)"
+        shed(method, ShedReason.UNDECODABLE, f"{detail} from {context.peer()}")
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, detail + advice)
