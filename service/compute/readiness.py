@@ -55,11 +55,6 @@ class Readiness:
             return self._compiles_after_ready
 
     @property
-    def alive(self) -> bool:
-        with self._lock:
-            return self._alive
-
-    @property
     def rpc_port_broken(self) -> bool:
         with self._lock:
             return self._rpc_port_broken
