@@ -14,12 +14,19 @@ TORCH_VERSION ?= 2.13.0
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 INSTALL_TORCH = $(PYTHON) scripts/install-torch.py --python $(PY) --version $(TORCH_VERSION) --cpu-index $(TORCH_CPU_INDEX)
 
+# Each step says what it does in one line (pip itself runs quiet: its own output is a few hundred lines); a fresh
+# machine takes a minute or two, most of it torch's and the dev extra's downloads.
 $(STAMP): pyproject.toml setup.py service/compute/fastpath.c service/overload/budget.c protos/indexer/v1/indexer_wire.h
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(INSTALL_TORCH)
-	$(PY) -m pip install -q -e ".[dev]"
-	touch $(STAMP)
+	@echo "creating the virtual environment $(VENV) with $$($(PYTHON) --version) ..."
+	@$(PYTHON) -m venv $(VENV)
+	@echo "upgrading pip in $(VENV) ..."
+	@$(PY) -m pip install -q --upgrade pip
+	@$(INSTALL_TORCH)
+	@echo "installing indexer-service (editable, with its dev extra) and its dependencies into $(VENV)," \
+		"compiling its two C extensions (a minute or two on a fresh machine) ..."
+	@$(PY) -m pip install -q -e ".[dev]"
+	@touch $(STAMP)
+	@echo "$(VENV) is ready ($(VENV)/bin/indexer-service, $(VENV)/bin/python)"
 
 serve: $(STAMP)
 	$(VENV)/bin/indexer-service serve

@@ -27,6 +27,7 @@ if ! command -v npm >/dev/null 2>&1; then
     missing+=(nodejs npm)
 fi
 if [ "${#missing[@]}" -gt 0 ]; then
+    echo "installing the client tests' tools from Debian: ${missing[*]} ..."
     export DEBIAN_FRONTEND=noninteractive
     $SUDO apt-get update -qq
     $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
@@ -36,8 +37,10 @@ for tool in go protoc protoc-gen-go protoc-gen-go-grpc npm node; do
 done
 
 if [ ! -x "$ROOT/tools/buf/node_modules/.bin/buf" ]; then
+    echo "installing buf (tools/buf, npm ci) ..."
     npm ci --prefix "$ROOT/tools/buf" --no-audit --no-fund --loglevel=error
 fi
 if [ ! -d "$ROOT/clients/node/node_modules/@grpc/grpc-js" ] || [ ! -d "$ROOT/clients/node/node_modules/@grpc/proto-loader" ]; then
+    echo "installing the Node client's modules (clients/node, npm ci) ..."
     npm ci --prefix "$ROOT/clients/node" --no-audit --no-fund --loglevel=error
 fi

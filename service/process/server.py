@@ -61,6 +61,20 @@ EXIT_RPC_PORT_BROKEN = 70
 
 _HTTP_START_TIMEOUT_SECONDS = 10.0
 
+# uvicorn's lines for the start and the stop of each server it runs: two of each a process, one per HTTP port. The
+# process's own `start`, `listening` and `stopped` lines say the same once, naming both ports.
+_UVICORN_LIFECYCLE = frozenset({"Started server process [%d]", "Shutting down", "Finished server process [%d]"})
+
+
+class _WithoutUvicornLifecycle(logging.Filter):
+    """Drops uvicorn's start and stop lines (:data:`_UVICORN_LIFECYCLE`); its other lines pass."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.levelno == logging.INFO and record.msg in _UVICORN_LIFECYCLE)
+
+
+_WITHOUT_UVICORN_LIFECYCLE = _WithoutUvicornLifecycle()
+
 
 def uvicorn_tls(config: ServiceConfig) -> dict[str, object]:
     """uvicorn's TLS settings for ``http_rpc_port``: the gRPC port's certificate and key, and under mutual TLS its
@@ -99,6 +113,7 @@ class _HttpServer:
             **(uvicorn_tls(service_config) if tls else {}),
         )
         self.server = uvicorn.Server(config)
+        logging.getLogger("uvicorn.error").addFilter(_WITHOUT_UVICORN_LIFECYCLE)  # once: a filter is added once
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]}, name=name)
 
     def start(self) -> None:

@@ -51,6 +51,22 @@ def test_the_first_line_says_what_starts_and_the_ready_line_where_it_listens(
     assert any(ready in line and line.endswith(addresses(server)) for line in lines), server.log()
 
 
+def test_the_start_and_the_stop_are_each_said_once_for_both_http_ports(start_server: StartServer) -> None:
+    """uvicorn says "Started server process", "Shutting down" and "Finished server process" for each server it runs,
+    one per HTTP port: the process's own `listening` and `stopped` lines say it once, naming both ports, and
+    uvicorn's are not written."""
+    server = start_server(*FAST_START)
+    assert server.terminate() == 0
+    lines = server.log().splitlines()
+    uvicorn = ("Started server process", "Shutting down", "Finished server process")
+    assert not [
+        line for line in lines if " uvicorn.error " in line and line.split(" uvicorn.error ")[1].startswith(uvicorn)
+    ]
+    (listening,) = [line for line in lines if " listening " in line]
+    assert listening.endswith(f"http=127.0.0.1:{server.http_port} http_rpc=127.0.0.1:{server.http_rpc_port}")
+    assert sum(" stopped drain_seconds=" in line for line in lines) == 1, lines
+
+
 def test_a_numpy_server_without_warmup_never_loads_torch(start_server: StartServer) -> None:
     server = start_server(*FAST_START, "--workers", "2")
     processes = [psutil.Process(server.pid), *psutil.Process(server.pid).children()]

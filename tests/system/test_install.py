@@ -8,6 +8,7 @@ directory of its own."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import shlex
@@ -100,7 +101,7 @@ def test_serve_and_test_install_through_that_recipe() -> None:
     for target in ("serve", "test"):
         assert re.search(rf"^{target}: \$\(STAMP\)", makefile, re.M), target
     recipe = re.search(r"^\$\(STAMP\):.*?\n((?:\t.*\n)+)", makefile, re.M).group(1)
-    lines = [line.strip() for line in recipe.splitlines()]
+    lines = [line.strip().removeprefix("@") for line in recipe.splitlines()]
     assert lines.index("$(INSTALL_TORCH)") < next(n for n, line in enumerate(lines) if '-e ".[dev]"' in line)
     assert not re.search(r"pip install[^\n]*\btorch\b", recipe), "torch must come through scripts/install-torch.py"
 
@@ -129,3 +130,25 @@ def test_after_make_serve_the_readmes_commands_work_as_written() -> None:
             if words and words[0] in ("indexer-service", "python", "pytest"):
                 bare.append(line)
     assert not bare, f"README lines that need the venv on the PATH: {bare}"
+
+
+def test_every_install_step_says_what_it_does(tmp_path: Path) -> None:
+    """pip runs quiet (its own output is a few hundred lines), so a fresh machine's first minutes are not silent only
+    if each step prints a line first: the recipe echoes one before each step, and the torch step prints its own,
+    naming where torch comes from (run here with a stand-in interpreter that installs nothing)."""
+    makefile = (REPO / "Makefile").read_text()
+    recipe = re.search(r"^\$\(STAMP\):.*?\n((?:\t.*\n)+)", makefile, re.M).group(1).replace("\\\n", " ")
+    steps = [line.strip().removeprefix("@") for line in recipe.splitlines()]
+    for before, step in itertools.pairwise(steps):
+        if "pip install" in step or " -m venv " in step:
+            assert before.startswith("echo "), f"no line says what `{step}` does"
+    stand_in = tmp_path / "python"
+    stand_in.write_text("#!/bin/sh\nexit 0\n")  # pip's answers: found locally, installed
+    stand_in.chmod(0o755)
+    version = makefile_variable("TORCH_VERSION")
+    step = ["scripts/install-torch.py", "--python", str(stand_in), "--version", version, "--cpu-index", CPU_INDEX]
+    out = subprocess.run([sys.executable, *step], cwd=REPO, capture_output=True, text=True, timeout=60, check=True)
+    assert (
+        out.stdout == f"installing torch's CPU build (torch=={version}+cpu) from a local copy (pip's find-links)"
+        f" into {tmp_path.parent} ...\n"
+    )
