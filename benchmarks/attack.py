@@ -663,7 +663,7 @@ ATTACKS: dict[str, Callable[[Bench], dict]] = {
 
 # --- the targets (--check) ------------------------------------------------------------------------------------
 
-# The README's reliability table: every probe answered within 1 s (the 99.9 %; 99 % for a row of a few
+# docs/reliability.md's attack rows: every probe answered within 1 s (the 99.9 %; 99 % for a row of a few
 # seconds, as the bounded tests allow), the victim's small calls served (the 99 % is over 30 s runs; a
 # row's 50-130 calls on a shared 2-core machine get three misses of slack, as tests/system/test_hardening_abuse.py
 # gives), RSS back within 1.2x of idle within 60 s, and no call answered INTERNAL or UNKNOWN.

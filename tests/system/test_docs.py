@@ -3,7 +3,7 @@
 Every fenced code block carries a marker comment on the line above it:
 
 - ``<!-- doc: run against a server -->``: run as written (bash with the virtual environment's ``bin`` first on the
-  PATH, python with its interpreter) against a real server, whose ports are put in for 50051, 50052 and 8080;
+  PATH, python with its interpreter) against a real server, whose ports are put in for 50051, 50052, 8080 and 8081;
   a ``<!-- doc: output -->`` block right after it is what it must print;
 - ``<!-- doc: static -->``: not run, and its first line says so visibly (``# not run by the tests: WHY``); every
   ``indexer-service`` command line in it is parsed by the real command-line parser, every ``make`` target,
@@ -175,6 +175,7 @@ def with_ports(text: str, server: ServiceProcess) -> str:
         text.replace("127.0.0.1:50051", server.address)
         .replace("127.0.0.1:50052", f"127.0.0.1:{server.health_port}")
         .replace("http://127.0.0.1:8080", server.http_url)
+        .replace("http://127.0.0.1:8081", server.http_rpc_url)
     )
 
 

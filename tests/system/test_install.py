@@ -117,19 +117,45 @@ def test_the_readme_installs_torch_the_same_way() -> None:
         assert f"torch=={version}+cpu" in words and words[words.index("--index-url") + 1] == CPU_INDEX, line
 
 
+def readme_commands() -> list[tuple[str, list[str]]]:
+    """Every command of the README's bash blocks, as (the block, its words): continuation lines joined, and a line
+    whose quote runs on (a JSON body over two lines) read on until the quote closes."""
+    commands = []
+    for block in re.findall(r"^```bash\n(.*?)^```$", (REPO / "README.md").read_text(), re.M | re.S):
+        pending = ""
+        for line in block.replace("\\\n", " ").splitlines():
+            pending = f"{pending}\n{line}" if pending else line
+            try:
+                words = shlex.split(pending, comments=True)
+            except ValueError:  # No closing quotation: the command goes on on the next line
+                continue
+            pending = ""
+            if words:
+                commands.append((block, words))
+        assert not pending, f"a README command whose quote never closes: {pending}"
+    return commands
+
+
 def test_after_make_serve_the_readmes_commands_work_as_written() -> None:
     """`make serve` installs into .venv, which is not on the PATH: every README command line that runs the service's
-    command names .venv/bin/, but in the block that activates the venv itself (the install without make)."""
-    readme = (REPO / "README.md").read_text()
-    bare = []
-    for block in re.findall(r"^```bash\n(.*?)^```$", readme, re.M | re.S):
-        if ". .venv/bin/activate" in block:
-            continue
-        for line in block.replace("\\\n", " ").splitlines():
-            words = shlex.split(line, comments=True)
-            if words and words[0] in ("indexer-service", "python", "pytest"):
-                bare.append(line)
+    command, or a tool of its dev extra, names .venv/bin/, but in the block that activates the venv itself (the
+    install without make)."""
+    bare = [
+        shlex.join(words)
+        for block, words in readme_commands()
+        if ". .venv/bin/activate" not in block and words[0] in ("indexer-service", "python", "pytest", "grpcurl")
+    ]
     assert not bare, f"README lines that need the venv on the PATH: {bare}"
+
+
+def test_every_venv_command_the_readme_names_is_installed() -> None:
+    """What the README runs from .venv/bin/ is a script the install puts there (the project's or its dev extra's):
+    looked for beside this interpreter, the venv the tests run in."""
+    venv_bin = Path(sys.executable).parent
+    named = {words[0].removeprefix(".venv/bin/") for _, words in readme_commands() if words[0].startswith(".venv/bin/")}
+    assert {"indexer-service", "grpcurl"} <= named
+    missing = sorted(name for name in named if not (venv_bin / name).exists())
+    assert not missing, f"README runs .venv/bin/ commands that the install does not put there: {missing}"
 
 
 def test_every_install_step_says_what_it_does(tmp_path: Path) -> None:

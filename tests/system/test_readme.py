@@ -1,0 +1,82 @@
+"""The README's shape, where it is cheap to hold: a newcomer reads what the service does, how to start it, how to
+call it and how to deploy it before the figures, the tests and the rest; the figures fit on a screen, name their
+machine and come from runs that record it; the call examples are there (tests/system/test_docs.py runs them
+against a server and compares what they print).
+
+Which commands the README's blocks may name bare, and the install's steps: tests/system/test_install.py."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+
+from testkit.paths import REPO
+from tests.system.test_docs import blocks
+
+README = REPO / "README.md"
+TEXT = README.read_text()
+RESULTS = REPO / "benchmarks" / "results"
+
+# The sections a newcomer reads, in this order (others may come between or after them).
+ORDER = ["Quick start", "Calling it", "Deploy", "Performance", "Tests"]
+MAX_ROWS, MAX_CELL = 12, 120
+
+
+def section(title: str) -> str:
+    (body,) = re.findall(rf"^## {re.escape(title)}\n(.*?)(?=^## |\Z)", TEXT, re.M | re.S)
+    return body
+
+
+def first_table(text: str) -> tuple[list[str], list[list[str]]]:
+    """The first table of ``text``: its header's cells and its rows' cells."""
+    lines = re.search(r"^(\|.*\n)+", text, re.M).group(0).splitlines()
+    header, _rule, *rows = [[cell.strip() for cell in line.strip()[1:-1].split("|")] for line in lines]
+    return header, rows
+
+
+def test_what_it_does_comes_first_then_the_sections_in_order() -> None:
+    intro = TEXT.split("\n## ", 1)[0]
+    assert all(word in intro for word in ("scheduler", "BuildChunk", "PlanBatch", "[ks, ke)")), intro
+    titles = re.findall(r"^## (.+)$", TEXT, re.M)
+    assert [title for title in titles if title in ORDER] == ORDER, titles
+
+
+def test_make_serve_and_make_test_are_the_first_two_commands() -> None:
+    """The first thing a newcomer runs; .ci/run runs the README's test command."""
+    first = blocks(README)[0]
+    commands = [words for words in map(lambda line: shlex.split(line, comments=True), first.body.splitlines()) if words]
+    assert commands[:2] == [["make", "serve"], ["make", "test"]], commands
+
+
+def test_the_headline_table_fits_on_a_screen_and_names_the_machine_of_each_row() -> None:
+    header, rows = first_table(section("Performance"))
+    assert 0 < len(rows) <= MAX_ROWS, f"{len(rows)} rows: at most {MAX_ROWS}"
+    assert len(header) == len({*header}) and "machine" in header, header
+    for row in rows:
+        assert len(row) == len(header), row
+        assert not [cell for cell in row if len(cell) > MAX_CELL], f"a cell over {MAX_CELL} characters in {row}"
+        assert row[header.index("machine")], f"a row that names no machine: {row}"
+
+
+def test_each_headline_figure_cites_a_run_that_records_its_commit_date_and_machine() -> None:
+    header, rows = first_table(section("Performance"))
+    column = header.index("run (commit, date)")
+    for row in rows:
+        cited = re.fullmatch(r"`([\w.-]+\.json)` \(([0-9a-f]{7,}), (\d{4}-\d\d-\d\d)\)", row[column])
+        assert cited, f"a row that cites no run as `NAME.json` (commit, date): {row}"
+        name, commit, date = cited.groups()
+        run = json.loads((RESULTS / name).read_text()).get("run", {})
+        assert {"commit", "date", "host", "cpu_model"} <= set(run), f"{name} has no run record"
+        assert run["commit"].startswith(commit) and run["date"].startswith(date), (row, run)
+
+
+def test_one_call_example_each_for_python_grpcurl_and_curl_runs_against_a_server() -> None:
+    calling = section("Calling it")
+    examples = [
+        block
+        for block in blocks(README)
+        if block.marker == "<!-- doc: run against a server -->" and f"```{block.lang}\n{block.body}```" in calling
+    ]
+    tools = sorted(b.lang if b.lang == "python" else shlex.split(b.body)[0].rsplit("/", 1)[-1] for b in examples)
+    assert tools == ["curl", "grpcurl", "python"], tools
