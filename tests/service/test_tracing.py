@@ -27,7 +27,7 @@ from indexer_service.service.client import IndexerClient
 from indexer_service.service.codec import SERVICE_NAME, chunk_inputs_to_proto
 from indexer_service.service.config import ConfigError
 from indexer_service.service.tracing import exporter_names
-from testkit.harness import FAST_START, LOOPBACK, clean_env, listen_flags
+from testkit.harness import FAST_START, LOOPBACK, clean_env
 from tests.service.conftest import StartServer
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -203,9 +203,10 @@ def test_the_exporters_come_from_the_standard_variables() -> None:
     ],
 )
 def test_an_exporter_that_is_not_installed_stops_the_start(workers: str, env: dict[str, str]) -> None:
-    serve = [sys.executable, "-m", "indexer_service.service.process.cli", "serve", *FAST_START, *listen_flags()]
+    serve = [sys.executable, "-m", "indexer_service.service.process.cli", "serve", *FAST_START]
+    ports = [f"--{name}-port=0" for name in ("grpc", "http", "http-rpc", "health")]
     done = subprocess.run(
-        [*serve, f"--workers={workers}"],
+        [*serve, *ports, f"--workers={workers}"],
         env=clean_env(**env),
         capture_output=True,
         text=True,
