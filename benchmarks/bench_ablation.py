@@ -130,7 +130,8 @@ def main() -> None:
         service_flags,
         start_echo,
     )
-    from testkit.harness import ServiceProcess, clean_env, listen_flags, write_json
+    from testkit.harness import ServiceProcess, clean_env, listen_flags
+    from testkit.record import write_json
 
     def start(server: str) -> ServiceProcess:
         command = [sys.executable, "-m", "benchmarks.bench_ablation", "--serve", server, "--", *listen_flags()]
