@@ -35,18 +35,18 @@ _pinned: list[dict[str, object]] = []
 
 def process_name(command: Sequence[str]) -> str:
     """A started process's name for the record: the program and its words before the first flag (``indexer-service
-    serve``, ``python3 -m benchmarks.bench_rpc``), with a ``--serve*`` flag and its word kept (the echo baselines and
-    the ablation's cut servers are their benchmark started so), paths dropped."""
-    words = [Path(command[0]).name]
-    rest = list(command[1:])
-    for n, word in enumerate(rest):
-        if word.startswith("--"):
-            if word.startswith("--serve"):
-                words += [word, *(w for w in rest[n + 1 : n + 2] if "/" not in w and not w.startswith("-"))]
-            break
-        if "/" in word:
+    serve``, ``python3 -m benchmarks.bench_rpc``, ``goecho``), with a ``--serve*`` flag and its word kept (the echo
+    baselines and the ablation's cut servers are their benchmark started so), paths dropped."""
+    words, rest = [Path(command[0]).name], list(command[1:])
+    while rest and "/" not in rest[0]:
+        word = rest.pop(0)
+        if word.startswith("-") and word != "-m" and not word.startswith("--serve"):
             break
         words.append(word)
+        if word == "-m" or word.startswith("--serve"):  # with the module or the server it names
+            words += [rest.pop(0)] if rest and "/" not in rest[0] and not rest[0].startswith("-") else []
+            if word != "-m":
+                break
     return " ".join(words)
 
 
