@@ -193,6 +193,11 @@ def test_history_names_where_each_removed_file_is_and_cites_no_other() -> None:
     assert dangling == ["h200-rpc.json"], f"history.md cites results/ files neither there nor in its table: {dangling}"
 
 
+def test_history_lists_every_file_kept_in_results() -> None:
+    kept = set(re.findall(r"^\| `([\w.-]+)` \| [0-9a-f]{7,40}, \d{4}-\d\d-\d\d \|", HISTORY.read_text(), re.M))
+    assert kept == {path.name for path in RESULTS.iterdir()}, "history.md's table of kept files is not results/"
+
+
 def test_each_removed_file_can_be_read_at_its_commit() -> None:
     for name, commit in removed_files().items():
         try:
