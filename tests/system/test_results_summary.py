@@ -1,4 +1,4 @@
-"""benchmarks/RESULTS.md is what its JSON files say (issue 38 item 1).
+"""benchmarks/RESULTS.md is what its JSON files say.
 
 Every table row of RESULTS.md names, in its last column, a JSON file under benchmarks/results/ and the keys its
 figures come from: ``results/FILE.json`` ``PREFIX``: ``KEY``, ``KEY``, ... (a key ``a/b`` is the ratio of two). Every
@@ -198,6 +198,19 @@ def test_history_names_where_each_removed_file_is_and_cites_no_other() -> None:
     dangling = sorted(name for name in cited if not (RESULTS / name).exists() and name not in removed)
     # h200-rpc.json was removed before this table existed; its section says so.
     assert dangling == ["h200-rpc.json"], f"history.md cites results/ files neither there nor in its table: {dangling}"
+
+
+def test_the_documents_cite_results_there_or_in_historys_table() -> None:
+    """A JSON the documents name (`results/NAME.json`) is under results/, or history.md says where it can be read."""
+    removed = removed_files()
+    documents = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), REPO / "deploy" / "README.md"]
+    dangling = [
+        f"{document.relative_to(REPO)}: {name}"
+        for document in documents
+        for name in re.findall(r"results/([\w.-]+\.json)", document.read_text())
+        if not (RESULTS / name).exists() and name not in removed
+    ]
+    assert not dangling, "results cited that are neither in results/ nor in history.md's table:\n" + "\n".join(dangling)
 
 
 def test_history_lists_every_file_kept_in_results() -> None:
