@@ -207,7 +207,7 @@ def test_the_documents_cite_results_there_or_in_historys_table() -> None:
     dangling = [
         f"{document.relative_to(REPO)}: {name}"
         for document in documents
-        for name in re.findall(r"results/([\w.-]+\.json)", document.read_text())
+        for name in re.findall(r"results/([a-z0-9][\w.-]*\.json)", document.read_text())
         if not (RESULTS / name).exists() and name not in removed
     ]
     assert not dangling, "results cited that are neither in results/ nor in history.md's table:\n" + "\n".join(dangling)
