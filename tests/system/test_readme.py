@@ -71,6 +71,33 @@ def test_each_headline_figure_cites_a_run_that_records_its_commit_date_and_machi
         assert run["commit"].startswith(commit) and run["date"].startswith(date), (row, run)
 
 
+def json_numbers(data: object) -> list[float]:
+    """Every number a benchmark's JSON holds, its run record aside."""
+    if isinstance(data, dict):
+        return [n for key, value in data.items() if key != "run" for n in json_numbers(value)]
+    if isinstance(data, list):
+        return [n for value in data for n in json_numbers(value)]
+    return [float(data)] if isinstance(data, int | float) and not isinstance(data, bool) else []
+
+
+def test_each_headline_figure_is_a_number_of_its_run() -> None:
+    """Every number of a row's result and baseline, as rounded there (a % is the value times 100), is a value of the
+    JSON it cites: a figure copied wrong, or left behind when its file was replaced, fails here."""
+    header, rows = first_table(section("Performance"))
+    shown = [header.index("result"), header.index("baseline, same run")]
+    for row in rows:
+        (name,) = re.findall(r"`([\w.-]+\.json)`", row[header.index("run (commit, date)")])
+        values = json_numbers(json.loads((RESULTS / name).read_text()))
+        for cell in (row[column] for column in shown):
+            for number, percent in re.findall(r"(?<![\w.])(\d[\d,]*(?:\.\d+)?)(\s?%)?", cell):
+                digits = len(number.partition(".")[2])
+                target = float(number.replace(",", ""))
+                scale = 100 if percent else 1
+                assert any(round(v * scale, digits) == target for v in values), (
+                    f"{number}{percent} of {row}: not in {name}"
+                )
+
+
 def test_one_call_example_each_for_python_grpcurl_and_curl_runs_against_a_server() -> None:
     calling = section("Calling it")
     examples = [
