@@ -115,7 +115,7 @@ class RawGrpcConnection:
 
     def start_call(
         self,
-        path: str,
+        path: str | bytes,
         message: bytes | None,
         reset: bool = False,
         flush: bool = True,
@@ -124,8 +124,8 @@ class RawGrpcConnection:
         """Open a stream with one unary gRPC request (HEADERS, then DATA ending the stream); ``message`` None: the
         HEADERS alone, the stream left open (a call whose request never comes); with ``reset``, a RST_STREAM
         (CANCEL) right after; with ``grpc_timeout`` (the header's value, e.g. ``"1u"``: one microsecond) a
-        deadline. The stream id, or None when the server's stream limit or a GOAWAY leaves no room for a new stream
-        (the limit being enforced is the server's defence)."""
+        deadline. ``path`` as bytes is sent as it is, UTF-8 or not. The stream id, or None when the server's stream
+        limit or a GOAWAY leaves no room for a new stream (the limit being enforced is the server's defence)."""
         with self._lock:
             if self.closed.is_set():
                 return None
@@ -458,7 +458,7 @@ class CallLoopReport:
 def call_loop(
     host: str,
     port: int,
-    path: str,
+    path: str | bytes,
     message: bytes,
     max_seconds: float,
     grpc_timeout: str | None = None,

@@ -21,13 +21,14 @@ from testkit.streams import WATCH_PATH
 
 UNDECODABLE = b"\xff\xff\xff"  # no protobuf message parses from it (a field tag of wire type 7)
 HEALTH_CHECK_PATH = "/grpc.health.v1.Health/Check"
+NON_UTF8_PATH = HEALTH_CHECK_PATH.encode() + b"\xff"  # a :path grpcio cannot decode (it logged a traceback per call)
 TRAILER_BYTES = 2**26  # the 64 MiB trailer field
 SILENT_WATCHES_EACH = 4  # the issue's: as many as health's pool once had threads
 
 
 def undecodable_calls(
     ports: dict[int, int],
-    paths: tuple[str, ...],
+    paths: tuple[str | bytes, ...],
     seconds_each: float,
     calls_each: int | None = None,
     together: bool = False,

@@ -71,6 +71,7 @@ def assert_memory_back(server, before: int, summary: str) -> None:
 
 UNDECODABLE_CALLS = 10_000  # the issue's count, Watch and Check
 RSS_PER_10K_CALLS = 2**20  # the issue's: within 1 MiB of before after 10,000 (grpcio's own path kept ~200 MiB)
+NON_UTF8_CALLS = 200  # a port's calls with a :path that is not UTF-8
 
 
 @pytest.mark.slow  # 10,000 calls
@@ -78,9 +79,10 @@ def test_undecodable_health_calls_are_refused_counted_logged_per_port_and_keep_n
     """10,000 health Watch and Check calls whose request does not parse (3 bytes 0xff), half on each gRPC port,
     from another peer, one connection per port and method at once. Before: each Watch kept ~20 KiB for good (16-20k
     calls added 310-395 MiB), each Check logged a traceback (132k lines in 30 s) and slowed the health port's probe
-    to 96.8 %; nothing was counted. Now: each refused INVALID_ARGUMENT and counted ``undecodable``; the victim and
-    the probes served as in the control; RSS within 1 MiB of before; the log one ``shed reason=undecodable`` line
-    per port and interval, no traceback."""
+    to 96.8 %, and so did each call whose :path is not UTF-8; nothing was counted. Now: each refused
+    INVALID_ARGUMENT and counted ``undecodable`` (a :path that is not UTF-8: UNIMPLEMENTED, counted as an unknown
+    method); the victim and the probes served as in the control; RSS within 1 MiB of before; the log one
+    ``shed reason=undecodable`` line per port and interval, no traceback."""
     server = serve(*TRIM)
     control = control_run(server, CONTROL_SECONDS)
     before, lines_before = trimmed_rss(server), len(server.log().splitlines())
@@ -90,11 +92,17 @@ def test_undecodable_health_calls_are_refused_counted_logged_per_port_and_keep_n
     started = time.monotonic()
     with Siege(server) as siege:
         reports = shapes.undecodable_calls(ports, paths, 120.0, calls_each=each, together=True)
+        odd_paths = shapes.undecodable_calls(ports, (shapes.NON_UTF8_PATH,), 60.0, calls_each=NON_UTF8_CALLS)
     after = trimmed_rss(server)
     endings = merged_counts(r.endings for r in reports)
-    summary = compared(control, siege, f"endings {endings}; RSS {mib(before):.2f} -> {mib(after):.2f} MiB")
+    odd_endings = merged_counts(r.endings for r in odd_paths)
+    rss = f"RSS {mib(before):.2f} -> {mib(after):.2f} MiB"
+    summary = compared(control, siege, f"endings {endings}, non-UTF-8 paths {odd_endings}; {rss}")
     assert endings == {"grpc-3": UNDECODABLE_CALLS}, summary  # INVALID_ARGUMENT, every one
     assert siege.shed().get("undecodable") == UNDECODABLE_CALLS, summary
+    # A method nobody serves, UNIMPLEMENTED: counted as such, once per call.
+    assert odd_endings == {"grpc-12": len(ports) * NON_UTF8_CALLS}, summary
+    assert siege.errors() == {"UNIMPLEMENTED": len(ports) * NON_UTF8_CALLS}, summary
     assert_served_as_in_control(control, siege, summary)
     assert after - before < RSS_PER_10K_CALLS * UNDECODABLE_CALLS / 10_000, summary
 
