@@ -35,7 +35,7 @@ VICTIM = 0.99  # the issue's: the victim's calls, and a fresh client's, served
 PROBES = 0.999  # the issue's: each probe (a Check on either gRPC port, /livez, /readyz) answered within 1 s
 CONTROL_SECONDS = 2.0
 FRESH_CLIENT_INTERVAL = 0.5
-TRIM = ("--idle-trim-seconds", "1")  # idle RSS measured, and given back, within seconds
+TRIM = ("--idle-trim-seconds=1",)  # idle RSS measured, and given back, within seconds
 MEMORY_RATIO = 1.2  # the issue's: RSS within 1.2x of before once the attack is over
 SHED_LOG_INTERVAL = 10.0  # service/overload/admission.py's SHED_LOG_INTERVAL_SECONDS
 
@@ -126,7 +126,7 @@ def test_silent_watches_hold_no_health_thread_and_are_ended_counted(serve) -> No
     IndexerClient, which health-checks its channels, timed out; nothing counted). Now they hold no thread: fresh
     clients, a new Watch on the health port, the victim and the probes are served as in the control, and each is
     ended after request_timeout_seconds, counted ``request_timeout``."""
-    server = serve("--request-timeout-seconds", "2", *TRIM)
+    server = serve("--request-timeout-seconds=2", *TRIM)
     control = control_run(server, CONTROL_SECONDS, fresh_client_interval=FRESH_CLIENT_INTERVAL)
     before = trimmed_rss(server)
     flood = shapes.silent_watches(server)
@@ -195,7 +195,7 @@ def test_silent_unary_calls_from_one_peer_hold_only_its_share(serve) -> None:
     every probe SERVING). Now the peer may have max_concurrent_rpcs_per_peer (64) waiting for their request; the
     rest are refused at once, counted ``peer_share``; those waiting are ended after request_timeout_seconds, counted
     ``request_timeout``; the victim, fresh clients and the probes are served as in the control."""
-    server = serve("--request-timeout-seconds", "2", *TRIM)
+    server = serve("--request-timeout-seconds=2", *TRIM)
     control = control_run(server, CONTROL_SECONDS, fresh_client_interval=FRESH_CLIENT_INTERVAL)
     before = trimmed_rss(server)
     with Siege(server, fresh_client_interval=FRESH_CLIENT_INTERVAL) as siege:
