@@ -216,8 +216,7 @@ class RateLimitedLog:
     is held (the latest one's line, in its call's request-id context) and written by a timer once it is, at most
     ``interval`` plus :data:`FLUSH_SECONDS` after the event. :meth:`note` writes the refusal lines of shed calls and
     HTTP refusals, ``<event> reason=<reason> count=<n> <fields> port=<port> last=<detail>`` (a warning per event,
-    reason and port);
-    :meth:`write` takes a line of any shape."""
+    reason and port); :meth:`write` takes a line of any shape."""
 
     def __init__(self, logger: logging.Logger, interval: float) -> None:
         self.logger = logger
