@@ -330,7 +330,7 @@ def _check(args: argparse.Namespace) -> int:
         f"warmup state={pb.WarmupState.Name(status.state).removeprefix('WARMUP_STATE_')} "
         f"ready={str(status.ready).lower()} backend={status.backend} target={status.target} "
         f"strict={str(status.strict).lower()} keys={len(status.keys)} compiled={states.count('COMPILED')} "
-        f"failed={states.count('FAILED')} seconds={status.warmup_seconds:.3f} "
+        f"cached={states.count('CACHED')} failed={states.count('FAILED')} seconds={status.warmup_seconds:.3f} "
         f"compiles_after_ready={status.compiles_after_ready} server_version={status.server_version or '-'}"
     )
     for key, state in zip(status.keys, states, strict=True):

@@ -21,8 +21,8 @@ from outside, each step timed.
 6. **pod**: the initContainer seeds the Triton cache into a volume, then the server runs as deploy/base's container
    does: uid/gid 10001, read-only root, every capability dropped, no new privileges, tmpfs /tmp, the model
    ConfigMap read-only, the pod's environment and memory limit; its ports published on 127.0.0.1 only. Then:
-   ready (the health port and /readyz, seconds from container start), every warmup key loaded from the cache and
-   proved, BuildChunk over gRPC and over HTTP JSON equal to the golden answers, the image's HEALTHCHECK,
+   ready (the health port and /readyz, seconds from container start), every warmup key loaded from the cache (the
+   metric, and KEY_STATE_CACHED in GetWarmupStatus) and proved, BuildChunk over gRPC and over HTTP JSON equal to the golden answers, the image's HEALTHCHECK,
    `indexer-service check`, no compile after ready, scripts/check-prebuilt-cache.sh inside the running container
    (every default port taken there), and SIGTERM: NOT_SERVING within 1 s, exit 0.
 
@@ -53,10 +53,14 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
 
 from testkit.paths import REPO
+
+if TYPE_CHECKING:
+    from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
 
 DOCKERFILE = REPO / "Dockerfile"
 DEPLOY_BASE = REPO / "deploy" / "base"
@@ -840,8 +844,19 @@ def log_time(log: str, marker: str) -> float | None:
     return None
 
 
-def check_warmup(metrics: dict, log: str, steps: Steps) -> None:
-    """Every key loaded from the prebuilt cache (none compiled, none failed) and proved."""
+def warmup_status(running: Running) -> pb.GetWarmupStatusResponse:
+    """GetWarmupStatus of the running server, over gRPC."""
+    from indexer_service.service.client import IndexerClient
+
+    with IndexerClient(f"127.0.0.1:{running.ports['grpc']}", max_attempts=1) as client:
+        return client.warmup_status()
+
+
+def check_warmup(metrics: dict, status: pb.GetWarmupStatusResponse, log: str, steps: Steps) -> None:
+    """Every key loaded from the prebuilt cache (none compiled, none failed), as the metric and GetWarmupStatus say
+    (KEY_STATE_CACHED for each), and proved."""
+    from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
+
     states = {labels["state"]: value for labels, value in metrics["indexer_warmup_keys"]}
     planned = states.get("planned", 0)
     check(planned >= 1, f"no warmup keys planned: {states}")
@@ -849,13 +864,18 @@ def check_warmup(metrics: dict, log: str, steps: Steps) -> None:
         states.get("cached") == planned and states.get("compiled") == 0 and states.get("failed") == 0,
         f"every key must load from the prebuilt cache, none compile: indexer_warmup_keys {states}",
     )
+    reported = {key.label: pb.KeyState.Name(key.state) for key in status.keys}
+    check(
+        len(reported) == planned and set(reported.values()) == {"KEY_STATE_CACHED"},
+        f"GetWarmupStatus must report every key KEY_STATE_CACHED (loaded from the prebuilt cache): {reported}",
+    )
     seconds = {labels["key"]: value for labels, value in metrics["indexer_warmup_key_compile_seconds"]}
     check(PROOF_SKIPPED not in log, "the warmup skipped a proof:\n" + grep(log, PROOF_SKIPPED))
     proved = [line for line in log.splitlines() if re.search(r"warmup \d+/\d+ key=\S+ .*\bproof=ok\b", line)]
     check(len(proved) == planned, f"{len(proved)} of {int(planned)} keys proved:\n" + grep(log, "warmup "))
     check(NO_FAST_PATH not in log, "an extension is missing:\n" + grep(log, NO_FAST_PATH))
     listed = ", ".join(f"{key} {value * 1000:.1f} ms" for key, value in sorted(seconds.items()))
-    steps.note("warmup", f"{int(planned)} keys loaded from the cache and proved: {listed}")
+    steps.note("warmup", f"{int(planned)} keys loaded from the cache (metric and RPC) and proved: {listed}")
 
 
 def golden_cases() -> list[dict]:
@@ -1043,7 +1063,7 @@ def serve_and_check(engine: Engine, healthcheck: dict, steps: Steps) -> None:
                     "ready", f"over the {READY_SECONDS} s target (IMAGE_READY_SECONDS); failed past {READY_LIMIT} s"
                 )
         with steps.step("warmup"):
-            check_warmup(samples(running.ports["http-metrics"]), log, steps)
+            check_warmup(samples(running.ports["http-metrics"]), warmup_status(running), log, steps)
         with steps.step("golden"):
             check_golden(running, steps)
         with steps.step("healthcheck"):

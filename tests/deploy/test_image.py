@@ -272,6 +272,40 @@ def test_times_from_the_engine_and_the_log_are_epoch_seconds() -> None:
     assert logged == pytest.approx(image.epoch("2026-12-07T03:05:11.223Z"), abs=1e-6) and logged - a < 0.1
 
 
+def test_the_warmup_check_wants_every_key_cached_by_the_metric_and_the_rpc() -> None:
+    """make image-test's warmup check: every key loaded from the seeded cache, as indexer_warmup_keys counts and as
+    GetWarmupStatus reports (KEY_STATE_CACHED, a state of its own), and proved; a key the RPC reports COMPILED, or
+    a metric that counts one compiled, fails it."""
+    from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
+
+    labels = ("r1-b1024-aligned-i32", "r4-b1024-aligned-i32", "r128-b1024-aligned-i32")
+    log = "".join(
+        f"warmup {n}/3 key={label} seconds=0.002 source=cache proof=ok\n" for n, label in enumerate(labels, 1)
+    )
+
+    def metrics(compiled: int) -> dict:
+        states = {"planned": 3, "compiled": compiled, "cached": 3 - compiled, "failed": 0}
+        return {
+            "indexer_warmup_keys": [({"state": state}, value) for state, value in states.items()],
+            "indexer_warmup_key_compile_seconds": [({"key": label}, 0.002) for label in labels],
+        }
+
+    def status(*states: int) -> pb.GetWarmupStatusResponse:
+        return pb.GetWarmupStatusResponse(
+            keys=[pb.KeyStatus(label=lb, state=st) for lb, st in zip(labels, states, strict=True)]
+        )
+
+    cached = pb.KEY_STATE_CACHED
+    image.check_warmup(metrics(0), status(cached, cached, cached), log, image.Steps())
+    with pytest.raises(image.CheckFailed, match="KEY_STATE_CACHED"):
+        image.check_warmup(metrics(0), status(cached, pb.KEY_STATE_COMPILED, cached), log, image.Steps())
+    with pytest.raises(image.CheckFailed, match="none compile"):
+        image.check_warmup(metrics(1), status(cached, cached, cached), log, image.Steps())
+    with pytest.raises(image.CheckFailed, match="proved"):
+        image.check_warmup(metrics(0), status(cached, cached, cached), log.replace("proof=ok", "proof=none", 1),
+                           image.Steps())  # fmt: skip
+
+
 @requires_kustomize
 def test_the_replayed_pod_is_the_deployed_one() -> None:
     """What `make image-test` reads from deploy/base (the Deployment and its ConfigMap's files) is what the CPU
