@@ -21,10 +21,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from indexer_service.kernels.specialization import CompileKey, ModelConfig, warmup_keys
-from indexer_service.service.metrics import Metrics
 
-if TYPE_CHECKING:  # the compile engine imports torch and Triton: loaded only when something compiles
+if TYPE_CHECKING:  # the compile engine imports Triton: loaded only when something compiles
     from indexer_service.kernels.compile_engine import CompileOutcome
+    from indexer_service.service.metrics import Metrics
 
 log = logging.getLogger(__name__)
 

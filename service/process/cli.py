@@ -54,6 +54,12 @@ def _serve(args: argparse.Namespace) -> int:
     signals = ShutdownSignals()
     try:
         config = _configure(args)
+        if config.warmup_enabled and config.workers == 1:
+            # Triton loads, and hashes its installation (its cache's key), beside the rest of the start from here:
+            # on the critical path of a CPU start, begun as early as the configuration says it is needed.
+            from indexer_service.service.compute.warmup import preload_compiler
+
+            preload_compiler()
         from indexer_service.service.tracing import exporter_entry_points
 
         exporter_entry_points()  # an OTEL_* mistake stops the start with exit 2, one worker or several
@@ -71,7 +77,7 @@ def _serve(args: argparse.Namespace) -> int:
 
             code = supervise(config, workers, source, args.port_file, signals)
         else:
-            if config.warmup_enabled:  # Triton loads while the server is imported and built
+            if config.warmup_enabled:  # workers = 0 (auto) that came to 1: not preloaded above
                 from indexer_service.service.compute.warmup import preload_compiler
 
                 preload_compiler()
