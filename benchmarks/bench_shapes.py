@@ -35,7 +35,8 @@ import numpy as np
 from benchmarks import loadgen
 from benchmarks.bench_rpc import METHOD, SERVICE_FLAGS
 from testkit.batches import request_files
-from testkit.harness import ServiceProcess, start_all, write_json
+from testkit.harness import ServiceProcess, start_all
+from testkit.record import write_json
 
 TARGET = 0.8
 MANY_PER_ADDRESS = 4
@@ -74,8 +75,8 @@ def main() -> None:
     client_cpus = set(cpus[n:]) if pinned else None
     flags = (*SERVICE_FLAGS, "--backend", "numpy")
     pods = [ServiceProcess(*flags, "--workers", "1", cpus={cpus[i]} if pinned else None) for i in range(n)]
-    replica = ServiceProcess(*flags, "--workers", str(n), "--pin-workers", "on" if pinned else "off",
-                             cpus=set(cpus[:n]) if pinned else None)  # fmt: skip
+    pin = "on" if pinned else "off"
+    replica = ServiceProcess(*flags, f"--workers={n}", f"--pin-workers={pin}", cpus=set(cpus[:n]) if pinned else None)
     shapes = {"pods": pods, "replica": [replica]}
     batches = args.batches.split(",")
     rows: dict[str, dict[str, dict[str, list[dict]]]] = {
