@@ -1229,6 +1229,9 @@ def serve_and_check(engine: Engine, healthcheck: dict, steps: Steps) -> None:
 
 
 def main() -> int:
+    # gRPC core's own INFO lines (a GOAWAY as the server drains) would interleave with the steps' report; set
+    # before this process first imports grpc.
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     steps = Steps()
     WORK.mkdir(parents=True, exist_ok=True)
     try:
