@@ -54,8 +54,10 @@ from indexer_service.service.errors import (
     ServiceError,
     Shed,
 )
-from indexer_service.service.logs import FailedCallLog, RateLimitedLog
-from indexer_service.service.metrics import UNKNOWN_METHOD, Metrics
+from indexer_service.service.observability.logs import FailedCallLog, RateLimitedLog
+from indexer_service.service.observability.metrics import UNKNOWN_METHOD, Metrics
+from indexer_service.service.observability.tracing import RpcTracer
+from indexer_service.service.observability.version import version_line
 from indexer_service.service.overload.admission import (
     SHED_LOG_INTERVAL_SECONDS,
     Admission,
@@ -67,8 +69,6 @@ from indexer_service.service.overload.books import NOT_COMPILED, load_compiled
 from indexer_service.service.overload.limits import RequestLimits, fast_path_limits
 from indexer_service.service.reasons import ShedReason
 from indexer_service.service.rpcs import RPCS, parse_request
-from indexer_service.service.tracing import RpcTracer
-from indexer_service.service.version import version_line
 
 log = logging.getLogger(__name__)
 
@@ -277,7 +277,7 @@ class DataPlane:
                 self.metrics.child(self.metrics.request_duration_seconds, method, failed.name).observe(duration)
                 self.metrics.child(self.metrics.request_errors_total, method, failed.name).inc()
             elif fast is not None:  # (nothing after the fast path's answer can fail)
-                # four C calls in a single process (service/threadmetrics.py), no Python frame
+                # four C calls in a single process (service/observability/threadmetrics.py), no Python frame
                 observe_duration, observe_backend, observe_requests, observe_tokens = self._fast_call_observes
                 observe_duration(duration)
                 observe_backend(fast[3])

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from indexer_service.kernels.specialization import CompileKey, ModelConfig, warmup_keys
-from indexer_service.service.metrics import Metrics
+from indexer_service.service.observability.metrics import Metrics
 
 if TYPE_CHECKING:  # the compile engine imports torch and Triton: loaded only when something compiles
     from indexer_service.kernels.compile_engine import CompileOutcome

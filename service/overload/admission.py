@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from indexer_service.service.errors import Code
-from indexer_service.service.logs import RateLimitedLog
-from indexer_service.service.metrics import Metrics
+from indexer_service.service.observability.logs import RateLimitedLog
+from indexer_service.service.observability.metrics import Metrics
 from indexer_service.service.overload import books
 from indexer_service.service.overload.books import Ticket
 from indexer_service.service.reasons import ShedReason
@@ -67,7 +67,8 @@ class Refused(Exception):
 
 class ShedLog:
     """Counts every shed call in ``indexer_requests_shed_total`` and logs it, rate-limited per reason
-    (:class:`~indexer_service.service.logs.RateLimitedLog`): ``shed reason=R count=N method=M last=DETAIL``."""
+    (:class:`~indexer_service.service.observability.logs.RateLimitedLog`): ``shed reason=R count=N method=M
+    last=DETAIL``."""
 
     def __init__(self, metrics: Metrics, interval: float = SHED_LOG_INTERVAL_SECONDS) -> None:
         self.metrics = metrics

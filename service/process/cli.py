@@ -23,8 +23,8 @@ from indexer_service.service.config import (
     requested_log_format,
     unknown_environment,
 )
-from indexer_service.service.logs import configure_logging, error_line
-from indexer_service.service.version import version_line
+from indexer_service.service.observability.logs import configure_logging, error_line
+from indexer_service.service.observability.version import version_line
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ def _serve(args: argparse.Namespace) -> int:
     signals = ShutdownSignals()
     try:
         config = _configure(args)
-        from indexer_service.service.tracing import exporter_entry_points
+        from indexer_service.service.observability.tracing import exporter_entry_points
 
         exporter_entry_points()  # an OTEL_* mistake stops the start with exit 2, one worker or several
     except BaseException:

@@ -27,10 +27,10 @@ replica shares:
   ``/metrics`` of any worker is the replica's; here ``indexer_ready``, ``indexer_worker_up``,
   ``indexer_worker_ready`` and ``indexer_worker_restarts_total{worker,reason}``, and this process's share of
   ``indexer_open_fds`` and of the health port's ``indexer_peer_connections_closed_total`` and
-  ``indexer_requests_shed_total`` (:class:`~service.metrics.SupervisorMetrics`). The directory is named before this
-  process imports prometheus_client (:func:`supervise`), which then keeps the supervisor's values there as it does
-  the workers'. A dead worker's files are retired (service/metrics.py :func:`retire_process`): the directory does
-  not grow with restarts.
+  ``indexer_requests_shed_total`` (:class:`~service.observability.metrics.SupervisorMetrics`). The directory is named
+  before this process imports prometheus_client (:func:`supervise`), which then keeps the supervisor's values there as
+  it does the workers'. A dead worker's files are retired (service/observability/metrics.py :func:`retire_process`): the
+  directory does not grow with restarts.
 - **The warmup**: workers warm up one at a time under a file lock; the first compiles into the Triton cache,
   the others load what it wrote.
 - **The runtime directory** (``$TMPDIR/indexer-workers-*``): removed on every exit the supervisor controls; one
@@ -305,7 +305,7 @@ class Supervisor:
     # -- start ----------------------------------------------------------------------------------------------
 
     def start(self) -> None:
-        from indexer_service.service.metrics import SupervisorMetrics
+        from indexer_service.service.observability.metrics import SupervisorMetrics
         from indexer_service.service.overload.admission import ShedLog
         from indexer_service.service.overload.peers import PeerCap
         from indexer_service.service.process.server import listening_addresses
@@ -424,7 +424,7 @@ class Supervisor:
             if slot.restart_at is not None and time.monotonic() >= slot.restart_at and not self.draining:
                 self._spawn(slot)
         if self._to_retire:
-            from indexer_service.service.metrics import retire_process
+            from indexer_service.service.observability.metrics import retire_process
 
             self._to_retire = [pid for pid in self._to_retire if not retire_process(pid, str(self.metrics_dir))]
         self._refresh()

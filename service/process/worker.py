@@ -46,10 +46,10 @@ def run_worker(link: WorkerLink, signals: object) -> int:
     # imports (numpy, grpc, a backend) take their time.
     from indexer_service.service import adapters
     from indexer_service.service.compute.devices import uses_triton
-    from indexer_service.service.logs import configure_logging
+    from indexer_service.service.observability.logs import configure_logging
+    from indexer_service.service.observability.version import VERSION
     from indexer_service.service.overload.allocator import configure_malloc
     from indexer_service.service.process.server import IndexerServer
-    from indexer_service.service.version import VERSION
 
     config = config_from_json((link.runtime_dir / CONFIG_FILE).read_text())
     configure_logging(config.log_level, config.log_format, link.slot)

@@ -28,8 +28,8 @@ from indexer_service.service.codec import SERVICE_NAME
 from indexer_service.service.config import ServiceConfig
 from indexer_service.service.dataplane import DataPlane
 from indexer_service.service.errors import Code, ServiceError, Shed, UnknownMethod
-from indexer_service.service.logs import NEW_REQUEST_IDS, REQUEST_ID, REQUEST_ID_HEADER, request_id_from
-from indexer_service.service.metrics import UNKNOWN_METHOD
+from indexer_service.service.observability.logs import NEW_REQUEST_IDS, REQUEST_ID, REQUEST_ID_HEADER, request_id_from
+from indexer_service.service.observability.metrics import UNKNOWN_METHOD
 from indexer_service.service.overload.admission import Caller, DrainWatchdog
 from indexer_service.service.overload.limits import max_request_bytes
 from indexer_service.service.reasons import ShedReason
