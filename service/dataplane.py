@@ -39,7 +39,6 @@ from indexer_service.kernels.planner import (
 from indexer_service.kernels.specialization import CompileKey
 from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
 from indexer_service.service import adapters, codec
-from indexer_service.service.cgroups import memory_limit
 from indexer_service.service.compute.backends import FAST_PATH_BACKEND, Backend
 from indexer_service.service.compute.readiness import Readiness
 from indexer_service.service.compute.warmup import KeyState, Warmup, WarmupState
@@ -67,6 +66,7 @@ from indexer_service.service.overload.admission import (
 )
 from indexer_service.service.overload.books import NOT_COMPILED, load_compiled
 from indexer_service.service.overload.limits import RequestLimits, fast_path_limits
+from indexer_service.service.process.cgroups import memory_limit
 from indexer_service.service.reasons import ShedReason
 from indexer_service.service.rpcs import RPCS, parse_request
 

@@ -30,7 +30,7 @@ import numpy as np
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
-from indexer_service.service.addresses import host_port
+from indexer_service.service.process.addresses import host_port
 from testkit.paths import REPO
 
 INDEXER_SERVICE = str(Path(sys.executable).with_name("indexer-service"))

@@ -44,7 +44,7 @@ PACKAGE = "indexer_service_client"
 # closed: the wheel imports in an environment that has nothing else of this project).
 MODULES = {
     "service/client.py": "client.py",
-    "service/addresses.py": "addresses.py",
+    "service/process/addresses.py": "addresses.py",
     "service/codec.py": "codec.py",
     "kernels/inputs.py": "kernels/inputs.py",
     "kernels/formulas.py": "kernels/formulas.py",
@@ -66,8 +66,11 @@ INIT = (
 )
 # "from indexer_service.service import codec" -> "from indexer_service_client import codec";
 # "from indexer_service.service.codec import X" -> "from indexer_service_client.codec import X";
+# "from indexer_service.service.process.addresses import X" -> "from indexer_service_client.addresses import X";
 # "from indexer_service.kernels.inputs import X" -> "from indexer_service_client.kernels.inputs import X".
-_IMPORTS = re.compile(r"^(\s*)(from|import) indexer_service(\.service(?= import)|\.service\.|\.)", re.MULTILINE)
+_IMPORTS = re.compile(
+    r"^(\s*)(from|import) indexer_service(\.service(?:\.process)?(?= import)|\.service(?:\.process)?\.|\.)", re.MULTILINE
+)
 _EPOCH = (1980, 1, 1, 0, 0, 0)  # the oldest date a zip holds: the wheel's bytes depend only on its files
 
 
@@ -84,7 +87,7 @@ def package_files() -> dict[str, bytes]:
         if source.endswith(".py"):
             # service.client, .addresses and .codec sit at the package's top; the others keep their folders.
             text = _IMPORTS.sub(
-                lambda m: f"{m.group(1)}{m.group(2)} {PACKAGE}{'' if m.group(3) == '.service' else '.'}", text
+                lambda m: f"{m.group(1)}{m.group(2)} {PACKAGE}{'.' if m.group(3).endswith('.') else ''}", text
             )
         files[f"{PACKAGE}/{target}"] = text.encode()
         for parent in Path(target).parents:

@@ -361,7 +361,7 @@ class _ReplicaCollector:
     def _process_families(self):
         from prometheus_client.core import Metric
 
-        from indexer_service.service.workerproto import worker_slot
+        from indexer_service.service.process.workerproto import worker_slot
 
         families: dict[str, Metric] = {}
         supervisor = os.getppid()

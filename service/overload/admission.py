@@ -47,7 +47,7 @@ SHED_LOG_INTERVAL_SECONDS = 10.0
 
 
 def default_response_budget(memory_limit: int | None) -> int:
-    """``response_budget_bytes = 0``: an eighth of the memory limit (the container's: service/cgroups.py), at
+    """``response_budget_bytes = 0``: an eighth of the memory limit (the container's: service/process/cgroups.py), at
     most 256 MiB."""
     if memory_limit is None:
         return DEFAULT_BUDGET_BYTES

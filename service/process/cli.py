@@ -14,7 +14,6 @@ import sys
 import time
 from pathlib import Path
 
-from indexer_service.service.addresses import TARGET_SCHEMES, split_host_port
 from indexer_service.service.config import (
     ConfigError,
     ServiceConfig,
@@ -25,6 +24,7 @@ from indexer_service.service.config import (
 )
 from indexer_service.service.observability.logs import configure_logging, error_line
 from indexer_service.service.observability.version import version_line
+from indexer_service.service.process.addresses import TARGET_SCHEMES, split_host_port
 
 log = logging.getLogger(__name__)
 

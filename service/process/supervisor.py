@@ -1,8 +1,8 @@
 """Several worker processes behind one replica's ports: ``serve`` with ``workers`` above 1.
 
 One Python process serves about one core (the GIL), so a replica with N CPUs runs N workers (service/process/worker.py),
-each a whole single-process server; service/workerproto.py is the protocol between them. This supervisor owns what the
-replica shares:
+each a whole single-process server; service/process/workerproto.py is the protocol between them. This supervisor owns
+what the replica shares:
 
 - **The gRPC port**, shared by the workers with SO_REUSEPORT: the kernel hands each new connection to one of
   them. Before any worker binds, the supervisor binds the port *without* SO_REUSEPORT (so a port anybody else
@@ -61,15 +61,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from indexer_service.service import cgroups
 from indexer_service.service.adapters import prometheus
 from indexer_service.service.codec import SERVICE_NAME
 from indexer_service.service.config import ServiceConfig
 from indexer_service.service.overload.allocator import IdleTrim, configure_malloc
+from indexer_service.service.process import cgroups
 from indexer_service.service.process.lifecycle import ShutdownSignals
 from indexer_service.service.process.listeners import bind_shared, bind_tcp
-from indexer_service.service.reasons import Port, RestartReason
-from indexer_service.service.workerproto import (
+from indexer_service.service.process.workerproto import (
     CONFIG_FILE,
     MAX_PID,
     MAX_SOCKET_PATH_CHARS,
@@ -83,6 +82,7 @@ from indexer_service.service.workerproto import (
     config_to_json,
     probe_socket,
 )
+from indexer_service.service.reasons import Port, RestartReason
 
 if TYPE_CHECKING:  # the module imports prometheus_client, which must wait until the directory is named
     from indexer_service.service.overload.peers import PeerCap

@@ -1,5 +1,5 @@
 """One worker process of several, started by service/process/supervisor.py, never by hand:
-``python -m indexer_service.service.process.worker HANDOFF`` (service/workerproto.py says what it holds).
+``python -m indexer_service.service.process.worker HANDOFF`` (service/process/workerproto.py says what it holds).
 
 A worker is the single-process server (:class:`service.process.server.IndexerServer`) with a :class:`WorkerLink` to its
 supervisor: ``http_port`` accepts at once on the supervisor's listening socket (inherited), so ``/livez``, ``/readyz``
@@ -22,7 +22,7 @@ import os
 import signal
 import sys
 
-from indexer_service.service.workerproto import CONFIG_FILE, Handoff, Status, WorkerLink, config_from_json
+from indexer_service.service.process.workerproto import CONFIG_FILE, Handoff, Status, WorkerLink, config_from_json
 
 _PR_SET_PDEATHSIG = 1
 # How often the main thread looks whether the warmup has finished, while it waits for a signal.

@@ -23,7 +23,6 @@ from pathlib import Path
 import grpc
 
 from indexer_service.service.adapters import grpcio
-from indexer_service.service.addresses import host_port
 from indexer_service.service.codec import SERVICE_NAME
 from indexer_service.service.config import ServiceConfig
 from indexer_service.service.dataplane import DataPlane
@@ -32,6 +31,7 @@ from indexer_service.service.observability.logs import NEW_REQUEST_IDS, REQUEST_
 from indexer_service.service.observability.metrics import UNKNOWN_METHOD
 from indexer_service.service.overload.admission import Caller, DrainWatchdog
 from indexer_service.service.overload.limits import max_request_bytes
+from indexer_service.service.process.addresses import host_port
 from indexer_service.service.reasons import ShedReason
 from indexer_service.service.rpcs import RPCS
 from indexer_service.service.transport.gate import Accounting, CallGate, Lane, never_started_reason

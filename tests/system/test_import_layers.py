@@ -1,10 +1,12 @@
 """The import layers of pyproject.toml's [tool.importlinter] hold (what `lint-imports` checks): the product never
 imports the tests, their kit or the benchmarks; the kernels never import the service; the transports depend on
-the data plane, never the other way; benchmarks and the test kit never import the tests. And the check is worth
-something: a contract the code breaks fails it, so the packages it reads are the real ones, not none."""
+the data plane, never the other way (nor the process layer that starts them); benchmarks and the test kit never import
+the tests. And the check is worth something: a contract the code breaks fails it, so the packages it reads are the real
+ones, not none."""
 
 from __future__ import annotations
 
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -46,3 +48,21 @@ def test_a_broken_contract_fails(
     assert code == 1, report
     assert "server without dataplane BROKEN" in report, report
     assert "indexer_service.service.process.server -> indexer_service.service.dataplane" in report, report
+
+
+def test_every_module_of_the_process_layer_is_placed() -> None:
+    """The request-path and transport contracts name the process layer's modules one by one (three of them only
+    describe and may be read by everyone), so a new module of service/process/ must be placed in one list or the
+    other: forbidden (machinery) or read by the request path."""
+    contracts = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    request_path = next(c for c in contracts if c["name"].startswith("The request path"))
+    transports = next(c for c in contracts if c["name"].startswith("The transports never import"))
+    package = "indexer_service.service.process"
+    modules = {f"{package}.{path.stem}" for path in (REPO / "service" / "process").glob("*.py")} - {
+        f"{package}.__init__"
+    }
+    machinery = {m for m in request_path["forbidden_modules"] if m.startswith(package + ".")}
+    shared = {m for m in request_path["source_modules"] if m.startswith(package + ".")}
+    assert not machinery & shared
+    assert machinery | shared == modules, sorted(modules ^ (machinery | shared))
+    assert set(transports["forbidden_modules"]) == machinery
