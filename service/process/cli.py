@@ -141,7 +141,7 @@ def _precompile(args: argparse.Namespace) -> int:
 def _check_credentials(args: argparse.Namespace) -> object:
     """None (plaintext), or TLS credentials: any --tls* flag turns TLS on; without --tls-ca the server's
     certificate must chain to the system's trusted roots."""
-    from indexer_service.service.client import tls_credentials
+    from indexer_service.client import tls_credentials
 
     if (args.tls_cert is None) != (args.tls_key is None):
         raise UsageError("--tls-cert and --tls-key go together (a client certificate and its key)")
@@ -271,8 +271,8 @@ def _check(args: argparse.Namespace) -> int:
 
     import grpc
 
+    from indexer_service.client import IndexerClient
     from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
-    from indexer_service.service.client import IndexerClient
     from indexer_service.service.codec import SERVICE_NAME
 
     # No client-side health check (a server that is not SERVING must still answer), one attempt and no

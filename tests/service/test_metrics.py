@@ -7,10 +7,10 @@ import grpc
 import numpy as np
 import pytest
 
+from indexer_service.client import IndexerClient
 from indexer_service.kernels.inputs import ChunkInputs
 from indexer_service.kernels.planner import BatchInputs
 from indexer_service.kernels.specialization import ModelConfig, warmup_keys
-from indexer_service.service.client import IndexerClient
 from indexer_service.service.compute.backends import FAST_PATH_BACKEND
 from indexer_service.service.dataplane import MAX_MISSED_VARIANTS
 from indexer_service.service.observability.metrics import UNKNOWN_METHOD, Metrics

@@ -22,8 +22,8 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceResponse,
 )
 
+from indexer_service.client import IndexerClient
 from indexer_service.kernels.inputs import ChunkInputs
-from indexer_service.service.client import IndexerClient
 from indexer_service.service.codec import SERVICE_NAME, chunk_inputs_to_proto
 from indexer_service.service.config import ConfigError
 from indexer_service.service.observability.tracing import exporter_names

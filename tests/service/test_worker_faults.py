@@ -23,8 +23,8 @@ import psutil
 import pytest
 from grpc_health.v1 import health_pb2
 
+from indexer_service.client import IndexerClient
 from indexer_service.kernels.inputs import ChunkInputs
-from indexer_service.service.client import IndexerClient
 from indexer_service.service.config import load_config
 from indexer_service.service.process.supervisor import RuntimeDir, remove_leftovers
 from indexer_service.service.process.workerproto import Handoff, config_from_json, config_to_json
