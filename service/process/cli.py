@@ -14,17 +14,11 @@ import sys
 import time
 from pathlib import Path
 
-from indexer_service.service.config import (
-    ConfigError,
-    ServiceConfig,
-    add_config_arguments,
-    config_from_arguments,
-    requested_log_format,
-    unknown_environment,
-)
+from indexer_service.service.config import ConfigError, ServiceConfig, unknown_environment
 from indexer_service.service.observability.logs import configure_logging, error_line
 from indexer_service.service.observability.version import version_line
 from indexer_service.service.process.addresses import TARGET_SCHEMES, split_host_port
+from indexer_service.service.process.flags import add_config_arguments, config_from_arguments, requested_log_format
 
 log = logging.getLogger(__name__)
 

@@ -606,7 +606,7 @@ def test_docker_context_holds_what_pip_install_needs(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stdout + out.stderr
     (wheel,) = tmp_path.glob("*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    assert "indexer_service/service/default_config.toml" in names
+    assert "indexer_service/service/config/default_config.toml" in names
     assert {"requirements/image-cpu.txt", "requirements/image-gpu.txt"} <= set(files), "the locks must reach the build"
     assert any(n.startswith("indexer_service/protos/indexer/v1/") and n.endswith(".proto") for n in names)
     assert any(n.startswith("indexer_service/kernels/") for n in names)
