@@ -354,7 +354,7 @@ class DataPlane:
                 else ""
             )
             raise _as_error(refused, caller, hint) from None
-        if caller.ended or time.time() >= caller.deadline:  # gone()'s test written out: a frame fewer per call
+        if caller.gone() is not None:
             self._stop_if_abandoned(caller)
         return caller
 

@@ -89,11 +89,8 @@ class GrpcCaller(Caller):
         self.peer, self.deadline, self.metadata, ended = open_call(context, trailers, self.end)
         if ended:
             self.ended = True
-        # What gone() says now, from what was just read: a call that waited for a thread may start past its
-        # deadline or after its caller left.
-        self.gone_at_start = (
-            Code.DEADLINE_EXCEEDED if time.time() >= self.deadline else Code.CANCELLED if self.ended else None
-        )
+        # A call that waited for a thread may start past its deadline or after its caller left.
+        self.gone_at_start = self.gone()
 
     def end(self) -> None:
         self.ended = True
