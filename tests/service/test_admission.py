@@ -32,7 +32,7 @@ from indexer_service.service.overload.admission import (
     ShedLog,
     default_response_budget,
 )
-from indexer_service.service.transport.grpc_server import GRPC_STATUS
+from indexer_service.service.transport.grpc_calls import GRPC_STATUS
 from testkit.harness import poll, wait_for
 from testkit.payloads import AMPLIFIER_PLAN_BATCH, one_row_chunks_plan_batch
 from testkit.planes import make_plane
