@@ -21,7 +21,8 @@ PIN_WORKERS = ("auto", "on", "off")
 
 def _setting(help_text: str) -> object:
     """A setting's field; ``help_text`` (Markdown) is its one description: ``--help`` shows it as plain text and
-    docs/service.md's settings table is generated from it (``python -m indexer_service.service.settings_table``)."""
+    docs/service.md's settings table is generated from it (``python -m indexer_service.service.config.settings_table``).
+    """
     return field(metadata={"help": help_text})
 
 
