@@ -74,8 +74,8 @@ def main() -> None:
     client_cpus = set(cpus[n:]) if pinned else None
     flags = (*SERVICE_FLAGS, "--backend", "numpy")
     pods = [ServiceProcess(*flags, "--workers", "1", cpus={cpus[i]} if pinned else None) for i in range(n)]
-    replica = ServiceProcess(*flags, "--workers", str(n), "--pin-workers", "on" if pinned else "off",
-                             cpus=set(cpus[:n]) if pinned else None)  # fmt: skip
+    pin = "on" if pinned else "off"
+    replica = ServiceProcess(*flags, f"--workers={n}", f"--pin-workers={pin}", cpus=set(cpus[:n]) if pinned else None)
     shapes = {"pods": pods, "replica": [replica]}
     batches = args.batches.split(",")
     rows: dict[str, dict[str, dict[str, list[dict]]]] = {

@@ -68,6 +68,10 @@ def _vllm_shaped_kernel_fn(
         tl.store(cu_seqlen_ke_ptr + out, row_start + visible, mask=mask)
 
 
+# dcp_rank, dcp_world_size, dcp_interleave: no decode context parallelism.
+DCP_OFF = (0, 1, 1)
+
+
 def vllm_shaped_kernel():
     """A fresh JITFunction with Triton's default specialization of every scalar, as vLLM launches it."""
     return triton.jit(_vllm_shaped_kernel_fn)
@@ -80,8 +84,9 @@ def warmup_one_by_one(kernel, model: ModelConfig, max_num_batched_tokens: int, d
         buffers = [torch.zeros(8, dtype=torch.int32, device=device) for _ in range(7)]
         if not aligned:
             buffers[1] = buffers[1][1:]
-        kernel.warmup(*buffers, slice_start, slice_stop, 0, 1, 1, grid=(1,), BLOCK_SIZE=BLOCK_SIZE,
-                      COMPRESS_RATIO=ratio)  # fmt: skip
+        kernel.warmup(
+            *buffers, slice_start, slice_stop, *DCP_OFF, grid=(1,), BLOCK_SIZE=BLOCK_SIZE, COMPRESS_RATIO=ratio
+        )
     return len(points)
 
 
@@ -91,6 +96,7 @@ class VllmStyleBatchBuilder:
     def __init__(self, query_start_loc: np.ndarray, seq_lens: np.ndarray, ratio: int, kernel) -> None:
         self.kernel = kernel
         self.ratio = ratio
+        self.constexprs = {"BLOCK_SIZE": BLOCK_SIZE, "COMPRESS_RATIO": ratio}
         self.compressed_cpu = seq_lens.astype(np.int64) // ratio
         self.qsl = torch.from_numpy(query_start_loc.astype(np.int32)).cuda()
         self.seq_lens = torch.from_numpy(seq_lens.astype(np.int32)).cuda()
@@ -108,7 +114,7 @@ class VllmStyleBatchBuilder:
             token_to_seq = torch.empty(total, dtype=torch.int32, device="cuda")
             ks = torch.empty(b - a, dtype=torch.int32, device="cuda")
             ke = torch.empty(b - a, dtype=torch.int32, device="cuda")
-            self.kernel[(e - s,)](rebased, self.seq_lens[s:e], cu, cu, token_to_seq, ks, ke, a, b, 0, 1, 1,
-                                  BLOCK_SIZE=BLOCK_SIZE, COMPRESS_RATIO=self.ratio)  # fmt: skip
+            outs = (token_to_seq, ks, ke)
+            self.kernel[(e - s,)](rebased, self.seq_lens[s:e], cu, cu, *outs, a, b, *DCP_OFF, **self.constexprs)
             outputs.append((cu, token_to_seq, ks, ke))
         return outputs

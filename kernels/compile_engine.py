@@ -10,8 +10,8 @@ A cache built that way in the serving image is hit by the serving process (deplo
 A key that compiled is then *proved* (:func:`prove_key`): one launch of it on a tiny input, every output element
 checked against numpy. In process that launch runs on the serving GPU (which also fills the launch cache, whatever
 the Triton version); ahead of time, with no GPU to run the cubin, the same kernel source runs through Triton's
-interpreter. A variant that compiles and computes garbage (the seed bug's ratio 0 wrote 16776640 in every ``ke``
-row on CUDA) is a failed key, named by its first wrong element.
+interpreter. A variant that compiles and computes garbage (on CUDA a compress ratio of 0 compiles, then writes
+16776640 in every ``ke`` row: docs/spec.md, section 10) is a failed key, named by its first wrong element.
 
 The kernel is looked up in :mod:`kernels.triton_kernel` at call time, so a test can swap in a wrong one.
 
@@ -290,8 +290,8 @@ def start_compiler() -> float | None:
     """Seconds spent hashing the Triton installation, which its cache key covers; None where this Triton leaves it
     to the first compile (triton_adapter's ``compiler_key``).
 
-    Triton does it once per process, on the first compile (about 0.8 s here, cache hit or not); doing it
-    first keeps it out of the first key's compile seconds.
+    Triton does it once per process, on the first compile, cache hit or not, and it takes far longer than a
+    warm-cache key (docs/performance.md); doing it first keeps it out of the first key's compile seconds.
     """
     start = time.perf_counter()
     return time.perf_counter() - start if triton_adapter.hash_installation() else None

@@ -47,8 +47,8 @@ class LaunchCombiner:
     copy in and one copy out.
 
     Each launch costs fixed host work under the GIL (the launcher, the copies' and event's bookkeeping) and the
-    driver serialises launches of one context, so eight threads launching one by one queue behind each other
-    (issue 12: 8 threads took 13 to 25 times the one-thread time). A thread whose call is queued sleeps on its
+    driver serialises launches of one context, so eight threads launching one by one queue behind each other, each
+    call many times slower than alone (docs/performance.md). A thread whose call is queued sleeps on its
     own event; the thread that leads launches batches until its own call is done, then hands the lead to the
     oldest waiting call. A lone call launches at once. ``launch(table, tokens, rows, dcp, ratio)`` returns the
     batch's token_to_seq, ks and ke, each call's back to back in batch order. A batch holds at most

@@ -1,11 +1,11 @@
 """Which compiled variants of the chunk-metadata kernel exist, which ones warmup compiles, which one a
 live launch needs.
 
-The seed bug of this project was two code paths normalising the compress ratio differently: the runtime
-used ``max(1, r)`` while the warmup used the raw ``0`` and asked Triton to compile a division by zero.
-Here exactly one function, :func:`normalize_compress_ratio`, turns a configured ratio into the constexpr
-``COMPRESS_RATIO``; :func:`warmup_keys` and :func:`key_for_launch` both go through it, so a ``0`` can
-never reach a key or a launch.
+Two code paths that normalise the compress ratio differently (the runtime ``max(1, r)``, the warmup the raw
+``0``) would warm variants no launch needs and ask Triton to compile a division by zero, which no backend can be
+relied on to refuse (docs/spec.md, section 10). Here exactly one function, :func:`normalize_compress_ratio`, turns
+a configured ratio into the constexpr ``COMPRESS_RATIO``; :func:`warmup_keys` and :func:`key_for_launch` both go
+through it, so a ``0`` can never reach a key or a launch.
 
 Specialization axes, chosen on purpose (see ``kernels/triton_kernel.py`` for the kernel):
 

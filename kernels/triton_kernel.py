@@ -49,12 +49,12 @@ def serialise_ast_parse() -> None:
     parse at once and the garbage collector switches threads in the middle of one, the other's count is
     corrupted and its parse fails with ``SystemError: AST constructor recursion depth mismatch`` (the message
     of CPython gh-106905, whose fix covers an error path, not threads). Triton parses the kernel's source in
-    every thread that compiles it (the parallel warmup) or first interprets it; a parallel ahead-of-time
-    compile in CI lost a key this way. A kernel parses in about a millisecond, so the lock costs nothing a
+    every thread that compiles it (the parallel warmup) or first interprets it, so a parallel ahead-of-time
+    compile can lose a key this way. A kernel parses in about a millisecond, so the lock costs nothing a
     warmup can measure; it is installed on every Python version for that reason.
 
     Not covered: ``compile(..., ast.PyCF_ONLY_AST)`` called directly (nothing here does). A garbage-collector
-    finaliser that, in the middle of a parse, waited for another thread's parse would now deadlock instead.
+    finaliser that, in the middle of a parse, waited for another thread's parse would deadlock on this lock.
     """
     if getattr(ast.parse, "serialised", False):
         return

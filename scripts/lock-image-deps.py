@@ -98,10 +98,17 @@ def compile_lock(variant: str, uv: str) -> str:
         source = Path(tmp) / f"image-{variant}.in"
         source.write_text("\n".join(requirements) + "\n")
         command = [
-            uv, "pip", "compile", str(source), "--quiet", "--no-header", "--annotation-style", "line",
-            "--generate-hashes", "--python-version", LOCK_PYTHON[variant],
-            "--python-platform", "x86_64-manylinux_2_28",
-        ]  # fmt: skip
+            uv,
+            "pip",
+            "compile",
+            str(source),
+            "--quiet",
+            "--no-header",
+            "--annotation-style=line",
+            "--generate-hashes",
+            f"--python-version={LOCK_PYTHON[variant]}",
+            "--python-platform=x86_64-manylinux_2_28",
+        ]
         if variant == "cpu":
             command += ["--find-links", os.environ.get("TORCH_FIND_LINKS", TORCH_FIND_LINKS)]
         out = subprocess.run(command, capture_output=True, text=True, check=False)

@@ -1,7 +1,7 @@
 """Between protobuf messages and the kernel layer's types; shared by the server and the client.
 
-Integer arrays travel as ``bytes`` of little-endian int32 (measured ~50x cheaper than packed ``repeated
-int32``): decoding is a zero-copy ``np.frombuffer``.
+Integer arrays travel as ``bytes`` of little-endian int32 (far cheaper to encode than packed ``repeated int32``:
+docs/performance.md): decoding is a zero-copy ``np.frombuffer``.
 """
 
 from __future__ import annotations

@@ -76,7 +76,8 @@ log = logging.getLogger(__name__)
 MAX_MISSED_VARIANTS = 32
 
 # What a planned chunk costs besides its bytes, in bytes of response: each is a few Python objects and a
-# backend call (~150 us against ~1 GB/s for the arrays), which is what makes tiny-budget plans expensive.
+# backend call, as costly as this many bytes of arrays (docs/performance.md), which is what makes tiny-budget plans
+# expensive.
 CHUNK_COST_BYTES = 64 * 2**10
 
 
@@ -148,8 +149,7 @@ class DataPlane:
         self._miss_log = RateLimitedLog(log, SHED_LOG_INTERVAL_SECONDS)
         budget = config.response_budget_bytes or default_response_budget(memory_limit())
         # Waiters hold a gRPC thread each: at most a quarter of the pool waits, so with the heavy lane's own
-        # slots at least half of it is always free for light calls (a full-size attack with half the pool
-        # allowed to wait left the light callers 65 % of their calls).
+        # slots at least half of it is always free for light calls (half is too many: docs/performance.md).
         self.admission = Admission(
             budget,
             config.heavy_request_bytes,
@@ -158,7 +158,7 @@ class DataPlane:
             max_waiting=config.grpc_workers // 4,
             metrics=metrics,
         )
-        self._warmed = False  # warmup.finished_ok, read until it is True (two property frames per call)
+        self._warmed = False  # warmup.finished_ok, read until it is True, then a flag (docs/performance.md)
         self._fast_limits = fast_path_limits(config)
         # The ratios the fast path serves: the warmup set's (strict mode: the warmed ones, known once the warmup is
         # over); any other goes the general way, where it is counted as a warmup miss.
@@ -224,12 +224,12 @@ class DataPlane:
         releases it. Without a caller the ticket is released on return.
 
         One frame for the whole call around the handler, the compiled fast path's included (no ExitStack, no
-        per-call state object besides the caller): every Python call on this path costs 1-2 us of server CPU under
-        load, several times what it costs in a loop (benchmarks/RESULTS.md, issue 20)."""
+        per-call state object besides the caller): a Python call on this path costs several times more server CPU
+        under load than in a loop (docs/performance.md)."""
         in_flight, served_ok = self._call_metrics[method]
         in_flight.inc()
         start = time.perf_counter()
-        failed: Code | None = None  # the failed call's code (None, not Code.OK: an enum read costs ~80 ns, 3 per call)
+        failed: Code | None = None  # the failed call's code (None, not Code.OK: no enum read, docs/performance.md)
         fast = None  # the fast path's (answer, requests, query tokens, seconds), once it has answered
         local = caller is None
         if local:
@@ -253,7 +253,7 @@ class DataPlane:
                 answer = self._handlers[method](parsed)
             ticket = caller.ticket
             if ticket is not None and ticket.nbytes > len(answer) * caller.held_per_answer_byte:
-                # smaller than reserved (the general path reserves an estimate); protobuf's held bytes without a frame
+                # smaller than reserved (the general path reserves an estimate); protobuf's held bytes written out
                 held = len(answer) if caller.held_per_answer_byte == 1.0 else caller.held_bytes(len(answer))
                 ticket.budget.give_back(ticket, held)
             return answer
@@ -339,7 +339,7 @@ class DataPlane:
         if caller is None:
             return None
         cost_bytes = response_bytes + CHUNK_COST_BYTES * num_chunks
-        if cost_bytes > self.admission.heavy_request_bytes:  # tested here too: no frame for a light call
+        if cost_bytes > self.admission.heavy_request_bytes:  # tested here too: a light call makes no call
             self._admit_heavy(caller, cost_bytes)
         if answer_bytes is not None:
             response_bytes = answer_bytes

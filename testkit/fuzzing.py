@@ -91,10 +91,13 @@ class Limits:
 
     def flags(self) -> tuple[str, ...]:
         return (
-            "--max-num-seqs", str(self.max_num_seqs), "--max-num-batched-tokens", str(self.max_num_batched_tokens),
-            "--max-model-len", str(self.max_model_len), "--max-message-bytes", str(self.max_message_bytes),
-            "--max-logits-bytes", str(self.max_logits_bytes), "--max-plan-chunks", str(self.max_plan_chunks),
-        )  # fmt: skip
+            f"--max-num-seqs={self.max_num_seqs}",
+            f"--max-num-batched-tokens={self.max_num_batched_tokens}",
+            f"--max-model-len={self.max_model_len}",
+            f"--max-message-bytes={self.max_message_bytes}",
+            f"--max-logits-bytes={self.max_logits_bytes}",
+            f"--max-plan-chunks={self.max_plan_chunks}",
+        )
 
 
 # Small enough that the fuzz reaches every limit with small requests.

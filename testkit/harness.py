@@ -86,8 +86,14 @@ def wait_for(predicate: Callable[[], object], timeout: float, what: str, interva
 def listen_flags(grpc_host: str = LOOPBACK, http_host: str = LOOPBACK, grpc_port: int = 0) -> list[str]:
     """``serve``'s flags for listening on these hosts at ports the OS picks (gRPC, both HTTP ports and the health
     port), or at ``grpc_port`` for gRPC when given."""
-    return ["--grpc-host", grpc_host, "--http-host", http_host, "--grpc-port", str(grpc_port), "--http-port", "0",
-            "--http-rpc-port", "0", "--health-port", "0"]  # fmt: skip
+    return [
+        f"--grpc-host={grpc_host}",
+        f"--http-host={http_host}",
+        f"--grpc-port={grpc_port}",
+        "--http-port=0",
+        "--http-rpc-port=0",
+        "--health-port=0",
+    ]
 
 
 class ServiceProcess:

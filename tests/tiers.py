@@ -21,8 +21,13 @@ import pytest
 # test runs.
 # `process`: reaches a way to start a process (servers, the CLI, compilers, other-language clients).
 SPAWNING_MODULES = frozenset({"subprocess", "multiprocessing", "concurrent.futures.process", "asyncio.subprocess"})
-SPAWNING_OS_CALLS = frozenset({"fork", "forkpty", "system", "popen", "posix_spawn", "posix_spawnp", "spawnv",
-                               "spawnve", "spawnl", "execv", "execve", "execvp", "execl"})  # fmt: skip
+SPAWNING_OS_CALLS = frozenset(
+    {
+        *("fork", "forkpty", "system", "popen"),
+        *("posix_spawn", "posix_spawnp", "spawnv", "spawnve", "spawnl"),
+        *("execv", "execve", "execvp", "execl"),
+    }
+)
 # `exclusive`: reaches the attack clients or the timing observers (victims, probes, the soak), whose figures a
 # concurrent test of the same run would skew; such a test runs with nothing else of the run beside it.
 TIMING_MODULES = frozenset(

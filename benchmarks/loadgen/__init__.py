@@ -46,10 +46,14 @@ def command(
     ``connections`` ClientConns to ``addresses`` (round_robin where several) for ``seconds``, from ``start_at``
     (Unix time) when given."""
     flags = [
-        "-address", ",".join(addresses), "-method", method, "-request-file", str(request_file),
-        "-in-flight", str(in_flight), "-connections", str(connections), "-seconds", str(seconds),
-        *(["-start-at", str(start_at)] if start_at is not None else []),
-    ]  # fmt: skip
+        f"-address={','.join(addresses)}",
+        f"-method={method}",
+        f"-request-file={request_file}",
+        f"-in-flight={in_flight}",
+        f"-connections={connections}",
+        f"-seconds={seconds}",
+        *([f"-start-at={start_at}"] if start_at is not None else []),
+    ]
     return [str(binary), *flags]
 
 

@@ -4,7 +4,7 @@ public fallback.
 - ``call_state``: a behaviour reads its call's peer, deadline and metadata and sets its trailers and end callback
   on grpcio's own call state (``_Context._rpc_event``, ``_Context._state``) under the call's lock, as the public
   methods do (``peer()``, ``time_remaining()``, ``invocation_metadata()``, ``set_trailing_metadata()``,
-  ``add_callback()``), which cost ten Python frames a call more (docs/performance.md). The gate also reads a call's
+  ``add_callback()``), which would cost more Python frames a call (docs/performance.md). The gate also reads a call's
   peer as grpcio submits it, before any thread is spent, for the per-peer share of places. Fallback: the public
   methods; the per-peer share is then applied when the call starts instead.
 - ``receive_ahead``: a call with one request message (unary-unary, unary-stream) has its receive started on gRPC's
@@ -348,7 +348,7 @@ def receive_ahead(args: tuple, queue: Callable[[tuple], None], on_error: ErrorSi
 
     try:
         started = call.start_server_batch((cygrpc.ReceiveMessageOperation(0),), received)
-    except ValueError:  # a call gRPC no longer knows: grpcio's thunk meets it on the thread, as before
+    except ValueError:  # a call gRPC no longer knows: grpcio's thunk meets it on the thread, as it would anyway
         return False
     if started != cygrpc.CallError.ok:  # no completion will come: leave the call to grpcio's thunk
         on_error("receive_ahead", RuntimeError(f"gRPC refused to start a request's receive (call error {started})"))

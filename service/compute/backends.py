@@ -63,7 +63,7 @@ def below_crossover(fast_path: BuildChunk, selector: AutoSelector) -> BuildChunk
     @functools.lru_cache(maxsize=4)
     def capped(limits: FastPathLimits, answer_bytes: int) -> FastPathLimits:
         # The same limits object on every call and a crossover set once by the calibration: built once, not per
-        # call (``_replace`` is ~1.8 us, three times the compiled call on a small request).
+        # call (``_replace`` costs more than the compiled call on a small request: docs/performance.md).
         return limits._replace(max_message_bytes=answer_bytes)
 
     def fast(

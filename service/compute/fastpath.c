@@ -1,7 +1,7 @@
 /* BuildChunk's common case in one compiled call: request wire bytes in, response wire bytes out.
  *
  * Why: on a small or medium batch the Python request path (parse, validate, a dozen numpy calls, encode,
- * metrics) cost more server CPU than gRPC itself (benchmarks/RESULTS.md). This file does the same work for
+ * metrics) costs more server CPU than gRPC itself (docs/performance.md). This file does the same work for
  * the requests schedulers send all day (well-formed, within the limits, no DCP) without a Python object per
  * step, and writes the arrays straight into the response bytes.
  *
@@ -116,7 +116,7 @@ static const struct {
 static PyObject *limit_names[NUM_LIMIT_FIELDS];
 
 /* The last limits object read and what it held: the data plane passes the same FastPathLimits on every call, so its
- * six attributes are read once, not per call (each lookup ~0.1 us). Only a tuple (a NamedTuple) is remembered: its
+ * six attributes are read once, not per call (docs/performance.md). Only a tuple (a NamedTuple) is remembered: its
  * fields cannot change; any other object is read each time. Under the GIL, as every call here. */
 static PyObject *last_limits;
 static Limits last_lim;

@@ -61,10 +61,10 @@ _preloads: list[threading.Thread] = []
 
 def preload_compiler() -> None:
     """Start loading Triton in a thread of its own: its import and the hash of its installation that keys its
-    cache (``start_compiler``: 0.5 to 0.8 s here, most of it in file reads and hashlib, which leave the interpreter
-    free). Called by ``serve`` before it imports and builds the server, so that this overlaps that and the warmup
-    thread's import of torch; :meth:`Warmup.load_compiler` waits for it. Not torch itself: its import holds the
-    interpreter, so beside the server's start it only slowed both (measured: ready later, not sooner). Idempotent;
+    cache (``start_compiler``: most of it file reads and hashlib, which leave the interpreter free). Called by
+    ``serve`` before it imports and builds the server, so that this overlaps that and the warmup thread's import of
+    torch; :meth:`Warmup.load_compiler` waits for it. Not torch itself: its import holds the interpreter, so beside
+    the server's start it slows both, and the server is ready later, not sooner (docs/performance.md). Idempotent;
     a failure here is left for the warmup to meet again and report."""
     if _preloads:
         return

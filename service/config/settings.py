@@ -177,8 +177,8 @@ class ServiceConfig:
     )
     backend: str = _setting(
         "`auto` (on a CUDA GPU each request on numpy or Triton, whichever the warmup measured faster for its "
-        "size; numpy without a GPU), `numpy`, `triton` (every request on the GPU). On the H200 host numpy's "
-        "fast path wins below about 2.2 million output elements and Triton above (`benchmarks/RESULTS.md`)"
+        "size; numpy without a GPU), `numpy`, `triton` (every request on the GPU); the crossover measured on the "
+        "H200 host is in docs/performance.md"
     )
     warmup_target: str = _setting(
         "ahead-of-time target of the warmup without a GPU (`cuda:90`, `hip:gfx942`), or `none`"

@@ -39,8 +39,8 @@ MAX_REQUEST_ID_CHARS = 128
 _VALID_REQUEST_ID = re.compile(rf"[A-Za-z0-9._:/+=@-]{{1,{MAX_REQUEST_ID_CHARS}}}").fullmatch
 # Generated ids, ``next(NEW_REQUEST_IDS)``: a random prefix per process and a counter in hex, unique across the
 # replicas without a random draw per call; a map over itertools.count, so a new id is made in C, without a Python
-# frame, and atomically under the GIL. printf-style ``%x``, not ``str.format``: no format-spec parsing per call (about
-# 2 us of a lone small call went to making its id).
+# frame, and atomically under the GIL. printf-style ``%x``, not ``str.format``: no format-spec parsing per call
+# (docs/performance.md).
 NEW_REQUEST_IDS = map(f"{os.urandom(6).hex()}-%x".__mod__, itertools.count(1))
 
 

@@ -3,13 +3,13 @@
 multiprocess files).
 
 prometheus_client's Histogram takes a lock twice per observation (its sum, then its bucket) and its Gauge once per
-``inc``/``dec``/``set``; a small BuildChunk touched nine of them, 9-10 us of its ~20 us in the data plane measured in
-process (benchmarks/RESULTS.md, "issue 20 item 1"). Here an observation is appended to the child's queue of amounts
-not yet counted (``observe`` is the deque's own ``append``: a C call, one step under the GIL), and the amounts are
-counted into buckets and the sum, in bulk, by whoever reads the child (a scrape) and by a fold every
-:data:`FOLD_SECONDS` on a thread of this module, so the queue holds at most about a second of observations whether
-anything scrapes or not. A gauge of calls in progress is the length of a list (:class:`GaugeChild`). The exposition is
-prometheus_client's: the same samples, ``_created`` included.
+``inc``/``dec``/``set``; a small BuildChunk touches nine of them, a large share of its time in the data plane
+(docs/performance.md). Here an observation is appended to the child's queue of amounts not yet counted (``observe``
+is the deque's own ``append``: a C call, one step under the GIL), and the amounts are counted into buckets and the
+sum, in bulk, by whoever reads the child (a scrape) and by a fold every :data:`FOLD_SECONDS` on a thread of this
+module, so the queue holds at most about a second of observations whether anything scrapes or not. A gauge of calls
+in progress is the length of a list (:class:`GaugeChild`). The exposition is prometheus_client's: the same samples,
+``_created`` included.
 """
 
 from __future__ import annotations
@@ -75,11 +75,11 @@ class _Family:
 
 
 class HistogramChild:
-    """One label set's histogram. ``observe(amount)`` queues the amount (the deque's ``append``: four per small
-    BuildChunk on the fast path, where a Python frame each cost ~1 us of server CPU under load and more on a lone
-    call, benchmarks/RESULTS.md, issue 20); :meth:`totals` counts what is queued, then answers. One counting at a
-    time (the child's lock); the amounts are taken off the queue one ``popleft`` each, so an amount appended meanwhile
-    stays queued for the next, never lost."""
+    """One label set's histogram. ``observe(amount)`` queues the amount (the deque's ``append``, a C call: four per
+    small BuildChunk on the fast path, where a Python frame each would cost more than the observation,
+    docs/performance.md); :meth:`totals` counts what is queued, then answers. One counting at a time (the child's
+    lock); the amounts are taken off the queue one ``popleft`` each, so an amount appended meanwhile stays queued for
+    the next, never lost."""
 
     __slots__ = ("__weakref__", "_bounds", "_counts", "_lock", "_queued", "_sum", "created", "observe")
 
@@ -194,9 +194,8 @@ class ThreadHistogram(_Family):
 class GaugeChild:
     """A count of things in progress (calls in flight): ``inc()`` one more, ``dec()`` one fewer, by one only. The
     count is the length of a list that ``inc`` appends to and ``dec`` pops from: both are the list's own methods,
-    C calls without a Python frame (each call of the service moves the gauge twice; a frame is ~1 us of server CPU
-    under load, benchmarks/RESULTS.md, issue 20), and each is one step under the GIL, so no lock and no per-thread
-    cells."""
+    C calls without a Python frame (each call of the service moves the gauge twice: docs/performance.md), and each
+    is one step under the GIL, so no lock and no per-thread cells."""
 
     __slots__ = ("_moves", "dec", "inc")
 

@@ -165,8 +165,8 @@ class ResponseBudget:
 class HeavyLane:
     """At most ``slots`` heavy requests computed at once: :meth:`acquire` a slot (or be refused), :meth:`release` it
     when the work is done (or hold it for a block: :meth:`slot`). The data plane takes a slot in the middle of a
-    call and gives it back when the call returns, without a context manager: an ExitStack per call to hold it cost
-    three Python frames on every call, heavy or not."""
+    call and gives it back when the call returns, without a context manager: an ExitStack per call to hold it would
+    cost Python frames on every call, heavy or not (docs/performance.md)."""
 
     def __init__(self, slots: int, waiting: _Waiting, wait_seconds: float) -> None:
         self.slots = slots
@@ -301,7 +301,7 @@ class DrainWatchdog:
     entry's assignment and removal (a ticket's, by the books; another's, ``dict.pop`` called through a
     ``functools.partial``: no Python frame either way) are each one step under the GIL, and the scan reads a
     ``copy()`` of the dict, also one step, so it never iterates a dict another thread changes (a lock taken twice
-    per call cost ~4 % of a small call's server CPU)."""
+    per call is a visible share of a small call's server CPU: docs/performance.md)."""
 
     def __init__(self, seconds: float) -> None:
         self.seconds = seconds
@@ -339,8 +339,8 @@ class DrainWatchdog:
 
     def _scan(self, now: float) -> None:
         """Drop released entries, act on expired ones. A function of its own so that nothing it handled outlives
-        it: a loop variable left in ``_run``'s frame kept the last cancelled call, and gRPC core kept that call's
-        unsent answer (64 MiB resident until the next cancel)."""
+        it: a loop variable left in ``_run``'s frame would keep the last cancelled call, and gRPC core that call's
+        unsent answer (up to 64 MiB resident until the next cancel)."""
         expired = [e for e in self._watched.copy().values() if e[1].released or e[0] <= now]
         for _, ticket, _ in expired:
             self._watched.pop(id(ticket), None)

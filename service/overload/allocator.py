@@ -1,10 +1,10 @@
 """glibc malloc settings for a server whose responses are megabytes.
 
 Freed memory that glibc returns to the OS (a large block is its own mmap; a heap top is trimmed) comes back
-as fresh pages, one page fault and a zero-fill per 4 KiB on the next call. A large BuildChunk (8.8 MB
-answered) took about 11,000 faults per call here, 57 ms p50 against 23.5 ms with the memory kept for reuse
-(benchmarks/RESULTS.md). Keeping it means RSS stays at the peak of the busiest moment instead of shrinking
-back; fewer arenas bound that peak and keep idle RSS flat across long runs (benchmarks/soak.py).
+as fresh pages, one page fault and a zero-fill per 4 KiB on the next call: most of a large BuildChunk's time, where
+the memory kept for reuse costs none (docs/performance.md). Keeping it means RSS stays at the peak of the busiest
+moment instead of shrinking back; fewer arenas bound that peak and keep idle RSS flat across long runs
+(benchmarks/soak.py).
 
 An operator's own ``MALLOC_*`` environment variables (read by glibc at start) always win.
 """

@@ -1,7 +1,7 @@
 """The response budget's books and tickets: service/overload/budget.c's rules in Python, its twin.
 
-The compiled module serves when it is built (the per-call bookkeeping of every answer: 7 % of a small call's
-calls/s in Python, benchmarks/RESULTS.md, issue 20); this one where it is not (no C compiler at install), and as the
+The compiled module serves when it is built (the per-call bookkeeping of every answer, a visible share of a small
+call's server CPU in Python: docs/performance.md); this one where it is not (no C compiler at install), and as the
 literal statement of the rules. tests/service/test_budget_books.py holds the two equal, operation for operation.
 :func:`load_compiled` says which twin a server uses. :class:`ResponseBudget` (service/overload/admission.py) waits
 for room around them. The compiled module's fourth part, ``FastAdmit`` (the fast path's admission of the common

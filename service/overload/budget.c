@@ -2,8 +2,8 @@
  * admission, each one compiled call: what every call pays for the budget (docs/overload.md, "Memory").
  *
  * Why: a ticket's life in Python (the reservation under the budget's lock, the ticket's dataclass, the watchdog's
- * entry with its functools.partial, the release on gRPC's polling thread, the fast path's admission) was 9.6-10.5 us
- * of server CPU per call under load, 7 % of a small BuildChunk's calls/s (benchmarks/RESULTS.md, issue 20).
+ * entry with its functools.partial, the release on gRPC's polling thread, the fast path's admission) is a visible
+ * share of a small BuildChunk's server CPU under load (docs/performance.md).
  *
  * The rules are written twice, here and in service/overload/books.py (the Python twin, used where this module is not
  * built); tests/service/test_budget_books.py holds the two equal operation for operation, on random sequences and on

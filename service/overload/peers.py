@@ -42,12 +42,12 @@ TCP_TABLES = ("/proc/net/tcp", "/proc/net/tcp6")
 _ESTABLISHED = "01"  # st in /proc/net/tcp: TCP_ESTABLISHED
 LOG_INTERVAL_SECONDS = 10.0
 # How often the cap is checked: each second, and every tenth of one while the last check cut connections (a peer
-# that reconnects as fast as it is cut fills the port's free room between two checks; measured, 15,000 stalled
-# TLS handshakes from one peer: the RPC port's probe from another peer 84 % with checks a second apart).
+# that reconnects as fast as it is cut fills the port's free room between two checks a second apart, and other
+# peers' calls fail: docs/performance.md).
 CHECK_SECONDS, CUTTING_CHECK_SECONDS = 1.0, 0.1
 # A check takes at most this share of the time between checks (of a CPU and of the GIL): the tables it reads grow
 # with the sockets of the network namespace, TIME_WAIT ones included (a long reconnecting flood leaves up to
-# net.ipv4.tcp_max_tw_buckets of them: 262,144 read in 75 ms here), so a costly check waits longer for the next.
+# net.ipv4.tcp_max_tw_buckets of them: docs/performance.md), so a costly check waits longer for the next.
 CHECK_SHARE = 0.05
 MAX_CHECK_SECONDS = 5.0  # however costly the check, the cap is applied at least this often
 _clock = time.thread_time  # a check's cost: its thread's CPU time (a test's fake clock)

@@ -101,10 +101,9 @@ _STALL_SECONDS = 1.0
 
 def worker_cpus(workers: int, mode: str) -> tuple[list[int] | None, str]:
     """Each worker's CPU when they are pinned (``pin_workers``), else None; and why. A pinned worker's threads
-    stay on its CPU instead of wandering over the others' (8 workers on 8 CPUs of the H200 host served 1.5x the
-    calls pinned: benchmarks/RESULTS.md). ``auto`` pins only where the CPUs are the replica's own: a CPU quota
-    equal to the CPU set, one worker per CPU (a Guaranteed pod under the static CPU manager); a CPU set shared
-    with other pods is left to the scheduler."""
+    stay on its CPU instead of wandering over the others', and the replica serves more calls (docs/performance.md).
+    ``auto`` pins only where the CPUs are the replica's own: a CPU quota equal to the CPU set, one worker per CPU (a
+    Guaranteed pod under the static CPU manager); a CPU set shared with other pods is left to the scheduler."""
     cpus = cgroups.cpu_set()
     if mode == "off" or len(cpus) < workers:
         return None, f"pin_workers {mode}, {len(cpus)} CPUs for {workers} workers"

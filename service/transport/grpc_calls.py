@@ -35,7 +35,7 @@ Metadata = tuple[tuple[str, str | bytes], ...]
 
 # The data plane's outcomes as gRPC statuses: the one place this transport maps them (same names).
 GRPC_STATUS: dict[Code, grpc.StatusCode] = {code: grpc.StatusCode[code.name] for code in Code}
-# Read once: each read of an enum member through its class costs ~80 ns (a metaclass lookup), twice per call.
+# Read once: each read of an enum member through its class is a metaclass lookup, twice per call (docs/performance.md).
 STATUS_OK = grpc.StatusCode.OK
 
 
@@ -82,7 +82,7 @@ class GrpcCaller(Caller):
         self.ended = True
         ticket = self.ticket
         if ticket is not None:
-            ticket.budget.give_back(ticket, None)  # Ticket.release without its frame
+            ticket.budget.give_back(ticket, None)  # Ticket.release, written out (docs/performance.md)
 
     def cancel_unread(self) -> None:
         ticket = self.ticket
@@ -167,8 +167,8 @@ def served(
 
     Trailing, not initial, metadata: the trailers go out in the one batch that carries the answer and the
     status, where ``send_initial_metadata`` starts a batch of its own per call (one more completion on the
-    polling thread); a small BuildChunk cost +40-60 us of server CPU and +120-150 us of wall time per call that
-    way, the trailers nothing above the noise (docs/service.md, "Request ids")."""
+    polling thread), which costs server CPU and wall time on every call where the trailers cost nothing measurable
+    (docs/performance.md; docs/service.md, "Request ids")."""
     failed, tracer, watch = plane.failed_calls, plane.tracer, watchdog.watch_ticket
     debug = log.isEnabledFor(logging.DEBUG)  # the level is set once, at start, before the server is made
     open_call = grpcio.call_opener()
@@ -179,7 +179,7 @@ def served(
         trailers: list[tuple[str, str]] = []  # the request id, once known; sent with the status
         call = GrpcCaller(context, plane, method, trailers, open_call)
         supplied = None
-        for key, value in call.metadata:  # a loop, not next() over a generator: half the cost
+        for key, value in call.metadata:  # a loop, not next() over a generator (docs/performance.md)
             if key == REQUEST_ID_HEADER:
                 supplied = value
                 break
@@ -197,7 +197,7 @@ def served(
             response = serve(method, request, caller=call)
             if call.ticket is not None:  # held until the call ends (call.end); cancelled if unread meanwhile
                 watch(call.ticket, call.cancel_unread)
-            code = STATUS_OK  # known here: no context.code() (a Python frame) on the success path
+            code = STATUS_OK  # known here: context.code() is not asked on the success path (docs/performance.md)
             return response
         except ServiceError as exc:
             context.abort(GRPC_STATUS[exc.code], exc.message)

@@ -37,8 +37,9 @@ _INT_RANGES = {
 }
 # The field types the request messages use; tests/service/test_http_errors.py holds every request field to it,
 # so a new field of another type fails a test rather than a caller.
-SUPPORTED_TYPES = frozenset({*_INT_RANGES, FieldDescriptor.TYPE_BOOL, FieldDescriptor.TYPE_BYTES,
-                             FieldDescriptor.TYPE_MESSAGE})  # fmt: skip
+SUPPORTED_TYPES = frozenset(
+    {*_INT_RANGES, FieldDescriptor.TYPE_BOOL, FieldDescriptor.TYPE_BYTES, FieldDescriptor.TYPE_MESSAGE}
+)
 _JSON_NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
 _STANDARD_BASE64 = re.compile(r"[A-Za-z0-9+/]*")
 _URL_SAFE_BASE64 = re.compile(r"[A-Za-z0-9_-]*")

@@ -27,8 +27,8 @@ WATCH_STREAMS_PER_CONNECTION = 4
 # REFLECTION_LAG_SECONDS for one of its connection's streams to end, because a client that asks one question per
 # stream (grpcio's ProtoReflectionDescriptorDatabase, as grpcurl's commands) opens its next stream as soon as it has
 # the last answer, before the server's handler has returned and released the last stream's slot: with 1 and no
-# wait, the standard Python client's second question was refused now and then; with 2 and no wait, on a loaded
-# machine, now and then its third (fresh-clone CI runs).
+# wait, the standard Python client's second question is refused now and then; with 2 and no wait, on a loaded
+# machine (a fresh clone's CI run), now and then its third.
 REFLECTION_STREAMS_PER_CONNECTION = 2
 REFLECTION_LAG_SECONDS = 0.5
 

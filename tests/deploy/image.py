@@ -378,10 +378,21 @@ def wheel_download_command(requirements: Path, destination: Path, python: str = 
     platforms = [f"--platform={p}" for p in WHEEL_PLATFORMS]
     abi = "cp" + python.replace(".", "")
     return [
-        sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--require-hashes", "--only-binary=:all:",
-        f"--python-version={python}", "--implementation=cp", f"--abi={abi}", *platforms,
-        "--dest", str(destination), "-r", str(requirements),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--quiet",
+        "--no-deps",
+        "--require-hashes",
+        "--only-binary=:all:",
+        f"--python-version={python}",
+        "--implementation=cp",
+        f"--abi={abi}",
+        *platforms,
+        f"--dest={destination}",
+        f"--requirement={requirements}",
+    ]
 
 
 def lock_resolution_command(requirements: Path, python: str) -> list[str]:
@@ -390,10 +401,22 @@ def lock_resolution_command(requirements: Path, python: str) -> list[str]:
     platforms = [f"--platform={p}" for p in WHEEL_PLATFORMS]
     abi = "cp" + python.replace(".", "")
     return [
-        sys.executable, "-m", "pip", "install", "--dry-run", "--quiet", "--ignore-installed", "--no-deps",
-        "--only-binary=:all:", f"--python-version={python}", "--implementation=cp", f"--abi={abi}", *platforms,
-        "--target", str(WORK / "lock-resolution"), "-r", str(requirements),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "--dry-run",
+        "--quiet",
+        "--ignore-installed",
+        "--no-deps",
+        "--only-binary=:all:",
+        f"--python-version={python}",
+        "--implementation=cp",
+        f"--abi={abi}",
+        *platforms,
+        f"--target={WORK / 'lock-resolution'}",
+        f"--requirement={requirements}",
+    ]
 
 
 def check_gpu_lock(steps: Steps) -> None:
@@ -699,9 +722,17 @@ class PodRun:
         self.volumes.append(volume)
         group = self.pod.spec.get("securityContext", {}).get("fsGroup", 0)
         self.engine(
-            "run", "--rm", *self.engine.run_options(), "--network=none", "--user", "0:0", "--entrypoint", "sh",
-            "-v", f"{volume}:/volume", TAG, "-c", f"chgrp {group} /volume && chmod 2777 /volume",
-        )  # fmt: skip
+            "run",
+            "--rm",
+            *self.engine.run_options(),
+            "--network=none",
+            "--user=0:0",
+            "--entrypoint=sh",
+            f"--volume={volume}:/volume",
+            TAG,
+            "-c",
+            f"chgrp {group} /volume && chmod 2777 /volume",
+        )
         return volume
 
     def mounts(self, c: dict, volumes: dict[str, str]) -> list[str]:
@@ -749,9 +780,16 @@ class PodRun:
         self.containers.append(name)
         command = init["command"]
         out = self.engine(
-            "run", "--name", name, *self.container_options(init, volumes), "--network=none",
-            "--entrypoint", command[0], TAG, *command[1:], *init.get("args", []), check_rc=False,
-        )  # fmt: skip
+            "run",
+            f"--name={name}",
+            *self.container_options(init, volumes),
+            "--network=none",
+            f"--entrypoint={command[0]}",
+            TAG,
+            *command[1:],
+            *init.get("args", []),
+            check_rc=False,
+        )
         check(out.returncode == 0, f"the initContainer failed (exit {out.returncode}):\n{out.stdout}{out.stderr}")
         return out
 
@@ -778,9 +816,16 @@ class PodRun:
 
     def volume_tree(self, volume: str) -> list[str]:
         out = self.engine(
-            "run", "--rm", *self.engine.run_options(), "--network=none", "--entrypoint", "sh", "-v",
-            f"{volume}:/volume:ro", TAG, "-c", "cd /volume && find . -type f | sort",
-        )  # fmt: skip
+            "run",
+            "--rm",
+            *self.engine.run_options(),
+            "--network=none",
+            "--entrypoint=sh",
+            f"--volume={volume}:/volume:ro",
+            TAG,
+            "-c",
+            "cd /volume && find . -type f | sort",
+        )
         return out.stdout.split()
 
 
@@ -879,8 +924,9 @@ def check_golden(running: Running, steps: Steps) -> None:
             check(answer == case["expected"], f"gRPC BuildChunk {case['name']}: {answer} != {case['expected']}")
     for case in cases:
         request = json_format.MessageToJson(codec.chunk_inputs_to_proto(chunk_inputs(case))).encode()
-        status, body = http(running.ports["http-rpc"], "/indexer.v1.PrefillMetadata/BuildChunk", request,
-                            "application/json")  # fmt: skip
+        status, body = http(
+            running.ports["http-rpc"], "/indexer.v1.PrefillMetadata/BuildChunk", request, "application/json"
+        )
         check(status == 200, f"HTTP JSON BuildChunk {case['name']}: {status} {body[:300]!r}")
         response = json_format.Parse(body, pb.BuildChunkResponse())
         metadata = codec.metadata_from_proto(response.metadata) if response.HasField("metadata") else None

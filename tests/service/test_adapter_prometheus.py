@@ -253,9 +253,8 @@ def test_a_replica_on_each_public_path_counts_across_a_restart_and_says_so(
     (site / "sitecustomize.py").write_text(SITECUSTOMIZE.format(edits={module: edit}))
     env = clean_env(PYTHONPATH=os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")])))
     server = start_server(
-        "--workers", "2", "--backend", "numpy", "--warmup-target", "none",
-        "--worker-restart-backoff-seconds", "0.1", env=env,
-    )  # fmt: skip
+        "--workers=2", "--backend=numpy", "--warmup-target=none", "--worker-restart-backoff-seconds=0.1", env=env
+    )
     metrics_dir = runtime_of(server) / "metrics"
     with IndexerClient(server.address, connections=16) as client:
         for _ in range(20):

@@ -197,6 +197,7 @@ def raw(method: str, request, **changes: bytes):
 
 
 BIG = 1 << 20  # max_model_len: the longest sequence the default config allows
+# A table, one case a row (kept by hand: the formatter would spread each longer row over six lines).
 BAD_REQUESTS: list[tuple[str, tuple, grpc.StatusCode, tuple[str, ...]]] = [
     ("qsl-bytes-not-int32", raw(*chunk(), query_start_loc=b"\0" * 7), INVALID, ("query_start_loc", "multiple of 4")),
     ("seq-bytes-not-int32", raw(*batch(), seq_lens=b"\0" * 5), INVALID, ("seq_lens", "byte length 5")),

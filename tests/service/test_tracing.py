@@ -203,13 +203,14 @@ def test_the_exporters_come_from_the_standard_variables() -> None:
     ],
 )
 def test_an_exporter_that_is_not_installed_stops_the_start(workers: str, env: dict[str, str]) -> None:
+    serve = [sys.executable, "-m", "indexer_service.service.process.cli", "serve", *FAST_START]
+    ports = [f"--{name}-port=0" for name in ("grpc", "http", "http-rpc", "health")]
     done = subprocess.run(
-        [sys.executable, "-m", "indexer_service.service.process.cli", "serve", *FAST_START, "--grpc-port", "0",
-         "--http-port", "0", "--http-rpc-port", "0", "--health-port", "0", "--workers", workers],
+        [*serve, *ports, f"--workers={workers}"],
         env=clean_env(**env),
         capture_output=True,
         text=True,
         timeout=120,
-    )  # fmt: skip
+    )
     setting, value = next(reversed(env.items()))
     assert done.returncode == 2 and setting in done.stderr and value in done.stderr, done.stderr

@@ -119,10 +119,12 @@ def test_idle_connections_capped_closed_and_memory_back(serve, port: str) -> Non
     probes on the other ports answer throughout, and RSS comes back within 1.2x of idle once they are gone."""
     cap = 300 if port == "grpc" else 50
     server = serve(
-        "--grpc-max-connections", "300", "--health-max-connections", "50",
-        "--connection-idle-seconds", "3", "--idle-trim-seconds", "1",
-        "--max-connections-per-peer", "0",  # the port's own cap, as from many peers
-    )  # fmt: skip
+        "--grpc-max-connections=300",
+        "--health-max-connections=50",
+        "--connection-idle-seconds=3",
+        "--idle-trim-seconds=1",
+        "--max-connections-per-peer=0",  # the port's own cap, as from many peers
+    )
     idle_before = idle_rss(server)
     target = server.grpc_port if port == "grpc" else server.health_port
     with Siege(server) as siege, IdleConnections(LOOPBACK, target, 1000, greeting=H2_PREFACE) as flood:
@@ -147,9 +149,13 @@ def test_one_peer_cannot_fill_a_port(serve) -> None:
     every probe, all from 127.0.0.1 and opening connections as they go, are served as in the control run, though
     every port would be full without the per-peer cap."""
     server = serve(
-        "--grpc-max-connections", "300", "--health-max-connections", "300", "--http-max-connections", "300",
-        "--max-connections-per-peer", "50", "--connection-idle-seconds", "60", "--http-idle-timeout-seconds", "60",
-    )  # fmt: skip
+        "--grpc-max-connections=300",
+        "--health-max-connections=300",
+        "--http-max-connections=300",
+        "--max-connections-per-peer=50",
+        "--connection-idle-seconds=60",
+        "--http-idle-timeout-seconds=60",
+    )
     control = control_run(server, CONTROL_SECONDS, fresh_client_interval=FRESH_CLIENT_INTERVAL)
     ports = {"grpc": server.grpc_port, "health": server.health_port, "http": server.http_port}
     greetings = {"grpc": H2_PREFACE, "health": H2_PREFACE, "http": b""}
@@ -222,10 +228,13 @@ def test_half_open_tls_handshakes_capped_timed_out_and_memory_back(serve, server
     at most; the health port and HTTP answer throughout; RSS comes back within 1.2x of idle."""
     cert, key = server_pem
     server = serve(
-        "--tls-cert-file", cert, "--tls-key-file", key, "--grpc-max-connections", "300",
-        "--handshake-timeout-seconds", "2", "--idle-trim-seconds", "1",
-        "--max-connections-per-peer", "0",  # the port's own cap, as from many peers
-    )  # fmt: skip
+        f"--tls-cert-file={cert}",
+        f"--tls-key-file={key}",
+        "--grpc-max-connections=300",
+        "--handshake-timeout-seconds=2",
+        "--idle-trim-seconds=1",
+        "--max-connections-per-peer=0",  # the port's own cap, as from many peers
+    )
     time.sleep(2.0)
     idle_before = server.rss_bytes()
     with (
@@ -249,9 +258,12 @@ def test_full_rpc_port_leaves_workers_probe_sockets_answering(serve) -> None:
     throughout."""
     cap, hang = 50, 2.0
     server = serve(
-        "--workers", "2", "--grpc-max-connections", str(cap), "--worker-hang-seconds", str(hang),
-        "--connection-idle-seconds", "60", "--max-connections-per-peer", "0",
-    )  # fmt: skip
+        "--workers=2",
+        f"--grpc-max-connections={cap}",
+        f"--worker-hang-seconds={hang}",
+        "--connection-idle-seconds=60",
+        "--max-connections-per-peer=0",
+    )
     with Siege(server, victim=False) as siege, IdleConnections(LOOPBACK, server.grpc_port, 300, H2_PREFACE) as flood:
         time.sleep(1.0)
         held = flood.still_connected()

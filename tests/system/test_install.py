@@ -29,11 +29,8 @@ def makefile_variable(name: str) -> str:
 def torch_step(tmp_path: Path, *make_args: str) -> list[str]:
     """The torch line of the venv recipe, as `make -n` prints it for a fresh venv whose interpreter is this one."""
     venv = tmp_path / "fresh-venv"
-    out = subprocess.run(
-        ["make", "--no-print-directory", "-n", f"{venv}/.installed", f"VENV={venv}", f"PY={sys.executable}",
-         *make_args],
-        cwd=REPO, capture_output=True, text=True, timeout=60, check=True,
-    )  # fmt: skip
+    command = ["make", "--no-print-directory", "-n", f"{venv}/.installed", f"VENV={venv}", f"PY={sys.executable}"]
+    out = subprocess.run([*command, *make_args], cwd=REPO, capture_output=True, text=True, timeout=60, check=True)
     (line,) = [line for line in out.stdout.splitlines() if "install-torch.py" in line]
     return shlex.split(line)
 
