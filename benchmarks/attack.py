@@ -59,7 +59,6 @@ from testkit.harness import (
     metric_total,
     mib,
     scrape,
-    write_json,
 )
 from testkit.http1raw import IdleConnections, UnreadAnswers, huge_header, huge_trailer
 from testkit.observe import Callers, HealthWatch, HttpVictim
@@ -73,6 +72,7 @@ from testkit.payloads import (
     big_answer_build_chunk,
     one_row_chunks_plan_batch,
 )
+from testkit.record import write_json
 from testkit.siege import BYTES_HELD, Siege, health_address
 from testkit.streams import WATCH_PATH, BlockedWatchers, SilentCalls
 

@@ -28,8 +28,8 @@ gRPC transport's, and ``service`` against ``unbudgeted`` the budget ticket's lif
 server but the echo runs this module's server mode (``--serve``:
 ``indexer-service serve`` with the named behaviours put in before the server is built; one process, as
 ``clean_env`` asks), so they differ only in their behaviours, and each answers the service's bytes (checked before
-the rounds). No target: it says where to look (issue 20, benchmarks/RESULTS.md). tests/system/test_loadgen.py runs
-one short round.
+the rounds). No target: it says where to look (benchmarks/history.md: the runs of 2026-12-06).
+tests/system/test_loadgen.py runs one short round.
 """
 
 from __future__ import annotations
@@ -130,7 +130,8 @@ def main() -> None:
         service_flags,
         start_echo,
     )
-    from testkit.harness import ServiceProcess, clean_env, listen_flags, write_json
+    from testkit.harness import ServiceProcess, clean_env, listen_flags
+    from testkit.record import write_json
 
     def start(server: str) -> ServiceProcess:
         command = [sys.executable, "-m", "benchmarks.bench_ablation", "--serve", server, "--", *listen_flags()]

@@ -14,7 +14,6 @@ several torch ops per chunk, ``benchmarks/vllm_baseline.py``).
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -29,6 +28,7 @@ from indexer_service.service.config import load_config
 from indexer_service.service.overload.allocator import configure_malloc
 from indexer_service.service.overload.limits import fast_path_limits
 from testkit.batches import BATCHES, RATIO, make_inputs
+from testkit.record import write_json
 
 
 def wall_median(fn, repeats: int) -> float:
@@ -189,8 +189,7 @@ def main() -> None:
                 f"{row['ours_vs_vllm']:>9.2f}"
             )
             results[name]["plan"] = row
-    if args.out:
-        args.out.write_text(json.dumps(results, indent=1))
+    write_json(args.out, results)
 
 
 if __name__ == "__main__":

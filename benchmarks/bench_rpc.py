@@ -60,7 +60,8 @@ from indexer_service.service.overload.allocator import configure_malloc
 from indexer_service.service.transport.grpc_options import server_options
 from testkit.batches import make_inputs
 from testkit.fuzzing import Limits, check_answer, judge
-from testkit.harness import ServiceProcess, channel, clean_env, write_json
+from testkit.harness import ServiceProcess, channel, clean_env
+from testkit.record import write_json
 
 BATCHES = ("small-8", "medium-64", "large-256")
 # Streams per connection the servers allow: the load generator's connections carry up to 32 calls each, retries off,

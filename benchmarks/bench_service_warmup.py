@@ -34,7 +34,8 @@ from indexer_service.client import IndexerClient
 from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
 from indexer_service.service.codec import SERVICE_NAME, chunk_inputs_to_proto
 from testkit.batches import make_inputs
-from testkit.harness import ServiceProcess, channel, clean_env, closed_loop, mib, write_json
+from testkit.harness import ServiceProcess, channel, clean_env, closed_loop, mib
+from testkit.record import write_json
 
 WARM_TARGET_SECONDS = 1.0
 # What `indexer-service serve` imports on a machine without a GPU (backend auto asks torch; warmup needs Triton).

@@ -35,7 +35,8 @@ import numpy as np
 from benchmarks import loadgen
 from benchmarks.bench_rpc import METHOD, SERVICE_FLAGS
 from testkit.batches import request_files
-from testkit.harness import ServiceProcess, start_all, write_json
+from testkit.harness import ServiceProcess, start_all
+from testkit.record import write_json
 
 TARGET = 0.8
 MANY_PER_ADDRESS = 4

@@ -21,7 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from testkit.harness import INDEXER_SERVICE, ServiceProcess, clean_env, write_json
+from testkit.harness import INDEXER_SERVICE, ServiceProcess, clean_env
+from testkit.record import write_json
 
 
 def first_line_seconds(server: ServiceProcess, timeout: float = 60.0) -> float:

@@ -27,7 +27,6 @@ one-thread round trip below numpy's.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import threading
 import time
@@ -41,6 +40,7 @@ from indexer_service.kernels.numpy_backend import chunk_arrays_numpy_many
 from indexer_service.kernels.triton_kernel import launch_prefill_metadata_kernel
 from indexer_service.kernels.triton_launcher import TritonChunkBuilder, _output_segments, program_table
 from testkit.batches import make_inputs
+from testkit.record import write_json
 
 BATCHES = ("small-8", "medium-64", "large-256")
 CONCURRENCY_TARGET = 2.0
@@ -173,19 +173,16 @@ def main() -> None:
     )
     for k, v in verdicts.items():
         print(f"target {k}: {'met' if v else 'MISSED'}")
-    if args.out:
-        args.out.write_text(
-            json.dumps(
-                {
-                    "threads": args.threads,
-                    "seconds": args.seconds,
-                    "switch_intervals": intervals,
-                    "batches": results,
-                    "targets": verdicts,
-                },
-                indent=1,
-            )
-        )
+    write_json(
+        args.out,
+        {
+            "threads": args.threads,
+            "seconds": args.seconds,
+            "switch_intervals": intervals,
+            "batches": results,
+            "targets": verdicts,
+        },
+    )
 
 
 if __name__ == "__main__":

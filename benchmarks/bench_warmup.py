@@ -22,6 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from testkit.record import write_json
+
 REPO = Path(__file__).resolve().parent.parent
 FLASH_RATIOS = (0, 0, *([4, 128] * 20), 4, 0)
 
@@ -110,8 +112,7 @@ def main() -> None:
             f"{name:28} {cold['keys']:>5} {cold['seconds']:>8.3f} {warm['seconds']:>8.3f} "
             f"{baseline / cold['seconds']:>25.1f}x"
         )
-    if args.out:
-        args.out.write_text(json.dumps({"where": where, "rows": rows}, indent=1))
+    write_json(args.out, {"where": where, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -42,7 +42,8 @@ from benchmarks import loadgen
 from benchmarks.bench_rpc import METHOD, SERVICE_FLAGS
 from indexer_service.client import ChannelPool
 from testkit.batches import request_files
-from testkit.harness import ServiceProcess, channel, closed_loop, merged_counts, percentile_us, start_all, write_json
+from testkit.harness import ServiceProcess, channel, closed_loop, merged_counts, percentile_us, start_all
+from testkit.record import write_json
 
 IN_FLIGHT = 32  # the target's load
 TARGET = 0.8

@@ -44,8 +44,8 @@ from testkit.harness import (
     clean_env,
     closed_loop,
     mib,
-    write_json,
 )
+from testkit.record import write_json
 from testkit.soak import RSS_GROWTH_LIMIT, SOAK_LIMITS, SoakReport, request_pool, run_soak
 
 

@@ -12,7 +12,6 @@ The baseline is the same sweep with one ratio the model does not have, which mus
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from indexer_service.kernels.planner import BatchInputs
 from indexer_service.kernels.specialization import ModelConfig
 from testkit.batches import BatchShape, random_batch, random_chunk_inputs
 from testkit.harness import ServiceProcess
+from testkit.record import write_json
 
 FLASH = ModelConfig((0, 0, *([4, 128] * 20), 4, 0))
 
@@ -73,8 +73,7 @@ def main() -> None:
     print(f"backend={status.backend} target={status.target} warmup keys={len(status.keys)} ready after {startup:.2f} s")
     print(f"{args.requests} random requests in {seconds:.1f} s: compiles after ready = {after - before}")
     print(f"baseline, 20 requests at unwarmed ratio 7: compiles = {unwarmed} (1 expected on a GPU, 0 on numpy)")
-    if args.out:
-        args.out.write_text(json.dumps(result, indent=1))
+    write_json(args.out, result)
 
 
 if __name__ == "__main__":

@@ -7,12 +7,10 @@ call count or a deadline, whichever comes first, and traffic only ever goes to l
 
 from __future__ import annotations
 
-import importlib.metadata
 import itertools
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,6 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from indexer_service.service.process.addresses import host_port
 from testkit.paths import REPO
+from testkit.record import note_pinned
 
 INDEXER_SERVICE = str(Path(sys.executable).with_name("indexer-service"))
 LOOPBACK = "127.0.0.1"
@@ -134,6 +133,8 @@ class ServiceProcess:
 
     def start(self) -> ServiceProcess:
         cpus = self.cpus
+        if cpus:
+            note_pinned(self.command, cpus)  # the run record names what ran where
         with open(self.log_path, "wb") as log:
             self.started_at = time.perf_counter()
             self.process = subprocess.Popen(
@@ -407,65 +408,6 @@ def metric_total(samples: dict[tuple[str, frozenset], float], name: str, **label
 
 
 # --- output -------------------------------------------------------------------------------------------------
-
-
-# The packages whose versions a figure depends on, recorded with every benchmark's result.
-RECORDED_PACKAGES = (
-    "indexer-service",
-    "grpcio",
-    "protobuf",
-    "numpy",
-    "uvicorn",
-    "prometheus-client",
-    "torch",
-    "triton",
-)
-
-
-def run_record() -> dict[str, object]:
-    """Where and on what a benchmark ran: the commit (``+dirty`` with uncommitted changes; ``COMMIT`` in the
-    environment where no checkout is there), the UTC date, the host, its CPU model and count, the CPUs this process
-    may use, its GPUs (from the NVIDIA driver's /proc files, without importing torch) and the packages' versions."""
-
-    def git(*args: str) -> str:
-        try:
-            return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=10).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return ""
-
-    commit = git("rev-parse", "HEAD")
-    commit = (commit + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")) if commit else ""
-    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    model = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")), "")
-    gpus = [
-        next((line.split(":", 1)[1].strip() for line in info.read_text().splitlines() if line.startswith("Model")), "")
-        for info in sorted(Path("/proc/driver/nvidia/gpus").glob("*/information"))
-    ]
-    versions = {}
-    for package in RECORDED_PACKAGES:
-        try:
-            versions[package] = importlib.metadata.version(package)
-        except importlib.metadata.PackageNotFoundError:
-            versions[package] = ""
-    return {
-        "commit": commit or os.environ.get("COMMIT", "unknown"),
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "host": socket.gethostname(),
-        "cpu_model": model,
-        "cpus": os.cpu_count(),
-        "affinity": sorted(os.sched_getaffinity(0)),
-        "gpus": gpus,
-        "packages": versions,
-    }
-
-
-def write_json(path: Path | None, payload: object) -> None:
-    """``payload`` as JSON at ``path`` (nothing when None); a dict gets the :func:`run_record` under ``run``."""
-    if path is not None:
-        if isinstance(payload, dict):
-            payload = {"run": run_record(), **payload}
-        path.write_text(json.dumps(payload, indent=1, default=str) + "\n")
-        print(f"wrote {path}")
 
 
 def mib(n: float) -> float:

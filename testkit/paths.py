@@ -15,9 +15,18 @@ _CITED_PATH = re.compile(
 )
 
 
+# A path at a commit (``git show 1b40193:benchmarks/results/x.json``, a file since removed) is not one of the tree's.
+_AT_COMMIT = re.compile(r"\b[0-9a-f]{7,40}:$")
+
+
 def cited_paths(text: str) -> list[str]:
-    """The repository paths ``text`` cites (``service/compute/fastpath.c``, ``tests/kernels/``), in order."""
-    return [path.rstrip(".") for path in _CITED_PATH.findall(text)]
+    """The repository paths ``text`` cites (``service/compute/fastpath.c``, ``tests/kernels/``), in order; a path
+    after a commit and a colon (``git show <commit>:<path>``) is that commit's, not the tree's, and is left out."""
+    return [
+        match.group(1).rstrip(".")
+        for match in _CITED_PATH.finditer(text)
+        if not _AT_COMMIT.search(text, 0, match.start(1))
+    ]
 
 
 def cited_path_exists(path: str, citing: Path) -> bool:

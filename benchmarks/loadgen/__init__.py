@@ -20,6 +20,7 @@ from pathlib import Path
 
 from testkit.gobuild import static_binary
 from testkit.harness import ServiceProcess
+from testkit.record import note_pinned
 
 HERE = Path(__file__).resolve().parent
 BINARY = HERE / "bin" / "loadgen"
@@ -61,6 +62,8 @@ def start(argv: list[str], cpus: Collection[int] | None = None) -> subprocess.Po
     """A client process (the load generator, or a benchmark's own Python client) on ``cpus`` when given, else
     where this process runs; its output captured for :func:`result`."""
     pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
+    if cpus:
+        note_pinned(argv, cpus)  # the run record names what ran where
     return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=pin)
 
 

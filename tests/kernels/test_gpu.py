@@ -1,6 +1,6 @@
 """On a CUDA GPU: the Triton kernel equals numpy, and warmup leaves nothing to compile. Skipped without CUDA.
 
-Run on the H200 with ``python -m pytest -q tests/kernels/test_gpu.py`` (results: benchmarks/RESULTS.md).
+Run on the H200 with ``python -m pytest -q tests/kernels/test_gpu.py`` (results: benchmarks/history.md).
 """
 
 from __future__ import annotations
