@@ -23,7 +23,9 @@ check that they run on a shared machine.
 
 Loopback only; every loop is bounded in count and time; every server and attacker process is killed at the end.
 The bounded versions of the same attacks are tests/system/test_hardening_abuse.py and, for issue 19's floods,
-tests/system/test_floods_refusals.py and tests/system/test_floods_streams_connections.py.
+tests/system/test_floods_refusals.py and tests/system/test_floods_streams_connections.py; for the gate's rows
+(issue 35: undecodable-health, silent-watches, http-trailers, silent-unary-calls, idle-connections-many-peers),
+tests/system/test_floods_gate.py, whose attacks are the same functions (testkit/shapes.py).
 """
 
 from __future__ import annotations
@@ -34,14 +36,13 @@ import os
 import signal
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
 import psutil
 
+from testkit import shapes
 from testkit.h2raw import (
-    RawSilentCalls,
     StalledStreams,
     attack_window,
     call_loop_parallel,
@@ -60,7 +61,7 @@ from testkit.harness import (
     mib,
     scrape,
 )
-from testkit.http1raw import IdleConnections, UnreadAnswers, huge_header, huge_trailer
+from testkit.http1raw import IdleConnections, UnreadAnswers, huge_header
 from testkit.observe import Callers, HealthWatch, HttpVictim
 from testkit.payloads import (
     AMPLIFIER_PLAN_BATCH,
@@ -417,7 +418,7 @@ def silent_unary_calls(bench: Bench) -> dict:
     figures = {}
     for name, connections, each in (("one_connection_16", 1, 16), ("three_connections_300", 3, 100)):
         server = bench.serve()
-        flood = RawSilentCalls(LOOPBACK, server.grpc_port, BUILD_CHUNK_PATH, connections, each)
+        flood = shapes.silent_unary_calls(server, connections, each)
         with Siege(server) as siege:
             with flood:
                 time.sleep(15.0)
@@ -428,10 +429,6 @@ def silent_unary_calls(bench: Bench) -> dict:
     return figures
 
 
-UNDECODABLE = b"\xff\xff\xff"  # no protobuf message parses from it (a field tag of wire type 7)
-HEALTH_CHECK_PATH = "/grpc.health.v1.Health/Check"
-
-
 def undecodable_health(bench: Bench) -> dict:
     """Health Watch and Check calls whose request does not parse (3 bytes 0xff), 4 connections of each on the
     health port and 2 of each on the RPC port, looping for 30 s (grpcio's own path for Watch kept ~20 KiB a call
@@ -440,10 +437,8 @@ def undecodable_health(bench: Bench) -> dict:
     flood_seconds = 30.0
     idle = server.rss_bytes()
     with Siege(server) as siege:
-        reports = []
-        for port, connections in ((server.health_port, _scaled(4)), (server.grpc_port, _scaled(2))):
-            for path in (WATCH_PATH, HEALTH_CHECK_PATH):
-                reports += call_loop_parallel(LOOPBACK, port, path, UNDECODABLE, connections, flood_seconds / 2)
+        ports = {server.health_port: _scaled(4), server.grpc_port: _scaled(2)}
+        reports = shapes.undecodable_calls(ports, (WATCH_PATH, shapes.HEALTH_CHECK_PATH), flood_seconds / 2)
     endings = merged_counts(r.endings for r in reports)
     figures = siege.figures()
     figures.update(
@@ -461,7 +456,7 @@ def silent_watches(bench: Bench) -> dict:
     them open (they once held all four health threads, new Watches got no status, and the drain waited out its
     whole grace)."""
     server = bench.serve()
-    flood = [RawSilentCalls(LOOPBACK, port, WATCH_PATH, 1, 4) for port in (server.health_port, server.grpc_port)]
+    flood = shapes.silent_watches(server)
     with flood[0], flood[1]:
         with Siege(server, fresh_client_interval=FRESH_CLIENT_INTERVAL) as siege:
             time.sleep(15.0)
@@ -483,19 +478,13 @@ def http_trailers(bench: Bench) -> dict:
     connections took RSS from 64 to 725 MiB and an HTTP victim to 2.4 %)."""
     server = bench.serve()
     body = SMALL_BUILD_CHUNK.SerializeToString()
-    path = BUILD_CHUNK_PATH
-    with Siege(server) as siege, HttpVictim(server.http_rpc_url, path, body) as victim:
-        one = huge_trailer(LOOPBACK, server.http_rpc_port, path, body, 2**26)
-        many, waves, end = [], 0, time.monotonic() + 15.0
-        with ThreadPoolExecutor(max_workers=48) as pool:
-            while time.monotonic() < end:  # waves of 48 for 15 s
-                many += pool.map(lambda _: huge_trailer(LOOPBACK, server.http_rpc_port, path, body, 2**26), range(48))
-                waves += 1
+    with Siege(server) as siege, HttpVictim(server.http_rpc_url, BUILD_CHUNK_PATH, body) as victim:
+        flood = shapes.trailer_waves(server.http_rpc_port, 48, 15.0)
     figures = siege.figures()
     figures.update(
-        tried=f"one connection, then {waves} waves of 48 at once for 15 s, each a 64 MiB trailer after a body",
-        one=_trailer_figures([one]),
-        many=_trailer_figures(many),
+        tried=f"one connection, then {flood.waves} waves of 48 at once for 15 s, each a 64 MiB trailer after a body",
+        one=_trailer_figures([flood.one]),
+        many=_trailer_figures(flood.many),
         http_victim=victim.figures(),
     )
     return figures
@@ -514,18 +503,8 @@ def idle_connections_many_peers(bench: Bench) -> dict:
     """Idle connections from 79 peers (127.0.0.2 to 127.0.0.80), each under its per-peer cap (200 a peer and port),
     on the RPC, health and both HTTP ports at once, held 30 s: the room every port has for new connections."""
     server = bench.serve()
-    peers = [f"127.0.0.{n}" for n in range(2, 2 + _scaled(79))]
-    ports = {
-        "grpc": (server.grpc_port, H2_PREFACE),
-        "health": (server.health_port, H2_PREFACE),
-        "http": (server.http_port, b""),
-        "http_rpc": (server.http_rpc_port, b""),
-    }
-    floods = [
-        IdleConnections(LOOPBACK, port, _scaled(200) // 4, greeting, source=peer)
-        for peer in peers
-        for port, greeting in ports.values()
-    ]
+    peers = shapes.many_peers(_scaled(79))
+    floods = shapes.idle_connections_of_many_peers(server, peers, _scaled(200) // 4)
     with Siege(server) as siege:
         for flood in floods:
             flood.open()

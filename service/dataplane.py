@@ -67,7 +67,7 @@ from indexer_service.service.overload.admission import (
 from indexer_service.service.overload.books import NOT_COMPILED, load_compiled
 from indexer_service.service.overload.limits import RequestLimits, fast_path_limits
 from indexer_service.service.process.cgroups import memory_limit
-from indexer_service.service.reasons import ShedReason
+from indexer_service.service.reasons import Port, ShedReason
 from indexer_service.service.rpcs import RPCS, parse_request
 
 log = logging.getLogger(__name__)
@@ -261,7 +261,7 @@ class DataPlane:
             error = as_service_error(method, exc)
             failed = error.code
             if error.shed_reason is not None:
-                self.admission.shed.record(method, error.shed_reason, error.message)
+                self.admission.shed.record(method, error.shed_reason, error.message, caller.port)
             if error is exc:
                 raise
             raise error from exc
@@ -292,9 +292,14 @@ class DataPlane:
         """Count a call to a method the service does not have (the transport answers UNIMPLEMENTED)."""
         self.metrics.child(self.metrics.request_errors_total, UNKNOWN_METHOD, Code.UNIMPLEMENTED.name).inc()
 
-    def shed(self, method: str, reason: ShedReason, detail: str) -> None:
-        """Count and log a call the transport refused or cut before or after the data plane saw it."""
-        self.admission.shed.record(method, reason, detail)
+    def shed(self, method: str, reason: ShedReason, detail: str, port: str = "") -> None:
+        """Count and log a call the transport refused or cut before or after the data plane saw it, on ``port``
+        (its name: the log has a line per reason and port)."""
+        self.admission.shed.record(method, reason, detail, port)
+
+    def shed_on(self, port: Port) -> Callable[[str, ShedReason, str], None]:
+        """:meth:`shed` for the calls of ``port``: what a port's gate and servicers are given."""
+        return self.admission.shed.on(port)
 
     def _stop_if_abandoned(self, caller: Caller | None) -> None:
         """Stop the call's work when its caller has cancelled or its deadline has passed (or the shutdown grace

@@ -115,7 +115,7 @@ class RawGrpcConnection:
 
     def start_call(
         self,
-        path: str,
+        path: str | bytes,
         message: bytes | None,
         reset: bool = False,
         flush: bool = True,
@@ -124,8 +124,8 @@ class RawGrpcConnection:
         """Open a stream with one unary gRPC request (HEADERS, then DATA ending the stream); ``message`` None: the
         HEADERS alone, the stream left open (a call whose request never comes); with ``reset``, a RST_STREAM
         (CANCEL) right after; with ``grpc_timeout`` (the header's value, e.g. ``"1u"``: one microsecond) a
-        deadline. The stream id, or None when the server's stream limit or a GOAWAY leaves no room for a new stream
-        (the limit being enforced is the server's defence)."""
+        deadline. ``path`` as bytes is sent as it is, UTF-8 or not. The stream id, or None when the server's stream
+        limit or a GOAWAY leaves no room for a new stream (the limit being enforced is the server's defence)."""
         with self._lock:
             if self.closed.is_set():
                 return None
@@ -418,12 +418,18 @@ def rapid_reset(
 
 
 def _in_processes(fn: Callable[..., _Report], args: tuple, copies: int, max_seconds: float) -> list[_Report]:
-    """``fn(*args)`` in ``copies`` spawned processes at once; their reports, in order (a TimeoutError for one
-    still running ``max_seconds`` + 60 s on). h2 is pure Python, and in separate processes the attackers
-    neither share one core's worth of interpreter nor slow the caller's own threads (its probes and victims)."""
+    """``fn(*args)`` in ``copies`` spawned processes at once (:func:`each_in_process`)."""
+    return each_in_process(fn, [args] * copies, max_seconds)
+
+
+def each_in_process(fn: Callable[..., _Report], each_args: list[tuple], max_seconds: float) -> list[_Report]:
+    """``fn(*args)`` for each of ``each_args``, each in a spawned process, all at once; their reports, in order (a
+    TimeoutError for one still running ``max_seconds`` + 60 s on). h2 is pure Python, and in separate processes
+    the attackers neither share one core's worth of interpreter nor slow the caller's own threads (its probes and
+    victims)."""
     context = multiprocessing.get_context("spawn")  # no fork of a process that runs gRPC threads
-    with ProcessPoolExecutor(copies, mp_context=context) as pool:
-        futures = [pool.submit(fn, *args) for _ in range(copies)]
+    with ProcessPoolExecutor(len(each_args), mp_context=context) as pool:
+        futures = [pool.submit(fn, *args) for args in each_args]
         return [future.result(timeout=max_seconds + 60.0) for future in futures]
 
 
@@ -450,17 +456,26 @@ class CallLoopReport:
 
 
 def call_loop(
-    host: str, port: int, path: str, message: bytes, max_seconds: float, grpc_timeout: str | None = None
+    host: str,
+    port: int,
+    path: str | bytes,
+    message: bytes,
+    max_seconds: float,
+    grpc_timeout: str | None = None,
+    max_calls: int | None = None,
 ) -> CallLoopReport:
     """One connection sending the same unary call again as soon as the last one ended (one in flight), with
-    ``grpc_timeout`` as its deadline header when given, for ``max_seconds`` or until the server closes the
-    connection. A call the server never ends within 5 s counts as ``open`` and the loop goes on."""
+    ``grpc_timeout`` as its deadline header when given, for ``max_seconds`` (or ``max_calls`` calls, whichever
+    comes first) or until the server closes the connection. A call the server never ends within 5 s counts as
+    ``open`` and the loop goes on."""
     report = CallLoopReport(started_wall=time.time())
     conn = RawGrpcConnection(host, port, acknowledge_data=True)
     conn.wait_settings()
     stop = time.monotonic() + max_seconds
     try:
         while time.monotonic() < stop and not conn.closed.is_set():
+            if max_calls is not None and len(conn.streams) >= max_calls:
+                break
             stream_id = conn.start_call(path, message, grpc_timeout=grpc_timeout)
             if stream_id is None:  # no room for a stream (it is the loop's only one): the server is closing
                 break
@@ -485,9 +500,12 @@ def call_loop_parallel(
     connections: int,
     max_seconds: float,
     grpc_timeout: str | None = None,
+    max_calls: int | None = None,
 ) -> list[CallLoopReport]:
-    """:func:`call_loop` from ``connections`` processes at once, one connection each (:func:`_in_processes`)."""
-    return _in_processes(call_loop, (host, port, path, message, max_seconds, grpc_timeout), connections, max_seconds)
+    """:func:`call_loop` from ``connections`` processes at once, one connection each (:func:`_in_processes`),
+    each making at most ``max_calls`` calls when given."""
+    args = (host, port, path, message, max_seconds, grpc_timeout, max_calls)
+    return _in_processes(call_loop, args, connections, max_seconds)
 
 
 # --- reports of attackers in parallel -----------------------------------------------------------------------

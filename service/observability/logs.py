@@ -215,8 +215,8 @@ class RateLimitedLog:
     the last line (this one included), and none left unwritten: an event that comes while its key's line is not due
     is held (the latest one's line, in its call's request-id context) and written by a timer once it is, at most
     ``interval`` plus :data:`FLUSH_SECONDS` after the event. :meth:`note` writes the refusal lines of shed calls and
-    HTTP refusals, ``<event> reason=<reason> count=<n> <fields> last=<detail>`` (a warning per event and reason);
-    :meth:`write` takes a line of any shape."""
+    HTTP refusals, ``<event> reason=<reason> count=<n> <fields> port=<port> last=<detail>`` (a warning per event,
+    reason and port); :meth:`write` takes a line of any shape."""
 
     def __init__(self, logger: logging.Logger, interval: float) -> None:
         self.logger = logger
@@ -261,11 +261,13 @@ class RateLimitedLog:
                 REQUEST_ID.reset(token)
         return len(due)
 
-    def note(self, event: str, reason: str, detail: str, fields: str = "") -> None:
-        """One more ``reason`` for ``event``."""
+    def note(self, event: str, reason: str, detail: str, fields: str = "", port: str = "") -> None:
+        """One more ``reason`` for ``event`` on ``port`` (a port's name, or "" where the event has none): a line per
+        reason and port, so a flood on one port does not hide the same refusals on another (the probes' port)."""
         more = f" {fields}" if fields else ""
+        more += f" port={port}" if port else ""
         self.write(
-            (event, reason),
+            (event, reason, port),
             lambda count: self.logger.warning("%s reason=%s count=%d%s last=%r", event, reason, count, more, detail),
         )
 

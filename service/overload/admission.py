@@ -31,7 +31,7 @@ from indexer_service.service.observability.logs import RateLimitedLog
 from indexer_service.service.observability.metrics import Metrics
 from indexer_service.service.overload import books
 from indexer_service.service.overload.books import Ticket
-from indexer_service.service.reasons import ShedReason
+from indexer_service.service.reasons import Port, ShedReason
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ DEFAULT_BUDGET_BYTES = 256 * 2**20
 _LIMIT_FRACTION = 8
 # Waiters re-check the caller (cancelled, deadline) this often.
 _WAIT_SLICE_SECONDS = 0.05
-# One log line per reason at most this often; the count covers everything shed in between.
+# One log line per reason and port at most this often; the count covers everything shed in between.
 SHED_LOG_INTERVAL_SECONDS = 10.0
 
 
@@ -66,17 +66,21 @@ class Refused(Exception):
 
 
 class ShedLog:
-    """Counts every shed call in ``indexer_requests_shed_total`` and logs it, rate-limited per reason
-    (:class:`~indexer_service.service.observability.logs.RateLimitedLog`): ``shed reason=R count=N method=M
-    last=DETAIL``."""
+    """Counts every shed call in ``indexer_requests_shed_total`` and logs it, rate-limited per reason and port
+    (:class:`~indexer_service.service.observability.logs.RateLimitedLog`): ``shed reason=R count=N method=M port=P
+    last=DETAIL``. ``port``: the name of the port the call came on (:class:`~indexer_service.service.reasons.Port`)."""
 
     def __init__(self, metrics: Metrics, interval: float = SHED_LOG_INTERVAL_SECONDS) -> None:
         self.metrics = metrics
         self.log = RateLimitedLog(log, interval)
 
-    def record(self, method: str, reason: ShedReason, detail: str) -> None:
+    def record(self, method: str, reason: ShedReason, detail: str, port: str = "") -> None:
         self.metrics.child(self.metrics.requests_shed_total, method, reason).inc()
-        self.log.note("shed", reason, detail, f"method={method}")
+        self.log.note("shed", reason, detail, f"method={method}", port)
+
+    def on(self, port: Port) -> Callable[[str, ShedReason, str], None]:
+        """:meth:`record` for the calls of ``port``: what a port's gate and servicers are given."""
+        return functools.partial(self.record, port=port)
 
 
 @dataclass
@@ -218,6 +222,9 @@ class Caller:
     Slotted, one per call."""
 
     __slots__ = ("deadline", "ended", "held_per_answer_byte", "in_heavy_lane", "peer", "ticket")
+    # The port's name, for the shed log's line per reason and port: each transport's own subclass sets its port,
+    # a class attribute rather than a slot, so a call pays nothing for it.
+    port: str = ""
 
     def __init__(self, peer: str = "local", held_per_answer_byte: float = 1.0) -> None:
         self.peer = peer

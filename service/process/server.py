@@ -154,7 +154,7 @@ class IndexerServer:
         )
         self.tracer = start_tracing()
         self.plane = DataPlane(config, self.metrics, self.warmup, backend, admit, self.tracer)
-        self.health = HealthServicer(HEALTH_NAMES, self.plane.shed)
+        self.health = HealthServicer(HEALTH_NAMES)
         readiness = self.plane.readiness
         readiness.add_listener(lambda ready: self.health.set_serving(ready, [SERVICE_NAME]))
         readiness.add_alive_listener(lambda alive: self.health.set_serving(alive, [""]))
@@ -169,7 +169,7 @@ class IndexerServer:
             probe = Path(self._probe_dir.name) / "rpc.sock"
             self.grpc = create_grpc_server(config, self.plane, self.health, probe_socket=probe, report=self._rpc_port)
             self.grpc_port = self.grpc.port
-            accounting = Accounting(self.metrics, self.plane.shed)
+            accounting = Accounting(self.metrics, self.plane.shed_on(Port.HEALTH))
             self.health_server = create_health_server(config, self.health, accounting, self.grpc_port)
             self.health_port = self.health_server.port
             sockets = bind_shared(config)
@@ -179,15 +179,16 @@ class IndexerServer:
         http_socket, rpc_socket = sockets["http"], sockets.get("http_rpc")
         self.http_port = http_socket.getsockname()[1]
         self.http_rpc_port = rpc_socket.getsockname()[1] if rpc_socket is not None else None
-        refusals = HttpRefusals(self.metrics)  # both ports', one log
-        events = HttpConnectionEvents(config, self.metrics, refusals)
+        refusals = HttpRefusals(self.metrics)  # both ports', one log (a line per reason and port)
         probes = ProbeApp(
             self.plane, self.http_rpc_port, refusals, worker.pod_not_ready if worker is not None else None
         )
+        events = HttpConnectionEvents(config, self.metrics, refusals, Port.HTTP)
         self.http = _HttpServer(probes, config, events, http_socket, "http", tls=False)
         self.http_rpc = None
         if rpc_socket is not None:
             rpcs = RpcApp(self.plane, self.http_port, refusals)
+            events = HttpConnectionEvents(config, self.metrics, refusals, Port.HTTP_RPC)
             self.http_rpc = _HttpServer(rpcs, config, events, rpc_socket, "http-rpc", tls=config.tls_enabled)
         self.metrics.show_fallbacks()  # the HTTP ports' protocol was probed just now, after Metrics was made
         self._unwatch = None

@@ -325,8 +325,8 @@ class Supervisor:
         self._grpc_hold, grpc_port = reserve_grpc_port(config.grpc_host, config.grpc_port)
         self.listeners = bind_shared(config)
         bound = {SHARED_LISTENERS[name].port_setting: sock.getsockname()[1] for name, sock in self.listeners.items()}
-        shed = ShedLog(self.metrics).record
-        self.health = HealthServicer(HEALTH_NAMES, shed)
+        shed = ShedLog(self.metrics).on(Port.HEALTH)
+        self.health = HealthServicer(HEALTH_NAMES)
         self.health_server = create_health_server(config, self.health, Accounting(self.metrics, shed), grpc_port)
         health_port = self.health_server.port
         self.config = replace(config, grpc_port=grpc_port, health_port=health_port, workers=1, **bound)

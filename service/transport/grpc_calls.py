@@ -24,7 +24,7 @@ from indexer_service.service.errors import Code, ServiceError, Shed, UnknownMeth
 from indexer_service.service.observability.logs import NEW_REQUEST_IDS, REQUEST_ID, REQUEST_ID_HEADER, request_id_from
 from indexer_service.service.observability.metrics import UNKNOWN_METHOD
 from indexer_service.service.overload.admission import Caller, DrainWatchdog
-from indexer_service.service.reasons import ShedReason
+from indexer_service.service.reasons import Port, ShedReason
 from indexer_service.service.rpcs import RPCS
 from indexer_service.service.transport.gate import CallGate, Lane, never_started_reason
 
@@ -53,6 +53,7 @@ class GrpcCaller(Caller):
     reads and sets all that (service/adapters/grpcio.py: on grpcio's call state, or through the public methods)."""
 
     __slots__ = ("_context", "_method", "_plane", "gone_at_start", "metadata")
+    port = Port.GRPC
 
     def __init__(
         self,
@@ -87,7 +88,7 @@ class GrpcCaller(Caller):
     def cancel_unread(self) -> None:
         ticket = self.ticket
         nbytes = 0 if ticket is None else ticket.nbytes
-        self._plane.shed(self._method, ShedReason.UNREAD_RESPONSE, f"{nbytes} bytes unread by {self.peer}")
+        self._plane.shed(self._method, ShedReason.UNREAD_RESPONSE, f"{nbytes} bytes unread by {self.peer}", self.port)
         self._context.cancel()
 
 
@@ -115,7 +116,7 @@ def rpc_handlers(
                     f"busy: {gate.held(lane)} calls in the server (max_concurrent_rpcs {lane.places}); "
                     "retry with backoff"
                 )
-            plane.shed(method, reason, message)  # the data plane never sees this call
+            gate.shed(method, reason, message)  # the data plane never sees this call
             raise Shed(reason, message)
 
         return refuse
@@ -125,7 +126,7 @@ def rpc_handlers(
         ShedReason.DEADLINE_ON_ARRIVAL: "its deadline had passed before its request was in",
         ShedReason.CALLER_CANCELLED: "its caller cancelled or reset it before it started",
     }
-    gate.on_never_started = lambda method, reason, peer: plane.shed(method, reason, f"{never_started[reason]} ({peer})")
+    gate.on_never_started = lambda method, reason, peer: gate.shed(method, reason, f"{never_started[reason]} ({peer})")
     wait_seconds, call_seconds = plane.metrics.call_wait_seconds, plane.metrics.call_seconds
     child = plane.metrics.child
 
@@ -192,7 +193,7 @@ def served(
             gone = call.gone_at_start
             if gone is not None:
                 reason = never_started_reason(call.deadline, getattr(started, "queued_at", 0.0))
-                plane.shed(method, reason, f"{gone.name} before the call started ({call.peer})")
+                plane.shed(method, reason, f"{gone.name} before the call started ({call.peer})", call.port)
                 context.abort(GRPC_STATUS[gone], "the caller went away (cancelled, or past its deadline) first")
             response = serve(method, request, caller=call)
             if call.ticket is not None:  # held until the call ends (call.end); cancelled if unread meanwhile

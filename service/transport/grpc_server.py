@@ -28,6 +28,7 @@ from indexer_service.service.config import ServiceConfig
 from indexer_service.service.dataplane import DataPlane
 from indexer_service.service.overload.admission import DrainWatchdog
 from indexer_service.service.process.addresses import host_port
+from indexer_service.service.reasons import Port
 from indexer_service.service.transport.gate import Accounting, CallGate, Lane
 from indexer_service.service.transport.grpc_calls import UnknownMethodHandler, rpc_handlers
 from indexer_service.service.transport.grpc_options import connection_options, server_credentials, server_options
@@ -105,7 +106,8 @@ def create_grpc_server(
     but not started. ``share_port``: SO_REUSEPORT, for a worker of several; ``probe_socket``: a unix socket the
     server also listens on, plaintext, for health probes (its own watch's, the supervisor's); ``report``: told
     whether the port takes new callers (service/transport/port_watch.py), once :meth:`GrpcServer.start` ran."""
-    gate = make_gate(config, Accounting(plane.metrics, plane.shed))
+    shed = plane.shed_on(Port.GRPC)
+    gate = make_gate(config, Accounting(plane.metrics, shed))
     lane = gate.lane("grpc", config.grpc_workers, config.max_concurrent_rpcs, config.max_concurrent_rpcs_per_peer)
     server = grpc.server(
         gate,  # not a ThreadPoolExecutor, though grpcio names one: it only submits to it (see CallGate)
@@ -120,7 +122,7 @@ def create_grpc_server(
         (SERVICE_NAME, HEALTH_SERVICE_NAME),
         config.reflection_max_streams,
         config.reflection_idle_seconds,
-        plane.shed,
+        shed,
         gate,
     )
     server.add_generic_rpc_handlers(reflection.handlers)

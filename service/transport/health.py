@@ -18,6 +18,7 @@ one goes when core says the last is sent. A send still not done after ``send_tim
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import queue
 import threading
@@ -63,6 +64,7 @@ class _Watcher:
     send: SendResponse
     context: grpc.ServicerContext
     peer: str
+    shed: ShedFn  # its port's
     # Where grpcio does not call Watch with a send callback: the stream's messages, taken by its generator.
     messages: queue.SimpleQueue | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -73,11 +75,11 @@ class _Watcher:
 
 class HealthServicer:
     """Health of ``names`` ("" is the whole server); NOT_SERVING until :meth:`set_serving` says otherwise.
-    :meth:`register` serves it on a gRPC server, through that server's gate."""
+    :meth:`register` serves it on a gRPC server, through that server's gate, whose ``shed`` counts and logs the
+    refusals of that server's calls (one servicer may serve two ports: the log has a line per reason and port)."""
 
-    def __init__(self, names: Sequence[str], shed: ShedFn, send_timeout: float = SEND_TIMEOUT_SECONDS) -> None:
+    def __init__(self, names: Sequence[str], send_timeout: float = SEND_TIMEOUT_SECONDS) -> None:
         self._lock = threading.Lock()
-        self._shed = shed
         self._slots = StreamSlots(
             "health Watch streams", WATCH_STREAMS_PER_CONNECTION, WATCH_STREAMS, per_peer=WATCH_STREAMS_PER_PEER
         )
@@ -90,18 +92,22 @@ class HealthServicer:
         # Deliveries to watchers: each quick where a send does not wait; where it does (the adapter's fallback),
         # a watcher that does not read holds one of these until its send is cancelled (send_timeout).
         self.pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="health")
-        self._watch = grpcio.non_blocking(self._watch_stream)
 
     def register(self, server: grpc.Server, gate: CallGate, lane: Lane) -> None:
-        """Check, List and Watch on ``server``, bytes in (parsed here), each routed by ``gate`` to ``lane``."""
+        """Check, List and Watch on ``server``, bytes in (parsed here), each routed by ``gate`` to ``lane`` and its
+        refusals counted by ``gate.shed``."""
+        shed = gate.shed
         check = grpc.unary_unary_rpc_method_handler(
-            self._check, response_serializer=health_pb2.HealthCheckResponse.SerializeToString
+            functools.partial(self._check, shed=shed),
+            response_serializer=health_pb2.HealthCheckResponse.SerializeToString,
         )
         listing = grpc.unary_unary_rpc_method_handler(
-            self._list, response_serializer=health_pb2.HealthListResponse.SerializeToString
+            functools.partial(self._list, shed=shed),
+            response_serializer=health_pb2.HealthListResponse.SerializeToString,
         )
         watch = grpc.unary_stream_rpc_method_handler(
-            self._watch, response_serializer=health_pb2.HealthCheckResponse.SerializeToString
+            grpcio.non_blocking(functools.partial(self._watch_stream, shed=shed)),
+            response_serializer=health_pb2.HealthCheckResponse.SerializeToString,
         )
         for method, handler in (("Check", check), ("List", listing), ("Watch", watch)):
             behaviour = handler.unary_unary or handler.unary_stream
@@ -109,24 +115,25 @@ class HealthServicer:
         server.add_registered_method_handlers(HEALTH_SERVICE_NAME, {"Check": check, "List": listing, "Watch": watch})
         self.on_error = gate.on_error
 
-    def _parsed(self, message_type: type, raw: bytes, context: grpc.ServicerContext, method: str) -> object:
+    @staticmethod
+    def _parsed(message_type: type, raw: bytes, context: grpc.ServicerContext, method: str, shed: ShedFn) -> object:
         advice = f": send a grpc.health.v1 {message_type.__name__}"
-        return parsed_or_refused(message_type, raw, context, method, self._shed, advice)
+        return parsed_or_refused(message_type, raw, context, method, shed, advice)
 
     def _unknown(self, service: str) -> str:
         known = ", ".join(repr(name) for name in self._status)
         return f"unknown service {service!r}: this server reports health for {known}"
 
-    def _check(self, raw: bytes, context: grpc.ServicerContext) -> health_pb2.HealthCheckResponse:
-        request = self._parsed(health_pb2.HealthCheckRequest, raw, context, "Check")
+    def _check(self, raw: bytes, context: grpc.ServicerContext, shed: ShedFn) -> health_pb2.HealthCheckResponse:
+        request = self._parsed(health_pb2.HealthCheckRequest, raw, context, "Check", shed)
         with self._lock:
             status = self._status.get(request.service)
         if status is None:
             context.abort(grpc.StatusCode.NOT_FOUND, self._unknown(request.service))
         return health_pb2.HealthCheckResponse(status=status)
 
-    def _list(self, raw: bytes, context: grpc.ServicerContext) -> health_pb2.HealthListResponse:
-        self._parsed(health_pb2.HealthListRequest, raw, context, "List")
+    def _list(self, raw: bytes, context: grpc.ServicerContext, shed: ShedFn) -> health_pb2.HealthListResponse:
+        self._parsed(health_pb2.HealthListRequest, raw, context, "List", shed)
         with self._lock:
             statuses = dict(self._status)
         return health_pb2.HealthListResponse(
@@ -134,19 +141,19 @@ class HealthServicer:
         )
 
     def _watch_stream(
-        self, raw: bytes, context: grpc.ServicerContext, send_response: SendResponse | None = None
+        self, raw: bytes, context: grpc.ServicerContext, send_response: SendResponse | None = None, *, shed: ShedFn
     ) -> Iterator[health_pb2.HealthCheckResponse] | None:
         """Watch: returns at once, the stream's messages sent through ``send_response``; where grpcio gives no
         send callback (it does not read the non-blocking mark), a generator of the messages, which holds its
         thread while the stream is open."""
-        request = self._parsed(health_pb2.HealthCheckRequest, raw, context, "Watch")
-        peer = self._slots.take_or_abort(context, self._shed, "Watch")
+        request = self._parsed(health_pb2.HealthCheckRequest, raw, context, "Watch", shed)
+        peer = self._slots.take_or_abort(context, shed, "Watch")
         if not context.add_callback(lambda: self._slots.give_back(peer)):  # the call has ended already
             self._slots.give_back(peer)
             return None
         messages = queue.SimpleQueue() if send_response is None else None
         send = messages.put if messages is not None else send_response
-        service, watcher = request.service, _Watcher(send, context, peer, messages)
+        service, watcher = request.service, _Watcher(send, context, peer, shed, messages)
         with self._lock:
             if self._drained:
                 self._notify([watcher], health_pb2.HealthCheckResponse(status=NOT_SERVING), end=True)
@@ -245,7 +252,7 @@ class HealthServicer:
 
     def _stuck(self, watcher: _Watcher) -> None:
         """A message not sent within ``send_timeout``: the watcher does not read (its window stays shut)."""
-        self._shed(
+        watcher.shed(
             "Watch",
             ShedReason.UNREAD_RESPONSE,
             f"a health watcher of {watcher.peer} read nothing for {self._stuck_sends.seconds} s",

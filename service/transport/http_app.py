@@ -69,7 +69,7 @@ from indexer_service.service.observability.logs import (
 from indexer_service.service.observability.metrics import UNKNOWN_METHOD, Metrics, exposition_registry
 from indexer_service.service.overload.admission import SHED_LOG_INTERVAL_SECONDS, Caller
 from indexer_service.service.overload.limits import max_request_bytes
-from indexer_service.service.reasons import HttpRefusal, ShedReason
+from indexer_service.service.reasons import HttpRefusal, Port, ShedReason
 from indexer_service.service.rpcs import REQUEST_TYPES, RESPONSE_TYPES
 from indexer_service.service.transport.json_mapping import message_from_json
 
@@ -118,7 +118,7 @@ def error_body(code: str, message: str) -> bytes:
 
 class HttpRefusals:
     """What the HTTP ports refuse, by reason (:class:`HttpRefusal`): counted in ``indexer_http_refused_total`` and
-    logged rate-limited (``http refused reason=... count=N last=...``)."""
+    logged rate-limited per reason and port (``http refused reason=... count=N port=... last=...``)."""
 
     def __init__(self, metrics: Metrics) -> None:
         self._counters = {reason: metrics.http_refused_total.labels(reason=reason) for reason in HttpRefusal}
@@ -129,9 +129,9 @@ class HttpRefusals:
         connection (Prometheus', say) ends, not worth a log line."""
         self._counters[reason].inc()
 
-    def record(self, reason: HttpRefusal, detail: str) -> None:
+    def record(self, reason: HttpRefusal, detail: str, port: Port) -> None:
         self._counters[reason].inc()
-        self._log.note("http refused", reason, detail)
+        self._log.note("http refused", reason, detail, port=port)
 
 
 class HttpConnectionEvents:
@@ -140,9 +140,10 @@ class HttpConnectionEvents:
     protocol writes for it; an exception in the protocol's own code on the event loop, counted and logged as
     :class:`LibraryCallbackErrors` (``where="limited_protocol"``)."""
 
-    def __init__(self, config: ServiceConfig, metrics: Metrics, refusals: HttpRefusals) -> None:
+    def __init__(self, config: ServiceConfig, metrics: Metrics, refusals: HttpRefusals, port: Port) -> None:
         self.connections = metrics.http_connections  # both ports': each counts only its own against the limit
         self.refusals = refusals
+        self.port = port
         self.errors = LibraryCallbackErrors(log, metrics, SHED_LOG_INTERVAL_SECONDS)
         max_head, max_connections = config.http_max_header_bytes, config.http_max_connections
         self._answers = {
@@ -166,7 +167,7 @@ class HttpConnectionEvents:
 
     def refused(self, reason: HttpRefusal, address: tuple | None) -> bytes:
         status, phrase, message = self._answers[reason]
-        self.refusals.record(reason, f"{_peer_name(address)}: {message}")
+        self.refusals.record(reason, f"{_peer_name(address)}: {message}", self.port)
         return _status_only(status, phrase, message)
 
     def timed_out(self) -> None:
@@ -220,12 +221,19 @@ class ProbeApp:
             reason = pod() if pod is not None else self.plane.readiness.not_ready_reason()
             await _reply(send, 503 if reason else 200, f"{reason or 'ready'}\n".encode())
         elif path.startswith(RPC_PATH_PREFIX):
-            self.refusals.record(HttpRefusal.RPC_ON_METRICS_PORT, f"{verb} {path} from {_peer(scope)}")
+            self.refusals.record(HttpRefusal.RPC_ON_METRICS_PORT, f"{verb} {path} from {_peer(scope)}", Port.HTTP)
             await reply_error(send, 404, self.wrong_port)
         else:
             await reply_error(
                 send, 404, f"no {path} here: this port (http_port) serves only GET /metrics, /livez and /readyz"
             )
+
+
+class HttpCaller(Caller):
+    """A call over HTTP as the data plane sees it: a :class:`Caller` of ``http_rpc_port``."""
+
+    __slots__ = ()
+    port = Port.HTTP_RPC
 
 
 class RpcApp:
@@ -310,7 +318,7 @@ class RpcApp:
             text = f"content type {content_type.decode(errors='replace')!r} is not accepted; send {accepted.decode()}"
             await reply_error(send, 415, text, [(b"accept", accepted), *reply_headers])
             return InvalidArgument(text)  # for the log and the span: the call failed, as a 415
-        caller = Caller(_peer(scope), held_per_answer_byte=JSON_HELD_PER_ANSWER_BYTE if content_type == JSON else 1.0)
+        caller = HttpCaller(_peer(scope), JSON_HELD_PER_ANSWER_BYTE if content_type == JSON else 1.0)
         close: list[tuple[bytes, bytes]] = []
         try:
             body, reusable = await _read_body(receive, self.max_body, self.max_discard)
@@ -318,14 +326,14 @@ class RpcApp:
                 close.append((b"connection", b"close"))
             if body is None:
                 message = f"body: above {self.max_body} bytes, more than a request at this server's limits can be"
-                self.refusals.record(HttpRefusal.BODY_TOO_LARGE, f"{method} from {caller.peer}: {message}")
+                self.refusals.record(HttpRefusal.BODY_TOO_LARGE, f"{method} from {caller.peer}: {message}", caller.port)
                 raise LimitExceeded(message)
             request = body
             if content_type == JSON:
                 request = message_from_json(REQUEST_TYPES[method], body).SerializeToString()
             if self.in_flight >= self.max_in_flight:
                 message = f"busy: {self.in_flight} HTTP calls in the server (max_concurrent_rpcs)"
-                self.plane.shed(method, ShedReason.CONCURRENCY, message)  # the data plane never sees this call
+                self.plane.shed(method, ShedReason.CONCURRENCY, message, caller.port)  # the data plane never saw it
                 raise Shed(ShedReason.CONCURRENCY, message)
             self.in_flight += 1
             try:
@@ -394,7 +402,7 @@ class RpcApp:
                 await asyncio.wait_for(send(message), max(give_up - time.monotonic(), 0))
         except TimeoutError:
             self.plane.shed(
-                method, ShedReason.UNREAD_RESPONSE, f"{len(response)} bytes unread by {caller.peer} over HTTP"
+                method, ShedReason.UNREAD_RESPONSE, f"{len(response)} bytes unread by {caller.peer}", caller.port
             )
             abort: Callable[[], None] | None = scope.get(ABORT_KEY)
             if abort is not None:

@@ -176,7 +176,7 @@ def test_a_server_on_each_public_path_answers_as_on_the_fast_one(public_path: st
     config = load_config({"grpc_host": "127.0.0.1", "grpc_port": "0", "warmup_target": "none"}, env={})
     plane = make_plane(config)
     plane.readiness.refresh()
-    health = HealthServicer(HEALTH_NAMES, plane.shed)
+    health = HealthServicer(HEALTH_NAMES)
     health.set_serving(True)
     server = create_grpc_server(config, plane, health)
     server.server.start()

@@ -26,7 +26,7 @@ from indexer_service.service.adapters import uvicorn_http
 from indexer_service.service.config import load_config
 from indexer_service.service.observability.metrics import Metrics
 from indexer_service.service.process.server import IndexerServer
-from indexer_service.service.reasons import HttpRefusal
+from indexer_service.service.reasons import HttpRefusal, Port
 from indexer_service.service.transport.http_app import HttpConnectionEvents, HttpRefusals
 from testkit.harness import LOOPBACK, http_get, wait_for
 from testkit.http1raw import chunked_request, seconds_until_closed
@@ -267,7 +267,7 @@ def test_protocol_errors_are_counted_and_logged_rate_limited(caplog) -> None:
     """The service's report of a fault: indexer_library_callback_errors_total{where="limited_protocol"}, and one
     line with the traceback, the step and the peer for the three."""
     metrics = Metrics()
-    events = HttpConnectionEvents(load_config({}, env={}), metrics, HttpRefusals(metrics))
+    events = HttpConnectionEvents(load_config({}, env={}), metrics, HttpRefusals(metrics), Port.HTTP_RPC)
     labels = {"where": "limited_protocol"}
     assert metrics.registry.get_sample_value("indexer_library_callback_errors_total", labels) == 0
     with caplog.at_level(logging.ERROR):

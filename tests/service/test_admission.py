@@ -32,6 +32,7 @@ from indexer_service.service.overload.admission import (
     ShedLog,
     default_response_budget,
 )
+from indexer_service.service.reasons import Port, ShedReason
 from indexer_service.service.transport.grpc_calls import GRPC_STATUS
 from testkit.harness import poll, wait_for
 from testkit.payloads import AMPLIFIER_PLAN_BATCH, one_row_chunks_plan_batch
@@ -180,6 +181,28 @@ def test_shed_log_counts_every_call_and_logs_once_per_interval(caplog) -> None:
     lines = [r.getMessage() for r in caplog.records if "shed reason=memory" in r.getMessage()]
     assert len(lines) == 1 and "count=1" in lines[0]
     assert metrics.requests_shed_total.labels("BuildChunk", "memory")._value.get() == 5
+
+
+def test_shed_log_writes_one_line_per_reason_and_port_per_interval(caplog) -> None:
+    # The same reason flooding two ports: a line for each port, so the flood on one does not hide the other's
+    # refusals; the next interval's line per port counts what came meanwhile.
+    shed = ShedLog(Metrics(), interval=60.0)
+    on_grpc, on_health = shed.on(Port.GRPC), shed.on(Port.HEALTH)
+    with caplog.at_level(logging.WARNING, logger="indexer_service.service.overload.admission"):
+        for n in range(50):
+            on_grpc("Check", ShedReason.UNDECODABLE, f"grpc {n}")
+            on_health("Check", ShedReason.UNDECODABLE, f"health {n}")
+        first = [r.getMessage() for r in caplog.records]
+        assert shed.log.flush(time.monotonic() + 60.0) == 2  # the interval has passed: one held line per port
+    assert first == [
+        "shed reason=undecodable count=1 method=Check port=grpc last='grpc 0'",
+        "shed reason=undecodable count=1 method=Check port=health last='health 0'",
+    ]
+    assert sorted(r.getMessage() for r in caplog.records[2:]) == [
+        "shed reason=undecodable count=49 method=Check port=grpc last='grpc 49'",
+        "shed reason=undecodable count=49 method=Check port=health last='health 49'",
+    ]
+    assert not [r for r in caplog.records if r.exc_info]
 
 
 def test_drain_watchdog_acts_on_unreleased_tickets_only() -> None:

@@ -57,7 +57,7 @@ def flaky_server(request) -> Iterator[tuple[DataPlane, pb_grpc.PrefillMetadataSt
     config = load_config({"grpc_host": "127.0.0.1", "grpc_port": "0", "warmup_target": "none"}, env={})
     plane = make_plane(config, backend=Backend("numpy", FlakyBackend(failure)))
     plane.readiness.refresh()
-    server = create_grpc_server(config, plane, HealthServicer(HEALTH_NAMES, plane.shed))
+    server = create_grpc_server(config, plane, HealthServicer(HEALTH_NAMES))
     server.server.start()
     try:
         with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:

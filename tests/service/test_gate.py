@@ -221,7 +221,7 @@ def test_stopping_the_server_ends_its_threads() -> None:
     config = load_config({"grpc_host": "127.0.0.1", "grpc_port": "0", "warmup_target": "none"}, env={})
     plane = make_plane(config)
     plane.readiness.refresh()
-    server = create_grpc_server(config, plane, HealthServicer(HEALTH_NAMES, plane.shed))
+    server = create_grpc_server(config, plane, HealthServicer(HEALTH_NAMES))
     server.server.start()
     request = codec.chunk_inputs_to_proto(ChunkInputs(np.array([0, 1, 4, 9]), np.array([20, 10, 5]), 4, 1, 3))
     try:

@@ -37,7 +37,7 @@ class Port:
         config = load_config(
             {"grpc_host": "127.0.0.1", "health_port": "0", "grpc_port": "50999", "warmup_target": "none"}, env={}
         )
-        self.servicer = HealthServicer(HEALTH_NAMES, lambda *shed: self.sheds.append(shed))
+        self.servicer = HealthServicer(HEALTH_NAMES)
         self.servicer.set_serving(True)
         self.health: HealthServer = create_health_server(
             config, self.servicer, Accounting(self.metrics, lambda *shed: self.sheds.append(shed))

@@ -106,7 +106,7 @@ class Served:
             return call(*args, **kwargs)
 
         plane.call = held_call
-        self.health = HealthServicer(HEALTH_NAMES, plane.shed)
+        self.health = HealthServicer(HEALTH_NAMES)
         plane.readiness.add_listener(lambda ready: self.health.set_serving(ready, [SERVICE_NAME]))
         plane.readiness.add_alive_listener(lambda alive: self.health.set_serving(alive, [""]))
         socket = tmp_path / "rpc.sock"
