@@ -39,6 +39,7 @@ from triton.backends.compiler import GPUTarget
 from triton.backends.driver import DriverBase
 
 from indexer_service.kernels import specialization, triton_adapter, triton_kernel
+from indexer_service.kernels.host_tensor import HostTensor, aligned_empty
 from indexer_service.kernels.inputs import ChunkInputs, chunk_host_part
 from indexer_service.kernels.numpy_backend import chunk_arrays_numpy
 from indexer_service.kernels.specialization import BLOCK_SIZE, POINTER_ALIGNMENT, CompileKey
@@ -126,13 +127,20 @@ def check_keys(keys: Sequence[CompileKey], allowed: Sequence[CompileKey]) -> Non
             raise KeyRefusedError(f"keys[{i}]: {key.label()} is not in the model's warmup set")
 
 
-def warmup_arguments(key: CompileKey, device: torch.device) -> list[object]:
-    """Tensors and scalars that make Triton choose exactly ``key``'s variant."""
-    import torch  # here, not on import: a start that only loads the compiler need not wait for torch
-
+def warmup_arguments(key: CompileKey, device: torch.device | str | None = None) -> list[object]:
+    """Tensors and scalars that make Triton choose exactly ``key``'s variant: torch tensors on ``device``, or with
+    none (an ahead-of-time compile, which launches nothing) numpy arrays as :class:`HostTensor`, which Triton
+    specializes alike and which need no torch."""
     args: list[object] = []
     for cls in key.pointer_classes:
-        # A fresh allocation is aligned; one element in, it is not.
+        # Aligned: at a multiple of 16 bytes (a fresh torch allocation is); one element in, it is not.
+        if device is None:
+            host = aligned_empty(8)
+            host.fill(0)
+            args.append(HostTensor(host if cls == POINTER_ALIGNMENT else host[1:]))
+            continue
+        import torch  # here, not on import: only a compile for a device needs it
+
         buffer = torch.zeros(8, dtype=torch.int32, device=device)
         args.append(buffer if cls == POINTER_ALIGNMENT else buffer[1:])
     widths = {"i32": 2, "i64": 2**40, "u64": 2**63 + 2}  # representatives of each integer width
@@ -320,14 +328,17 @@ def compile_keys(
     hashed = start_compiler()
     if hashed is not None:
         log.debug("Triton compiler start-up took %.3f s", hashed)
-    import torch  # the warmup's arguments are tensors (and Triton's argument binder imports torch anyway)
-
     if target is None:
+        import torch  # the warmup's arguments are tensors on the serving GPU
+
         kernel, gpu_target, device = triton_kernel._build_prefill_metadata_kernel, None, torch.device("cuda")
     else:
-        # A fresh JITFunction per ahead-of-time run: its per-device caches remember the target.
+        # A fresh JITFunction per ahead-of-time run: its per-device caches remember the target. Nothing launches on
+        # a device: the arguments are host arrays, the proof runs in the interpreter, and Triton's binder is set up
+        # without torch (seconds of a CPU server's start, which needs nothing else of it).
         kernel = triton.jit(triton_kernel._build_prefill_metadata_kernel_fn, **KERNEL_JIT_OPTIONS)
-        gpu_target, device = parse_target(target), torch.device("cpu")
+        gpu_target, device = parse_target(target), None
+        triton_adapter.bind_without_torch()
     async_mode = triton_adapter.async_compile_mode() if workers > 1 else None
 
     outcomes: dict[CompileKey, CompileOutcome] = {}

@@ -17,11 +17,17 @@ public fallback. The kernels never import the service, so this module reports wh
   stays active afterwards, and a GPU launch in this process, which could not run anyway, fails with its "compiles
   only" error instead of Triton's "0 active drivers". Triton 3.4's ``driver.active`` is a lazy proxy that reading
   does not resolve: put back, it is exactly what was there.
+- ``binder_without_torch``: an ahead-of-time compile (no GPU) sets Triton's argument binder up with torch's import
+  refused in its thread (``triton.runtime.jit.mangle_type``, the binder's own entry point, called once). Triton's
+  native binder imports torch the first time it binds anything, only to recognise ``torch.Tensor`` by its type, and
+  reads any other argument's ``data_ptr`` and ``dtype``, which specializes a tensor alike; a process that launches
+  nothing on a GPU then never imports torch, which is most of a CPU server's start. Fallback: the binder imports
+  torch on its first use, as Triton does.
 
 :func:`probe` checks each name, signature and behaviour a feature relies on, in the installed Triton or in stand-ins
 a test gives; :func:`features` decides once a process. The compile engine asks for each reach-in through this module
-(:func:`async_compile_mode`, :func:`hash_installation`, :func:`stand_in_active`) and takes the public path wherever
-the feature is off.
+(:func:`async_compile_mode`, :func:`hash_installation`, :func:`stand_in_active`, :func:`bind_without_torch`) and
+takes the public path wherever the feature is off.
 """
 
 from __future__ import annotations
@@ -29,8 +35,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import importlib.abc
+import importlib.machinery
 import inspect
-from collections.abc import Iterator
+import sys
+import threading
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -57,6 +67,7 @@ RELIED_ON: dict[str, tuple[str, ...]] = {
         f"{DRIVER_MODULE}.DriverConfig._active",
         f"{DRIVER_MODULE}.DriverConfig.set_active sets _active",
     ),
+    "binder_without_torch": (f"{JIT_MODULE}.mangle_type(arg)",),
 }
 
 PUBLIC_PATHS = {
@@ -66,6 +77,10 @@ PUBLIC_PATHS = {
         "after an ahead-of-time compile the driver Triton's public driver.active gave before it is made active "
         "again; where none can be made (no GPU) the compile-only stand-in stays active, so a GPU launch in this "
         "process, impossible anyway, fails with its 'compiles only' error instead of '0 active drivers'"
+    ),
+    "binder_without_torch": (
+        "Triton's argument binder imports torch the first time it binds a kernel's arguments, also in a process "
+        "that compiles ahead of time and launches nothing on a GPU (seconds of a CPU server's start)"
     ),
 }
 FEATURES = tuple(PUBLIC_PATHS)
@@ -106,7 +121,14 @@ def probe(
         "async_compile": _probe_async_compile(async_compile, jit),
         "compiler_key": _probe_compiler_key(key_modules or ()),
         "compile_only_driver": _probe_driver(driver_module),
+        "binder_without_torch": _probe_binder(jit),
     }
+
+
+def _probe_binder(jit: ModuleType | None) -> list[str]:
+    """Whether the JIT module has the binder's entry point, callable with one argument."""
+    mangle = getattr(jit, "mangle_type", None) if jit is not None else None
+    return [] if callable(mangle) and _takes(mangle, 0) else list(RELIED_ON["binder_without_torch"])
 
 
 def _probe_async_compile(module: ModuleType | None, jit: ModuleType | None) -> list[str]:
@@ -175,6 +197,7 @@ class TritonFeatures:
     async_compile: bool
     compiler_key: bool
     compile_only_driver: bool
+    binder_without_torch: bool
 
 
 @functools.cache
@@ -233,3 +256,46 @@ def stand_in_active(stand_in: object, config: object | None = None) -> Iterator[
     finally:
         if previous is not None or exact:
             config.set_active(previous)
+
+
+class _RefusedInThread(importlib.abc.MetaPathFinder):
+    """Refuses the import of ``names`` to the thread that made it (any other thread imports them as usual)."""
+
+    def __init__(self, names: Sequence[str]) -> None:
+        self.names = frozenset(names)
+        self.thread = threading.get_ident()
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname in self.names and threading.get_ident() == self.thread:
+            raise ModuleNotFoundError(
+                f"No module named {fullname!r} (kept out of a compile-only process)", name=fullname
+            )
+        return None
+
+
+@contextlib.contextmanager
+def refused_in_this_thread(*names: str) -> Iterator[None]:
+    """Within this block, importing one of ``names`` (not imported yet) fails in this thread."""
+    finder = _RefusedInThread(names)
+    sys.meta_path.insert(0, finder)
+    try:
+        yield
+    finally:
+        sys.meta_path.remove(finder)
+
+
+def bind_without_torch() -> bool:
+    """Set Triton's argument binder up now, with torch's import refused in this thread, where torch is not imported
+    yet (``binder_without_torch`` above); True when torch stayed out. The binder keeps what it found for the life of
+    the process, so call it only where nothing will launch on a GPU. A binder that cannot be set up so is left alone:
+    its first use sets it up, with torch, as on the public path."""
+    if "torch" in sys.modules or not features().binder_without_torch:
+        return False
+    with refused_in_this_thread("torch"):
+        try:
+            importlib.import_module(JIT_MODULE).mangle_type(0)
+        except Exception:
+            return False
+    return "torch" not in sys.modules

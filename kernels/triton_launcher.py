@@ -3,7 +3,8 @@ builder the service calls on a GPU (:class:`TritonChunkBuilder`).
 
 The kernel and the one function that launches it are ``kernels/triton_kernel.py``; concurrent calls share
 launches through ``kernels/launch_combiner.py``. Its outputs equal ``kernels/reference.py``'s (the oracle) for
-every valid input.
+every valid input. torch is imported by the CUDA path alone: on a CPU (Triton's interpreter: the warmup's proof with
+no GPU, tests) the builder launches on numpy arrays (kernels/host_tensor.py), so a CPU server never imports it.
 """
 
 from __future__ import annotations
@@ -12,11 +13,12 @@ import os
 import threading
 import weakref
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from indexer_service.kernels.formulas import causal_position
+from indexer_service.kernels.host_tensor import HostTensor, aligned_empty
 from indexer_service.kernels.inputs import (
     INT32_MAX,
     ChunkArrays,
@@ -30,6 +32,9 @@ from indexer_service.kernels.inputs import (
 from indexer_service.kernels.launch_combiner import ChunkOutputs, LaunchCombiner
 from indexer_service.kernels.specialization import BLOCK_SIZE, CompileKey
 from indexer_service.kernels.triton_kernel import TABLE_COLUMNS, launch_prefill_metadata_kernel, serialise_ast_parse
+
+if TYPE_CHECKING:
+    import torch
 
 # Most elements of one kind (tokens or rows) a program writes: a long request gets several programs, so one
 # 86k-token request is not a single program walking 85 blocks in turn.
@@ -108,10 +113,10 @@ def _output_segments(tokens: int, rows: int) -> tuple[int, tuple[slice, slice, s
     return ke_at + _padded(rows), (slice(0, tokens), slice(ks_at, ks_at + rows), slice(ke_at, ke_at + rows))
 
 
-def _alloc_output(num_elements: int, device: torch.device) -> torch.Tensor:
+def _alloc_output(num_elements: int) -> np.ndarray:
     # Every element that is returned is written by the kernel; tests swap this for a sentinel fill to
     # prove it (tests/kernels/test_chunk_metadata.py). Used where no CUDA stream is involved (the interpreter on CPU).
-    return torch.empty(num_elements, dtype=torch.int32, device=device)
+    return aligned_empty(num_elements)
 
 
 class PinnedPool:
@@ -145,6 +150,8 @@ class PinnedPool:
                 self._idle -= size
                 return free.pop()
             self.allocations += 1
+        import torch
+
         return torch.empty(size, dtype=torch.uint8, pin_memory=True)
 
     def release(self, buffer: torch.Tensor) -> None:
@@ -187,6 +194,8 @@ class _Stage:
     KEEP_ELEMENTS = 16 << 20
 
     def __init__(self, device: torch.device, blocking: bool) -> None:
+        import torch
+
         self.device = device
         self.stream = torch.cuda.Stream(device)
         # A blocking event sleeps in the driver instead of spinning: right when threads outnumber cores.
@@ -200,6 +209,8 @@ class _Stage:
         """The table copied into this thread's page-locked staging buffer; (host view, device view)."""
         n = table.size
         if self.table_host.numel() < n:
+            import torch
+
             grown = max(n, 2 * self.table_host.numel(), 4096)
             self.table_host = torch.empty(grown, dtype=torch.int32, pin_memory=True)
             self.table_host_np = self.table_host.numpy()
@@ -208,12 +219,15 @@ class _Stage:
         return self.table_host[:n], self.table_device[:n]
 
     def output(self, size: int) -> torch.Tensor:
+        if size <= self.out_device.numel():
+            return self.out_device[:size]
+        import torch  # here, not above: this runs on every launch, and most find their buffer
+
         if size > self.KEEP_ELEMENTS:
             return torch.empty(size, dtype=torch.int32, device=self.device)
-        if self.out_device.numel() < size:
-            self.out_device = torch.empty(
-                min(self.KEEP_ELEMENTS, max(size, 2 * self.out_device.numel())), dtype=torch.int32, device=self.device
-            )
+        self.out_device = torch.empty(
+            min(self.KEEP_ELEMENTS, max(size, 2 * self.out_device.numel())), dtype=torch.int32, device=self.device
+        )
         return self.out_device[:size]
 
 
@@ -246,11 +260,17 @@ class TritonChunkBuilder:
         combine: bool = True,
     ) -> None:
         serialise_ast_parse()  # this builder's launches compile (or interpret) the kernel, parsing its source
-        self.device = torch.device(device)
+        self._cuda = str(device).split(":")[0] == "cuda"
+        if self._cuda:
+            import torch
+
+            self.device: torch.device | str = torch.device(device)
+            self._out_of_memory: tuple[type[BaseException], ...] = (torch.OutOfMemoryError,)
+        else:  # Triton's interpreter, on numpy arrays
+            self.device, self._out_of_memory = str(device), ()
         self.kernel = kernel
         self.admit = admit
         self.poison = poison
-        self._cuda = self.device.type == "cuda"
         self.pool = pool if pool is not None else (PinnedPool() if self._cuda else None)
         self.blocking_wait = _default_blocking_wait() if blocking_wait is None else blocking_wait
         self._local = threading.local()
@@ -280,9 +300,11 @@ class TritonChunkBuilder:
         tokens, rows = kv_bases[-1], row_bases[-1]
         try:
             all_tokens, all_ks, all_ke = self._outputs(table, tokens, rows, dcp, ratios.pop())
-        except torch.OutOfMemoryError as exc:
+        except self._out_of_memory as exc:
             # Give the cached blocks back so the next request starts from a clean pool, and let the caller
             # answer RESOURCE_EXHAUSTED: the process stays healthy.
+            import torch
+
             torch.cuda.empty_cache()
             raise MemoryError(f"GPU out of memory for {tokens} tokens and {rows} rows: {exc}") from exc
         return [
@@ -306,17 +328,26 @@ class TritonChunkBuilder:
         return all_tokens, all_ks, all_ke
 
     def _launch_plain(self, table: np.ndarray, tokens: int, rows: int, dcp: DcpConfig, ratio: int) -> np.ndarray:
-        """No CUDA (the interpreter on CPU): plain tensors, the current stream."""
-        device_table = torch.from_numpy(table).to(self.device)
+        """No CUDA (the interpreter on CPU): numpy arrays, in aligned buffers as torch's would be, the kernel writing
+        into the returned one."""
+        aligned_table = aligned_empty(table.shape, table.dtype)
+        np.copyto(aligned_table, table)
         size, segments = _output_segments(tokens, rows)
-        out = _alloc_output(size, self.device)
+        out = _alloc_output(size)
         if self.poison is not None:
-            out.fill_(self.poison)
-        token_to_seq, ks, ke = (out[where] for where in segments)
+            out.fill(self.poison)
+        token_to_seq, ks, ke = (HostTensor(out[where]) for where in segments)
         launch_prefill_metadata_kernel(
-            device_table, token_to_seq, ks, ke, dcp=dcp, compress_ratio=ratio, kernel=self.kernel, admit=self.admit
+            HostTensor(aligned_table),
+            token_to_seq,
+            ks,
+            ke,
+            dcp=dcp,
+            compress_ratio=ratio,
+            kernel=self.kernel,
+            admit=self.admit,
         )
-        return out.cpu().numpy()
+        return out
 
     def _stage(self) -> _Stage:
         stage = getattr(self._local, "stage", None)
@@ -334,6 +365,8 @@ class TritonChunkBuilder:
         table_host, table_device = stage.table(table)
         out = stage.output(size)
         buffer = self.pool.acquire(4 * size)
+        import torch
+
         try:
             with torch.cuda.stream(stage.stream):
                 table_device.copy_(table_host, non_blocking=True)

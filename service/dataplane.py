@@ -461,7 +461,8 @@ class DataPlane:
                 pb.KeyStatus(
                     label=p.key.label(),
                     key_json=p.key.to_json(),
-                    state=_KEY_STATES[p.state],
+                    # Warmed alike inside (COMPILED); on the wire, where the key came from.
+                    state=pb.KEY_STATE_CACHED if p.cached else _KEY_STATES[p.state],
                     compile_seconds=p.seconds,
                     error=p.error,
                 )

@@ -32,8 +32,9 @@ FEATURES: dict[str, tuple[str, ...]] = {
     # named; a dead worker's counts folded into one file.
     "prometheus_client": ("multiprocess_value_class", "retire_process"),
     # Triton's parallel compile inside the JIT; its installation hash computed ahead of the first compile; the
-    # driver that was active put back after an ahead-of-time compile's stand-in.
-    "triton": ("async_compile", "compiler_key", "compile_only_driver"),
+    # driver that was active put back after an ahead-of-time compile's stand-in; its argument binder set up without
+    # torch where nothing launches on a GPU.
+    "triton": ("async_compile", "compiler_key", "compile_only_driver", "binder_without_torch"),
 }
 TRITON = "triton"
 

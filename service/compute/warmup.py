@@ -21,10 +21,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from indexer_service.kernels.specialization import CompileKey, ModelConfig, warmup_keys
-from indexer_service.service.observability.metrics import Metrics
 
-if TYPE_CHECKING:  # the compile engine imports torch and Triton: loaded only when something compiles
+if TYPE_CHECKING:  # the compile engine imports Triton: loaded only when something compiles
     from indexer_service.kernels.compile_engine import CompileOutcome
+    from indexer_service.service.observability.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
@@ -62,10 +62,11 @@ _preloads: list[threading.Thread] = []
 def preload_compiler() -> None:
     """Start loading Triton in a thread of its own: its import and the hash of its installation that keys its
     cache (``start_compiler``: most of it file reads and hashlib, which leave the interpreter free). Called by
-    ``serve`` before it imports and builds the server, so that this overlaps that and the warmup thread's import of
-    torch; :meth:`Warmup.load_compiler` waits for it. Not torch itself: its import holds the interpreter, so beside
-    the server's start it slows both, and the server is ready later, not sooner (docs/performance.md). Idempotent;
-    a failure here is left for the warmup to meet again and report."""
+    ``serve`` as soon as its configuration says it warms up, before it imports and builds the server, so that this
+    overlaps that (and, on a GPU, the warmup thread's import of torch); :meth:`Warmup.load_compiler` waits for it. Not
+    torch itself: its import holds the interpreter, so beside the server's start it slows both, and the server is
+    ready later, not sooner (docs/performance.md); an ahead-of-time warmup (no GPU) never imports it. Idempotent; a
+    failure here is left for the warmup to meet again and report."""
     if _preloads:
         return
 
@@ -192,13 +193,15 @@ class Warmup:
             return frozenset(k for k, p in self._progress.items() if p.state is KeyState.COMPILED)
 
     def load_compiler(self) -> None:
-        """Import the compile engine and torch (seconds) ahead of :meth:`run`, so that the workers of a replica,
-        which take turns for the compiles, import them in parallel; in one process, wait for
-        :func:`preload_compiler`'s threads instead. An import that fails is left for :meth:`run` to meet again and
-        report."""
+        """Import the compile engine, and torch for an in-process warmup on the GPU (seconds), ahead of :meth:`run`,
+        so that the workers of a replica, which take turns for the compiles, import them in parallel; in one
+        process, wait for :func:`preload_compiler`'s threads instead. An ahead-of-time warmup (a target, no GPU)
+        needs no torch: its keys bind host arrays and prove in Triton's interpreter. An import that fails is left for
+        :meth:`run` to meet again and report."""
         if self.enabled:
             with contextlib.suppress(Exception):
-                import torch  # noqa: F401
+                if self.target is None:
+                    import torch  # noqa: F401
 
                 import indexer_service.kernels.compile_engine  # noqa: F401
             for thread in _preloads:

@@ -48,6 +48,12 @@ def _serve(args: argparse.Namespace) -> int:
     signals = ShutdownSignals()
     try:
         config = _configure(args)
+        if config.warmup_enabled and config.workers == 1:
+            # Triton loads, and hashes its installation (its cache's key), beside the rest of the start from here:
+            # on the critical path of a CPU start, begun as early as the configuration says it is needed.
+            from indexer_service.service.compute.warmup import preload_compiler
+
+            preload_compiler()
         from indexer_service.service.observability.tracing import exporter_entry_points
 
         exporter_entry_points()  # an OTEL_* mistake stops the start with exit 2, one worker or several
@@ -65,7 +71,7 @@ def _serve(args: argparse.Namespace) -> int:
 
             code = supervise(config, workers, source, args.port_file, signals)
         else:
-            if config.warmup_enabled:  # Triton loads while the server is imported and built
+            if config.warmup_enabled:  # workers = 0 (auto) that came to 1: not preloaded above
                 from indexer_service.service.compute.warmup import preload_compiler
 
                 preload_compiler()
@@ -324,7 +330,7 @@ def _check(args: argparse.Namespace) -> int:
         f"warmup state={pb.WarmupState.Name(status.state).removeprefix('WARMUP_STATE_')} "
         f"ready={str(status.ready).lower()} backend={status.backend} target={status.target} "
         f"strict={str(status.strict).lower()} keys={len(status.keys)} compiled={states.count('COMPILED')} "
-        f"failed={states.count('FAILED')} seconds={status.warmup_seconds:.3f} "
+        f"cached={states.count('CACHED')} failed={states.count('FAILED')} seconds={status.warmup_seconds:.3f} "
         f"compiles_after_ready={status.compiles_after_ready} server_version={status.server_version or '-'}"
     )
     for key, state in zip(status.keys, states, strict=True):

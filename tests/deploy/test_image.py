@@ -247,6 +247,73 @@ def test_the_build_gets_the_machines_ca_bundle_as_a_secret_and_nothing_else(tmp_
     assert not [a for a in image.build_command(image.Engine("docker"), "base") if a.startswith("--secret")]
 
 
+def fake_docker(folder: Path, version: str, *, buildx: bool = False, daemon: bool = True) -> str:
+    """A `docker` CLI that answers `info` (a daemon answers, or not), `buildx version` (the plugin is there, or not)
+    and `version` (its client version), as image.py asks them."""
+    folder.mkdir(parents=True, exist_ok=True)
+    cli = folder / "docker"
+    cli.write_text(
+        "#!/bin/sh\n"
+        f'case "$1" in info) exit {0 if daemon else 1};; buildx) exit {0 if buildx else 1};; version) echo {version};; '
+        "esac\n"
+    )
+    cli.chmod(0o755)
+    return str(cli)
+
+
+def test_docker_builds_with_the_first_cli_on_path_that_has_buildkit(tmp_path: Path, monkeypatch) -> None:
+    """The docker path: a newer CLI without the buildx plugin cannot build the Dockerfile (its legacy builder
+    refuses RUN --mount), so the next docker CLI on PATH that can is taken (one before 23.0 carries BuildKit,
+    behind DOCKER_BUILDKIT=1), and the build command is that CLI's; with the plugin, `buildx build --load`; with
+    none that can, the test fails saying what to install; with no daemon, podman's turn."""
+    newer = fake_docker(tmp_path / "local", "28.2.2")
+    older = fake_docker(tmp_path / "usr", "20.10.24")
+    monkeypatch.setenv("PATH", f"{tmp_path / 'local'}{os.pathsep}{tmp_path / 'usr'}")
+    assert image.executables("docker") == [newer, older]
+    steps = image.Steps()
+    engine = image.find_docker(steps)
+    assert (engine.cli, engine.builder, engine.build_env) == (older, ("build",), {"DOCKER_BUILDKIT": "1"})
+    assert "passed over" in steps.notes["engine"] and newer in steps.notes["engine"]
+    argv = image.build_command(engine, "base")
+    assert argv[:2] == [older, "build"] and "--progress=plain" in argv and argv[-1] == str(image.REPO)
+    assert not [a for a in argv if a in ("--format=docker", "--layers") or a.startswith("--ulimit")]
+    assert engine.argv("run", "x")[:2] == [older, "run"]
+
+    with_plugin = fake_docker(tmp_path / "plugin", "28.2.2", buildx=True)
+    monkeypatch.setenv("PATH", str(tmp_path / "plugin"))
+    engine = image.find_docker(image.Steps())
+    assert (engine.cli, engine.builder, engine.build_env) == (with_plugin, ("buildx", "build", "--load"), {})
+    assert image.build_command(engine, "base")[:4] == [with_plugin, "buildx", "build", "--load"]
+
+    monkeypatch.setenv("PATH", str(tmp_path / "local"))
+    with pytest.raises(image.CheckFailed, match="buildx"):
+        image.find_docker(image.Steps())
+    fake_docker(tmp_path / "down", "20.10.24", daemon=False)
+    monkeypatch.setenv("PATH", str(tmp_path / "down"))
+    assert image.find_docker(image.Steps()) is None
+
+
+def test_buildkit_progress_gives_each_steps_seconds() -> None:
+    text = (
+        "#1 [internal] load build definition from Dockerfile\n#1 DONE 0.0s\n"
+        "#7 [deps 2/6] RUN apt-get update\n#7 0.912 Get:1 http://deb.debian.org\n#7 DONE 35.2s\n"
+        "#9 [deps 3/6] RUN python -m venv /opt/indexer/venv\n#9 CACHED\n"
+        "#12 [stage-2 5/7] RUN indexer-service precompile\n#12 DONE 4s\n"
+    )
+    assert image.buildkit_step_seconds(text) == [
+        (0.0, "[internal] load build definition from Dockerfile"),
+        (35.2, "[deps 2/6] RUN apt-get update"),
+        (4.0, "[stage-2 5/7] RUN indexer-service precompile"),
+    ]
+
+
+def test_the_start_is_timed_in_cpu_seconds_too() -> None:
+    """Beside the wall seconds to ready, which a shared machine's load stretches, the server's own CPU seconds."""
+    spent = image.process_cpu_seconds(os.getpid())
+    assert spent is not None and spent > 0
+    assert image.process_cpu_seconds(2**22 + 1) is None
+
+
 def test_podman_limits_fall_back_to_what_the_machine_allows() -> None:
     """Podman's own defaults first; then the machine's hard limits (open files capped at podman's 1048576), then
     process limits podman's monitor can grant."""
@@ -270,6 +337,40 @@ def test_times_from_the_engine_and_the_log_are_epoch_seconds() -> None:
     assert abs(b - a - 0.5) < 1e-6
     logged = image.log_time("x\n2026-12-07T03:05:11.223Z INFO server ready backend=numpy", " ready ")
     assert logged == pytest.approx(image.epoch("2026-12-07T03:05:11.223Z"), abs=1e-6) and logged - a < 0.1
+
+
+def test_the_warmup_check_wants_every_key_cached_by_the_metric_and_the_rpc() -> None:
+    """make image-test's warmup check: every key loaded from the seeded cache, as indexer_warmup_keys counts and as
+    GetWarmupStatus reports (KEY_STATE_CACHED, a state of its own), and proved; a key the RPC reports COMPILED, or
+    a metric that counts one compiled, fails it."""
+    from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
+
+    labels = ("r1-b1024-aligned-i32", "r4-b1024-aligned-i32", "r128-b1024-aligned-i32")
+    log = "".join(
+        f"warmup {n}/3 key={label} seconds=0.002 source=cache proof=ok\n" for n, label in enumerate(labels, 1)
+    )
+
+    def metrics(compiled: int) -> dict:
+        states = {"planned": 3, "compiled": compiled, "cached": 3 - compiled, "failed": 0}
+        return {
+            "indexer_warmup_keys": [({"state": state}, value) for state, value in states.items()],
+            "indexer_warmup_key_compile_seconds": [({"key": label}, 0.002) for label in labels],
+        }
+
+    def status(*states: int) -> pb.GetWarmupStatusResponse:
+        return pb.GetWarmupStatusResponse(
+            keys=[pb.KeyStatus(label=lb, state=st) for lb, st in zip(labels, states, strict=True)]
+        )
+
+    cached = pb.KEY_STATE_CACHED
+    image.check_warmup(metrics(0), status(cached, cached, cached), log, image.Steps())
+    with pytest.raises(image.CheckFailed, match="KEY_STATE_CACHED"):
+        image.check_warmup(metrics(0), status(cached, pb.KEY_STATE_COMPILED, cached), log, image.Steps())
+    with pytest.raises(image.CheckFailed, match="none compile"):
+        image.check_warmup(metrics(1), status(cached, cached, cached), log, image.Steps())
+    with pytest.raises(image.CheckFailed, match="proved"):
+        image.check_warmup(metrics(0), status(cached, cached, cached), log.replace("proof=ok", "proof=none", 1),
+                           image.Steps())  # fmt: skip
 
 
 @requires_kustomize

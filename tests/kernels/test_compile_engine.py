@@ -61,8 +61,7 @@ def test_a_key_loaded_from_the_cache_says_so(cache_dir, workers):
 
 
 def test_loading_the_compile_engine_leaves_torch_alone():
-    """Importing the compile engine (and the kernel) loads Triton, not torch: a CPU server's start imports torch
-    once, in its warmup thread, beside the thread that loads Triton and hashes its installation."""
+    """Importing the compile engine (and the kernel) loads Triton, not torch."""
     probe = (
         "import sys\n"
         "import indexer_service.kernels.compile_engine, indexer_service.kernels.triton_kernel\n"
@@ -71,6 +70,26 @@ def test_loading_the_compile_engine_leaves_torch_alone():
     )
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("workers", [1, 2], ids=["sequential", "parallel"])
+def test_an_ahead_of_time_warmup_never_imports_torch(cache_dir, workers):
+    """Compiled, loaded from the cache and proved through the interpreter, ahead of time with no GPU, and torch never
+    imported (it is most of a CPU server's start): the arguments are host arrays, Triton's binder is set up without
+    torch, the proof launches on numpy arrays. A fresh interpreter: this one's tests have imported torch."""
+    probe = (
+        "import sys\n"
+        "from indexer_service.kernels.compile_engine import PROOF_OK, compile_keys\n"
+        "from indexer_service.kernels.specialization import ModelConfig, warmup_keys\n"
+        "keys = warmup_keys(ModelConfig((4, 128)))\n"
+        "for cached in (False, True):\n"
+        f"    done = compile_keys(keys, keys, target='cuda:90', workers={workers})\n"
+        "    got = [(o.ok, o.cached, o.proof, o.error) for o in done]\n"
+        "    assert got == [(True, cached, PROOF_OK, None)] * len(keys), got\n"
+        "assert 'torch' not in sys.modules, 'torch imported'\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
 
 
 class _FinalizerThatYields:

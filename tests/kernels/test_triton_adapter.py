@@ -123,6 +123,8 @@ def hidden(name: str) -> dict[str, Any]:
     elif name == f"{D}.DriverConfig.set_active sets _active":
         elsewhere = type("DriverConfig", (DriverConfig39,), {"set_active": lambda self, d: setattr(self, "chosen", d)})
         modules["driver_module"] = SimpleNamespace(driver=elsewhere())
+    elif name in triton_adapter.RELIED_ON["binder_without_torch"]:
+        modules["jit"] = copy(modules["jit"], mangle_type=None)
     else:
         raise AssertionError(f"no way to hide {name}")
     original = installed()["async_compile"]
@@ -255,6 +257,8 @@ def test_the_compile_engine_on_each_public_path_compiles_and_proves_ahead_of_tim
         assert triton_adapter.async_compile_mode() is None
     elif feature == "compiler_key":
         assert compile_engine.start_compiler() is None
+    elif feature == "binder_without_torch":
+        assert triton_adapter.bind_without_torch() is False
     elif before is not None:  # a GPU's driver, or Triton 3.4's lazy proxy: put back exactly
         assert driver.active is before
     else:  # with nothing to put back the stand-in stays, as its public path says

@@ -252,7 +252,8 @@ def test_serve_on_a_triton_without_parallel_compile_warms_up_serves_and_says_so(
                 answer = stub.BuildChunk(codec.chunk_inputs_to_proto(chunk_inputs(case)), timeout=10)
                 assert metadata_as_dict(codec.metadata_from_proto(answer.metadata)) == case["expected"]
         assert status.ready and status.target == "cuda:90" and status.keys
-        assert all(key.state == pb.KEY_STATE_COMPILED for key in status.keys), status.keys
+        # Compiled, or loaded from the session's cache where an earlier server filled it.
+        assert all(key.state in (pb.KEY_STATE_COMPILED, pb.KEY_STATE_CACHED) for key in status.keys), status.keys
         assert [(f.library, f.feature) for f in status.dependency_fallbacks] == [("triton", "async_compile")]
         samples = scrape_samples(server.http_url)
         for feature in adapters.FEATURES["triton"]:

@@ -37,7 +37,8 @@ def test_triton_server_answers_like_numpy_and_compiles_nothing_after_ready(start
         status = client.warmup_status()
         assert (status.backend, status.target, status.state) == ("triton", "in-process", pb.WARMUP_STATE_READY)
         assert status.auto_crossover_elements == 0
-        assert [k.state for k in status.keys] == [pb.KEY_STATE_COMPILED] * 3
+        # Compiled in process, or loaded from the session's cache where an earlier GPU server filled it.
+        assert {k.state for k in status.keys} <= {pb.KEY_STATE_COMPILED, pb.KEY_STATE_CACHED} and len(status.keys) == 3
 
         for case in GOLDEN["chunk_metadata"]:
             got = client.build_chunk(chunk_inputs(case))

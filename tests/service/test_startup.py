@@ -3,6 +3,8 @@ SERVING and /readyz 200; a failed compile keeps the server not ready (fail close
 
 from __future__ import annotations
 
+import re
+import subprocess
 import time
 from pathlib import Path
 
@@ -15,7 +17,7 @@ from indexer_service.kernels.specialization import ModelConfig, warmup_keys
 from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
 from indexer_service.protos.indexer.v1 import indexer_pb2_grpc as pb_grpc
 from indexer_service.service.codec import SERVICE_NAME, encode_int32
-from testkit.harness import clean_env, http_get
+from testkit.harness import INDEXER_SERVICE, ServiceProcess, clean_env, http_get
 from tests.service.conftest import FAILING_WARMUP, StartServer, scrape
 
 pytestmark = pytest.mark.slow
@@ -73,6 +75,7 @@ def test_not_serving_until_warmup_has_compiled_every_key(start_server: StartServ
     metrics = scrape(server)
     assert metrics.value("indexer_warmup_keys", state="planned") == 3
     assert metrics.value("indexer_warmup_keys", state="compiled") == 3
+    assert metrics.value("indexer_warmup_keys", state="cached") == 0
     assert metrics.value("indexer_warmup_keys", state="failed") == 0
     per_key = {s.labels["key"]: s.value for s in metrics.samples("indexer_warmup_key_compile_seconds")}
     assert set(per_key) == DEFAULT_KEY_LABELS and all(v > 0 for v in per_key.values())
@@ -91,6 +94,48 @@ def test_not_serving_until_warmup_has_compiled_every_key(start_server: StartServ
     ]
     positions = [log.find(line) for line in order]
     assert -1 not in positions and positions == sorted(positions), log
+
+
+def warmup_key_states(server: ServiceProcess) -> dict[str, object]:
+    """What GetWarmupStatus, the metric and `indexer-service check` say of the warmup's keys."""
+    with grpc.insecure_channel(server.address) as channel:
+        status = pb_grpc.PrefillMetadataStub(channel).GetWarmupStatus(pb.GetWarmupStatusRequest(), timeout=10)
+    metrics = scrape(server)
+    check = subprocess.run(
+        [INDEXER_SERVICE, "check", server.address], capture_output=True, text=True, timeout=60, env=clean_env()
+    )
+    assert check.returncode == 0, check.stdout + check.stderr
+    return {
+        "rpc": [pb.KeyState.Name(k.state) for k in status.keys],
+        "seconds": [k.compile_seconds for k in status.keys],
+        "metric": {s: metrics.value("indexer_warmup_keys", state=s) for s in ("compiled", "cached", "failed")},
+        "check": re.search(r"compiled=\d+ cached=\d+ failed=\d+", check.stdout).group(0),
+        "logged": re.findall(r"warmup \d/3 key=\S+ seconds=\S+ source=(\w+)", server.log()),
+    }
+
+
+def test_a_cold_start_reports_keys_compiled_and_a_warm_one_cached(start_server: StartServer, tmp_path: Path) -> None:
+    """The same keys on an empty Triton cache, then on the cache that start filled: GetWarmupStatus says COMPILED
+    for each key of the first and CACHED (a state of its own, not COMPILED) for each of the second, as the metric,
+    `indexer-service check` and the log do."""
+    cache = clean_env(TRITON_CACHE_DIR=str(tmp_path / "cache"))
+    cold = start_server("--backend", "numpy", env=cache)
+    cold_states = warmup_key_states(cold)
+    cold.kill()
+    warm_states = warmup_key_states(start_server("--backend", "numpy", env=cache))
+    assert {k: v for k, v in cold_states.items() if k != "seconds"} == {
+        "rpc": ["KEY_STATE_COMPILED"] * 3,
+        "metric": {"compiled": 3, "cached": 0, "failed": 0},
+        "check": "compiled=3 cached=0 failed=0",
+        "logged": ["compiler"] * 3,
+    }
+    assert {k: v for k, v in warm_states.items() if k != "seconds"} == {
+        "rpc": ["KEY_STATE_CACHED"] * 3,
+        "metric": {"compiled": 0, "cached": 3, "failed": 0},
+        "check": "compiled=0 cached=3 failed=0",
+        "logged": ["cache"] * 3,
+    }
+    assert all(seconds > 0 for seconds in cold_states["seconds"] + warm_states["seconds"])
 
 
 def test_a_failed_compile_keeps_the_server_not_ready(start_server: StartServer) -> None:

@@ -22,6 +22,7 @@ class KeyState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     KEY_STATE_COMPILED: _ClassVar[KeyState]
     KEY_STATE_FAILED: _ClassVar[KeyState]
     KEY_STATE_SKIPPED: _ClassVar[KeyState]
+    KEY_STATE_CACHED: _ClassVar[KeyState]
 WARMUP_STATE_UNSPECIFIED: WarmupState
 WARMUP_STATE_RUNNING: WarmupState
 WARMUP_STATE_READY: WarmupState
@@ -32,6 +33,7 @@ KEY_STATE_PENDING: KeyState
 KEY_STATE_COMPILED: KeyState
 KEY_STATE_FAILED: KeyState
 KEY_STATE_SKIPPED: KeyState
+KEY_STATE_CACHED: KeyState
 
 class QuerySlice(_message.Message):
     __slots__ = ("start", "stop")

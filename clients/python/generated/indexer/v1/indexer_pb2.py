@@ -48,15 +48,15 @@ _SERIALIZED = (
     b"e\x18\x02 \x01(\t\x12\x0e\n\x06detail\x18\x03 \x01(\t*\x90\x01\n\x0bWarmupState\x12\x1c\n\x18WARM"
     b"UP_STATE_UNSPECIFIED\x10\x00\x12\x18\n\x14WARMUP_STATE_RUNNING\x10\x01\x12\x16\n\x12WARMUP_STATE_"
     b"READY\x10\x02\x12\x17\n\x13WARMUP_STATE_FAILED\x10\x03\x12\x18\n\x14WARMUP_STATE_SKIPPED\x10\x04*"
-    b"\x81\x01\n\x08KeyState\x12\x19\n\x15KEY_STATE_UNSPECIFIED\x10\x00\x12\x15\n\x11KEY_STATE_PENDING"
+    b"\x97\x01\n\x08KeyState\x12\x19\n\x15KEY_STATE_UNSPECIFIED\x10\x00\x12\x15\n\x11KEY_STATE_PENDING"
     b"\x10\x01\x12\x16\n\x12KEY_STATE_COMPILED\x10\x02\x12\x14\n\x10KEY_STATE_FAILED\x10\x03\x12\x15\n"
-    b"\x11KEY_STATE_SKIPPED\x10\x042\x84\x02\n\x0fPrefillMetadata\x12K\n\nBuildChunk\x12\x1d.indexer.v1"
-    b".BuildChunkRequest\x1a\x1e.indexer.v1.BuildChunkResponse\x12H\n\tPlanBatch\x12\x1c.indexer.v1.Pla"
-    b'nBatchRequest\x1a\x1d.indexer.v1.PlanBatchResponse\x12Z\n\x0fGetWarmupStatus\x12".indexer.v1.GetW'
-    b"armupStatusRequest\x1a#.indexer.v1.GetWarmupStatusResponseB\xdd\x01\n#io.github.indexerservice.in"
-    b"dexer.v1B\x0cIndexerProtoP\x01ZJgithub.com/indexer-service/indexer-service/clients/go/indexer/v1;"
-    b"indexerv1\xa2\x02\x03IXV\xaa\x02\x19IndexerService.Indexer.V1\xca\x02\x19IndexerService\\Indexer"
-    b"\\V1\xea\x02\x1bIndexerService::Indexer::V1b\x06proto3"
+    b"\x11KEY_STATE_SKIPPED\x10\x04\x12\x14\n\x10KEY_STATE_CACHED\x10\x052\x84\x02\n\x0fPrefillMetadata"
+    b"\x12K\n\nBuildChunk\x12\x1d.indexer.v1.BuildChunkRequest\x1a\x1e.indexer.v1.BuildChunkResponse"
+    b"\x12H\n\tPlanBatch\x12\x1c.indexer.v1.PlanBatchRequest\x1a\x1d.indexer.v1.PlanBatchResponse\x12Z"
+    b'\n\x0fGetWarmupStatus\x12".indexer.v1.GetWarmupStatusRequest\x1a#.indexer.v1.GetWarmupStatusRespo'
+    b"nseB\xdd\x01\n#io.github.indexerservice.indexer.v1B\x0cIndexerProtoP\x01ZJgithub.com/indexer-serv"
+    b"ice/indexer-service/clients/go/indexer/v1;indexerv1\xa2\x02\x03IXV\xaa\x02\x19IndexerService.Inde"
+    b"xer.V1\xca\x02\x19IndexerService\\Indexer\\V1\xea\x02\x1bIndexerService::Indexer::V1b\x06proto3"
 )
 DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(_SERIALIZED)
 
@@ -72,6 +72,7 @@ KEY_STATE_PENDING = 1
 KEY_STATE_COMPILED = 2
 KEY_STATE_FAILED = 3
 KEY_STATE_SKIPPED = 4
+KEY_STATE_CACHED = 5
 
 QuerySlice = _message_factory.GetMessageClass(DESCRIPTOR.message_types_by_name["QuerySlice"])
 BuildChunkRequest = _message_factory.GetMessageClass(DESCRIPTOR.message_types_by_name["BuildChunkRequest"])
