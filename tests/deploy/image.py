@@ -965,7 +965,7 @@ def log_time(log: str, marker: str) -> float | None:
 
 def warmup_status(running: Running) -> pb.GetWarmupStatusResponse:
     """GetWarmupStatus of the running server, over gRPC."""
-    from indexer_service.service.client import IndexerClient
+    from indexer_service.client import IndexerClient
 
     with IndexerClient(f"127.0.0.1:{running.ports['grpc']}", max_attempts=1) as client:
         return client.warmup_status()
