@@ -103,6 +103,7 @@ COPY pyproject.toml setup.py README.md ./
 COPY kernels ./kernels
 COPY protos ./protos
 COPY service ./service
+COPY clients/python/client ./clients/python/client
 # Two: the project itself, into /opt/indexer/app (on the environment's path through the .pth above), with nothing
 # downloaded: its dependencies are in, and its build backend (setuptools) is the locked one (no build isolation,
 # which would fetch an unhashed one). Its own directory keeps a change of the sources to a layer of a few hundred

@@ -77,9 +77,9 @@ protos: $(STAMP)
 	$(PY) -m indexer_service.protos.generate
 	$(PY) clients/python/generate.py
 
-# docs/service.md's settings table, from the settings' help texts in service/config.py.
+# docs/service.md's settings table, from the settings' help texts in service/config/settings.py.
 docs: $(STAMP)
-	$(PY) -m indexer_service.service.settings_table
+	$(PY) -m indexer_service.service.config.settings_table
 
 clean:
 	rm -rf $(VENV) .venv-deps

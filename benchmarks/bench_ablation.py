@@ -55,9 +55,9 @@ def cut_behaviours(cut: str) -> None:
     the servers built after this in this process; refusing twins and unknown methods stay as shipped.
     ``unbudgeted`` keeps the shipped behaviours and gives the data plane a fast-path admission that admits without
     a ticket."""
-    from indexer_service.service.transport import grpc_server
+    from indexer_service.service.transport import grpc_calls
 
-    shipped = grpc_server.served
+    shipped = grpc_calls.served
 
     def admit_without_ticket(response_bytes: int, answer_bytes: int) -> None:
         return None
@@ -95,7 +95,7 @@ def cut_behaviours(cut: str) -> None:
 
         return behavior
 
-    grpc_server.served = served
+    grpc_calls.served = served
 
 
 def serve(server: str, serve_args: list[str]) -> int:

@@ -57,7 +57,7 @@ from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
 from indexer_service.service.codec import SERVICE_NAME, chunk_inputs_to_proto
 from indexer_service.service.config import load_config
 from indexer_service.service.overload.allocator import configure_malloc
-from indexer_service.service.transport.grpc_server import server_options
+from indexer_service.service.transport.grpc_options import server_options
 from testkit.batches import make_inputs
 from testkit.fuzzing import Limits, check_answer, judge
 from testkit.harness import ServiceProcess, channel, clean_env

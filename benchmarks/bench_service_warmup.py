@@ -30,8 +30,8 @@ from pathlib import Path
 import grpc
 
 from benchmarks.bench_warmup import measure as measure_one_by_one
+from indexer_service.client import IndexerClient
 from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
-from indexer_service.service.client import IndexerClient
 from indexer_service.service.codec import SERVICE_NAME, chunk_inputs_to_proto
 from testkit.batches import make_inputs
 from testkit.harness import ServiceProcess, channel, clean_env, closed_loop, mib

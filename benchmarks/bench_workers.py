@@ -12,7 +12,7 @@ request bytes out and response bytes back (no parsing: client CPU goes to calls)
 one process of the Go load generator (benchmarks/loadgen, built with ``python -m benchmarks.loadgen``; where Go
 is missing, a binary built elsewhere and carried here; neither: a warning and the Python one). ``--loadgen
 python``: ``--clients`` Python client processes (one would be the bottleneck) sharing the connections, with the
-project's client pool (service.client.ChannelPool). Recorded per batch and N: calls/s, p50 at that load and
+project's client pool (indexer_service.client.ChannelPool). Recorded per batch and N: calls/s, p50 at that load and
 with one client (one call at a time), the CPU the replica used (supervisor and workers) in cores, which is what
 the HPA sees, the load generator's CPU in cores, and each worker's CPU seconds (their spread is the imbalance).
 
@@ -40,7 +40,7 @@ import psutil
 
 from benchmarks import loadgen
 from benchmarks.bench_rpc import METHOD, SERVICE_FLAGS
-from indexer_service.service.client import ChannelPool
+from indexer_service.client import ChannelPool
 from testkit.batches import request_files
 from testkit.harness import ServiceProcess, channel, closed_loop, merged_counts, percentile_us, start_all
 from testkit.record import write_json

@@ -24,7 +24,7 @@ with atheris.instrument_imports(include=["indexer_service", "testkit.fuzzing"]):
     from indexer_service.service.config import load_config
     from indexer_service.service.dataplane import DataPlane
     from indexer_service.service.errors import ServiceError
-    from indexer_service.service.transport.grpc_server import GRPC_STATUS
+    from indexer_service.service.transport.grpc_calls import GRPC_STATUS
     from testkit import planes
     from testkit.fuzzing import (
         FUZZ_LIMITS,

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import numpy as np
 
+from indexer_service.client import IndexerClient
 from indexer_service.kernels.inputs import DcpConfig
 from indexer_service.kernels.planner import BatchInputs
 from indexer_service.kernels.specialization import ModelConfig
-from indexer_service.service.client import IndexerClient
 from testkit.batches import BatchShape, random_batch, random_chunk_inputs
 from testkit.harness import ServiceProcess
 from testkit.record import write_json

@@ -48,7 +48,7 @@ import sys
 import numpy as np
 from indexer_service.kernels.inputs import ChunkInputs
 from indexer_service.kernels.planner import BatchInputs
-from indexer_service.service.client import IndexerClient
+from indexer_service.client import IndexerClient
 
 with IndexerClient(f"127.0.0.1:{sys.argv[1]}") as client:
     qsl, seq_lens = np.array([0, 4, 10, 300]), np.array([8, 20, 1000])

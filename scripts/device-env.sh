@@ -9,6 +9,7 @@ PY=$(command -v python3)
 $PY -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
 mkdir -p /tmp/pkg/indexer_service && touch /tmp/pkg/indexer_service/__init__.py
 for d in kernels service protos; do ln -sfn "$PWD/$d" "/tmp/pkg/indexer_service/$d"; done
+ln -sfn "$PWD/clients/python/client" /tmp/pkg/indexer_service/client
 export PYTHONPATH=/tmp/site:/tmp/pkg:$PWD
 $PY setup.py -q build_ext --inplace 2>&1 | tail -2
 printf '#!/bin/sh\nexport PYTHONPATH=%s\nexec %s -m indexer_service.service.process.cli "$@"\n' "$PYTHONPATH" "$PY" > "$(dirname "$PY")/indexer-service"

@@ -39,7 +39,6 @@ from indexer_service.kernels.planner import (
 from indexer_service.kernels.specialization import CompileKey
 from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
 from indexer_service.service import adapters, codec
-from indexer_service.service.cgroups import memory_limit
 from indexer_service.service.compute.backends import FAST_PATH_BACKEND, Backend
 from indexer_service.service.compute.readiness import Readiness
 from indexer_service.service.compute.warmup import KeyState, Warmup, WarmupState
@@ -54,8 +53,10 @@ from indexer_service.service.errors import (
     ServiceError,
     Shed,
 )
-from indexer_service.service.logs import FailedCallLog, RateLimitedLog
-from indexer_service.service.metrics import UNKNOWN_METHOD, Metrics
+from indexer_service.service.observability.logs import FailedCallLog, RateLimitedLog
+from indexer_service.service.observability.metrics import UNKNOWN_METHOD, Metrics
+from indexer_service.service.observability.tracing import RpcTracer
+from indexer_service.service.observability.version import version_line
 from indexer_service.service.overload.admission import (
     SHED_LOG_INTERVAL_SECONDS,
     Admission,
@@ -65,10 +66,9 @@ from indexer_service.service.overload.admission import (
 )
 from indexer_service.service.overload.books import NOT_COMPILED, load_compiled
 from indexer_service.service.overload.limits import RequestLimits, fast_path_limits
+from indexer_service.service.process.cgroups import memory_limit
 from indexer_service.service.reasons import Port, ShedReason
 from indexer_service.service.rpcs import RPCS, parse_request
-from indexer_service.service.tracing import RpcTracer
-from indexer_service.service.version import version_line
 
 log = logging.getLogger(__name__)
 
@@ -277,7 +277,7 @@ class DataPlane:
                 self.metrics.child(self.metrics.request_duration_seconds, method, failed.name).observe(duration)
                 self.metrics.child(self.metrics.request_errors_total, method, failed.name).inc()
             elif fast is not None:  # (nothing after the fast path's answer can fail)
-                # four C calls in a single process (service/threadmetrics.py), no Python frame
+                # four C calls in a single process (service/observability/threadmetrics.py), no Python frame
                 observe_duration, observe_backend, observe_requests, observe_tokens = self._fast_call_observes
                 observe_duration(duration)
                 observe_backend(fast[3])
@@ -359,7 +359,7 @@ class DataPlane:
                 else ""
             )
             raise _as_error(refused, caller, hint) from None
-        if caller.ended or time.time() >= caller.deadline:  # gone()'s test, written out (docs/performance.md)
+        if caller.gone() is not None:
             self._stop_if_abandoned(caller)
         return caller
 

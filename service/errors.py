@@ -3,7 +3,7 @@ failure, none of them tied to a transport.
 
 Each error has a :class:`Code`, the name of its outcome in google.rpc.Code's vocabulary: the name clients have
 always seen (gRPC's status, the HTTP error body's ``"code"``) and the metrics' ``code`` label. Each transport
-turns a code into its own status once: ``service/transport/grpc_server.py`` into ``grpc.StatusCode``,
+turns a code into its own status once: ``service/transport/grpc_calls.py`` into ``grpc.StatusCode``,
 ``service/transport/http_app.py`` into an HTTP status.
 """
 

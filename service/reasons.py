@@ -3,8 +3,8 @@
 Each is a ``StrEnum``: a member is its own string, so metric labels (``indexer_requests_shed_total{reason}``,
 ``indexer_http_refused_total{reason}``, ``indexer_worker_restarts_total{reason}``) and log lines (``reason=...``)
 read the same words dashboards, alerts (deploy/prometheus/indexer.rules.yml) and runbooks match on. Every
-series of a reason is pre-created from these (service/metrics.py, service/dataplane.py), so a reason shows as 0
-before it first happens. This module imports nothing of the service: every layer may use it.
+series of a reason is pre-created from these (service/observability/metrics.py, service/dataplane.py), so a reason shows
+as 0 before it first happens. This module imports nothing of the service: every layer may use it.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ import numpy as np
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
-from indexer_service.service.addresses import host_port
+from indexer_service.service.process.addresses import host_port
 from testkit.paths import REPO
 from testkit.record import note_pinned
 

@@ -271,7 +271,7 @@ class FreshClients(Paced):
         self.outcomes: list[str] = []
 
     def step(self, thread_index: int) -> None:
-        from indexer_service.service.client import IndexerClient
+        from indexer_service.client import IndexerClient
         from testkit.payloads import SMALL_BUILD_CHUNK
 
         with IndexerClient(self.address, timeout=self.timeout, max_attempts=1) as client:

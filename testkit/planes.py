@@ -10,7 +10,7 @@ from indexer_service.service.compute.backends import Backend, make_backend
 from indexer_service.service.compute.warmup import Warmup
 from indexer_service.service.config import ServiceConfig, load_config
 from indexer_service.service.dataplane import DataPlane
-from indexer_service.service.metrics import Metrics
+from indexer_service.service.observability.metrics import Metrics
 from indexer_service.service.overload.limits import strict_admission
 
 

@@ -9,7 +9,7 @@ from collections import defaultdict
 
 import grpc
 
-from indexer_service.service.addresses import host_port
+from indexer_service.service.process.addresses import host_port
 from testkit.harness import LOOPBACK, RssSampler, ServiceProcess, mib, scrape
 from testkit.observe import Callers, FreshClients, Probes
 from testkit.payloads import BUILD_CHUNK_PATH, SMALL_BUILD_CHUNK

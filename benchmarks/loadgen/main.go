@@ -13,7 +13,7 @@
 //
 // The request file holds the serialized request; a codec that passes bytes through sends it as is and keeps the
 // answers' bytes unparsed. Each of -connections is its own grpc.ClientConn; each call goes to the ClientConn with
-// the fewest calls in flight, ties in turn (indexer_service.service.client.ChannelPool's rule). With one address a
+// the fewest calls in flight, ties in turn (indexer_service.client.ChannelPool's rule). With one address a
 // ClientConn is one TCP connection (which the kernel's SO_REUSEPORT hands to one worker). With several, a
 // ClientConn is what grpc-go, grpc-js and tonic clients do by default with a resolver that returns several
 // addresses (a headless Service's DNS name): one connection per address and the round_robin policy, each call on

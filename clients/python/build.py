@@ -1,9 +1,9 @@
 """Build the light Python client distribution, ``indexer-service-client``: ``python clients/python/build.py OUT``.
 
-Schedulers need the client, not the server: this wheel holds the client (``service/client.py``), the wire codec,
-the request and result types and the generated protobuf code, and needs numpy, grpcio, grpcio-health-checking
-and protobuf only (no torch, no Triton). It is made from the repository's own files, never a copy kept by hand:
-the modules below go under the import name ``indexer_service_client`` (their ``indexer_service.`` imports
+Schedulers need the client, not the server: this wheel holds the client (``clients/python/client/__init__.py``), the
+wire codec, the request and result types and the generated protobuf code, and needs numpy, grpcio,
+grpcio-health-checking and protobuf only (no torch, no Triton). It is made from the repository's own files, never a copy
+kept by hand: the modules below go under the import name ``indexer_service_client`` (their ``indexer_service.`` imports
 rewritten to match, so it installs beside the server's ``indexer_service`` without sharing a file).
 
 The generated protobuf and gRPC code is not the server's: schedulers pin their own grpcio and protobuf, often a year
@@ -43,8 +43,8 @@ PACKAGE = "indexer_service_client"
 # The client's import closure, repository path -> path inside the package (tests/system/test_client_light.py proves it
 # closed: the wheel imports in an environment that has nothing else of this project).
 MODULES = {
-    "service/client.py": "client.py",
-    "service/addresses.py": "addresses.py",
+    "clients/python/client/__init__.py": "client.py",
+    "service/process/addresses.py": "addresses.py",
     "service/codec.py": "codec.py",
     "kernels/inputs.py": "kernels/inputs.py",
     "kernels/formulas.py": "kernels/formulas.py",
@@ -66,8 +66,12 @@ INIT = (
 )
 # "from indexer_service.service import codec" -> "from indexer_service_client import codec";
 # "from indexer_service.service.codec import X" -> "from indexer_service_client.codec import X";
+# "from indexer_service.service.process.addresses import X" -> "from indexer_service_client.addresses import X";
 # "from indexer_service.kernels.inputs import X" -> "from indexer_service_client.kernels.inputs import X".
-_IMPORTS = re.compile(r"^(\s*)(from|import) indexer_service(\.service(?= import)|\.service\.|\.)", re.MULTILINE)
+_IMPORTS = re.compile(
+    r"^(\s*)(from|import) indexer_service(\.service(?:\.process)?(?= import)|\.service(?:\.process)?\.|\.)",
+    re.MULTILINE,
+)
 _EPOCH = (1980, 1, 1, 0, 0, 0)  # the oldest date a zip holds: the wheel's bytes depend only on its files
 
 
@@ -82,9 +86,9 @@ def package_files() -> dict[str, bytes]:
     for source, target in MODULES.items():
         text = (REPO / source).read_text()
         if source.endswith(".py"):
-            # service.client, .addresses and .codec sit at the package's top; the others keep their folders.
+            # indexer_service.client, .addresses and .codec sit at the package's top; the others keep their folders.
             text = _IMPORTS.sub(
-                lambda m: f"{m.group(1)}{m.group(2)} {PACKAGE}{'' if m.group(3) == '.service' else '.'}", text
+                lambda m: f"{m.group(1)}{m.group(2)} {PACKAGE}{'.' if m.group(3).endswith('.') else ''}", text
             )
         files[f"{PACKAGE}/{target}"] = text.encode()
         for parent in Path(target).parents:

@@ -39,7 +39,8 @@ LIBRARY = "prometheus_client"
 ENVIRONMENT = "PROMETHEUS_MULTIPROC_DIR"
 VALUES_MODULE = "prometheus_client.values"
 MMAP_DICT_MODULE = "prometheus_client.mmap_dict"
-# The series the supervisor itself writes (service/metrics.py SupervisorMetrics): what the value class decides.
+# The series the supervisor itself writes (service/observability/metrics.py SupervisorMetrics): what the value class
+# decides.
 SUPERVISOR_SERIES = (
     "indexer_ready, indexer_worker_up, indexer_worker_ready, indexer_worker_restarts_total, and the supervisor's "
     "share of indexer_open_fds and of the health port's refusals"

@@ -1,5 +1,5 @@
-"""Which backend this machine can run: the GPU probe that both the configuration's check (service/config.py) and
-the server's start (service/process/server.py) ask. Below both, so that neither imports the other for it.
+"""Which backend this machine can run: the GPU probe that both the configuration's check (service/config/validation.py)
+and the server's start (service/process/server.py) ask. Below both, so that neither imports the other for it.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ import threading
 from collections.abc import Callable
 
 from indexer_service.service.compute.warmup import Warmup, WarmupState
-from indexer_service.service.metrics import Metrics
+from indexer_service.service.observability.metrics import Metrics
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from indexer_service.kernels.specialization import CompileKey, ModelConfig, warm
 
 if TYPE_CHECKING:  # the compile engine imports Triton: loaded only when something compiles
     from indexer_service.kernels.compile_engine import CompileOutcome
-    from indexer_service.service.metrics import Metrics
+    from indexer_service.service.observability.metrics import Metrics
 
 log = logging.getLogger(__name__)
 

@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from indexer_service.service.errors import Code
-from indexer_service.service.logs import RateLimitedLog
-from indexer_service.service.metrics import Metrics
+from indexer_service.service.observability.logs import RateLimitedLog
+from indexer_service.service.observability.metrics import Metrics
 from indexer_service.service.overload import books
 from indexer_service.service.overload.books import Ticket
 from indexer_service.service.reasons import Port, ShedReason
@@ -47,7 +47,7 @@ SHED_LOG_INTERVAL_SECONDS = 10.0
 
 
 def default_response_budget(memory_limit: int | None) -> int:
-    """``response_budget_bytes = 0``: an eighth of the memory limit (the container's: service/cgroups.py), at
+    """``response_budget_bytes = 0``: an eighth of the memory limit (the container's: service/process/cgroups.py), at
     most 256 MiB."""
     if memory_limit is None:
         return DEFAULT_BUDGET_BYTES
@@ -67,8 +67,8 @@ class Refused(Exception):
 
 class ShedLog:
     """Counts every shed call in ``indexer_requests_shed_total`` and logs it, rate-limited per reason and port
-    (:class:`~indexer_service.service.logs.RateLimitedLog`): ``shed reason=R count=N method=M port=P last=DETAIL``.
-    ``port``: the name of the port the call came on (:class:`~indexer_service.service.reasons.Port`)."""
+    (:class:`~indexer_service.service.observability.logs.RateLimitedLog`): ``shed reason=R count=N method=M port=P
+    last=DETAIL``. ``port``: the name of the port the call came on (:class:`~indexer_service.service.reasons.Port`)."""
 
     def __init__(self, metrics: Metrics, interval: float = SHED_LOG_INTERVAL_SECONDS) -> None:
         self.metrics = metrics

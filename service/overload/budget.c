@@ -531,7 +531,7 @@ static PyObject *FastAdmit_call(FastAdmit *self, PyObject *const *args, size_t n
         raise_pending(&p);
         goto done;
     }
-    /* Caller.gone()'s test, as service/dataplane.py writes it out: a wait may have outlived the caller */
+    /* Caller.gone()'s test (service/overload/admission.py) in C: a wait may have outlived the caller */
     if (!(ended = PyObject_GetAttr(caller, str_ended)) || !(deadline = PyObject_GetAttr(caller, str_deadline))) goto done;
     int is_ended = PyObject_IsTrue(ended);
     double until = PyFloat_AsDouble(deadline);

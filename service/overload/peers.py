@@ -29,7 +29,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
-from indexer_service.service.logs import RateLimitedLog
+from indexer_service.service.observability.logs import RateLimitedLog
 from indexer_service.service.overload.allocator import open_fds
 from indexer_service.service.reasons import Port
 

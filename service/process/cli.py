@@ -14,17 +14,11 @@ import sys
 import time
 from pathlib import Path
 
-from indexer_service.service.addresses import TARGET_SCHEMES, split_host_port
-from indexer_service.service.config import (
-    ConfigError,
-    ServiceConfig,
-    add_config_arguments,
-    config_from_arguments,
-    requested_log_format,
-    unknown_environment,
-)
-from indexer_service.service.logs import configure_logging, error_line
-from indexer_service.service.version import version_line
+from indexer_service.service.config import ConfigError, ServiceConfig, unknown_environment
+from indexer_service.service.observability.logs import configure_logging, error_line
+from indexer_service.service.observability.version import version_line
+from indexer_service.service.process.addresses import TARGET_SCHEMES, split_host_port
+from indexer_service.service.process.flags import add_config_arguments, config_from_arguments, requested_log_format
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +54,7 @@ def _serve(args: argparse.Namespace) -> int:
             from indexer_service.service.compute.warmup import preload_compiler
 
             preload_compiler()
-        from indexer_service.service.tracing import exporter_entry_points
+        from indexer_service.service.observability.tracing import exporter_entry_points
 
         exporter_entry_points()  # an OTEL_* mistake stops the start with exit 2, one worker or several
     except BaseException:
@@ -147,7 +141,7 @@ def _precompile(args: argparse.Namespace) -> int:
 def _check_credentials(args: argparse.Namespace) -> object:
     """None (plaintext), or TLS credentials: any --tls* flag turns TLS on; without --tls-ca the server's
     certificate must chain to the system's trusted roots."""
-    from indexer_service.service.client import tls_credentials
+    from indexer_service.client import tls_credentials
 
     if (args.tls_cert is None) != (args.tls_key is None):
         raise UsageError("--tls-cert and --tls-key go together (a client certificate and its key)")
@@ -277,8 +271,8 @@ def _check(args: argparse.Namespace) -> int:
 
     import grpc
 
+    from indexer_service.client import IndexerClient
     from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
-    from indexer_service.service.client import IndexerClient
     from indexer_service.service.codec import SERVICE_NAME
 
     # No client-side health check (a server that is not SERVING must still answer), one attempt and no

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import socket
 
-from indexer_service.service.addresses import host_port
 from indexer_service.service.config import ServiceConfig
-from indexer_service.service.workerproto import SHARED_LISTENERS
+from indexer_service.service.process.addresses import host_port
+from indexer_service.service.process.workerproto import SHARED_LISTENERS
 
 BACKLOG = 1024
 
@@ -41,7 +41,7 @@ def listen_tcp(host: str, port: int, what: str) -> socket.socket:
 
 
 def bind_shared(config: ServiceConfig) -> dict[str, socket.socket]:
-    """Every listener of :data:`~indexer_service.service.workerproto.SHARED_LISTENERS` that ``config`` turns on,
+    """Every listener of :data:`~indexer_service.service.process.workerproto.SHARED_LISTENERS` that ``config`` turns on,
     listening, by name: what a single process serves on, and what a supervisor binds once for its workers."""
     sockets = {}
     for name, listener in SHARED_LISTENERS.items():

@@ -6,7 +6,7 @@ the warmup compiles every key; only when all compiled does the server turn ready
 in-flight ones ``shutdown_grace_seconds`` to finish; exit 0.
 
 One process is one worker; with ``workers`` above 1 the CLI runs service/process/supervisor.py instead, which starts
-that many of these (service/process/worker.py), each given a :class:`service.workerproto.WorkerLink`.
+that many of these (service/process/worker.py), each given a :class:`service.process.workerproto.WorkerLink`.
 """
 
 from __future__ import annotations
@@ -27,21 +27,23 @@ import uvicorn
 from indexer_service.kernels.specialization import warmup_keys
 from indexer_service.service import adapters
 from indexer_service.service.adapters.uvicorn_http import HttpLimits, protocol_settings
-from indexer_service.service.addresses import host_port
 from indexer_service.service.codec import SERVICE_NAME
 from indexer_service.service.compute.backends import make_backend
 from indexer_service.service.compute.devices import resolve_backend, uses_triton
 from indexer_service.service.compute.warmup import Warmup, use_triton_cache_dir
 from indexer_service.service.config import ServiceConfig
 from indexer_service.service.dataplane import DataPlane
-from indexer_service.service.metrics import Metrics
+from indexer_service.service.observability.metrics import Metrics
+from indexer_service.service.observability.tracing import start_tracing
+from indexer_service.service.observability.version import VERSION, build
 from indexer_service.service.overload.allocator import IdleTrim, configure_malloc, idle_trim_caveat
 from indexer_service.service.overload.limits import strict_admission
 from indexer_service.service.overload.peers import PeerCap
+from indexer_service.service.process.addresses import host_port
 from indexer_service.service.process.lifecycle import ShutdownSignals, raise_open_files_limit
 from indexer_service.service.process.listeners import bind_shared
+from indexer_service.service.process.workerproto import WorkerLink
 from indexer_service.service.reasons import Port
-from indexer_service.service.tracing import start_tracing
 from indexer_service.service.transport.gate import Accounting
 from indexer_service.service.transport.grpc_server import (
     HEALTH_NAMES,
@@ -51,8 +53,6 @@ from indexer_service.service.transport.grpc_server import (
 )
 from indexer_service.service.transport.health import HealthServicer
 from indexer_service.service.transport.http_app import HttpConnectionEvents, HttpRefusals, ProbeApp, RpcApp
-from indexer_service.service.version import VERSION, build
-from indexer_service.service.workerproto import WorkerLink
 
 log = logging.getLogger(__name__)
 

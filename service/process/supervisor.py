@@ -1,8 +1,8 @@
 """Several worker processes behind one replica's ports: ``serve`` with ``workers`` above 1.
 
 One Python process serves about one core (the GIL), so a replica with N CPUs runs N workers (service/process/worker.py),
-each a whole single-process server; service/workerproto.py is the protocol between them. This supervisor owns what the
-replica shares:
+each a whole single-process server; service/process/workerproto.py is the protocol between them. This supervisor owns
+what the replica shares:
 
 - **The gRPC port**, shared by the workers with SO_REUSEPORT: the kernel hands each new connection to one of
   them. Before any worker binds, the supervisor binds the port *without* SO_REUSEPORT (so a port anybody else
@@ -27,10 +27,10 @@ replica shares:
   ``/metrics`` of any worker is the replica's; here ``indexer_ready``, ``indexer_worker_up``,
   ``indexer_worker_ready`` and ``indexer_worker_restarts_total{worker,reason}``, and this process's share of
   ``indexer_open_fds`` and of the health port's ``indexer_peer_connections_closed_total`` and
-  ``indexer_requests_shed_total`` (:class:`~service.metrics.SupervisorMetrics`). The directory is named before this
-  process imports prometheus_client (:func:`supervise`), which then keeps the supervisor's values there as it does
-  the workers'. A dead worker's files are retired (service/metrics.py :func:`retire_process`): the directory does
-  not grow with restarts.
+  ``indexer_requests_shed_total`` (:class:`~service.observability.metrics.SupervisorMetrics`). The directory is named
+  before this process imports prometheus_client (:func:`supervise`), which then keeps the supervisor's values there as
+  it does the workers'. A dead worker's files are retired (service/observability/metrics.py :func:`retire_process`): the
+  directory does not grow with restarts.
 - **The warmup**: workers warm up one at a time under a file lock; the first compiles into the Triton cache,
   the others load what it wrote.
 - **The runtime directory** (``$TMPDIR/indexer-workers-*``): removed on every exit the supervisor controls; one
@@ -61,15 +61,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from indexer_service.service import cgroups
 from indexer_service.service.adapters import prometheus
 from indexer_service.service.codec import SERVICE_NAME
 from indexer_service.service.config import ServiceConfig
 from indexer_service.service.overload.allocator import IdleTrim, configure_malloc
+from indexer_service.service.process import cgroups
 from indexer_service.service.process.lifecycle import ShutdownSignals
 from indexer_service.service.process.listeners import bind_shared, bind_tcp
-from indexer_service.service.reasons import Port, RestartReason
-from indexer_service.service.workerproto import (
+from indexer_service.service.process.workerproto import (
     CONFIG_FILE,
     MAX_PID,
     MAX_SOCKET_PATH_CHARS,
@@ -83,6 +82,7 @@ from indexer_service.service.workerproto import (
     config_to_json,
     probe_socket,
 )
+from indexer_service.service.reasons import Port, RestartReason
 
 if TYPE_CHECKING:  # the module imports prometheus_client, which must wait until the directory is named
     from indexer_service.service.overload.peers import PeerCap
@@ -304,7 +304,7 @@ class Supervisor:
     # -- start ----------------------------------------------------------------------------------------------
 
     def start(self) -> None:
-        from indexer_service.service.metrics import SupervisorMetrics
+        from indexer_service.service.observability.metrics import SupervisorMetrics
         from indexer_service.service.overload.admission import ShedLog
         from indexer_service.service.overload.peers import PeerCap
         from indexer_service.service.process.server import listening_addresses
@@ -423,7 +423,7 @@ class Supervisor:
             if slot.restart_at is not None and time.monotonic() >= slot.restart_at and not self.draining:
                 self._spawn(slot)
         if self._to_retire:
-            from indexer_service.service.metrics import retire_process
+            from indexer_service.service.observability.metrics import retire_process
 
             self._to_retire = [pid for pid in self._to_retire if not retire_process(pid, str(self.metrics_dir))]
         self._refresh()

@@ -1,5 +1,5 @@
 """One worker process of several, started by service/process/supervisor.py, never by hand:
-``python -m indexer_service.service.process.worker HANDOFF`` (service/workerproto.py says what it holds).
+``python -m indexer_service.service.process.worker HANDOFF`` (service/process/workerproto.py says what it holds).
 
 A worker is the single-process server (:class:`service.process.server.IndexerServer`) with a :class:`WorkerLink` to its
 supervisor: ``http_port`` accepts at once on the supervisor's listening socket (inherited), so ``/livez``, ``/readyz``
@@ -22,7 +22,7 @@ import os
 import signal
 import sys
 
-from indexer_service.service.workerproto import CONFIG_FILE, Handoff, Status, WorkerLink, config_from_json
+from indexer_service.service.process.workerproto import CONFIG_FILE, Handoff, Status, WorkerLink, config_from_json
 
 _PR_SET_PDEATHSIG = 1
 # How often the main thread looks whether the warmup has finished, while it waits for a signal.
@@ -46,10 +46,10 @@ def run_worker(link: WorkerLink, signals: object) -> int:
     # imports (numpy, grpc, a backend) take their time.
     from indexer_service.service import adapters
     from indexer_service.service.compute.devices import uses_triton
-    from indexer_service.service.logs import configure_logging
+    from indexer_service.service.observability.logs import configure_logging
+    from indexer_service.service.observability.version import VERSION
     from indexer_service.service.overload.allocator import configure_malloc
     from indexer_service.service.process.server import IndexerServer
-    from indexer_service.service.version import VERSION
 
     config = config_from_json((link.runtime_dir / CONFIG_FILE).read_text())
     configure_logging(config.log_level, config.log_format, link.slot)

@@ -45,8 +45,8 @@ from dataclasses import dataclass, field
 from queue import SimpleQueue
 
 from indexer_service.service.adapters import grpcio
-from indexer_service.service.logs import LibraryCallbackErrors
-from indexer_service.service.metrics import UNKNOWN_METHOD
+from indexer_service.service.observability.logs import LibraryCallbackErrors
+from indexer_service.service.observability.metrics import UNKNOWN_METHOD
 from indexer_service.service.overload.admission import SHED_LOG_INTERVAL_SECONDS
 from indexer_service.service.overload.peers import peer_of
 from indexer_service.service.reasons import ShedReason

@@ -59,14 +59,14 @@ from indexer_service.service.errors import (
     Shed,
     UnknownMethod,
 )
-from indexer_service.service.logs import (
+from indexer_service.service.observability.logs import (
     REQUEST_ID,
     REQUEST_ID_HEADER,
     LibraryCallbackErrors,
     RateLimitedLog,
     request_id_from,
 )
-from indexer_service.service.metrics import UNKNOWN_METHOD, Metrics, exposition_registry
+from indexer_service.service.observability.metrics import UNKNOWN_METHOD, Metrics, exposition_registry
 from indexer_service.service.overload.admission import SHED_LOG_INTERVAL_SECONDS, Caller
 from indexer_service.service.overload.limits import max_request_bytes
 from indexer_service.service.reasons import HttpRefusal, Port, ShedReason

@@ -965,7 +965,7 @@ def log_time(log: str, marker: str) -> float | None:
 
 def warmup_status(running: Running) -> pb.GetWarmupStatusResponse:
     """GetWarmupStatus of the running server, over gRPC."""
-    from indexer_service.service.client import IndexerClient
+    from indexer_service.client import IndexerClient
 
     with IndexerClient(f"127.0.0.1:{running.ports['grpc']}", max_attempts=1) as client:
         return client.warmup_status()
@@ -1005,9 +1005,9 @@ def check_golden(running: Running, steps: Steps) -> None:
     """BuildChunk of every golden case over gRPC and over HTTP JSON, equal to its expected answer."""
     from google.protobuf import json_format
 
+    from indexer_service.client import IndexerClient
     from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
     from indexer_service.service import codec
-    from indexer_service.service.client import IndexerClient
     from tests.golden import chunk_inputs, metadata_as_dict
 
     cases = golden_cases()
@@ -1033,9 +1033,9 @@ def exercise_every_ratio(running: Running) -> None:
     """Calls at every compress ratio of the warmup set (BuildChunk and PlanBatch): none may compile anything."""
     import numpy as np
 
+    from indexer_service.client import IndexerClient
     from indexer_service.kernels.inputs import ChunkInputs
     from indexer_service.kernels.planner import BatchInputs
-    from indexer_service.service.client import IndexerClient
 
     qsl, seq_lens = np.array([0, 4, 10, 300]), np.array([8, 20, 1000])
     with IndexerClient(f"127.0.0.1:{running.ports['grpc']}", max_attempts=1) as client:

@@ -359,7 +359,7 @@ def free_ports(count: int) -> list[int]:
 
 def service_defaults() -> dict:
     """The server's embedded default configuration (the file `indexer-service serve` starts from)."""
-    return tomllib.loads((ROOT / "service" / "default_config.toml").read_text())
+    return tomllib.loads((ROOT / "service" / "config" / "default_config.toml").read_text())
 
 
 def server_shutdown_seconds(env: dict[str, str]) -> float:

@@ -25,7 +25,7 @@ import grpc
 import pytest
 import trustme
 
-from indexer_service.service.client import IndexerClient
+from indexer_service.client import IndexerClient
 from indexer_service.service.config import load_config
 from indexer_service.service.reasons import RestartReason
 from tests.deploy.support import (

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from indexer_service.client import IndexerClient
 from indexer_service.kernels.inputs import ChunkInputs
-from indexer_service.service.client import IndexerClient
 from tests.deploy.support import QSL, RATIO, SEQ_LENS, Server, server_shutdown_seconds, wait_for
 
 # Warmup has its own tests; these replicas serve at once (INDEXER_WARMUP_TARGET=none) to keep the suite fast.

@@ -606,10 +606,11 @@ def test_docker_context_holds_what_pip_install_needs(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stdout + out.stderr
     (wheel,) = tmp_path.glob("*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    assert "indexer_service/service/default_config.toml" in names
+    assert "indexer_service/service/config/default_config.toml" in names
     assert {"requirements/image-cpu.txt", "requirements/image-gpu.txt"} <= set(files), "the locks must reach the build"
     assert any(n.startswith("indexer_service/protos/indexer/v1/") and n.endswith(".proto") for n in names)
     assert any(n.startswith("indexer_service/kernels/") for n in names)
+    assert "indexer_service/client/__init__.py" in names, "the client (indexer-service check) ships in the wheel"
     for module in ("service/compute/_fastpath.", "service/overload/_budget."):
         compiled = [n for n in names if n.startswith(f"indexer_service/{module}") and n.endswith(".so")]
         assert compiled, f"{module[:-1]} compiled in the wheel"

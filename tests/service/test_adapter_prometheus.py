@@ -25,13 +25,13 @@ from prometheus_client import metrics as prometheus_metrics
 from prometheus_client import mmap_dict, values
 from prometheus_client.multiprocess import MultiProcessCollector
 
+from indexer_service.client import IndexerClient
 from indexer_service.kernels.inputs import ChunkInputs
 from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
 from indexer_service.protos.indexer.v1 import indexer_pb2_grpc as pb_grpc
 from indexer_service.service import adapters
 from indexer_service.service.adapters import prometheus
-from indexer_service.service.client import IndexerClient
-from indexer_service.service.metrics import retire_process
+from indexer_service.service.observability.metrics import retire_process
 from testkit.harness import clean_env, wait_for
 from tests.service.conftest import StartServer, scrape
 from tests.service.test_worker_faults import runtime_of, wait_worker_ready, worker_pid

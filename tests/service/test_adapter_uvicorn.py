@@ -24,7 +24,7 @@ from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
 from indexer_service.service import adapters
 from indexer_service.service.adapters import uvicorn_http
 from indexer_service.service.config import load_config
-from indexer_service.service.metrics import Metrics
+from indexer_service.service.observability.metrics import Metrics
 from indexer_service.service.process.server import IndexerServer
 from indexer_service.service.reasons import HttpRefusal, Port
 from indexer_service.service.transport.http_app import HttpConnectionEvents, HttpRefusals

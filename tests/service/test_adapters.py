@@ -22,7 +22,7 @@ from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
 from indexer_service.protos.indexer.v1 import indexer_pb2_grpc as pb_grpc
 from indexer_service.service import adapters, codec
 from indexer_service.service.adapters import grpcio, prometheus, uvicorn_http
-from indexer_service.service.metrics import Metrics
+from indexer_service.service.observability.metrics import Metrics
 from testkit.harness import ServiceProcess, clean_env, listen_flags, metric_total
 from testkit.harness import scrape as scrape_samples
 from testkit.paths import REPO

@@ -20,7 +20,7 @@ from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
 from indexer_service.service import codec, dataplane
 from indexer_service.service.dataplane import DataPlane
 from indexer_service.service.errors import Code, ServiceError
-from indexer_service.service.metrics import Metrics
+from indexer_service.service.observability.metrics import Metrics
 from indexer_service.service.overload import admission as admission_module
 from indexer_service.service.overload import books
 from indexer_service.service.overload.admission import (
@@ -33,7 +33,7 @@ from indexer_service.service.overload.admission import (
     default_response_budget,
 )
 from indexer_service.service.reasons import Port, ShedReason
-from indexer_service.service.transport.grpc_server import GRPC_STATUS
+from indexer_service.service.transport.grpc_calls import GRPC_STATUS
 from testkit.harness import poll, wait_for
 from testkit.payloads import AMPLIFIER_PLAN_BATCH, one_row_chunks_plan_batch
 from testkit.planes import make_plane

@@ -18,18 +18,18 @@ import grpc
 import numpy as np
 import pytest
 
-from indexer_service.kernels.inputs import ChunkInputs
-from indexer_service.kernels.numpy_backend import build_chunk_metadata_numpy
-from indexer_service.kernels.planner import BatchInputs
-from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
-from indexer_service.protos.indexer.v1 import indexer_pb2_grpc as pb_grpc
-from indexer_service.service.client import (
+from indexer_service.client import (
     IndexerClient,
     channel_target,
     checked_metadata,
     reconnect_options,
     service_config,
 )
+from indexer_service.kernels.inputs import ChunkInputs
+from indexer_service.kernels.numpy_backend import build_chunk_metadata_numpy
+from indexer_service.kernels.planner import BatchInputs
+from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
+from indexer_service.protos.indexer.v1 import indexer_pb2_grpc as pb_grpc
 from indexer_service.service.codec import SERVICE_NAME, encode_int32
 from testkit.harness import FAST_START, ServiceProcess, wait_for
 from tests.service.conftest import FAILING_WARMUP, StartServer, scrape

@@ -168,7 +168,7 @@ def test_existing_triton_cache_dir_is_never_overwritten(monkeypatch: pytest.Monk
 
 
 def test_docs_list_every_setting_and_metric() -> None:
-    from indexer_service.service.metrics import Metrics
+    from indexer_service.service.observability.metrics import Metrics
 
     docs = (REPO / "docs" / "service.md").read_text()
     for name in SETTINGS:

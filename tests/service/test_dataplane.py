@@ -25,7 +25,7 @@ from indexer_service.service.compute.warmup import Warmup, WarmupState
 from indexer_service.service.config import load_config
 from indexer_service.service.dataplane import DataPlane
 from indexer_service.service.errors import Code, ServiceError
-from indexer_service.service.metrics import Metrics
+from indexer_service.service.observability.metrics import Metrics
 from indexer_service.service.overload.limits import launch_admission
 from indexer_service.service.transport.grpc_server import HEALTH_NAMES, create_grpc_server
 from indexer_service.service.transport.health import HealthServicer

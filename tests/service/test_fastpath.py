@@ -29,7 +29,7 @@ from indexer_service.service.compute.warmup import Warmup, WarmupState
 from indexer_service.service.config import ServiceConfig, load_config
 from indexer_service.service.dataplane import DataPlane
 from indexer_service.service.errors import Code, ServiceError
-from indexer_service.service.metrics import Metrics
+from indexer_service.service.observability.metrics import Metrics
 from indexer_service.service.overload.admission import Caller
 from testkit.batches import BatchShape, random_chunk_inputs
 from testkit.fuzzing import FUZZ_LIMITS, chunk_request, rng_draw

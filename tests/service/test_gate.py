@@ -20,7 +20,7 @@ from indexer_service.protos.indexer.v1 import indexer_pb2_grpc as pb_grpc
 from indexer_service.service import codec
 from indexer_service.service.adapters import grpcio
 from indexer_service.service.config import load_config
-from indexer_service.service.metrics import Metrics
+from indexer_service.service.observability.metrics import Metrics
 from indexer_service.service.reasons import ShedReason
 from indexer_service.service.transport.gate import (
     Accounting,

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
+from indexer_service.client import IndexerClient
 from indexer_service.kernels.inputs import ChunkInputs, DcpConfig, chunk_host_part
 from indexer_service.kernels.numpy_backend import build_chunk_metadata_numpy
 from indexer_service.kernels.planner import BatchInputs, build_prefill_batch
 from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
-from indexer_service.service.client import IndexerClient
 from indexer_service.service.compute.auto_backend import output_elements
 from testkit.batches import BatchShape, batch_with_tokens, random_batch, random_chunk_inputs
 from tests.golden import GOLDEN, chunk_inputs, metadata_as_dict

@@ -1,4 +1,4 @@
-"""GrpcCaller (service/transport/grpc_server.py) reads and writes grpcio's own call state rather than calling the
+"""GrpcCaller (service/transport/grpc_calls.py) reads and writes grpcio's own call state rather than calling the
 context's public methods: against a real server, it learns what those methods would tell (peer, deadline, whether the
 call has ended), its trailers reach the caller, and its end runs once the call is over, however the call ends."""
 
@@ -15,7 +15,7 @@ import pytest
 
 from indexer_service.service.errors import Code
 from indexer_service.service.overload.admission import Caller
-from indexer_service.service.transport.grpc_server import GrpcCaller
+from indexer_service.service.transport.grpc_calls import GrpcCaller
 
 SERVICE, METHOD = "test.Caller", "Make"
 TRAILERS = (("x-request-id", "req-7"),)

@@ -15,7 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from indexer_service.service.adapters import grpcio
 from indexer_service.service.config import load_config
-from indexer_service.service.metrics import Metrics
+from indexer_service.service.observability.metrics import Metrics
 from indexer_service.service.reasons import ShedReason
 from indexer_service.service.transport.gate import Accounting
 from indexer_service.service.transport.grpc_server import HEALTH_NAMES, HealthServer, create_health_server

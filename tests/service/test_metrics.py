@@ -1,5 +1,5 @@
-"""A real scrape of /metrics over HTTP, parsed by prometheus_client's parser: every metric service/metrics.py
-defines is exported, with sane values and bounded labels, after real calls."""
+"""A real scrape of /metrics over HTTP, parsed by prometheus_client's parser: every metric
+service/observability/metrics.py defines is exported, with sane values and bounded labels, after real calls."""
 
 from __future__ import annotations
 
@@ -7,13 +7,13 @@ import grpc
 import numpy as np
 import pytest
 
+from indexer_service.client import IndexerClient
 from indexer_service.kernels.inputs import ChunkInputs
 from indexer_service.kernels.planner import BatchInputs
 from indexer_service.kernels.specialization import ModelConfig, warmup_keys
-from indexer_service.service.client import IndexerClient
 from indexer_service.service.compute.backends import FAST_PATH_BACKEND
 from indexer_service.service.dataplane import MAX_MISSED_VARIANTS
-from indexer_service.service.metrics import UNKNOWN_METHOD, Metrics
+from indexer_service.service.observability.metrics import UNKNOWN_METHOD, Metrics
 from testkit.harness import ServiceProcess
 from tests.service.conftest import Scrape, scrape
 
@@ -27,7 +27,7 @@ LABELLED_BY_WHAT_HAPPENED = {"indexer_warmup_misses"}
 
 
 def defined_metrics() -> dict[str, str]:
-    """Name -> type of every metric family service/metrics.py registers."""
+    """Name -> type of every metric family service/observability/metrics.py registers."""
     return {family.name: family.type for family in Metrics().registry.collect()}
 
 

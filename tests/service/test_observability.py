@@ -28,7 +28,7 @@ from indexer_service.kernels.inputs import ChunkInputs
 from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
 from indexer_service.service.codec import SERVICE_NAME, chunk_inputs_to_proto
 from indexer_service.service.config import load_config, unknown_environment
-from indexer_service.service.logs import (
+from indexer_service.service.observability.logs import (
     MAX_REQUEST_ID_CHARS,
     REQUEST_ID,
     FailedCallLog,
@@ -39,8 +39,8 @@ from indexer_service.service.logs import (
     message_fields,
     request_id_from,
 )
+from indexer_service.service.observability.version import build, version_line
 from indexer_service.service.overload.limits import max_request_bytes
-from indexer_service.service.version import build, version_line
 from testkit.harness import FAST_START, INDEXER_SERVICE, ServiceProcess, clean_env, wait_for
 from testkit.paths import REPO
 from tests.service.conftest import StartServer, scrape
@@ -145,10 +145,10 @@ def test_no_held_line_stays_unwritten_past_its_interval(caplog) -> None:
     lines: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: lines.append(TextFormatter().format(record))  # formatted as written, as a handler
-    logger = logging.getLogger("indexer_service.service.logs")
+    logger = logging.getLogger("indexer_service.service.observability.logs")
     logger.addHandler(handler)
     try:
-        with caplog.at_level(logging.INFO, logger="indexer_service.service.logs"):
+        with caplog.at_level(logging.INFO, logger="indexer_service.service.observability.logs"):
             for n in range(5):
                 token = REQUEST_ID.set(f"req-{n}")
                 failed.record("rpc", "BuildChunk", "INVALID_ARGUMENT", f"bad {n}", "peer", 1.0)
@@ -163,7 +163,7 @@ def test_no_held_line_stays_unwritten_past_its_interval(caplog) -> None:
 
 def test_failed_calls_are_rate_limited_per_method_and_code_but_internal_never(caplog) -> None:
     failed = FailedCallLog(interval=3600.0)
-    with caplog.at_level(logging.INFO, logger="indexer_service.service.logs"):
+    with caplog.at_level(logging.INFO, logger="indexer_service.service.observability.logs"):
         for n in range(5):
             failed.record("rpc", "BuildChunk", "INVALID_ARGUMENT", f"bad {n}", "peer", 1.0)
             failed.record("rpc", "PlanBatch", "INVALID_ARGUMENT", f"bad {n}", "peer", 1.0)

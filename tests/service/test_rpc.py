@@ -15,13 +15,13 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
+from indexer_service.client import IndexerClient
 from indexer_service.kernels.inputs import ChunkInputs, ChunkMetadata, DcpConfig
 from indexer_service.kernels.numpy_backend import build_chunk_metadata_numpy
 from indexer_service.kernels.planner import BatchInputs, ChunkSpec, build_prefill_batch
 from indexer_service.kernels.specialization import ModelConfig, warmup_keys
 from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
 from indexer_service.protos.indexer.v1 import indexer_pb2_grpc as pb_grpc
-from indexer_service.service.client import IndexerClient
 from indexer_service.service.codec import SERVICE_NAME, encode_int32
 from indexer_service.service.config import load_config
 from testkit.batches import BatchShape, random_batch, random_chunk_inputs

@@ -12,7 +12,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from indexer_service.service.version import build
+from indexer_service.service.observability.version import build
 from testkit.harness import FAST_START, INDEXER_SERVICE, ServiceProcess, clean_env
 from tests.service.conftest import StartServer
 

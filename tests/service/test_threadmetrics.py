@@ -1,5 +1,5 @@
-"""The lock-free per-call metrics (service/threadmetrics.py) expose what prometheus_client's own would, for the
-same observations from many threads, threads that ended included."""
+"""The lock-free per-call metrics (service/observability/threadmetrics.py) expose what prometheus_client's own would,
+for the same observations from many threads, threads that ended included."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import pytest
 from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from indexer_service.service.metrics import LATENCY_BUCKETS
-from indexer_service.service.threadmetrics import FOLD_SECONDS, LevelGauge, ThreadGauge, ThreadHistogram
+from indexer_service.service.observability.metrics import LATENCY_BUCKETS
+from indexer_service.service.observability.threadmetrics import FOLD_SECONDS, LevelGauge, ThreadGauge, ThreadHistogram
 
 
 def samples(registry: CollectorRegistry) -> dict[tuple[str, tuple], float]:

@@ -9,9 +9,9 @@ import grpc
 import numpy as np
 import pytest
 
+from indexer_service.client import IndexerClient, tls_credentials
 from indexer_service.kernels.inputs import ChunkInputs
 from indexer_service.kernels.numpy_backend import build_chunk_metadata_numpy
-from indexer_service.service.client import IndexerClient, tls_credentials
 from indexer_service.service.config import ConfigError, load_config
 from indexer_service.service.process.cli import main as cli_main
 from testkit.harness import INDEXER_SERVICE, clean_env, http_get

@@ -1,5 +1,5 @@
-"""OpenTelemetry tracing (service/tracing.py) against a real OTLP/HTTP receiver on 127.0.0.1: a server process
-configured only by OTEL_* variables exports one server span per RPC, gRPC and HTTP, child of the caller's W3C
+"""OpenTelemetry tracing (service/observability/tracing.py) against a real OTLP/HTTP receiver on 127.0.0.1: a server
+process configured only by OTEL_* variables exports one server span per RPC, gRPC and HTTP, child of the caller's W3C
 traceparent, named after the method, with the code and the request id; with tracing off the process imports
 no OpenTelemetry module and exports nothing."""
 
@@ -22,11 +22,11 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceResponse,
 )
 
+from indexer_service.client import IndexerClient
 from indexer_service.kernels.inputs import ChunkInputs
-from indexer_service.service.client import IndexerClient
 from indexer_service.service.codec import SERVICE_NAME, chunk_inputs_to_proto
 from indexer_service.service.config import ConfigError
-from indexer_service.service.tracing import exporter_names
+from indexer_service.service.observability.tracing import exporter_names
 from testkit.harness import FAST_START, LOOPBACK, clean_env
 from tests.service.conftest import StartServer
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from indexer_service.kernels.specialization import CompileKey, ModelConfig, warmup_keys
 from indexer_service.service.compute.warmup import KeyState, Warmup, WarmupState
-from indexer_service.service.metrics import Metrics
+from indexer_service.service.observability.metrics import Metrics
 
 
 def test_a_key_outside_the_models_warmup_set_is_refused() -> None:

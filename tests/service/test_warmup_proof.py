@@ -19,6 +19,7 @@ import pytest
 import triton
 import triton.language as tl
 
+from indexer_service.client import IndexerClient
 from indexer_service.kernels import triton_kernel
 from indexer_service.kernels.compile_engine import (
     PROOF_SENTINEL,
@@ -32,7 +33,6 @@ from indexer_service.kernels.inputs import chunk_host_part
 from indexer_service.kernels.numpy_backend import chunk_arrays_numpy
 from indexer_service.kernels.specialization import CompileKey, ModelConfig, warmup_keys
 from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
-from indexer_service.service.client import IndexerClient
 from testkit.harness import ServiceProcess, clean_env, http_get, listen_flags
 from tests.conftest import cuda_available
 

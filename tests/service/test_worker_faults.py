@@ -23,11 +23,11 @@ import psutil
 import pytest
 from grpc_health.v1 import health_pb2
 
+from indexer_service.client import IndexerClient
 from indexer_service.kernels.inputs import ChunkInputs
-from indexer_service.service.client import IndexerClient
 from indexer_service.service.config import load_config
 from indexer_service.service.process.supervisor import RuntimeDir, remove_leftovers
-from indexer_service.service.workerproto import Handoff, config_from_json, config_to_json
+from indexer_service.service.process.workerproto import Handoff, config_from_json, config_to_json
 from testkit.harness import ServiceProcess, clean_env, http_get, wait_for
 from tests.service.conftest import StartServer, scrape
 from tests.service.test_workers import health_port_status

@@ -23,12 +23,11 @@ import psutil
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from indexer_service.client import ChannelPool, IndexerClient
 from indexer_service.kernels.inputs import ChunkInputs
-from indexer_service.service import cgroups
-from indexer_service.service.client import ChannelPool, IndexerClient
 from indexer_service.service.codec import SERVICE_NAME
-from indexer_service.service.process import supervisor
-from indexer_service.service.workerproto import Handoff
+from indexer_service.service.process import cgroups, supervisor
+from indexer_service.service.process.workerproto import Handoff
 from testkit.harness import INDEXER_SERVICE, LOOPBACK, ServiceProcess, clean_env, http_get, listen_flags, wait_for
 from tests.service.conftest import StartServer, scrape
 

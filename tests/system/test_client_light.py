@@ -26,9 +26,9 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.version import Version
 
+from indexer_service.client import IndexerClient
 from indexer_service.kernels.planner import BatchInputs, PrefillPlan
 from indexer_service.protos.indexer.v1 import indexer_pb2
-from indexer_service.service.client import IndexerClient
 from testkit.harness import FAST_START, ServiceProcess
 from tests.golden import GOLDEN, REPO
 

@@ -13,7 +13,7 @@ Every fenced code block carries a marker comment on the line above it:
 
 And what the prose cites exists: Python module paths (importable), ``indexer-service`` flags, the ports of the
 README's table (each a setting with that default), warmup and key state names (the proto's), repository files;
-docs/service.md's settings table is the one ``python -m indexer_service.service.settings_table`` writes.
+docs/service.md's settings table is the one ``python -m indexer_service.service.config.settings_table`` writes.
 """
 
 from __future__ import annotations
@@ -268,7 +268,7 @@ def test_the_readme_lists_every_port_setting() -> None:
 
 @pytest.mark.parametrize(("port", "setting"), README_PORTS, ids=[s for _, s in README_PORTS])
 def test_each_port_of_the_readme_is_the_default_of_its_setting(port: str, setting: str) -> None:
-    defaults = tomllib.loads((REPO / "service" / "default_config.toml").read_text())
+    defaults = tomllib.loads((REPO / "service" / "config" / "default_config.toml").read_text())
     assert setting in defaults, f"README names a port setting that does not exist: {setting}"
     assert defaults[setting] == int(port)
 
@@ -296,6 +296,8 @@ def test_cited_repository_files_exist() -> None:
 
 def test_the_settings_table_is_current() -> None:
     run = subprocess.run(
-        [sys.executable, "-m", "indexer_service.service.settings_table", "--check"], capture_output=True, text=True
+        [sys.executable, "-m", "indexer_service.service.config.settings_table", "--check"],
+        capture_output=True,
+        text=True,
     )
     assert run.returncode == 0, run.stderr

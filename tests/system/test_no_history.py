@@ -1,6 +1,7 @@
 """Product code says why, in the present, not what happened: no issue reference and no citation of the benchmark
-notebook in service/, kernels/ or protos/ (a figure behind a choice is listed once in docs/performance.md, which the
-code points at); and the formatter's output is the repository's, with at most a few hand-kept tables."""
+notebook in service/, kernels/, protos/ or the Python client (a figure behind a choice is listed once in
+docs/performance.md, which the code points at); and the formatter's output is the repository's, with at most a few
+hand-kept tables."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 
 from testkit.paths import REPO
 
-PRODUCT_FOLDERS = ("service", "kernels", "protos")
+PRODUCT_FOLDERS = ("service", "kernels", "protos", "clients/python/client")
 PRODUCT_SUFFIXES = {".py", ".pyi", ".c", ".h", ".proto", ".toml"}
 # "issue 20", "issues 10 and 12", "Issue #7": a tracker's number, which means nothing to a reader of the code.
 ISSUE_REFERENCE = re.compile(r"\bissues?\s*#?\d", re.IGNORECASE)
@@ -82,9 +83,14 @@ def test_a_notebook_citation_is_told_from_code(text: str, found: bool) -> None:
 def test_the_scans_read_the_product_code_and_the_tests() -> None:
     """Not vacuous: the C sources, the proto, the defaults and the Python modules are read, and this file too."""
     read = set(product_files())
-    for cited in ("service/compute/fastpath.c", "protos/indexer/v1/indexer.proto", "service/default_config.toml"):
+    for cited in (
+        "service/compute/fastpath.c",
+        "protos/indexer/v1/indexer.proto",
+        "service/config/default_config.toml",
+    ):
         assert REPO / cited in read, cited
     assert REPO / "service" / "dataplane.py" in read
+    assert REPO / "clients" / "python" / "client" / "__init__.py" in read
     assert Path(__file__) in set(python_sources())
 
 

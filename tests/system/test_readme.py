@@ -12,6 +12,7 @@ import re
 import shlex
 
 from testkit.paths import REPO
+from tests.deploy.support import markdown_anchors
 from tests.system.test_docs import blocks
 
 README = REPO / "README.md"
@@ -107,3 +108,13 @@ def test_one_call_example_each_for_python_grpcurl_and_curl_runs_against_a_server
     ]
     tools = sorted(b.lang if b.lang == "python" else shlex.split(b.body)[0].rsplit("/", 1)[-1] for b in examples)
     assert tools == ["curl", "grpcurl", "python"], tools
+
+
+def test_every_link_into_a_section_finds_it() -> None:
+    """A link to a heading of this README or of a document beside it goes where it says: headings are renamed
+    when their code moves."""
+    links = re.findall(r"\]\(([^)#:\s]*)#([\w-]+)\)", re.sub(r"```.*?```", "", TEXT, flags=re.S))
+    assert links
+    for target, anchor in links:
+        document = (REPO / target) if target else README
+        assert anchor in markdown_anchors(document.read_text()), f"{target}#{anchor}: no such heading"

@@ -24,9 +24,9 @@ from typing import TypeVar
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
 from indexer_service.service import adapters
+from indexer_service.service.observability.threadmetrics import LevelGauge, ThreadGauge, ThreadHistogram
+from indexer_service.service.observability.version import build_labels
 from indexer_service.service.reasons import HttpRefusal, Port, RestartReason
-from indexer_service.service.threadmetrics import LevelGauge, ThreadGauge, ThreadHistogram
-from indexer_service.service.version import build_labels
 
 M = TypeVar("M", Counter, Gauge, Histogram, ThreadGauge, ThreadHistogram)
 
@@ -51,7 +51,7 @@ _FILES_LOCK = "files.lock"  # scrapes read the multiprocess files under it share
 def per_call_histogram(
     name: str, documentation: str, labelnames: list[str], buckets: tuple[float, ...], registry: CollectorRegistry
 ) -> Histogram | ThreadHistogram:
-    """A histogram every call records into: lock-free in a single process (service/threadmetrics.py),
+    """A histogram every call records into: lock-free in a single process (service/observability/threadmetrics.py),
     prometheus_client's with workers (the multiprocess files are what a scrape reads)."""
     if multiprocess_dir() is None:
         return ThreadHistogram(name, documentation, labelnames, buckets, registry)
@@ -362,7 +362,7 @@ class _ReplicaCollector:
     def _process_families(self):
         from prometheus_client.core import Metric
 
-        from indexer_service.service.workerproto import worker_slot
+        from indexer_service.service.process.workerproto import worker_slot
 
         families: dict[str, Metric] = {}
         supervisor = os.getppid()

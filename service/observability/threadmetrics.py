@@ -1,5 +1,6 @@
-"""Histograms and gauges of the per-call path whose updates take no lock and run no Python frame (service/metrics.py
-uses them in a single process; with workers, prometheus_client's own, which write the multiprocess files).
+"""Histograms and gauges of the per-call path whose updates take no lock and run no Python frame
+(service/observability/metrics.py uses them in a single process; with workers, prometheus_client's own, which write the
+multiprocess files).
 
 prometheus_client's Histogram takes a lock twice per observation (its sum, then its bucket) and its Gauge once per
 ``inc``/``dec``/``set``; a small BuildChunk touches nine of them, a large share of its time in the data plane
@@ -149,7 +150,7 @@ _FOLDER = _Folder()
 def bucket_labels(bounds: Sequence[float]) -> tuple[str, ...]:
     """The ``le`` label of each of ``bounds`` (the last one infinite), as prometheus_client's own Histogram writes it:
     read off one, unregistered, through its public ``collect``. With workers that Histogram serves these series, so
-    the labels must be the same. Made only where no multiprocess directory is named (service/metrics.py
+    the labels must be the same. Made only where no multiprocess directory is named (service/observability/metrics.py
     ``per_call_histogram``): there a Histogram's values live in this process's memory, not in a file."""
     histogram = Histogram("bounds", "", buckets=bounds, registry=None)
     (family,) = histogram.collect()

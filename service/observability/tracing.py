@@ -22,7 +22,7 @@ import grpc
 
 from indexer_service.service.codec import SERVICE_NAME
 from indexer_service.service.config import ConfigError
-from indexer_service.service.version import VERSION
+from indexer_service.service.observability.version import VERSION
 
 log = logging.getLogger(__name__)
 

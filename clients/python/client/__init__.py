@@ -63,8 +63,8 @@ from indexer_service.kernels.planner import BatchInputs, PrefillPlan
 from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
 from indexer_service.protos.indexer.v1 import indexer_pb2_grpc as pb_grpc
 from indexer_service.service import codec
-from indexer_service.service.addresses import TARGET_SCHEMES, split_host_port
 from indexer_service.service.codec import SERVICE_NAME
+from indexer_service.service.process.addresses import TARGET_SCHEMES, split_host_port
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 2**20  # the server's default max_message_bytes
 DEFAULT_TIMEOUT_SECONDS = 10.0
