@@ -23,6 +23,7 @@ from indexer_service.service.config.settings import (
     _short,
 )
 from indexer_service.service.config.validation import validate
+from indexer_service.service.observability.version import COMMIT_ENV, IMAGE_REVISION_ENV
 
 _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
 
@@ -146,7 +147,9 @@ def unknown_environment(env: Mapping[str, str] | None = None) -> dict[str, str |
     """``INDEXER_*`` variables that name no setting (a typo is otherwise silently ignored), each with the
     closest real variable (None when none is close; the names are compared without their common prefix)."""
     env = os.environ if env is None else env
-    known = [CONFIG_FILE_ENV.removeprefix(ENV_PREFIX), *(name.upper() for name in SETTINGS)]
+    # The build's own variables (the image sets them) name the build, not a setting.
+    not_settings = (CONFIG_FILE_ENV, COMMIT_ENV, IMAGE_REVISION_ENV)
+    known = [*(name.removeprefix(ENV_PREFIX) for name in not_settings), *(name.upper() for name in SETTINGS)]
     unknown = sorted(name for name in env if name.startswith(ENV_PREFIX) and name.removeprefix(ENV_PREFIX) not in known)
     closest = {
         name: difflib.get_close_matches(name.removeprefix(ENV_PREFIX), known, n=1, cutoff=0.6) for name in unknown

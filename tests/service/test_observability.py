@@ -175,6 +175,8 @@ def test_failed_calls_are_rate_limited_per_method_and_code_but_internal_never(ca
 
 def test_unknown_indexer_variables_are_named_with_the_closest_setting() -> None:
     env = {"INDEXER_GRPC_PROT": "1", "INDEXER_LOG_LEVEL": "DEBUG", "INDEXER_CONFIG": "x", "INDEXER_ZZZ": "1"}
+    # The image's build variables are known too: the image sets them, and no start may warn about its own.
+    env |= {"INDEXER_BUILD_COMMIT": "abc", "INDEXER_IMAGE_REVISION": "abc"}
     assert unknown_environment(env) == {"INDEXER_GRPC_PROT": "INDEXER_GRPC_PORT", "INDEXER_ZZZ": None}
 
 
