@@ -15,6 +15,7 @@ import pytest
 from hypothesis import settings
 
 from tests.tiers import run_lock, spread_exclusive, tier_marks
+from tests.tools import missing_tool
 
 # Hypothesis: every example in CI (which sets CI=true, as do most CI systems), a fifth of them elsewhere so that
 # `make test-quick` stays a one-minute loop; HYPOTHESIS_PROFILE picks one by name. Tests that set max_examples
@@ -69,6 +70,13 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     exclusive, process = (item.get_closest_marker(m) is not None for m in ("exclusive", "process"))
     with run_lock(directory, exclusive=exclusive, process=process):
         return (yield)
+
+
+# A test marked needs_tool (tests/tools.py) whose tool is missing: skipped with the reason, or failed where
+# REQUIRE_TEST_TOOLS=1 (`make test`), before any of its fixtures is set up.
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    missing_tool(item)
 
 
 def cuda_available() -> bool:

@@ -55,8 +55,9 @@ from tests.deploy.support import (
     substitute,
     wait_for,
 )
+from tests.tools import needs_tool
 
-pytestmark = pytest.mark.skipif(kustomize_command() is None, reason=f"no kustomize/kubectl: {INSTALL_HINT}")
+pytestmark = needs_tool(None if kustomize_command() else f"no kustomize/kubectl: {INSTALL_HINT}")
 
 OVERLAY = "deploy/overlays/cpu"  # the overlay whose pod this machine can run
 
@@ -360,7 +361,7 @@ def test_every_metric_of_the_alerts_and_the_dashboard_is_exported(pod: Server) -
     assert not missing, f"named but not exported: {sorted(missing)}"
 
 
-requires_prometheus = pytest.mark.skipif(find_tool("prometheus") is None, reason=f"no prometheus: {INSTALL_HINT}")
+requires_prometheus = needs_tool(None if find_tool("prometheus") else f"no prometheus: {INSTALL_HINT}")
 
 
 class Traffic:
