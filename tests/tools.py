@@ -1,6 +1,6 @@
 """The tests that need a tool `make test` installs beyond the venv (scripts/install-client-tools.sh: Go and its
 generators, Node and the Node client's modules, buf, protoc; scripts/install-deploy-tools.sh: kustomize or kubectl,
-promtool, prometheus; the dev extra's grpcurl and atheris) say so with :func:`needs_tool`. Run bare
+promtool, prometheus; the dev extra's grpcurl, hadolint and atheris) say so with :func:`needs_tool`. Run bare
 (``python -m pytest tests``) where the tool is missing, such a test skips with the reason; where
 REQUIRE_TEST_TOOLS=1, which `make test` (and so CI) sets after installing them, it fails with the reason instead:
 a missing tool cannot pass unnoticed as a skip there. tests/conftest.py applies the marker. (The variable is not an
