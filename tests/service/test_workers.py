@@ -186,6 +186,7 @@ def test_workers_warm_up_one_at_a_time_and_compile_once(start_server: StartServe
     assert sorted(sources.values()) == [["cache"] * 3, ["compiler"] * 3], server.log()
 
 
+@pytest.mark.all_cpus  # it pins a worker to each of two CPUs: never confined to one (tests/tiers.py)
 def test_pinned_workers_each_run_every_thread_on_a_cpu_of_their_own(start_server: StartServer) -> None:
     """``pin_workers on`` with two workers: worker n and all its threads (the gRPC pool's, started after the
     pin, included) on the n-th CPU of the replica's set; the start-up log says so."""
