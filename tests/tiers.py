@@ -29,6 +29,10 @@ TIMING_MODULES = frozenset(
     {"testkit.siege", "testkit.observe", "testkit.h2raw", "testkit.http1raw", "testkit.streams", "testkit.soak"}
 )
 FOLLOWED_PACKAGES = ("tests", "testkit")
+# The `xdist_group` of the `exclusive` tests outside a module's group: one worker runs them one after the other
+# (two at once would wait for each other's run lock, a worker idle meanwhile) while the other runs the rest beside
+# them, confined to its CPU (run_lock). pytest-xdist hands out its largest groups first, this one among them.
+EXCLUSIVE = "exclusive"
 
 
 def _code_objects(code: types.CodeType) -> Iterator[types.CodeType]:
@@ -87,8 +91,8 @@ def tier_marks(
 ) -> list[pytest.MarkDecorator]:
     """The markers ``item`` gets: `process`, `exclusive`, and an `xdist_group` that keeps on one pytest-xdist worker
     (--dist loadgroup) the process tests of a module sharing a module-scoped fixture of ours (the deploy tests' pod
-    and replicas, a fuzzed server), so that it starts once (where pytest-xdist is loaded, which defines that marker).
-    ``seen`` caches what each function reaches."""
+    and replicas, a fuzzed server), so that it starts once, and every other `exclusive` test together (EXCLUSIVE,
+    where pytest-xdist is loaded, which defines that marker). ``seen`` caches what each function reaches."""
     definitions = [d for defs in item._fixtureinfo.name2fixturedefs.values() for d in defs]
     reached = {
         m
@@ -97,12 +101,17 @@ def tier_marks(
         for m in reached_modules(f, seen)
     }
     marks = []
+    grouped = False
     if spawns(reached):
         marks.append(pytest.mark.process)
         if xdist and any(d.scope in ("module", "class", "package") and functions_of(d.func) for d in definitions):
             marks.append(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
-    if reached & TIMING_MODULES:
+            grouped = True
+    exclusive = bool(reached & TIMING_MODULES)
+    if exclusive:
         marks.append(pytest.mark.exclusive)
+    if xdist and (exclusive or item.get_closest_marker("exclusive")) and not grouped:
+        marks.append(pytest.mark.xdist_group(EXCLUSIVE))
     return marks
 
 
