@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from hypothesis import settings
 
-from tests.tiers import run_lock, spread_exclusive, tier_marks, worker_cpu
+from tests.tiers import group_scheduling, run_lock, spread_exclusive, tier_marks, worker_cpu, write_groups
 from tests.tools import missing_tool
 
 # Hypothesis: every example in CI (which sets CI=true, as do most CI systems), a fifth of them elsewhere so that
@@ -41,6 +41,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 item.add_marker(mark)
     if hasattr(config, "workerinput"):  # a pytest-xdist worker: each computes the same order from the same items
         items[:] = spread_exclusive(items)
+        write_groups(items, Path(config.workerinput["indexer_lock_dir"]), config.workerinput["workerid"])
 
 
 # `exclusive` under pytest-xdist: tests/tiers.py's run_lock (process tests share it, or run confined to their
@@ -66,6 +67,14 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 @pytest.hookimpl(optionalhook=True)
 def pytest_configure_node(node) -> None:  # pytest-xdist's hook: a worker is about to start
     node.workerinput["indexer_lock_dir"] = str(node.config.stash[LOCK_DIR])
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """--dist loadgroup with the groups the workers' collection wrote (tests/tiers.py's group_scheduling)."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    return group_scheduling(config, log, config.stash[LOCK_DIR])
 
 
 @pytest.hookimpl(wrapper=True)

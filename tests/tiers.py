@@ -8,6 +8,7 @@ import builtins
 import contextlib
 import fcntl
 import inspect
+import json
 import os
 import types
 from collections.abc import Iterator
@@ -215,3 +216,35 @@ def run_lock(
             yield
         finally:
             fcntl.flock(run, fcntl.LOCK_UN)
+
+
+def write_groups(items: list[pytest.Item], directory: Path, worker: str) -> None:
+    """Each grouped test's `xdist_group`, for :func:`group_scheduling` (every worker writes the same)."""
+    groups = {item.nodeid: mark.args[0] for item in items if (mark := item.get_closest_marker("xdist_group"))}
+    (directory / f"groups-{worker}.json").write_text(json.dumps(groups))
+
+
+def read_groups(directory: Path) -> dict[str, str]:
+    """What :func:`write_groups` wrote: node id -> group."""
+    groups: dict[str, str] = {}
+    for path in sorted(directory.glob("groups-*.json")):
+        groups.update(json.loads(path.read_text()))
+    return groups
+
+
+def group_scheduling(config: pytest.Config, log: object, directory: Path) -> object:
+    """pytest-xdist's --dist loadgroup scheduler, grouping by the groups the workers wrote into ``directory``
+    (:func:`write_groups`). pytest-xdist itself appends each test's group to ``item._nodeid``, which pytest 9 no
+    longer reads (a node id comes from its structured ``_id``): the groups never reached its scheduler, and each
+    module's shared fixture (a pod, a fuzzed server, the light client's environments) was set up on both
+    workers. Any test without a group here falls back to pytest-xdist's own reading of its node id."""
+    from xdist.scheduler import LoadGroupScheduling
+
+    class GroupScheduling(LoadGroupScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            if not getattr(self, "groups", None):  # read once the workers have collected (it asks only then)
+                self.groups = read_groups(directory)
+            group = self.groups.get(nodeid)
+            return group if group is not None else super()._split_scope(nodeid)
+
+    return GroupScheduling(config, log)

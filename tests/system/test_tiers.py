@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.tiers import run_lock, spread_exclusive
+from testkit.paths import REPO
+from tests.tiers import read_groups, run_lock, spread_exclusive, write_groups
 
 
 @dataclass
@@ -97,3 +99,35 @@ def test_a_process_test_beside_an_exclusive_one_and_what_it_starts_run_on_its_cp
     # Beside no exclusive test, nothing is confined.
     with run_lock(str(tmp_path), exclusive=False, process=True, own_cpu=own_cpu):
         assert os.sched_getaffinity(0) == everywhere
+
+
+def test_the_groups_the_workers_write_are_the_ones_the_scheduler_reads(tmp_path: Path) -> None:
+    @dataclass
+    class Mark:
+        args: tuple[str, ...]
+
+    @dataclass
+    class Grouped(Item):
+        group: str | None = None
+
+        def get_closest_marker(self, name: str) -> object:
+            return Mark((self.group,)) if name == "xdist_group" and self.group else super().get_closest_marker(name)
+
+    items = [Grouped("a.py::t1", group="exclusive"), Grouped("b.py::t2"), Grouped("c.py::t3", group="c.py")]
+    write_groups(items, tmp_path, "gw0")
+    write_groups(items, tmp_path, "gw1")
+    assert read_groups(tmp_path) == {"a.py::t1": "exclusive", "c.py::t3": "c.py"}
+
+
+def test_a_modules_group_runs_on_one_worker() -> None:
+    """Under `--dist loadgroup`, the tests sharing a module-scoped server (tests/service/test_http_trailers.py's)
+    run on one worker, which starts it once: pytest-xdist's own grouping is lost under pytest 9 (tests/tiers.py's
+    group_scheduling)."""
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-n", "2", "--dist", "loadgroup", "-v",
+         "tests/service/test_http_trailers.py", "-k", "within_the_limit or count"],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-3000:]
+    workers = set(re.findall(r"^\[(gw\d+)\] .* PASSED tests/service/test_http_trailers.py", run.stdout, re.M))
+    assert len(re.findall(r" PASSED ", run.stdout)) >= 4 and len(workers) == 1, run.stdout[-3000:]
