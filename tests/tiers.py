@@ -219,8 +219,12 @@ def run_lock(
 
 
 def write_groups(items: list[pytest.Item], directory: Path, worker: str) -> None:
-    """Each grouped test's `xdist_group`, for :func:`group_scheduling` (every worker writes the same)."""
+    """Each grouped test's `xdist_group`, for :func:`group_scheduling` (every worker writes the same). A module's
+    group that holds an `exclusive` test joins EXCLUSIVE whole (its shared fixture still set up once): on the
+    other worker, that test would wait for the exclusive tests' run lock while its worker stood idle."""
     groups = {item.nodeid: mark.args[0] for item in items if (mark := item.get_closest_marker("xdist_group"))}
+    joining = {groups[item.nodeid] for item in items if item.get_closest_marker("exclusive") and item.nodeid in groups}
+    groups = {nodeid: EXCLUSIVE if group in joining else group for nodeid, group in groups.items()}
     (directory / f"groups-{worker}.json").write_text(json.dumps(groups))
 
 

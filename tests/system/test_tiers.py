@@ -113,10 +113,17 @@ def test_the_groups_the_workers_write_are_the_ones_the_scheduler_reads(tmp_path:
         def get_closest_marker(self, name: str) -> object:
             return Mark((self.group,)) if name == "xdist_group" and self.group else super().get_closest_marker(name)
 
-    items = [Grouped("a.py::t1", group="exclusive"), Grouped("b.py::t2"), Grouped("c.py::t3", group="c.py")]
+    items = [
+        Grouped("a.py::t1", ("process", "exclusive"), group="exclusive"),
+        Grouped("b.py::t2"),
+        Grouped("c.py::t3", ("process",), group="c.py"),
+        Grouped("d.py::t4", ("process",), group="d.py"),
+        Grouped("d.py::t5", ("process", "exclusive"), group="d.py"),  # d.py's group joins the exclusive one
+    ]
     write_groups(items, tmp_path, "gw0")
     write_groups(items, tmp_path, "gw1")
-    assert read_groups(tmp_path) == {"a.py::t1": "exclusive", "c.py::t3": "c.py"}
+    groups = {"a.py::t1": "exclusive", "c.py::t3": "c.py", "d.py::t4": "exclusive", "d.py::t5": "exclusive"}
+    assert read_groups(tmp_path) == groups
 
 
 def test_a_modules_group_runs_on_one_worker() -> None:
