@@ -41,6 +41,7 @@ from pathlib import Path
 import grpc
 import psutil
 
+from indexer_service.service.reasons import HttpRefusal
 from testkit import shapes
 from testkit.h2raw import (
     StalledStreams,
@@ -687,7 +688,7 @@ def _big_header_misses(figures: dict) -> list[str]:
         misses.append(f"answered {figures['answer']}, not 431 (closed by the server: {figures['closed_by_server']})")
     if figures["header_mib_sent"] >= HEADER_REFUSED_BEFORE_MIB:
         misses.append(f"{figures['header_mib_sent']} MiB of the header taken before the refusal")
-    if not figures["http_refused"].get("header_too_large"):
+    if not figures["http_refused"].get(HttpRefusal.HEADER_TOO_LARGE):
         misses.append(f"the refusal was not counted: {figures['http_refused']}")
     return misses
 

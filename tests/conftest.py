@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 from hypothesis import settings
 
-from tests.tiers import run_lock, spread_exclusive, tier_marks
+from tests.tiers import group_scheduling, run_lock, spread_exclusive, tier_marks, worker_cpu, write_groups
+from tests.tools import missing_tool
 
 # Hypothesis: every example in CI (which sets CI=true, as do most CI systems), a fifth of them elsewhere so that
 # `make test-quick` stays a one-minute loop; HYPOTHESIS_PROFILE picks one by name. Tests that set max_examples
@@ -40,17 +41,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 item.add_marker(mark)
     if hasattr(config, "workerinput"):  # a pytest-xdist worker: each computes the same order from the same items
         items[:] = spread_exclusive(items)
+        write_groups(items, Path(config.workerinput["indexer_lock_dir"]), config.workerinput["workerid"])
 
 
-# `exclusive` under pytest-xdist: tests/tiers.py's run_lock (process tests share it, an exclusive one holds it alone,
-# in-process tests take none) and spread_exclusive's order. The controller makes the locks' folder and hands it to
-# its workers; a run without workers takes no lock.
+# `exclusive` under pytest-xdist: tests/tiers.py's run_lock (process tests share it, or run confined to their
+# worker's CPU beside an exclusive test, which holds it alone; in-process tests take none) and spread_exclusive's
+# order. The controller makes the locks' folder and hands it to its workers; a run without workers takes no lock.
 LOCK_DIR = pytest.StashKey[Path]()
+OWN_CPU = pytest.StashKey["set[int] | None"]()
 
 
 def pytest_configure(config: pytest.Config) -> None:
     if not hasattr(config, "workerinput"):
         config.stash[LOCK_DIR] = Path(tempfile.mkdtemp(prefix="indexer-tests-lock-"))
+    else:  # gw0, gw1...: the worker's index, among the CPUs the run may use (before any test confines it)
+        index = int(config.workerinput["workerid"].removeprefix("gw"))
+        config.stash[OWN_CPU] = worker_cpu(index, os.sched_getaffinity(0))
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -63,12 +69,30 @@ def pytest_configure_node(node) -> None:  # pytest-xdist's hook: a worker is abo
     node.workerinput["indexer_lock_dir"] = str(node.config.stash[LOCK_DIR])
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """--dist loadgroup with the groups the workers' collection wrote (tests/tiers.py's group_scheduling)."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    return group_scheduling(config, log, config.stash[LOCK_DIR])
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
     directory = getattr(item.config, "workerinput", {}).get("indexer_lock_dir")
-    exclusive, process = (item.get_closest_marker(m) is not None for m in ("exclusive", "process"))
-    with run_lock(directory, exclusive=exclusive, process=process):
+    exclusive, process, all_cpus = (
+        item.get_closest_marker(m) is not None for m in ("exclusive", "process", "all_cpus")
+    )
+    own_cpu = item.config.stash.get(OWN_CPU, None)
+    with run_lock(directory, exclusive=exclusive, process=process, own_cpu=own_cpu, all_cpus=all_cpus):
         return (yield)
+
+
+# A test marked needs_tool (tests/tools.py) whose tool is missing: skipped with the reason, or failed where
+# REQUIRE_TEST_TOOLS=1 (`make test`), before any of its fixtures is set up.
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    missing_tool(item)
 
 
 def cuda_available() -> bool:

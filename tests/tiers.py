@@ -1,6 +1,6 @@
 """The test tiers, decided at collection from what each test does (tests/conftest.py applies them), so a new test
-lands in its tier without anyone marking it; and the run lock that lets an `exclusive` test run alone under
-pytest-xdist."""
+lands in its tier without anyone marking it; and the run lock that keeps every other test beside an `exclusive` one
+under pytest-xdist to one CPU."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import builtins
 import contextlib
 import fcntl
 import inspect
+import json
 import os
 import types
 from collections.abc import Iterator
@@ -34,6 +35,10 @@ TIMING_MODULES = frozenset(
     {"testkit.siege", "testkit.observe", "testkit.h2raw", "testkit.http1raw", "testkit.streams", "testkit.soak"}
 )
 FOLLOWED_PACKAGES = ("tests", "testkit")
+# The `xdist_group` of the `exclusive` tests outside a module's group: one worker runs them one after the other
+# (two at once would wait for each other's run lock, a worker idle meanwhile) while the other runs the rest beside
+# them, confined to its CPU (run_lock). pytest-xdist hands out its largest groups first, this one among them.
+EXCLUSIVE = "exclusive"
 
 
 def _code_objects(code: types.CodeType) -> Iterator[types.CodeType]:
@@ -92,8 +97,8 @@ def tier_marks(
 ) -> list[pytest.MarkDecorator]:
     """The markers ``item`` gets: `process`, `exclusive`, and an `xdist_group` that keeps on one pytest-xdist worker
     (--dist loadgroup) the process tests of a module sharing a module-scoped fixture of ours (the deploy tests' pod
-    and replicas, a fuzzed server), so that it starts once (where pytest-xdist is loaded, which defines that marker).
-    ``seen`` caches what each function reaches."""
+    and replicas, a fuzzed server), so that it starts once, and every other `exclusive` test together (EXCLUSIVE,
+    where pytest-xdist is loaded, which defines that marker). ``seen`` caches what each function reaches."""
     definitions = [d for defs in item._fixtureinfo.name2fixturedefs.values() for d in defs]
     reached = {
         m
@@ -102,12 +107,17 @@ def tier_marks(
         for m in reached_modules(f, seen)
     }
     marks = []
+    grouped = False
     if spawns(reached):
         marks.append(pytest.mark.process)
         if xdist and any(d.scope in ("module", "class", "package") and functions_of(d.func) for d in definitions):
             marks.append(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
-    if reached & TIMING_MODULES:
+            grouped = True
+    exclusive = bool(reached & TIMING_MODULES)
+    if exclusive:
         marks.append(pytest.mark.exclusive)
+    if xdist and (exclusive or item.get_closest_marker("exclusive")) and not grouped:
+        marks.append(pytest.mark.xdist_group(EXCLUSIVE))
     return marks
 
 
@@ -116,41 +126,134 @@ def spawns(modules: frozenset[str] | set[str]) -> bool:
 
 
 def spread_exclusive(items: list[pytest.Item]) -> list[pytest.Item]:
-    """The run's order for pytest-xdist: the `process` tests first (the long ones: a worker's last test sets the
-    run's end), then the in-process tests with the `exclusive` ones spread evenly among them. While one worker
-    runs an `exclusive` test, the other then finds in-process tests to run beside it (they take no run lock)
-    rather than a process test that would wait for the lock. Within each tier the collection order is kept; an
-    in-process module cut in two by an `exclusive` test sets its (in-process) module fixtures up twice, as a module
-    spread over two workers already does."""
+    """The run's order for pytest-xdist: the `process` tests (the long ones) with the `exclusive` ones spread evenly
+    among them, then the in-process tests (the run's short tail). While one worker runs an `exclusive` test, the
+    other thus finds process tests to run beside it, each confined to one CPU (:func:`run_lock`), rather than
+    waiting with nothing to do once the in-process tests are gone. Within each tier the collection order is kept;
+    a module cut in two by an `exclusive` test sets its (in-process) module fixtures up twice, as a module spread
+    over two workers already does."""
     exclusive = [i for i in items if i.get_closest_marker("exclusive")]
     process = [i for i in items if i.get_closest_marker("process") and not i.get_closest_marker("exclusive")]
     light = [i for i in items if not i.get_closest_marker("process") and not i.get_closest_marker("exclusive")]
-    every = len(light) / max(1, len(exclusive))  # in-process tests between two `exclusive` ones
-    ordered = list(process)
+    every = len(process) / max(1, len(exclusive))  # process tests between two `exclusive` ones
+    ordered = []
     for k, item in enumerate(exclusive):
         ordered.append(item)
-        ordered.extend(light[round(k * every) : round((k + 1) * every)])
-    return ordered if exclusive else [*process, *light]
+        ordered.extend(process[round(k * every) : round((k + 1) * every)])
+    return [*ordered, *light] if exclusive else [*process, *light]
+
+
+def worker_cpu(index: int, cpus: set[int]) -> set[int] | None:
+    """The one CPU worker ``index`` confines a process test to beside an `exclusive` test, or None where the run
+    has a single CPU (nothing to confine to: such a test waits its turn instead)."""
+    return {sorted(cpus)[index % len(cpus)]} if len(cpus) > 1 else None
 
 
 @contextlib.contextmanager
-def run_lock(directory: str | None, exclusive: bool, process: bool = True) -> Iterator[None]:
-    """Held by every `process` test of an xdist run from its setup to its teardown: shared, or alone for an
-    `exclusive` one. A test waiting to hold it alone holds the turnstile meanwhile, so that the other workers' next
-    tests queue behind it instead of keeping a shared hold forever. An in-process test (``process`` False) takes
-    no lock: it starts no server, attack client or observer whose figures would cross an `exclusive` test's, and
-    so runs beside one (a CPU-bound in-process test takes at most its worker's core). ``directory`` None (no
-    workers): no lock."""
+def confined(cpus: set[int]) -> Iterator[None]:
+    """Every thread of this process on ``cpus`` (and so every process it starts meanwhile, which inherits it),
+    then back to where each was."""
+
+    def tasks() -> list[int]:
+        return [int(tid) for tid in os.listdir("/proc/self/task")]
+
+    before = os.sched_getaffinity(0)
+    for tid in tasks():
+        with contextlib.suppress(OSError):  # a thread that ended since it was listed
+            os.sched_setaffinity(tid, cpus)
+    try:
+        yield
+    finally:
+        for tid in tasks():
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(tid, before)
+
+
+def _try_flock(file: object, operation: int) -> bool:
+    try:
+        fcntl.flock(file, operation | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def run_lock(
+    directory: str | None,
+    exclusive: bool,
+    process: bool = True,
+    own_cpu: set[int] | None = None,
+    all_cpus: bool = False,
+) -> Iterator[None]:
+    """Held by every `process` test of an xdist run from its setup to its teardown. An `exclusive` test holds it
+    alone, so that no other test's servers, clients or compilers take more than one CPU beside it: a process
+    test holds it shared where no `exclusive` test runs or waits for its turn; beside one, it runs at once,
+    holding nothing, with itself and every process it starts confined to ``own_cpu`` (the worker's CPU), as an
+    in-process test (``process`` False, no lock) already is by its one interpreter. ``all_cpus``: a process test
+    that needs every CPU (CPU pinning) never runs confined; it waits its turn for a shared hold. A test waiting
+    to hold the lock alone holds the turnstile meanwhile, so that the other workers' next tests do not keep a
+    shared hold forever. ``directory`` None (no workers): no lock."""
     if directory is None or not (process or exclusive):
         yield
         return
     with open(Path(directory) / "turnstile", "a") as turnstile, open(Path(directory) / "run", "a") as run:
-        fcntl.flock(turnstile, fcntl.LOCK_EX)
-        try:
-            fcntl.flock(run, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
-        finally:
-            fcntl.flock(turnstile, fcntl.LOCK_UN)
+        waits = exclusive or all_cpus or own_cpu is None
+        if waits:
+            fcntl.flock(turnstile, fcntl.LOCK_EX)
+            try:
+                fcntl.flock(run, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+            finally:
+                fcntl.flock(turnstile, fcntl.LOCK_UN)
+            held = True
+        elif _try_flock(turnstile, fcntl.LOCK_EX):  # no `exclusive` test waiting for its turn...
+            try:
+                held = _try_flock(run, fcntl.LOCK_SH)  # ...nor running
+            finally:
+                fcntl.flock(turnstile, fcntl.LOCK_UN)
+        else:
+            held = False
+        if not held:
+            assert own_cpu is not None
+            with confined(own_cpu):
+                yield
+            return
         try:
             yield
         finally:
             fcntl.flock(run, fcntl.LOCK_UN)
+
+
+def write_groups(items: list[pytest.Item], directory: Path, worker: str) -> None:
+    """Each grouped test's `xdist_group`, for :func:`group_scheduling` (every worker writes the same). A module's
+    group that holds an `exclusive` test joins EXCLUSIVE whole (its shared fixture still set up once): on the
+    other worker, that test would wait for the exclusive tests' run lock while its worker stood idle."""
+    groups = {item.nodeid: mark.args[0] for item in items if (mark := item.get_closest_marker("xdist_group"))}
+    joining = {groups[item.nodeid] for item in items if item.get_closest_marker("exclusive") and item.nodeid in groups}
+    groups = {nodeid: EXCLUSIVE if group in joining else group for nodeid, group in groups.items()}
+    (directory / f"groups-{worker}.json").write_text(json.dumps(groups))
+
+
+def read_groups(directory: Path) -> dict[str, str]:
+    """What :func:`write_groups` wrote: node id -> group."""
+    groups: dict[str, str] = {}
+    for path in sorted(directory.glob("groups-*.json")):
+        groups.update(json.loads(path.read_text()))
+    return groups
+
+
+def group_scheduling(config: pytest.Config, log: object, directory: Path) -> object:
+    """pytest-xdist's --dist loadgroup scheduler, grouping by the groups the workers wrote into ``directory``
+    (:func:`write_groups`). pytest-xdist itself appends each test's group to ``item._nodeid``, which pytest 9 no
+    longer reads (a node id comes from its structured ``_id``): the groups never reached its scheduler, and each
+    module's shared fixture (a pod, a fuzzed server, the light client's environments) was set up on both
+    workers. Any test without a group here falls back to pytest-xdist's own reading of its node id."""
+    from xdist.scheduler import LoadGroupScheduling
+
+    class GroupScheduling(LoadGroupScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            if not getattr(self, "groups", None):  # read once the workers have collected (it asks only then)
+                self.groups = read_groups(directory)
+            group = self.groups.get(nodeid)
+            return group if group is not None else super()._split_scope(nodeid)
+
+    return GroupScheduling(config, log)

@@ -17,6 +17,7 @@ import pytest
 
 from tests.deploy import image
 from tests.deploy.support import (
+    INSTALL_HINT,
     ROOT,
     container,
     docker_context_files,
@@ -28,8 +29,9 @@ from tests.deploy.support import (
     stage_named,
     substitute,
 )
+from tests.tools import needs_tool
 
-requires_kustomize = pytest.mark.skipif(kustomize_command() is None, reason="no kustomize/kubectl")
+requires_kustomize = needs_tool(None if kustomize_command() else f"no kustomize/kubectl: {INSTALL_HINT}")
 VARIANTS = ("cpu", "gpu")
 
 

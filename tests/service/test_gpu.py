@@ -3,6 +3,8 @@ ready for the warmed ratios, an unwarmed ratio counted (or refused in strict mod
 
 from __future__ import annotations
 
+import re
+
 import grpc
 import numpy as np
 import pytest
@@ -10,10 +12,10 @@ import torch
 
 from indexer_service.client import IndexerClient
 from indexer_service.kernels.inputs import ChunkInputs, DcpConfig, chunk_host_part
-from indexer_service.kernels.numpy_backend import build_chunk_metadata_numpy
+from indexer_service.kernels.numpy_backend import build_chunk_metadata_numpy, chunk_arrays_numpy
 from indexer_service.kernels.planner import BatchInputs, build_prefill_batch
 from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
-from indexer_service.service.compute.auto_backend import output_elements
+from indexer_service.service.compute.auto_backend import LADDER_REQUESTS, calibration_chunk, output_elements
 from testkit.batches import BatchShape, batch_with_tokens, random_batch, random_chunk_inputs
 from tests.golden import GOLDEN, chunk_inputs, metadata_as_dict
 from tests.service.conftest import StartServer, scrape
@@ -88,7 +90,6 @@ def test_auto_server_measures_a_crossover_and_serves_each_size_on_its_backend(st
         status = client.warmup_status()
         assert (status.backend, status.target, status.state) == ("auto", "in-process", pb.WARMUP_STATE_READY)
         crossover = status.auto_crossover_elements
-        assert crossover > 0 or crossover == -1, crossover
         small = ChunkInputs(np.array([0, 3]), np.array([40]), 4, 0, 1)
         rng = np.random.default_rng(7)
         qsl, seq = batch_with_tokens(rng, 256, 65_961, 33_148)  # bench_kernel's large batch: 2.2M elements
@@ -102,6 +103,33 @@ def test_auto_server_measures_a_crossover_and_serves_each_size_on_its_backend(st
         for backend in ("native", "numpy", "triton")
     }
     assert served["native"] == 2, served
+    # What the measurement model (service/compute/auto_backend.py) implies. The crossover is one of the sizes the
+    # warmup measured, the ladder's (their int32 elements counted here from numpy's own arrays), as the log lists
+    # them; Triton's fixed round trip (a program table, a copy each way, a launch, a wait: hundreds of us) loses to
+    # numpy on the smallest rung (about 1.3 thousand elements: tens of us) and is amortised by the largest (millions
+    # of elements), so on a GPU the crossover lies above the smallest rung and at most at the largest: never
+    # NUMPY_ALWAYS or NOT_MEASURED. And it is the first size of the run of Triton's wins up to the largest.
+    ratio, points = measured_points(server.log())
+    ladder = [ladder_elements(requests, ratio) for requests in LADDER_REQUESTS]
+    assert [elements for elements, _, _ in points] == ladder, (points, ladder)
+    assert ladder[0] < crossover <= ladder[-1] and crossover in ladder, (crossover, points)
+    # (The log rounds to whole us: a win may read as a tie, never as a loss.)
+    first = ladder.index(crossover)
+    assert all(triton_us <= numpy_us for _, numpy_us, triton_us in points[first:]), (crossover, points)
+    assert points[first - 1][2] >= points[first - 1][1], (crossover, points)
     large_elements = output_elements([chunk_host_part(large)], with_token_to_seq=True)
-    assert served["triton" if 0 < crossover <= large_elements else "numpy"] == 2, (crossover, large_elements, served)
-    assert "auto backend: " in server.log()
+    assert served["triton" if crossover <= large_elements else "numpy"] == 2, (crossover, large_elements, served)
+
+
+def measured_points(log: str) -> tuple[int, list[tuple[int, float, float]]]:
+    """The calibration's ratio and (elements, numpy us, Triton us) of each rung, from its log line."""
+    line = re.search(r"auto backend: .*\(ratio (\d+).*elements:numpy/triton (.*)\)", log)
+    assert line, log
+    points = re.findall(r"(\d+):(\d+)/(\d+)us", line.group(2))
+    return int(line.group(1)), [(int(e), float(n), float(t)) for e, n, t in points]
+
+
+def ladder_elements(requests: int, ratio: int) -> int:
+    """The int32 elements of the calibration chunk of ``requests`` requests: what numpy's arrays of it hold."""
+    host = chunk_host_part(calibration_chunk(requests, ratio))
+    return sum(array.size for array in chunk_arrays_numpy(host, DcpConfig(), True))

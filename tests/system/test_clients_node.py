@@ -10,8 +10,9 @@ import pytest
 
 from testkit.harness import FAST_START, ServiceProcess
 from tests.system.clients_support import GOLDEN_FILE, NODE_DIR, PROTOS, check_summary, node_missing
+from tests.tools import needs_tool
 
-pytestmark = pytest.mark.skipif(node_missing() is not None, reason=node_missing() or "")
+pytestmark = needs_tool(node_missing())
 
 
 @pytest.fixture(scope="module")

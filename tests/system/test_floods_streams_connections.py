@@ -9,6 +9,8 @@ server may take to close what it must (its own timeouts, with slack for a loaded
 from __future__ import annotations
 
 import time
+from collections import defaultdict
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
 
@@ -18,7 +20,7 @@ import trustme
 from testkit.harness import LOOPBACK, ServiceProcess, metric_total, mib, poll, scrape
 from testkit.http1raw import IdleConnections
 from testkit.payloads import CLIENT_HELLO_START, H2_PREFACE
-from testkit.siege import Siege, control_run
+from testkit.siege import SHED, Siege, control_run, counter_delta
 from testkit.streams import BlockedWatchers, SilentCalls
 from tests.system.hardening_support import idle_rss
 
@@ -27,6 +29,7 @@ pytestmark = pytest.mark.timeout(180)
 TARGET = 0.99  # the issue's: the victim's calls and a fresh client's, and the probes, in time
 FRESH_CLIENT_INTERVAL = 0.5  # seconds between two fresh IndexerClients (Siege's fresh_client_interval)
 CONTROL_SECONDS = 3.0  # the control run: probes, a victim and a fresh client, unattacked
+ATTACK_SECONDS = 30.0  # at most, for a flood to have done what its test checks (a few seconds on a quiet machine)
 
 
 def compared(control: Siege, siege: Siege, flood: str) -> str:
@@ -42,6 +45,19 @@ def assert_served_as_in_control(control: Siege, siege: Siege, summary: str) -> N
     assert siege.probes.overall().ratio >= min(TARGET, control.probes.overall().ratio), summary
 
 
+def attack_until(siege: Siege, done: Callable[[defaultdict[str, float]], bool]) -> None:
+    """Keeps the attack (and ``siege``) going until ``done`` holds of what the flood did and of the server's shed
+    counts since the siege began (a reason not yet counted reads 0), and for at least as long as the control run,
+    whose figures the siege's are held to; at most ATTACK_SECONDS (the assertions then say what was missing)."""
+    began = time.monotonic()
+
+    def finished() -> bool:
+        shed = defaultdict(float, counter_delta(siege.metrics_before, scrape(siege.server.http_url), SHED, "reason"))
+        return time.monotonic() - began >= CONTROL_SECONDS and done(shed)
+
+    poll(finished, ATTACK_SECONDS, interval=0.25)
+
+
 def test_idle_reflection_streams_hold_no_rpc_thread(serve) -> None:
     """6 connections x 10 reflection streams that never send a request, reopened as they end (before: the
     victim's calls fell to 6.5 %, a fresh IndexerClient's to 6.7 %, nothing counted). Reflection runs on its own
@@ -53,7 +69,8 @@ def test_idle_reflection_streams_hold_no_rpc_thread(serve) -> None:
         Siege(server, fresh_client_interval=FRESH_CLIENT_INTERVAL) as siege,
         SilentCalls(server.address, connections=6, streams_each=10) as flood,
     ):
-        time.sleep(5.0)  # the 60 streams at once, then each cut after 2 s and reopened: both refusals happen
+        # The 60 streams at once, then each cut after 2 s and reopened: until both refusals have happened.
+        attack_until(siege, lambda shed: flood.opened >= 60 and shed["stream_limit"] >= 1 and shed["idle_stream"] >= 1)
     summary = compared(control, siege, f"reflection streams opened {flood.opened}, ended {flood.ended}")
     assert flood.opened >= 60, summary
     assert_served_as_in_control(control, siege, summary)
@@ -71,7 +88,10 @@ def test_blocked_watch_streams_hold_no_delivery_thread(serve) -> None:
         Siege(server, fresh_client_interval=FRESH_CLIENT_INTERVAL) as siege,
         BlockedWatchers(LOOPBACK, server.grpc_port, rate=8.0) as flood,
     ):
-        time.sleep(7.0)  # 16 streams a second; the first ones cancelled after 5 s
+        # 16 streams a second; the first ones cancelled after 5 s: until one is, and 80 were opened.
+        attack_until(
+            siege, lambda shed: flood.streams >= 80 and flood.ended_by_server() >= 1 and shed["unread_response"] >= 1
+        )
         ended = flood.ended_by_server()
     summary = compared(control, siege, f"blocked Watch streams {flood.streams}, ended by the server {ended}")
     assert flood.streams >= 80, summary

@@ -3,16 +3,16 @@ runs: ``python -m benchmarks.fuzz_atheris -max_total_time=600``."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from testkit.harness import REPO, clean_env
+from tests.tools import needs_tool
 
-pytest.importorskip("atheris", reason="atheris (the dev extra) is not installed")
+pytestmark = needs_tool(None if importlib.util.find_spec("atheris") else "atheris (the dev extra) is not installed")
 
 RUNS = 8000
 

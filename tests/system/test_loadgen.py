@@ -14,8 +14,9 @@ from testkit.gobuild import go_grpc_missing
 from testkit.harness import FAST_START, ServiceProcess, metric_total, scrape
 from testkit.paths import REPO
 from testkit.payloads import BUILD_CHUNK_PATH, SMALL_BUILD_CHUNK
+from tests.tools import needs_tool
 
-pytestmark = pytest.mark.skipif(go_grpc_missing() is not None, reason=go_grpc_missing() or "")
+pytestmark = needs_tool(go_grpc_missing())
 SERVED = "indexer_request_duration_seconds_count"
 
 

@@ -10,15 +10,15 @@ import tomllib
 from importlib import resources
 from pathlib import Path
 
-import pytest
 from google.protobuf import descriptor_pb2
 from grpc_tools import protoc
 
 from tests.system.clients_support import BUF, INSTALL_HINT, PROTOS, REPO
+from tests.tools import needs_tool
 
 PROTO = PROTOS / "indexer" / "v1" / "indexer.proto"
 RELEASED = sorted((PROTOS / "released").glob("indexer-v1-*.binpb"))
-needs_buf = pytest.mark.skipif(not BUF.exists(), reason=f"buf is not installed: {INSTALL_HINT}")
+needs_buf = needs_tool(None if BUF.exists() else f"buf is not installed: {INSTALL_HINT}")
 
 
 def buf(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:

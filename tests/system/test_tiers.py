@@ -1,13 +1,19 @@
 """tests/tiers.py's scheduling rules under pytest-xdist: the order the workers run the tests in, and the run lock
-that keeps an `exclusive` test away from every process test but not from in-process ones."""
+that lets beside an `exclusive` test only in-process tests and process tests confined to one CPU."""
 
 from __future__ import annotations
 
+import json
+import os
+import re
+import subprocess
+import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.tiers import run_lock, spread_exclusive
+from testkit.paths import REPO
+from tests.tiers import read_groups, run_lock, spread_exclusive, write_groups
 
 
 @dataclass
@@ -21,42 +27,114 @@ class Item:
         return name if name in self.marks else None
 
 
-def test_process_tests_come_first_and_exclusive_ones_are_spread_among_the_in_process_ones() -> None:
-    process = [Item(f"p{n}", ("process",)) for n in range(3)]
+def test_exclusive_tests_are_spread_among_the_process_tests_and_the_in_process_ones_come_last() -> None:
+    process = [Item(f"p{n}", ("process",)) for n in range(6)]
     exclusive = [Item(f"x{n}", ("process", "exclusive")) for n in range(3)]
-    light = [Item(f"l{n}") for n in range(9)]
-    items = [light[0], exclusive[0], process[0], *light[1:5], exclusive[1], process[1], *light[5:], exclusive[2]]
-    items.append(process[2])
+    light = [Item(f"l{n}") for n in range(4)]
+    items = [light[0], exclusive[0], process[0], *light[1:3], exclusive[1], *process[1:5], light[3], exclusive[2]]
+    items.append(process[5])
     order = [i.nodeid for i in spread_exclusive(items)]
-    assert order == ["p0", "p1", "p2", "x0", "l0", "l1", "l2", "x1", "l3", "l4", "l5", "x2", "l6", "l7", "l8"]
+    assert order == ["x0", "p0", "p1", "x1", "p2", "p3", "x2", "p4", "p5", "l0", "l1", "l2", "l3"]
     no_exclusive = [process[0], light[0], process[1]]
     assert [i.nodeid for i in spread_exclusive(no_exclusive)] == ["p0", "p1", "l0"]
 
 
-def _holds_while(directory: Path, held: dict[str, bool], exclusive: bool, process: bool) -> bool:
-    """Whether a test of this kind gets the run lock while another test holds it as ``held`` says. A lock that
-    should have been granted is granted at once (10 s is for a loaded machine); a refused one is still refused
-    after half a second, and a wrongly granted one would have been granted at once."""
+def _holds_while(directory: Path, held: dict[str, object], expected: bool, **wants: object) -> bool:
+    """Whether a test of the kind ``wants`` says gets past the run lock while another test holds it as ``held``
+    says. ``expected`` sets the wait only: one expected to get past is given 10 s (a loaded machine), one expected
+    to be refused half a second (a wrongly admitted one would get past at once)."""
     got = threading.Event()
 
     def take() -> None:
-        with run_lock(str(directory), exclusive=exclusive, process=process):
+        with run_lock(str(directory), **wants):
             got.set()
 
     with run_lock(str(directory), **held):
         thread = threading.Thread(target=take)
         thread.start()
-        compatible = not process or not (exclusive or held["exclusive"])  # the rule under test, for the wait only
-        acquired = got.wait(10.0 if compatible else 0.5)
+        acquired = got.wait(10.0 if expected else 0.5)
     thread.join(10)
     return acquired
 
 
-def test_an_exclusive_test_shuts_out_process_tests_but_not_in_process_ones(tmp_path: Path) -> None:
-    exclusive = {"exclusive": True, "process": True}
-    assert _holds_while(tmp_path, exclusive, exclusive=False, process=False)
-    assert not _holds_while(tmp_path, exclusive, exclusive=False, process=True)
-    assert not _holds_while(tmp_path, exclusive, exclusive=True, process=True)
-    shared = {"exclusive": False, "process": True}
-    assert _holds_while(tmp_path, shared, exclusive=False, process=True)
-    assert not _holds_while(tmp_path, shared, exclusive=True, process=True)
+def test_beside_an_exclusive_test_only_in_process_tests_and_confined_process_tests_run(tmp_path: Path) -> None:
+    own_cpu = {min(os.sched_getaffinity(0))}
+    exclusive = {"exclusive": True, "process": True, "own_cpu": own_cpu}
+    cases = [
+        (exclusive, True, {"exclusive": False, "process": False}),
+        (exclusive, True, {"exclusive": False, "process": True, "own_cpu": own_cpu}),  # confined
+        (exclusive, False, {"exclusive": False, "process": True, "own_cpu": None}),  # nowhere to confine it
+        (exclusive, False, {"exclusive": False, "process": True, "own_cpu": own_cpu, "all_cpus": True}),
+        (exclusive, False, {"exclusive": True, "process": True, "own_cpu": own_cpu}),
+    ]
+    shared = {"exclusive": False, "process": True, "own_cpu": own_cpu}
+    cases += [
+        (shared, True, {"exclusive": False, "process": True, "own_cpu": own_cpu}),
+        (shared, False, {"exclusive": True, "process": True, "own_cpu": own_cpu}),
+    ]
+    for held, expected, wants in cases:
+        assert _holds_while(tmp_path, held, expected, **wants) is expected, (held, wants)
+
+
+def test_a_process_test_beside_an_exclusive_one_and_what_it_starts_run_on_its_cpu_only(tmp_path: Path) -> None:
+    everywhere = os.sched_getaffinity(0)
+    own_cpu = {max(everywhere)}
+    seen: dict[str, object] = {}
+
+    def process_test() -> None:
+        with run_lock(str(tmp_path), exclusive=False, process=True, own_cpu=own_cpu):
+            seen["test"] = os.sched_getaffinity(0)
+            child = subprocess.run(
+                [sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"],
+                capture_output=True, text=True, timeout=60, check=True,
+            )  # fmt: skip
+            seen["child"] = set(json.loads(child.stdout))
+        seen["after"] = os.sched_getaffinity(0)
+
+    with run_lock(str(tmp_path), exclusive=True, process=True, own_cpu=own_cpu):
+        thread = threading.Thread(target=process_test)
+        thread.start()
+        thread.join(60)
+    assert seen == {"test": own_cpu, "child": own_cpu, "after": everywhere}
+    # Beside no exclusive test, nothing is confined.
+    with run_lock(str(tmp_path), exclusive=False, process=True, own_cpu=own_cpu):
+        assert os.sched_getaffinity(0) == everywhere
+
+
+def test_the_groups_the_workers_write_are_the_ones_the_scheduler_reads(tmp_path: Path) -> None:
+    @dataclass
+    class Mark:
+        args: tuple[str, ...]
+
+    @dataclass
+    class Grouped(Item):
+        group: str | None = None
+
+        def get_closest_marker(self, name: str) -> object:
+            return Mark((self.group,)) if name == "xdist_group" and self.group else super().get_closest_marker(name)
+
+    items = [
+        Grouped("a.py::t1", ("process", "exclusive"), group="exclusive"),
+        Grouped("b.py::t2"),
+        Grouped("c.py::t3", ("process",), group="c.py"),
+        Grouped("d.py::t4", ("process",), group="d.py"),
+        Grouped("d.py::t5", ("process", "exclusive"), group="d.py"),  # d.py's group joins the exclusive one
+    ]
+    write_groups(items, tmp_path, "gw0")
+    write_groups(items, tmp_path, "gw1")
+    groups = {"a.py::t1": "exclusive", "c.py::t3": "c.py", "d.py::t4": "exclusive", "d.py::t5": "exclusive"}
+    assert read_groups(tmp_path) == groups
+
+
+def test_a_modules_group_runs_on_one_worker() -> None:
+    """Under `--dist loadgroup`, the tests sharing a module-scoped server (tests/service/test_http_trailers.py's)
+    run on one worker, which starts it once: pytest-xdist's own grouping is lost under pytest 9 (tests/tiers.py's
+    group_scheduling)."""
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-n", "2", "--dist", "loadgroup", "-v",
+         "tests/service/test_http_trailers.py", "-k", "within_the_limit or count"],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-3000:]
+    workers = set(re.findall(r"^\[(gw\d+)\] .* PASSED tests/service/test_http_trailers.py", run.stdout, re.M))
+    assert len(re.findall(r" PASSED ", run.stdout)) >= 4 and len(workers) == 1, run.stdout[-3000:]
