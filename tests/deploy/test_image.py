@@ -191,9 +191,8 @@ def test_a_dead_find_links_host_costs_the_build_seconds_not_minutes(tmp_path: Pa
     """Without a wheelhouse, the build's pip reads the lock's --find-links line; where that host does not resolve,
     pip's own default (5 retries with backoff) cost about 10 s for every requirement, 9 minutes for the lock. The
     build arguments PIP_RETRIES and PIP_TIMEOUT reach pip as its own variables: with their defaults, a requirement
-    gives up on such a host within a few seconds."""
-    import time
-
+    gives up on such a host after PIP_RETRIES tries (counted from pip's own "Retrying" lines, not timed: the
+    machine may be loaded)."""
     defaults = dockerfile_arg_defaults(stage_named(dockerfile_instructions(), "deps"))
     env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
     env |= {
@@ -202,7 +201,6 @@ def test_a_dead_find_links_host_costs_the_build_seconds_not_minutes(tmp_path: Pa
         "PIP_TIMEOUT": defaults["PIP_TIMEOUT"],
     }
     argv = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-index", "--dest", str(tmp_path)]
-    start = time.monotonic()
     out = subprocess.run(
         [*argv, "--find-links", "https://wheels.invalid/torch/", "six"],
         env=env,
@@ -211,7 +209,10 @@ def test_a_dead_find_links_host_costs_the_build_seconds_not_minutes(tmp_path: Pa
         timeout=120,
     )
     assert out.returncode != 0 and "wheels.invalid" in out.stdout + out.stderr
-    assert time.monotonic() - start < 6, f"{time.monotonic() - start:.1f} s on one requirement"
+    retries = (out.stdout + out.stderr).count("Retrying (Retry(")
+    assert retries == int(defaults["PIP_RETRIES"]), (
+        f"pip retried {retries} times, PIP_RETRIES is {defaults['PIP_RETRIES']}"
+    )
     assert int(defaults["PIP_RETRIES"]) <= 3 and int(defaults["PIP_TIMEOUT"]) <= 60
 
 

@@ -28,7 +28,7 @@ VOCABULARIES: dict[str, type[StrEnum]] = {
 SCANNED_FOLDERS = ("service", "kernels", "protos", "clients", "testkit", "benchmarks", "scripts")
 # String constants that equal a reason's word but are no reason (file name, value), each with what it is.
 NOT_REASONS = {
-    ("cgroups.py", "memory"),  # cgroup v1's memory controller folder (service/cgroups.py, wherever it lives)
+    ("cgroups.py", "memory"),  # cgroup v1's memory controller folder (service/process/cgroups.py)
     ("bench_service_warmup.py", "memory"),  # the JSON results' key for the memory figures
 }
 
