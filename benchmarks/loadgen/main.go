@@ -18,14 +18,14 @@
 // ClientConn is what grpc-go, grpc-js and tonic clients do by default with a resolver that returns several
 // addresses (a headless Service's DNS name): one connection per address and the round_robin policy, each call on
 // the next address; here the list is static (a manual resolver), so the figure is that of a real client minus
-// DNS. Every ClientConn is warmed with one call per address, then the loop starts at -start-at (if given) and
-// keeps -in-flight calls going for -seconds; calls in flight at the end finish and count. Retries off, 64 MiB
-// answers accepted, 60 s deadline per call.
+// DNS. Every ClientConn is warmed until each address has answered a call, then the loop starts at -start-at (if
+// given) and keeps -in-flight calls going for -seconds; calls in flight at the end finish and count. Retries off,
+// 64 MiB answers accepted, 60 s deadline per call.
 //
 // Prints one JSON line: calls (all finished calls of the loop, warm-up calls excluded), elapsed (seconds, start
 // to the last call's end), errors (non-OK calls by gRPC code name), p50_us and p99_us (OK calls, nearest rank;
 // null without any), per_connection_calls (by ClientConn) and per_address_calls (by the server address that
-// answered). Exit 2: usage error; 1: a warm-up call or the request file failed.
+// answered). Exit 2: usage error; 1: the warm-up or the request file failed.
 package main
 
 import (
@@ -169,32 +169,38 @@ func main() {
 	}
 	var byAddressMu sync.Mutex
 	byAddress := map[string]int{}
-	call := func(conn *grpc.ClientConn, count bool) error {
+	call := func(conn *grpc.ClientConn, count bool) (string, error) {
 		ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 		defer cancel()
 		var answer []byte
 		var from peer.Peer
 		err := conn.Invoke(ctx, *method, &request, &answer, grpc.Peer(&from))
-		if count && from.Addr != nil {
+		if from.Addr == nil {
+			return "", err
+		}
+		if count {
 			byAddressMu.Lock()
 			byAddress[from.Addr.String()]++
 			byAddressMu.Unlock()
 		}
-		return err
+		return from.Addr.String(), err
 	}
-	// One warm-up call per address on each ClientConn: round_robin then has every connection up. WaitForReady
-	// is not needed: a warm-up call that finds a subchannel still connecting fails and is retried here.
+	// Warm-up calls on each ClientConn until every address has answered one: round_robin sends every call to the
+	// subchannels already READY, so a loop started before the last one connects would load the others more.
+	// WaitForReady is not needed: a failed warm-up call is retried here.
 	for i, conn := range conns {
-		for range addresses {
-			warmed := false
-			for try := 0; try < 50 && !warmed; try++ {
-				if err := call(conn, false); err == nil {
-					warmed = true
-				} else if try == 49 {
-					fail("warm-up call on connection %d: %v", i, err)
-				} else {
-					time.Sleep(20 * time.Millisecond)
-				}
+		answered := map[string]bool{}
+		for try := 0; len(answered) < len(addresses); try++ {
+			from, err := call(conn, false)
+			if err == nil {
+				answered[from] = true
+			}
+			if try >= 50*len(addresses) && len(answered) < len(addresses) {
+				fail("warm-up on connection %d: %d of %d addresses answered; last call: %v",
+					i, len(answered), len(addresses), err)
+			}
+			if len(answered) < len(addresses) {
+				time.Sleep(20 * time.Millisecond)
 			}
 		}
 	}
@@ -217,7 +223,7 @@ func main() {
 			defer wg.Done()
 			for started := time.Now(); started.Before(deadline); started = time.Now() {
 				i := p.acquire()
-				err := call(conns[i], true)
+				_, err := call(conns[i], true)
 				p.release(i)
 				if err != nil {
 					code := status.Code(err).String()
