@@ -213,10 +213,11 @@ def error_line(log_format: str, logger: str, event: str, message: str, **fields:
 class RateLimitedLog:
     """At most one line per key every ``interval`` seconds on ``logger``, with how many times the key came up since
     the last line (this one included), and none left unwritten: an event that comes while its key's line is not due
-    is held (the latest one's line, in its call's request-id context) and written by a timer once it is, at most
-    ``interval`` plus :data:`FLUSH_SECONDS` after the event. :meth:`note` writes the refusal lines of shed calls and
-    HTTP refusals, ``<event> reason=<reason> count=<n> <fields> port=<port> last=<detail>`` (a warning per event,
-    reason and port); :meth:`write` takes a line of any shape."""
+    is held (the latest one's line, in its call's request-id context) and written by a timer when it falls due:
+    ``interval`` after the key's last line, which came before the event, so within ``interval`` of the event (give
+    or take the timer's wake-up). :meth:`note` writes the refusal lines of shed calls and HTTP refusals,
+    ``<event> reason=<reason> count=<n> <fields> port=<port> last=<detail>`` (a warning per event, reason and port);
+    :meth:`write` takes a line of any shape."""
 
     def __init__(self, logger: logging.Logger, interval: float) -> None:
         self.logger = logger
@@ -235,12 +236,22 @@ class RateLimitedLog:
             count = self._pending.get(key, 0) + 1
             if now - self._last.get(key, -self.interval) < self.interval:
                 self._pending[key] = count
+                newly_held = key not in self._held
                 self._held[key] = (line, REQUEST_ID.get())
-                return
-            self._pending[key] = 0
-            self._last[key] = now
-            self._held.pop(key, None)
-        line(count)
+            else:
+                self._pending[key] = 0
+                self._last[key] = now
+                self._held.pop(key, None)
+                newly_held = None
+        if newly_held is None:
+            line(count)
+        elif newly_held:  # a new due time: the timer learns of it (a later event of the key keeps the same one)
+            _FLUSHER.wake()
+
+    def next_due(self) -> float | None:
+        """When (``time.monotonic()``) the first held line falls due; None when none is held."""
+        with self._lock:
+            return min((self._last.get(key, -self.interval) + self.interval for key in self._held), default=None)
 
     def flush(self, now: float | None = None) -> int:
         """Write every held line that is due; returns how many."""
@@ -272,35 +283,49 @@ class RateLimitedLog:
         )
 
 
-# How often held lines are looked at: a held line is written at most its interval plus this after its event.
+# The longest the timer sleeps with nothing due: a safety net only, as each newly held line wakes it.
 FLUSH_SECONDS = 1.0
 
 
 class _Flusher:
-    """One daemon thread for the process that writes every live :class:`RateLimitedLog`'s held lines once due."""
+    """One daemon thread for the process that writes every live :class:`RateLimitedLog`'s held lines when they fall
+    due: it sleeps until the soonest held line's due time (at most :data:`FLUSH_SECONDS`), and a line newly held
+    wakes it to look again."""
 
     def __init__(self) -> None:
         self._logs: weakref.WeakSet[RateLimitedLog] = weakref.WeakSet()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
+        self._wake = threading.Event()
 
     def watch(self, rate_limited: RateLimitedLog) -> None:
         with self._lock:
             self._logs.add(rate_limited)
             if self._thread is None or not self._thread.is_alive():  # started lazily; again after a fork
+                self._wake = threading.Event()  # not one a thread of the parent may have held at the fork
                 self._thread = threading.Thread(target=self._run, name="log-flush", daemon=True)
                 self._thread.start()
 
+    def wake(self) -> None:
+        """A line was newly held: look at the due times again."""
+        self._wake.set()
+
     def _run(self) -> None:
         while True:
-            time.sleep(FLUSH_SECONDS)
+            self._wake.clear()  # before looking: a line held from here on sets it again
             with self._lock:
                 logs = list(self._logs)
+            soonest = time.monotonic() + FLUSH_SECONDS
             for rate_limited in logs:
                 try:
                     rate_limited.flush()
+                    due = rate_limited.next_due()
                 except Exception:  # a line that cannot be written must not stop the others'
                     log.exception("a held log line could not be written")
+                    continue
+                if due is not None:
+                    soonest = min(soonest, due)
+            self._wake.wait(max(0.0, soonest - time.monotonic()))
 
 
 _FLUSHER = _Flusher()

@@ -11,6 +11,7 @@ import logging
 import re
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
@@ -159,6 +160,25 @@ def test_no_held_line_stays_unwritten_past_its_interval(caplog) -> None:
     first, held = lines
     assert "count=1" in first and 'details="bad 0"' in first and first.endswith("request_id=req-0")
     assert "count=4" in held and 'details="bad 4"' in held and held.endswith("request_id=req-4")
+
+
+def test_a_held_line_is_written_when_due_so_no_event_waits_longer_than_the_interval() -> None:
+    # Issue 37: no failure unwritten for more than the interval (10 s in the service). A held event came after its
+    # key's last line, so a line written when due (the last line + the interval) is within the interval of it; the
+    # timer once looked every second, so a held line could wait up to a second past that.
+    limited = RateLimitedLog(logging.getLogger("indexer_service.test"), interval=1.5)
+    written: list[float] = []
+    limited.write("a", lambda count: written.append(time.monotonic()))
+    first = written[0]
+    assert limited.next_due() is None  # nothing held
+    time.sleep(0.3)  # the held event 0.3 s after the line: 0.3 s of slack for the timer's wake-up
+    held_at = time.monotonic()
+    limited.write("a", lambda count: written.append(time.monotonic()))
+    assert limited.next_due() == limited._last["a"] + 1.5
+    wait_for(lambda: len(written) == 2, 5, "the held line, written by the timer")
+    assert written[1] >= first + 1.5 - 0.01, written  # not before it was due
+    assert written[1] - held_at <= 1.5, (written, held_at)  # within the interval of the held event
+    assert limited.next_due() is None
 
 
 def test_failed_calls_are_rate_limited_per_method_and_code_but_internal_never(caplog) -> None:
