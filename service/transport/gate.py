@@ -374,9 +374,9 @@ class CallGate:
                         self._let_go(lane.by_peer, lane, peer)
                     if route.count_never_started:  # the RPCs: timed, and counted when they never started
                         self.timed(route.method, taken_at - queued_at, time.time() - queued_at)
-                        if not started.value:
+                        if not started.value:  # the peer: gRPC's (gone once the call expired), else its share's
                             reason = never_started_reason(grpcio.deadline_of(args), queued_at)
-                            self.on_never_started(route.method, reason, grpcio.peer_of(args) or "a peer")
+                            self.on_never_started(route.method, reason, grpcio.peer_of(args) or peer or "a peer")
                 except Exception:
                     log.exception("a gRPC call's bookkeeping failed")
                 lane.finished += 1

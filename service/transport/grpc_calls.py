@@ -102,7 +102,8 @@ def rpc_handlers(
     the result arrays (one copy, see service/codec.py). Each method's behaviour is the data plane's ``call`` in
     :func:`served`, routed to ``lane``; its refusing twins, which the gate runs past the lane's places or the
     caller's share of them, are counted as shed ``concurrency`` or ``peer_share``. A call that ends before it
-    starts is counted as shed ``queue_deadline``."""
+    starts is counted as shed by whose doing (:func:`~indexer_service.service.transport.gate.never_started_reason`:
+    ``queue_deadline``, ``deadline_on_arrival`` or ``caller_cancelled``), its peer in the detail."""
 
     def refusal(reason: ShedReason) -> Callable[..., bytes]:
         def refuse(method: str, request: object, caller: Caller) -> bytes:
@@ -158,7 +159,8 @@ def served(
     frame per call; grpcio's own interceptor pipeline rebuilds its wrappers on every call): ``serve(method, request,
     caller=...)`` (the data plane's ``call``, or a refusal) with its caller, a :class:`GrpcCaller`, whose end is
     known from ``add_callback``; a caller already gone when the call starts (it waited for a thread past its
-    deadline, or cancelled meanwhile) is shed as ``queue_deadline`` without work; an answer's budget ticket is
+    deadline, or cancelled meanwhile) is shed without work, by whose doing (``queue_deadline``,
+    ``deadline_on_arrival`` or ``caller_cancelled``); an answer's budget ticket is
     watched until the call ends and cancelled if unread within ``response_drain_seconds``. The data plane's error
     as its gRPC status: the data plane raises nothing else, whatever went wrong inside it is already an
     InternalError there (logged with its traceback). Each call's request id (the caller's ``x-request-id``

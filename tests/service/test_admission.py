@@ -149,6 +149,30 @@ def test_a_caller_that_leaves_while_waiting_is_shed_as_queue_deadline() -> None:
     assert "DEADLINE_EXCEEDED" in refused.value.message
 
 
+class _Cancelled(Caller):
+    """A caller that cancelled its call, as a transport that can tell would report it."""
+
+    __slots__ = ()
+
+    def gone(self) -> Code:
+        return Code.CANCELLED
+
+
+@pytest.mark.usefixtures("books_twin")
+def test_a_caller_that_cancels_while_waiting_is_shed_as_its_own_doing() -> None:
+    # Issue 37: a cancel is the caller's (caller_cancelled, info at most), never overload like an expiry in the queue
+    budget = admission(budget=10, wait=5.0).budget
+    budget.reserve("a", 10, Caller())
+    with pytest.raises(Refused) as refused:
+        budget.reserve("b", 10, _Cancelled("b"))
+    assert refused.value.reason == ShedReason.CALLER_CANCELLED and refused.value.gone
+    assert "CANCELLED" in refused.value.message
+    gate = admission(slots=1, wait=5.0)
+    with gate.lane.slot(Caller()), pytest.raises(Refused) as refused, gate.lane.slot(_Cancelled("c")):
+        pass
+    assert refused.value.reason == ShedReason.CALLER_CANCELLED
+
+
 def test_heavy_lane_runs_slots_at_a_time_and_bounds_its_waiters() -> None:
     gate = admission(slots=1, wait=1.0, max_waiting=1)
     with gate.lane.slot(Caller()):

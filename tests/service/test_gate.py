@@ -380,6 +380,46 @@ def test_a_call_cancelled_while_it_waits_for_a_thread_never_runs_its_behaviour(e
     assert ran == [b"first"] and second.cancelled()
 
 
+def test_calls_that_never_started_say_whose_doing_with_their_peer_and_every_call_is_timed_from_arrival(
+    echo_server,
+) -> None:
+    """Issue 37: on a real server whose one thread is held, a queued call its caller cancels is the caller's
+    (caller_cancelled) and one whose deadline passes while it waits in the server is overload (queue_deadline),
+    each reported with its peer; every call's wait for a thread and its time from arrival to its end are timed
+    (indexer_call_wait_seconds and indexer_call_seconds)."""
+    release, ran = threading.Event(), []
+    server = echo_server(threads=1, peer_share=10, before=lambda request: ran.append(request) or release.wait(10))
+    never_started, timed = [], []
+    server.gate.on_never_started = lambda method, reason, peer: never_started.append((method, reason, peer))
+    server.gate.timed = lambda method, wait, total: timed.append((method, wait, total))
+    channel = server.channel()
+    first = echo(channel).future(b"first", timeout=30)
+    wait_for(lambda: ran, 5, "the first call to hold the lane's only thread")
+    cancelled = echo(channel).future(b"cancelled", timeout=30)
+    expiring = echo(channel).future(b"expiring", timeout=0.5)
+    wait_for(lambda: server.gate.held(server.lane) == 3, 5, "both calls' requests in and queued")
+    cancelled.cancel()
+    with pytest.raises(grpc.RpcError) as expired:
+        expiring.result()
+    assert expired.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+    time.sleep(0.6)  # the first call holds the thread well past the expiry
+    release.set()
+    assert first.result() == b"first"
+    wait_for(lambda: len(timed) == 3, 5, "the three calls to be timed")
+    assert ran == [b"first"]
+    assert sorted(reason for _, reason, _ in never_started) == [ShedReason.CALLER_CANCELLED, ShedReason.QUEUE_DEADLINE]
+    # gRPC forgets an expired call's peer; the gate still knows the address its per-peer share counted
+    addresses = {peer.removeprefix("ipv4:").rsplit(":", 1)[0] for _, _, peer in never_started}
+    assert addresses == {"127.0.0.1"}, never_started
+    assert all(method == METHOD for method, _, _ in never_started)
+    (first_timing, *queued) = timed
+    assert first_timing[1] < 0.5 and first_timing[2] >= 1.0  # took the idle thread at once, then was held
+    # Both were queued before the expiry, which the held thread outlasted by 0.6 s: each waited that at least, and
+    # ended as the thread took it up
+    for method, wait, total in queued:
+        assert method == METHOD and wait >= 0.6 and wait <= total < wait + 0.5, timed
+
+
 def test_one_peer_past_its_share_of_places_is_refused_and_another_peer_is_served(echo_server, sheds) -> None:
     release = threading.Event()
     server = echo_server(threads=4, places=10, peer_share=2, before=lambda request: release.wait(10))
