@@ -13,6 +13,7 @@ from pathlib import Path
 
 from indexer_service.service.config.model_config import read_hf_model_config
 from indexer_service.service.config.settings import (
+    _CONFIG_FILES,
     _SOURCES,
     CONFIG_FILE_ENV,
     ENV_PREFIX,
@@ -140,6 +141,9 @@ def load_config(
     validate(config, sources, needs_warmup)
     _SOURCES[id(config)] = dict(sources)
     weakref.finalize(config, _SOURCES.pop, id(config), None)  # the entry goes with the configuration
+    if config_file:
+        _CONFIG_FILES[id(config)] = str(config_file)
+        weakref.finalize(config, _CONFIG_FILES.pop, id(config), None)
     return config
 
 

@@ -225,8 +225,9 @@ class ServiceConfig:
 
     def summary(self) -> str:
         """One log line: every setting, the long ratio list as its distinct values; then the config file read
-        (``config_file``, ``none``) and where each setting not at its default came from (``sources``), as
-        :func:`load_config` recorded them (:func:`sources_of`)."""
+        (``config_file``, ``none``; named though the environment or the flags override every setting of it) and
+        where each setting not at its default came from (``sources``), as :func:`load_config` recorded them
+        (:func:`sources_of`)."""
         parts = []
         for f in fields(self):
             value = getattr(self, f.name)
@@ -234,7 +235,7 @@ class ServiceConfig:
                 value = ",".join(str(r) for r in dict.fromkeys(value)) + f" ({len(value)} layers)"
             parts.append(f"{f.name}={value}")
         sources = sources_of(self)
-        config_file = next((where[5:] for where in sources.values() if where.startswith("file ")), "none")
+        config_file = _CONFIG_FILES.get(id(self)) or "none"  # read, even where no setting of it is left in force
         changed = ", ".join(f"{name}: {where}" for name, where in sources.items() if where != "default")
         parts += [f"config_file={config_file}", f"sources={json.dumps(changed or 'every setting at its default')}"]
         return " ".join(parts)
@@ -263,8 +264,10 @@ def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split()) or type(exc).__name__
 
 
-# Where each setting of a loaded configuration came from, by the configuration's id while it lives.
+# Where each setting of a loaded configuration came from, and the config file it read (if any), by the
+# configuration's id while it lives.
 _SOURCES: dict[int, dict[str, str]] = {}
+_CONFIG_FILES: dict[int, str] = {}
 
 
 def sources_of(config: ServiceConfig) -> dict[str, str]:

@@ -48,6 +48,25 @@ def test_precedence_flags_over_env_over_file_over_defaults(tmp_path: Path) -> No
     assert config.max_num_batched_tokens == 8192  # default
 
 
+def test_the_config_line_names_the_config_file_and_each_value_s_source(tmp_path: Path) -> None:
+    # Issue 37: the config line names the config file read and where each setting not at its default came from,
+    # the file named even where the environment or the flags override every setting it has, or it has none.
+    config_file = tmp_path / "indexer.toml"
+    config_file.write_text("grpc_port = 1111\nmax_num_seqs = 7\n")
+    summary = load_config({"grpc_port": "4444"}, env={"INDEXER_HTTP_PORT": "3333"}, config_file=config_file).summary()
+    assert f" config_file={config_file} " in summary
+    sources = json.loads(summary.partition(" sources=")[2])
+    assert sources == (
+        f"grpc_port: flag --grpc-port, http_port: env INDEXER_HTTP_PORT, max_num_seqs: file {config_file}"
+    )
+    overridden = load_config(env={"INDEXER_MAX_NUM_SEQS": "8", "INDEXER_GRPC_PORT": "1"}, config_file=config_file)
+    assert f" config_file={config_file} " in overridden.summary()
+    config_file.write_text("")
+    assert f" config_file={config_file} " in load_config(env={}, config_file=config_file).summary()
+    none = load_config(env={}).summary()
+    assert ' config_file=none sources="every setting at its default"' in none
+
+
 def test_config_file_from_the_environment(tmp_path: Path) -> None:
     config_file = tmp_path / "indexer.toml"
     config_file.write_text("compress_ratios = [4]\nindex_kpool = 32\n")
