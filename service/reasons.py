@@ -17,8 +17,9 @@ class ShedReason(StrEnum):
 
     CONCURRENCY = "concurrency"  # max_concurrent_rpcs calls already in the server
     MEMORY = "memory"  # the response budget stayed full for admission_wait_seconds
+    CONNECTION_SHARE = "connection_share"  # the call's connection held its share of the budget in unread answers
     HEAVY_LANE = "heavy_lane"  # every heavy-lane slot stayed busy for admission_wait_seconds
-    WORK_LIMIT = "work_limit"  # the request's work is above a limit (max_plan_chunks)
+    WORK_LIMIT = "work_limit"  # the request's work is above a limit (max_plan_chunks, response_budget_bytes)
     QUEUE_DEADLINE = "queue_deadline"  # the call's deadline passed while it waited in the server (its request in)
     DEADLINE_ON_ARRIVAL = "deadline_on_arrival"  # the call's deadline had passed before its request was in
     CALLER_CANCELLED = "caller_cancelled"  # its caller cancelled or reset the call before it started

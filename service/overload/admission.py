@@ -130,7 +130,7 @@ class ResponseBudget:
         not wait (nearly all) is granted without the Condition: one compiled call."""
         if nbytes > self.limit:
             raise Refused(
-                ShedReason.MEMORY,
+                ShedReason.WORK_LIMIT,
                 f"response: about {nbytes} bytes, above response_budget_bytes {self.limit}; send a smaller batch",
             )
         ticket = self.books.take(peer, nbytes)
@@ -143,7 +143,10 @@ class ResponseBudget:
             try:
                 give_up = time.monotonic() + self.wait_seconds
                 while (ticket := self.books.take(peer, nbytes)) is None:
-                    _wait(self._cond, give_up, caller, ShedReason.MEMORY, self._full_message(peer, nbytes))
+                    try:
+                        _wait(self._cond, give_up, caller, ShedReason.MEMORY, "")
+                    except Refused as refused:
+                        raise self._whose_refusal(peer, nbytes, refused) from None
                 return ticket
             finally:
                 self.books.waiters -= 1
@@ -153,16 +156,26 @@ class ResponseBudget:
         with self._cond:
             self._cond.notify_all()
 
-    def _full_message(self, peer: str, nbytes: int) -> str:
+    def _whose_refusal(self, peer: str, nbytes: int, refused: Refused) -> Refused:
+        """The refusal of a wait for room that ended (``refused``), by whose doing: the connection's own unread
+        answers filling its share are its caller's (``connection_share``), however the wait ended; a full budget
+        is the server's (``memory``); a caller that cancelled keeps its reason."""
+        if refused.reason is ShedReason.CALLER_CANCELLED:
+            return refused
         mine = self.books.peer_bytes(peer)
         if mine and mine + nbytes > self.share:
-            return (
+            return Refused(
+                ShedReason.CONNECTION_SHARE,
                 f"response: this connection already holds {mine} bytes of unsent responses; {nbytes} more would "
-                f"pass its share {self.share} of response_budget_bytes; read the answers you have"
+                f"pass its share {self.share} of response_budget_bytes; read the answers you have",
+                gone=refused.gone,
             )
-        return (
+        if refused.gone:
+            return refused
+        return Refused(
+            ShedReason.MEMORY,
             f"response: the server holds {self.books.held} bytes of responses and {nbytes} more would pass "
-            f"response_budget_bytes {self.limit}; retry with backoff"
+            f"response_budget_bytes {self.limit}; retry with backoff",
         )
 
 

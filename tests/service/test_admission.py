@@ -32,7 +32,7 @@ from indexer_service.service.overload.admission import (
     ShedLog,
     default_response_budget,
 )
-from indexer_service.service.reasons import Port, ShedReason
+from indexer_service.service.reasons import OVERLOAD_REASONS, Port, ShedReason
 from indexer_service.service.transport.grpc_calls import GRPC_STATUS
 from testkit.harness import poll, wait_for
 from testkit.payloads import AMPLIFIER_PLAN_BATCH, one_row_chunks_plan_batch
@@ -107,8 +107,9 @@ def test_waiters_get_in_when_memory_comes_back_woken_by_the_release(monkeypatch)
 def test_one_connection_holds_at_most_a_quarter_once_it_holds_anything() -> None:
     budget = admission(budget=100, wait=0.05).budget
     big = budget.reserve("reader", 90, Caller())  # a connection holding nothing may take up to the budget
-    with pytest.raises(Refused, match="this connection already holds 90 bytes"):
+    with pytest.raises(Refused, match="this connection already holds 90 bytes") as refused:
         budget.reserve("reader", 5, Caller())
+    assert refused.value.reason == ShedReason.CONNECTION_SHARE  # its own unread answers: its caller's doing
     big.release()
     small = budget.reserve("reader", 20, Caller())
     with pytest.raises(Refused, match="share 25"):
@@ -124,9 +125,10 @@ def test_one_connection_holds_at_most_a_quarter_once_it_holds_anything() -> None
 
 
 @pytest.mark.usefixtures("books_twin")
-def test_an_answer_larger_than_the_budget_is_refused_at_once() -> None:
-    with pytest.raises(Refused, match="above response_budget_bytes 100"):
+def test_an_answer_larger_than_the_budget_is_refused_at_once_as_a_work_limit() -> None:
+    with pytest.raises(Refused, match="above response_budget_bytes 100") as refused:
         admission(budget=100, wait=5.0).budget.reserve("a", 101, Caller())
+    assert refused.value.reason == ShedReason.WORK_LIMIT
 
 
 class _PastItsDeadline(Caller):
@@ -147,6 +149,22 @@ def test_a_caller_that_leaves_while_waiting_is_shed_as_queue_deadline() -> None:
         budget.reserve("b", 10, gone)
     assert refused.value.reason == "queue_deadline" and refused.value.gone
     assert "DEADLINE_EXCEEDED" in refused.value.message
+
+
+@pytest.mark.usefixtures("books_twin")
+def test_a_caller_that_waits_on_its_own_connections_share_is_shed_as_its_own_doing() -> None:
+    """The server's budget has room; the caller's connection holds its share in answers it has not read: whether
+    the wait runs out or the caller's deadline passes meanwhile, it is connection_share (a caller's reason), not
+    memory or queue_deadline (overload, which pages)."""
+    budget = admission(budget=100, wait=0.05).budget
+    budget.reserve("reader", 20, Caller())
+    with pytest.raises(Refused) as refused:
+        budget.reserve("reader", 10, Caller())
+    assert refused.value.reason == ShedReason.CONNECTION_SHARE and not refused.value.gone
+    with pytest.raises(Refused) as refused:
+        budget.reserve("reader", 10, _PastItsDeadline("reader"))
+    assert refused.value.reason == ShedReason.CONNECTION_SHARE and refused.value.gone
+    assert ShedReason.CONNECTION_SHARE not in OVERLOAD_REASONS
 
 
 class _Cancelled(Caller):

@@ -121,7 +121,8 @@ def test_json_over_http_uses_the_proto3_json_mapping(live_server: ServiceProcess
 
 def test_a_json_answer_is_admitted_for_what_its_encoding_holds() -> None:
     """A JSON answer holds 5 bytes per protobuf answer byte at its peak (http_app.JSON_HELD_PER_ANSWER_BYTE): with
-    a budget of three times the answer, protobuf is served and JSON is refused for memory before any work."""
+    a budget of three times the answer, protobuf is served and JSON is refused before any work, as a request
+    above a limit (work_limit: no wait could make room for it)."""
     request = big_answer_build_chunk(1 << 20)
     budget = str(3 << 20)
     with ServiceProcess(*FAST_START, "--response-budget-bytes", budget, "--admission-wait-seconds", "0.1") as server:
@@ -131,7 +132,7 @@ def test_a_json_answer_is_admitted_for_what_its_encoding_holds() -> None:
         status, _, body = post(url, json_format.MessageToJson(request).encode(), "application/json")
         message = json.loads(body)["message"]
         assert status == 429 and "response_budget_bytes" in message and "send application/x-protobuf" in message
-        shed = metric_total(scrape(server.http_url), "indexer_requests_shed_total", reason="memory")
+        shed = metric_total(scrape(server.http_url), "indexer_requests_shed_total", reason="work_limit")
         assert shed == 1 and metric_total(scrape(server.http_url), "indexer_response_bytes_held") == 0
 
 
