@@ -38,8 +38,12 @@ from testkit.harness import ServiceProcess, channel, clean_env, closed_loop, mib
 from testkit.record import write_json
 
 WARM_TARGET_SECONDS = 1.0
-# What `indexer-service serve` imports on a machine without a GPU (backend auto asks torch; warmup needs Triton).
-SERVER_IMPORTS = "numpy, grpc, torch, triton, uvicorn, prometheus_client, service.server, kernels.compile_engine"
+# What `indexer-service serve` imports on a machine without a GPU: the numpy backend, and Triton for the
+# ahead-of-time warmup; never torch (tests/service/test_start_messages.py holds that).
+SERVER_IMPORTS = (
+    "numpy, grpc, triton, uvicorn, prometheus_client, "
+    "indexer_service.service.process.server, indexer_service.kernels.compile_engine"
+)
 
 
 def start_to_ready(cache: Path, workers: int, *flags: str) -> dict:
