@@ -34,16 +34,10 @@ from indexer_service.client import IndexerClient
 from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
 from indexer_service.service.codec import SERVICE_NAME, chunk_inputs_to_proto
 from testkit.batches import make_inputs
-from testkit.harness import ServiceProcess, channel, clean_env, closed_loop, mib
+from testkit.harness import CPU_SERVER_IMPORTS, ServiceProcess, channel, clean_env, closed_loop, mib
 from testkit.record import write_json
 
 WARM_TARGET_SECONDS = 1.0
-# What `indexer-service serve` imports on a machine without a GPU: the numpy backend, and Triton for the
-# ahead-of-time warmup; never torch (tests/service/test_start_messages.py holds that).
-SERVER_IMPORTS = (
-    "numpy, grpc, triton, uvicorn, prometheus_client, "
-    "indexer_service.service.process.server, indexer_service.kernels.compile_engine"
-)
 
 
 def start_to_ready(cache: Path, workers: int, *flags: str) -> dict:
@@ -61,10 +55,11 @@ def start_to_ready(cache: Path, workers: int, *flags: str) -> dict:
     }
 
 
-def import_baseline_rss() -> int:
-    """RSS of a process that only imports the server's modules."""
+def import_baseline_rss(gpu: bool) -> int:
+    """RSS of a process that only imports the server's modules (with a GPU, torch as well)."""
+    modules = (*CPU_SERVER_IMPORTS, "torch") if gpu else CPU_SERVER_IMPORTS
     code = textwrap.dedent(f"""
-        import {SERVER_IMPORTS}
+        import {", ".join(modules)}
         import psutil
         print(psutil.Process().memory_info().rss)
     """)
@@ -151,7 +146,7 @@ def main() -> None:
             name = "service, sequential" if workers == 1 else f"service, {workers} parallel"
             rows[name] = {t: start_to_ready(cache, workers) for t in ("cold", "warm")}
         mem = memory(cache, args.load_seconds)
-    imports_rss = import_baseline_rss()
+    imports_rss = import_baseline_rss(gpu=target is None)
 
     where = rows[next(iter(rows))]["cold"]
     print(f"warmup of the default config: backend {where['backend']}, target {where['target']}, {where['keys']} keys")

@@ -40,6 +40,18 @@ FLOOD_PEER = "127.0.0.2"
 # Flags that make a server take requests within about a second: the numpy backend never imports torch and
 # nothing compiles. The warmup benchmark measures the default start instead.
 FAST_START = ("--backend", "numpy", "--warmup-target", "none")
+# What `indexer-service serve` imports on a machine without a GPU: the numpy backend, and Triton for the
+# ahead-of-time warmup; never torch (tests/service/test_start_messages.py holds that). bench_service_warmup's
+# memory baseline is a process that imports only these.
+CPU_SERVER_IMPORTS = (
+    "numpy",
+    "grpc",
+    "triton",
+    "uvicorn",
+    "prometheus_client",
+    "indexer_service.service.process.server",
+    "indexer_service.kernels.compile_engine",
+)
 _serial = itertools.count()
 
 

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import importlib.util
 
-from benchmarks.bench_service_warmup import SERVER_IMPORTS
+from testkit.harness import CPU_SERVER_IMPORTS
 
 
-def test_bench_service_warmups_import_baseline_names_the_servers_modules() -> None:
-    names = [name.strip() for name in SERVER_IMPORTS.split(",")]
-    assert "torch" not in names  # the server without a GPU never imports it
-    missing = [name for name in names if importlib.util.find_spec(name) is None]
+def test_the_cpu_servers_import_baseline_names_modules_that_exist() -> None:
+    assert "torch" not in CPU_SERVER_IMPORTS  # the server without a GPU never imports it
+    missing = [name for name in CPU_SERVER_IMPORTS if importlib.util.find_spec(name) is None]
     assert not missing, f"bench_service_warmup's import baseline names modules that do not exist: {missing}"
