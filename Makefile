@@ -31,10 +31,12 @@ $(STAMP): pyproject.toml setup.py service/compute/fastpath.c service/overload/bu
 serve: $(STAMP)
 	$(VENV)/bin/indexer-service serve
 
-# pytest-xdist workers for `make test` (0: none). On this 2-core machine shared with other jobs, 2 workers measured
-# no gain over none (416-468 s against 422-427 s); TEST_WORKERS=0 runs without. loadgroup spreads tests one by one,
-# except the groups tests/tiers.py makes (process tests sharing a module-scoped fixture).
-TEST_WORKERS ?= 2
+# pytest-xdist workers for `make test` (0: none; TEST_WORKERS=0 runs without). 3 on this 2-core machine: one runs
+# the `exclusive` tests one after the other (mostly waiting on their sieges' timers, about half a CPU), the other
+# two share the last CPU beside them (tests/tiers.py), so that one's waits (servers starting, timers, tools) are the
+# other's CPU time: 376-393 s against 466-468 s with 2 workers, measured back to back here. loadgroup spreads tests
+# one by one, except the groups tests/tiers.py makes (process tests sharing a module-scoped fixture).
+TEST_WORKERS ?= 3
 XDIST := -n $(TEST_WORKERS) --dist loadgroup
 
 # The whole suite (CI's command). Debian's prometheus (promtool) and kustomize for the deploy tests, and the

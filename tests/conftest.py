@@ -54,9 +54,8 @@ OWN_CPU = pytest.StashKey["set[int] | None"]()
 def pytest_configure(config: pytest.Config) -> None:
     if not hasattr(config, "workerinput"):
         config.stash[LOCK_DIR] = Path(tempfile.mkdtemp(prefix="indexer-tests-lock-"))
-    else:  # gw0, gw1...: the worker's index, among the CPUs the run may use (before any test confines it)
-        index = int(config.workerinput["workerid"].removeprefix("gw"))
-        config.stash[OWN_CPU] = worker_cpu(index, os.sched_getaffinity(0))
+    else:  # a worker: the CPU its process tests are confined to beside an exclusive test (before any test runs)
+        config.stash[OWN_CPU] = worker_cpu(os.sched_getaffinity(0))
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

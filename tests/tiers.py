@@ -143,10 +143,11 @@ def spread_exclusive(items: list[pytest.Item]) -> list[pytest.Item]:
     return [*ordered, *light] if exclusive else [*process, *light]
 
 
-def worker_cpu(index: int, cpus: set[int]) -> set[int] | None:
-    """The one CPU worker ``index`` confines a process test to beside an `exclusive` test, or None where the run
-    has a single CPU (nothing to confine to: such a test waits its turn instead)."""
-    return {sorted(cpus)[index % len(cpus)]} if len(cpus) > 1 else None
+def worker_cpu(cpus: set[int]) -> set[int] | None:
+    """The one CPU every worker confines a process test to beside an `exclusive` test (the last of the run's: all
+    the workers' confined tests share it, so that they take one CPU together however many workers run), or None
+    where the run has a single CPU (nothing to confine to: such a test waits its turn instead)."""
+    return {max(cpus)} if len(cpus) > 1 else None
 
 
 @contextlib.contextmanager

@@ -84,6 +84,9 @@ class GrpcServer:
         self.gate.end_waiting()  # calls that never sent their request do not hold the grace
         stopped, end = self.server.stop(grace), time.monotonic() + (grace or 0.0)
         while not stopped.wait(0.05) and time.monotonic() < end:
+            # A call that reached the gate between the first end_waiting and the stop (an attacker replacing each
+            # silent call as it is ended does) would otherwise wait for its request through the whole grace.
+            self.gate.end_waiting()
             if self.gate.idle():  # no call of ours left: what remains is connections that ignore the GOAWAY
                 self.server.stop(0)
         stopped.wait()
