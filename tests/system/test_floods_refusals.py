@@ -75,8 +75,11 @@ def test_expiring_flood_leaves_other_callers_served(serve) -> None:
     endings = merged_counts(r.endings for r in reports)
     assert sum(endings.values()) >= 100 * FLOODERS, f"the flood did not run: {endings}"
     window = attack_window(reports, siege.victim.begin_wall)
-    assert len(siege.victim.calls_in(*window)) >= 20, f"victim calls during the flood {window}: {siege.summary()}"
-    assert siege.victim.ok_ratio(*window) >= before.victim_ok_ratio() - VICTIM_SLACK, (
+    in_window = len(siege.victim.calls_in(*window))
+    assert in_window >= 20, f"victim calls during the flood {window}: {siege.summary()}"
+    # The window holds a few dozen victim calls: the slack is at least one of them, one late call on a loaded
+    # 2-CPU machine being a step of 3 % there (a full-size row of benchmarks.attack holds the 99 %).
+    assert siege.victim.ok_ratio(*window) >= before.victim_ok_ratio() - max(VICTIM_SLACK, 1 / in_window), (
         f"control: {before.summary()}; flood {endings}: {siege.summary()}"
     )
     assert siege.probes.overall().ratio >= PROBES_IN_TIME, siege.summary()
