@@ -6,15 +6,12 @@ from __future__ import annotations
 import difflib
 import os
 import tomllib
-import weakref
 from collections.abc import Mapping
 from importlib import resources
 from pathlib import Path
 
 from indexer_service.service.config.model_config import read_hf_model_config
 from indexer_service.service.config.settings import (
-    _CONFIG_FILES,
-    _SOURCES,
     CONFIG_FILE_ENV,
     ENV_PREFIX,
     SETTINGS,
@@ -22,6 +19,7 @@ from indexer_service.service.config.settings import (
     ServiceConfig,
     _one_line,
     _short,
+    record_loading,
 )
 from indexer_service.service.config.validation import validate
 from indexer_service.service.observability.version import COMMIT_ENV, IMAGE_REVISION_ENV
@@ -139,11 +137,7 @@ def load_config(
 
     config = ServiceConfig(**values)
     validate(config, sources, needs_warmup)
-    _SOURCES[id(config)] = dict(sources)
-    weakref.finalize(config, _SOURCES.pop, id(config), None)  # the entry goes with the configuration
-    if config_file:
-        _CONFIG_FILES[id(config)] = str(config_file)
-        weakref.finalize(config, _CONFIG_FILES.pop, id(config), None)
+    record_loading(config, sources, str(config_file) if config_file else None)
     return config
 
 

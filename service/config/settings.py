@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import weakref
 from dataclasses import dataclass, field, fields
 
 from indexer_service.kernels.specialization import ModelConfig
@@ -235,7 +236,7 @@ class ServiceConfig:
                 value = ",".join(str(r) for r in dict.fromkeys(value)) + f" ({len(value)} layers)"
             parts.append(f"{f.name}={value}")
         sources = sources_of(self)
-        config_file = _CONFIG_FILES.get(id(self)) or "none"  # read, even where no setting of it is left in force
+        config_file = _LOADED.get(id(self), ({}, None))[1] or "none"  # read, even where none of it is left in force
         changed = ", ".join(f"{name}: {where}" for name, where in sources.items() if where != "default")
         parts += [f"config_file={config_file}", f"sources={json.dumps(changed or 'every setting at its default')}"]
         return " ".join(parts)
@@ -264,13 +265,18 @@ def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split()) or type(exc).__name__
 
 
-# Where each setting of a loaded configuration came from, and the config file it read (if any), by the
-# configuration's id while it lives.
-_SOURCES: dict[int, dict[str, str]] = {}
-_CONFIG_FILES: dict[int, str] = {}
+# How each loaded configuration was made, by its id while it lives: where each setting came from, and the config
+# file it read (None: none).
+_LOADED: dict[int, tuple[dict[str, str], str | None]] = {}
+
+
+def record_loading(config: ServiceConfig, sources: dict[str, str], config_file: str | None) -> None:
+    """Keep how :func:`load_config` made ``config`` for :func:`sources_of` and its config line, as long as it lives."""
+    _LOADED[id(config)] = (dict(sources), config_file)
+    weakref.finalize(config, _LOADED.pop, id(config), None)
 
 
 def sources_of(config: ServiceConfig) -> dict[str, str]:
     """Where each setting of ``config`` came from (``default``, ``file PATH``, ``env NAME``, ``flag --NAME``,
     ``model_config PATH``), as :func:`load_config` found them; empty for a configuration made otherwise."""
-    return _SOURCES.get(id(config), {})
+    return _LOADED.get(id(config), ({}, None))[0]
