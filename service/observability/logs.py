@@ -234,24 +234,28 @@ class RateLimitedLog:
         now = time.monotonic()
         with self._lock:
             count = self._pending.get(key, 0) + 1
-            if now - self._last.get(key, -self.interval) < self.interval:
-                self._pending[key] = count
-                newly_held = key not in self._held
-                self._held[key] = (line, REQUEST_ID.get())
-            else:
+            due = now >= self._due_at(key)
+            if due:
                 self._pending[key] = 0
                 self._last[key] = now
                 self._held.pop(key, None)
-                newly_held = None
-        if newly_held is None:
+            else:
+                self._pending[key] = count
+                newly_held = key not in self._held
+                self._held[key] = (line, REQUEST_ID.get())
+        if due:
             line(count)
         elif newly_held:  # a new due time: the timer learns of it (a later event of the key keeps the same one)
             _FLUSHER.wake()
 
+    def _due_at(self, key: Hashable) -> float:
+        """When (``time.monotonic()``) ``key``'s next line may be written: ``interval`` after its last one."""
+        return self._last.get(key, -self.interval) + self.interval
+
     def next_due(self) -> float | None:
-        """When (``time.monotonic()``) the first held line falls due; None when none is held."""
+        """When the first held line falls due; None when none is held."""
         with self._lock:
-            return min((self._last.get(key, -self.interval) + self.interval for key in self._held), default=None)
+            return min((self._due_at(key) for key in self._held), default=None)
 
     def flush(self, now: float | None = None) -> int:
         """Write every held line that is due; returns how many."""
@@ -259,7 +263,7 @@ class RateLimitedLog:
         due = []
         with self._lock:
             for key, held in list(self._held.items()):
-                if now - self._last.get(key, -self.interval) >= self.interval:
+                if now >= self._due_at(key):
                     due.append((held, self._pending.get(key, 0)))
                     self._pending[key] = 0
                     self._last[key] = now
