@@ -19,7 +19,7 @@ from indexer_service.kernels.planner import PlanTooLargeError, plan_prefill_chun
 from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
 from indexer_service.service import codec, dataplane
 from indexer_service.service.dataplane import DataPlane
-from indexer_service.service.errors import Code, ServiceError
+from indexer_service.service.errors import ServiceError
 from indexer_service.service.observability.metrics import Metrics
 from indexer_service.service.overload import admission as admission_module
 from indexer_service.service.overload import books
@@ -131,20 +131,25 @@ def test_an_answer_larger_than_the_budget_is_refused_at_once_as_a_work_limit() -
     assert refused.value.reason == ShedReason.WORK_LIMIT
 
 
-class _PastItsDeadline(Caller):
-    """A caller whose deadline has passed, as a transport that can tell would report it."""
+def past_its_deadline(peer: str) -> Caller:
+    """A caller whose deadline has passed, as a transport that can tell sets it."""
+    caller = Caller(peer)
+    caller.deadline = 0.0
+    return caller
 
-    __slots__ = ()
 
-    def gone(self) -> Code:
-        return Code.DEADLINE_EXCEEDED
+def cancelled(peer: str) -> Caller:
+    """A caller that cancelled its call, as a transport that learns of it marks it."""
+    caller = Caller(peer)
+    caller.ended = True
+    return caller
 
 
 @pytest.mark.usefixtures("books_twin")
 def test_a_caller_that_leaves_while_waiting_is_shed_as_queue_deadline() -> None:
     budget = admission(budget=10, wait=5.0).budget
     budget.reserve("a", 10, Caller())
-    gone = _PastItsDeadline("b")
+    gone = past_its_deadline("b")
     with pytest.raises(Refused) as refused:
         budget.reserve("b", 10, gone)
     assert refused.value.reason == "queue_deadline" and refused.value.gone
@@ -162,18 +167,9 @@ def test_a_caller_that_waits_on_its_own_connections_share_is_shed_as_its_own_doi
         budget.reserve("reader", 10, Caller())
     assert refused.value.reason == ShedReason.CONNECTION_SHARE and not refused.value.gone
     with pytest.raises(Refused) as refused:
-        budget.reserve("reader", 10, _PastItsDeadline("reader"))
+        budget.reserve("reader", 10, past_its_deadline("reader"))
     assert refused.value.reason == ShedReason.CONNECTION_SHARE and refused.value.gone
     assert ShedReason.CONNECTION_SHARE not in OVERLOAD_REASONS
-
-
-class _Cancelled(Caller):
-    """A caller that cancelled its call, as a transport that can tell would report it."""
-
-    __slots__ = ()
-
-    def gone(self) -> Code:
-        return Code.CANCELLED
 
 
 @pytest.mark.usefixtures("books_twin")
@@ -182,11 +178,11 @@ def test_a_caller_that_cancels_while_waiting_is_shed_as_its_own_doing() -> None:
     budget = admission(budget=10, wait=5.0).budget
     budget.reserve("a", 10, Caller())
     with pytest.raises(Refused) as refused:
-        budget.reserve("b", 10, _Cancelled("b"))
+        budget.reserve("b", 10, cancelled("b"))
     assert refused.value.reason == ShedReason.CALLER_CANCELLED and refused.value.gone
     assert "CANCELLED" in refused.value.message
     gate = admission(slots=1, wait=5.0)
-    with gate.lane.slot(Caller()), pytest.raises(Refused) as refused, gate.lane.slot(_Cancelled("c")):
+    with gate.lane.slot(Caller()), pytest.raises(Refused) as refused, gate.lane.slot(cancelled("c")):
         pass
     assert refused.value.reason == ShedReason.CALLER_CANCELLED
 
