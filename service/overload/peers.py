@@ -26,11 +26,13 @@ import sys
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING
 
 from indexer_service.service.observability.logs import RateLimitedLog
+from indexer_service.service.overload import sockdiag
 from indexer_service.service.overload.allocator import open_fds
+from indexer_service.service.overload.sockdiag import Address
 from indexer_service.service.reasons import Port
 
 if TYPE_CHECKING:  # the supervisor imports this module before it names the multiprocess directory
@@ -70,19 +72,16 @@ def socket_inodes(fd_dir: str = "/proc/self/fd") -> dict[int, int]:
     return found
 
 
-def proc_address(hex_address: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+def proc_address(hex_address: str) -> Address:
     """An address as /proc/net/tcp{,6} writes it (each 32-bit word in the host's byte order, in hex); an IPv4 peer
     of a dual-stack listener (``::ffff:a.b.c.d``) as IPv4."""
     raw = bytes.fromhex(hex_address)
     if sys.byteorder == "little":
         raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
-    address = ipaddress.ip_address(raw)
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        return address.ipv4_mapped
-    return address
+    return sockdiag.address_of(raw)
 
 
-def peer_of(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str:
+def peer_of(address: Address) -> str:
     """Whom a connection from ``address`` counts against, as text: an IPv4 address, or an IPv6 address's /64 (a
     host picks any address of its /64 at will, so a cap per IPv6 address would cap nothing)."""
     if isinstance(address, ipaddress.IPv6Address):
@@ -90,11 +89,12 @@ def peer_of(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str:
     return str(address)
 
 
-def established(ports: Iterable[int], tables: Iterable[str] = TCP_TABLES) -> list[tuple[int, int, str]]:
-    """``(local port, inode, peer)`` of each established TCP connection to one of ``ports`` in this network
-    namespace, any process's; the peer as /proc writes it (:func:`proc_address` reads it)."""
+def established(ports: Iterable[int], tables: Iterable[str] = TCP_TABLES) -> list[tuple[int, int, Address]]:
+    """``(local port, inode, peer address)`` of each established TCP connection to one of ``ports`` in this network
+    namespace, any process's, read from /proc (where :func:`sockdiag.established` cannot ask the kernel)."""
     wanted = set(ports)
     rows = []
+    addresses: dict[str, Address] = {}  # each peer decoded once
     for table in tables:
         try:
             lines = open(table)  # noqa: SIM115 - closed below; a missing table (no IPv6) is skipped
@@ -112,7 +112,11 @@ def established(ports: Iterable[int], tables: Iterable[str] = TCP_TABLES) -> lis
                 port = int(local[local.rindex(":") + 1 :], 16)
                 if port in wanted:
                     inode = int(fields[4].split()[5])  # tx:rx, tr:when, retrnsmt, uid, timeout, inode
-                    rows.append((port, inode, remote[: remote.rindex(":")]))
+                    remote = remote[: remote.rindex(":")]
+                    address = addresses.get(remote)
+                    if address is None:
+                        address = addresses[remote] = proc_address(remote)
+                    rows.append((port, inode, address))
     return rows
 
 
@@ -143,8 +147,15 @@ class PeerCap:
     process's own; ``cap`` 0: no cap. :meth:`check` is one reading; ``closed_total`` (a counter by ``port``)
     counts what it shut down."""
 
-    def __init__(self, cap: int, ports: Mapping[int, Port], closed_total: Counter) -> None:
+    def __init__(
+        self,
+        cap: int,
+        ports: Mapping[int, Port],
+        closed_total: Counter,
+        read: Callable[[Iterable[int]], list[tuple[int, int, Address]]] | None = None,
+    ) -> None:
         self.cap = cap
+        self._read = read  # None: sockdiag's, until the kernel refuses it, then /proc's (established)
         self.ports: dict[int, Port] = {}
         for port, name in ports.items():
             self.add_port(port, name)
@@ -157,6 +168,7 @@ class PeerCap:
     def start(self) -> None:
         """Check on a daemon thread until :meth:`stop` (nothing to do without a cap)."""
         if self.cap > 0:
+            self._established()  # the reader picked now: its fallback, if any, said at start
             self._thread.start()
 
     def stop(self) -> None:
@@ -187,6 +199,20 @@ class PeerCap:
             )
         self.ports = {**self.ports, port: name}
 
+    def _established(self) -> list[tuple[int, int, Address]]:
+        """The established connections of this process's ports, through netlink where the kernel answers."""
+        if self._read is None:
+            try:
+                return sockdiag.established(self.ports)
+            except OSError as exc:
+                log.warning(
+                    "connection cap reads /proc/net/tcp and tcp6: netlink sock_diag unavailable (%s); each check "
+                    'costs more as the network namespace\'s TCP tables grow (docs/overload.md, "Connections")',
+                    exc,
+                )
+                self._read = established
+        return self._read(self.ports)
+
     def check(self, fds: int) -> int:
         """With ``fds`` open descriptors: shut down each peer's connections past the cap; how many. A peer's
         connections that were there at the last check are kept before those that came since (then by inode,
@@ -194,12 +220,13 @@ class PeerCap:
         if self.cap <= 0 or fds <= self.cap or not self.ports:
             self._seen = set()
             return 0  # no peer can hold more connections than the process has descriptors
-        peers: dict[str, str] = {}  # each remote address, read once per check
-        by_peer: dict[tuple[int, str], set[int]] = defaultdict(set)  # a set: a busy table may list a row twice
-        for port, inode, remote in established(self.ports):
+        peers: dict[Address, str] = {}  # each remote address, read once per check
+        # a set: a busy table may list a connection twice
+        by_peer: dict[tuple[int, str], set[int]] = defaultdict(set)
+        for port, inode, remote in self._established():
             peer = peers.get(remote)
             if peer is None:
-                peer = peers[remote] = peer_of(proc_address(remote))
+                peer = peers[remote] = peer_of(remote)
             by_peer[port, peer].add(inode)
         seen, self._seen = self._seen, set().union(*by_peer.values())
         over = {key: inodes for key, inodes in by_peer.items() if len(inodes) > self.cap}

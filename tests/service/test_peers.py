@@ -1,21 +1,24 @@
-"""The per-peer connection cap (service/overload/peers.py) on real sockets in this process: /proc read as the
-server reads it, a peer's connections past the cap shut down, those that came since the last check first (their
-owner sees the end), other peers
-and other ports untouched, a descriptor reused by another connection never shut, every closing counted."""
+"""The per-peer connection cap (service/overload/peers.py) on real sockets in this process: its connections read
+as the server reads them (netlink sock_diag, or /proc where the kernel refuses it), a peer's connections past the
+cap shut down, those that came since the last check first (their owner sees the end), other peers and other ports
+untouched, a descriptor reused by another connection never shut, every closing counted."""
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import os
 import socket
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from prometheus_client import CollectorRegistry, Counter
 
+from indexer_service.service.overload import sockdiag
 from indexer_service.service.overload.peers import (
     CHECK_SECONDS,
     CHECK_SHARE,
@@ -91,14 +94,20 @@ def test_tables_keep_established_connections_to_the_ports_asked(tmp_path: Path) 
         "   3: 0100007F:1F90 0200007F:9C42 01 00000000:00000000 00:00000000 00000000     0        0 102 1\n"
     )
     # The listener (0A) and a TIME_WAIT (06) are not connections a peer holds; port 8080 was not asked for.
-    assert established([0xC351], [str(table), str(tmp_path / "missing")]) == [(0xC351, 101, "0200007F")]
+    rows = established([0xC351], [str(table), str(tmp_path / "missing")])
+    assert rows == [(0xC351, 101, ipaddress.ip_address("127.0.0.2"))]
 
 
-def test_a_peers_connections_past_the_cap_are_shut_down_those_that_came_since_the_last_check_first() -> None:
+# Each reader of the established connections: netlink sock_diag with /proc as its fallback (the default), /proc.
+READERS = [pytest.param(None, id="sock_diag"), pytest.param(established, id="proc")]
+
+
+@pytest.mark.parametrize("read", READERS)
+def test_a_peers_connections_past_the_cap_are_shut_down_those_that_came_since_the_last_check_first(read) -> None:
     counter = closed_counter()
     with listener() as server, listener() as other_port, ExitStack() as stack:
         port = server.getsockname()[1]
-        cap = PeerCap(2, {port: Port.GRPC}, counter)
+        cap = PeerCap(2, {port: Port.GRPC}, counter, read=read)
         held = [connect(stack, server, "127.0.0.2") for _ in range(2)]
         assert cap.check(fds=len(os.listdir("/proc/self/fd"))) == 0  # at the cap: nothing cut, both seen
         flood = [connect(stack, server, "127.0.0.2") for _ in range(3)]
@@ -120,13 +129,44 @@ def test_an_ipv6_peer_is_its_64(address: str, peer: str) -> None:
     assert peer_of(ipaddress.ip_address(address)) == peer
 
 
-def test_nothing_is_read_while_the_process_holds_fewer_descriptors_than_the_cap(monkeypatch) -> None:
+def test_nothing_is_read_while_the_process_holds_fewer_descriptors_than_the_cap() -> None:
     def unexpected(*args: object) -> list:
-        raise AssertionError("read /proc although no peer can be over the cap")
+        raise AssertionError("read the connections although no peer can be over the cap")
 
-    monkeypatch.setattr("indexer_service.service.overload.peers.established", unexpected)
-    assert PeerCap(256, {1: Port.GRPC}, closed_counter()).check(fds=100) == 0
-    assert PeerCap(0, {1: Port.GRPC}, closed_counter()).check(fds=100_000) == 0
+    assert PeerCap(256, {1: Port.GRPC}, closed_counter(), read=unexpected).check(fds=100) == 0
+    assert PeerCap(0, {1: Port.GRPC}, closed_counter(), read=unexpected).check(fds=100_000) == 0
+
+
+def test_where_the_kernel_refuses_sock_diag_the_cap_reads_proc_and_says_so_once_at_start(monkeypatch, caplog) -> None:
+    """A kernel without sock_diag (gVisor, a seccomp profile, no inet_diag module): one WARNING when the cap
+    starts, then /proc at every check, cutting as before."""
+
+    def refused(family: int, kind: int, protocol: int) -> socket.socket:
+        raise OSError(errno.EPROTONOSUPPORT, "Protocol not supported")
+
+    monkeypatch.setattr(sockdiag, "socket", SimpleNamespace(**{**vars(socket), "socket": refused}))
+    proc_reads = []
+
+    def proc(ports: Iterable[int]) -> list:
+        proc_reads.append(sorted(ports))
+        return established(ports)
+
+    monkeypatch.setattr("indexer_service.service.overload.peers.established", proc)
+    counter = closed_counter()
+    with listener() as server, ExitStack() as stack:
+        port = server.getsockname()[1]
+        cap = PeerCap(1, {port: Port.GRPC}, counter)
+        cap.start()
+        cap.stop()
+        fallback = [r.getMessage() for r in caplog.records if "sock_diag" in r.getMessage()]
+        assert len(fallback) == 1
+        assert "/proc/net/tcp" in fallback[0]
+        assert "Protocol not supported" in fallback[0]
+        clients = [connect(stack, server, "127.0.0.2")[0] for _ in range(3)]
+        assert cap.check(fds=len(os.listdir("/proc/self/fd"))) == 2
+        assert [ended(client) for client in clients].count(True) == 2
+        assert len([r for r in caplog.records if "sock_diag" in r.getMessage()]) == 1  # said once
+        assert proc_reads == [[port], [port]]  # the probe at start, then the check
 
 
 def test_a_descriptor_that_now_holds_another_connection_is_not_shut() -> None:
