@@ -22,6 +22,7 @@ import ipaddress
 import logging
 import os
 import socket
+import stat
 import sys
 import threading
 import time
@@ -43,32 +44,38 @@ log = logging.getLogger(__name__)
 TCP_TABLES = ("/proc/net/tcp", "/proc/net/tcp6")
 _ESTABLISHED = "01"  # st in /proc/net/tcp: TCP_ESTABLISHED
 LOG_INTERVAL_SECONDS = 10.0
-# How often the cap is checked: each second, and every tenth of one while the last check cut connections (a peer
-# that reconnects as fast as it is cut fills the port's free room between two checks a second apart, and other
-# peers' calls fail: docs/performance.md).
-CHECK_SECONDS, CUTTING_CHECK_SECONDS = 1.0, 0.1
-# A check takes at most this share of the time between checks (of a CPU and of the GIL): the tables it reads grow
-# with the sockets of the network namespace, TIME_WAIT ones included (a long reconnecting flood leaves up to
-# net.ipv4.tcp_max_tw_buckets of them: docs/performance.md), so a costly check waits longer for the next.
-CHECK_SHARE = 0.05
+# How often the cap is checked: every fifth of a second, and every twentieth while the last check cut connections.
+# A peer that connects as fast as gRPC core accepts fills the port's free room within a few tenths of a second,
+# from its first connection and again after each cut, and other peers' connections are refused meanwhile
+# (docs/performance.md). While the process holds no more descriptors than the cap a check costs one listing of them.
+CHECK_SECONDS, CUTTING_CHECK_SECONDS = 0.2, 0.05
+# A check's reading takes at most this share of the time between checks (of a CPU and of the GIL): what it reads
+# grows with the connections of its ports, and on the /proc fallback with every socket of the network namespace,
+# TIME_WAIT ones included (a long reconnecting flood leaves up to net.ipv4.tcp_max_tw_buckets of them:
+# docs/performance.md), so a costly reading waits longer for the next. The shutdowns are not counted: at most the
+# connections a flood opened since the last check, which the port's own cap bounds.
+CHECK_SHARE = 0.1
 MAX_CHECK_SECONDS = 5.0  # however costly the check, the cap is applied at least this often
 _clock = time.thread_time  # a check's cost: its thread's CPU time (a test's fake clock)
 
 
 def socket_inodes(fd_dir: str = "/proc/self/fd") -> dict[int, int]:
-    """This process's sockets: inode -> descriptor (none where /proc is missing)."""
+    """This process's sockets: inode -> descriptor (none where /proc is missing). Each descriptor's ``fstat``, not
+    the link /proc shows for it: the same inode, without the path lookup and the name the kernel writes
+    (docs/performance.md)."""
     found: dict[int, int] = {}
     try:
         names = os.listdir(fd_dir)
     except OSError:
         return found
     for name in names:
+        fd = int(name)
         try:
-            target = os.readlink(f"{fd_dir}/{name}")
+            status = os.fstat(fd)
         except OSError:  # closed meanwhile
             continue
-        if target.startswith("socket:["):
-            found[int(target[8:-1])] = int(name)
+        if stat.S_ISSOCK(status.st_mode):
+            found[status.st_ino] = fd
     return found
 
 
@@ -161,6 +168,7 @@ class PeerCap:
             self.add_port(port, name)
         self.closed_total = closed_total
         self._seen: set[int] = set()  # the inodes of the last check's connections
+        self._cutting_seconds = 0.0  # what the last check's shutdowns cost (_clock)
         self._log = RateLimitedLog(log, LOG_INTERVAL_SECONDS)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="peer-cap", daemon=True)
@@ -186,7 +194,7 @@ class PeerCap:
                     lambda count, exc=exc: log.error("connection cap check failed count=%d", count, exc_info=exc),
                 )
                 closed = 0
-            spent = _clock() - started
+            spent = _clock() - started - self._cutting_seconds
             interval = min(
                 MAX_CHECK_SECONDS, max(CUTTING_CHECK_SECONDS if closed else CHECK_SECONDS, spent / CHECK_SHARE)
             )
@@ -217,6 +225,7 @@ class PeerCap:
         """With ``fds`` open descriptors: shut down each peer's connections past the cap; how many. A peer's
         connections that were there at the last check are kept before those that came since (then by inode,
         roughly in the order they came: the kernel hands inodes out in blocks per CPU)."""
+        self._cutting_seconds = 0.0
         if self.cap <= 0 or fds <= self.cap or not self.ports:
             self._seen = set()
             return 0  # no peer can hold more connections than the process has descriptors
@@ -234,11 +243,13 @@ class PeerCap:
             return 0
         mine = socket_inodes()
         cut: dict[int, list[tuple[int, str, int]]] = defaultdict(list)  # port -> (held, peer, closed)
+        cutting = _clock()
         for (port, peer), inodes in over.items():
             own = sorted((inode for inode in inodes if inode in mine), key=lambda inode: (inode not in seen, inode))
             closed = sum(shut_down(mine[inode], inode) for inode in own[self.cap :])
             if closed:
                 cut[port].append((len(own), peer, closed))
+        self._cutting_seconds = _clock() - cutting
         total = 0
         for port, peers_cut in cut.items():
             name, closed = self.ports[port], sum(closed for _, _, closed in peers_cut)
