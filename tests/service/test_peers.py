@@ -181,7 +181,7 @@ def test_a_descriptor_that_now_holds_another_connection_is_not_shut() -> None:
         assert os.fstat(accepted.fileno()).st_ino == inode  # the descriptor itself stays open: its owner closes it
 
 
-def test_checks_come_every_tenth_of_a_second_while_a_flood_is_being_cut(monkeypatch) -> None:
+def test_checks_come_sooner_while_a_flood_is_being_cut(monkeypatch) -> None:
     """A peer that reconnects as fast as it is cut takes the port's free room between two checks: while the last
     check cut something the next comes after CUTTING_CHECK_SECONDS, else after CHECK_SECONDS."""
     cap = PeerCap(2, {1: Port.GRPC}, closed_counter())
@@ -208,24 +208,31 @@ def test_checks_come_every_tenth_of_a_second_while_a_flood_is_being_cut(monkeypa
 
 def test_a_costly_check_waits_longer_for_the_next(monkeypatch) -> None:
     """A check that read huge tables (TIME_WAIT sockets by the hundred thousand) takes at most CHECK_SHARE of
-    its thread's time: 0.2 s spent, the next check 4 s later, whether or not it cut anything; 0.5 s spent, the
-    next after MAX_CHECK_SECONDS all the same."""
+    its thread's time: 0.2 s spent, the next check 0.2 / CHECK_SHARE s later, whether or not it cut anything; 0.5 s
+    spent reading and 0.3 s shutting connections down, the same (the shutdowns are not counted); 1 s spent
+    reading, the next after MAX_CHECK_SECONDS all the same."""
     cap = PeerCap(2, {1: Port.GRPC}, closed_counter())
-    cut = iter([5, 0, 0])
-    monkeypatch.setattr(cap, "check", lambda fds: next(cut))
-    clock = iter([10.0, 10.2, 20.0, 20.2, 30.0, 30.5])
+    cut = iter([(5, 0.0), (0, 0.0), (5, 0.3), (0, 0.0)])
+
+    def check(fds: int) -> int:
+        closed, cap._cutting_seconds = next(cut)
+        return closed
+
+    monkeypatch.setattr(cap, "check", check)
+    clock = iter([10.0, 10.2, 20.0, 20.2, 30.0, 30.5, 40.0, 41.0])
     monkeypatch.setattr("indexer_service.service.overload.peers._clock", lambda: next(clock))
     waits: list[float] = []
 
     class Stop:
         def wait(self, seconds: float) -> bool:
             waits.append(seconds)
-            return len(waits) > 3
+            return len(waits) > 4
 
     monkeypatch.setattr(cap, "_stop", Stop())
     cap._run()
     assert waits == [
         CHECK_SECONDS,
+        pytest.approx(0.2 / CHECK_SHARE),
         pytest.approx(0.2 / CHECK_SHARE),
         pytest.approx(0.2 / CHECK_SHARE),
         MAX_CHECK_SECONDS,
