@@ -20,7 +20,7 @@ from pathlib import Path
 
 from testkit.gobuild import static_binary
 from testkit.harness import ServiceProcess
-from testkit.record import note_pinned
+from testkit.record import note_pinned, process_name
 
 HERE = Path(__file__).resolve().parent
 BINARY = HERE / "bin" / "loadgen"
@@ -86,6 +86,7 @@ def judge_failures(
         print(f"{failed} of {calls} calls failed: {dict(errors)} {why}; the servers logged:", file=sys.stderr)
         for server in servers:
             lines = [line for line in server.log().splitlines() if " INFO " not in line]
+            print(f"{process_name(server.command)} at {server.address}:", file=sys.stderr)
             print("\n".join(lines[-40:]) or "(nothing)", file=sys.stderr)
         if failed > calls * allowed:
             raise SystemExit("too many calls failed: the figures would not measure serving")
