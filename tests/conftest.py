@@ -14,7 +14,15 @@ from pathlib import Path
 import pytest
 from hypothesis import settings
 
-from tests.tiers import group_scheduling, run_lock, spread_exclusive, tier_marks, worker_cpu, write_groups
+from tests.tiers import (
+    can_renice,
+    group_scheduling,
+    run_lock,
+    spread_exclusive,
+    tier_marks,
+    worker_cpu,
+    write_groups,
+)
 from tests.tools import missing_tool
 
 # Hypothesis: every example in CI (which sets CI=true, as do most CI systems), a fifth of them elsewhere so that
@@ -44,18 +52,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         write_groups(items, Path(config.workerinput["indexer_lock_dir"]), config.workerinput["workerid"])
 
 
-# `exclusive` under pytest-xdist: tests/tiers.py's run_lock (process tests share it, or run confined to their
-# worker's CPU beside an exclusive test, which holds it alone; in-process tests take none) and spread_exclusive's
-# order. The controller makes the locks' folder and hands it to its workers; a run without workers takes no lock.
+# `exclusive` under pytest-xdist: tests/tiers.py's run_lock (process tests share it, or run beside an exclusive
+# test, which holds it alone, at a lower priority or else confined to their worker's CPU; in-process tests take
+# none) and spread_exclusive's order. The controller makes the locks' folder and hands it to its workers; a run
+# without workers takes no lock.
 LOCK_DIR = pytest.StashKey[Path]()
 OWN_CPU = pytest.StashKey["set[int] | None"]()
+RENICE = pytest.StashKey[bool]()
 
 
 def pytest_configure(config: pytest.Config) -> None:
     if not hasattr(config, "workerinput"):
         config.stash[LOCK_DIR] = Path(tempfile.mkdtemp(prefix="indexer-tests-lock-"))
-    else:  # a worker: the CPU its process tests are confined to beside an exclusive test (before any test runs)
+    else:  # a worker: how its process tests yield to an exclusive test beside them (before any test runs)
         config.stash[OWN_CPU] = worker_cpu(os.sched_getaffinity(0))
+        config.stash[RENICE] = can_renice()
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -82,8 +93,8 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     exclusive, process, all_cpus = (
         item.get_closest_marker(m) is not None for m in ("exclusive", "process", "all_cpus")
     )
-    own_cpu = item.config.stash.get(OWN_CPU, None)
-    with run_lock(directory, exclusive=exclusive, process=process, own_cpu=own_cpu, all_cpus=all_cpus):
+    own_cpu, renice = item.config.stash.get(OWN_CPU, None), item.config.stash.get(RENICE, False)
+    with run_lock(directory, exclusive, process, own_cpu, all_cpus, renice):
         return (yield)
 
 

@@ -1,6 +1,6 @@
 """The test tiers, decided at collection from what each test does (tests/conftest.py applies them), so a new test
-lands in its tier without anyone marking it; and the run lock that keeps every other test beside an `exclusive` one
-under pytest-xdist to one CPU."""
+lands in its tier without anyone marking it; and the run lock that makes every other test beside an `exclusive` one
+under pytest-xdist yield the CPU to it."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import fcntl
 import inspect
 import json
 import os
+import threading
 import types
 from collections.abc import Iterator
 from pathlib import Path
@@ -37,7 +38,7 @@ TIMING_MODULES = frozenset(
 FOLLOWED_PACKAGES = ("tests", "testkit")
 # The `xdist_group` of the `exclusive` tests outside a module's group: one worker runs them one after the other
 # (two at once would wait for each other's run lock, a worker idle meanwhile) while the other runs the rest beside
-# them, confined to its CPU (run_lock). pytest-xdist hands out its largest groups first, this one among them.
+# them, yielding to them (run_lock). pytest-xdist hands out its largest groups first, this one among them.
 EXCLUSIVE = "exclusive"
 
 
@@ -128,7 +129,7 @@ def spawns(modules: frozenset[str] | set[str]) -> bool:
 def spread_exclusive(items: list[pytest.Item]) -> list[pytest.Item]:
     """The run's order for pytest-xdist: the `process` tests (the long ones) with the `exclusive` ones spread evenly
     among them, then the in-process tests (the run's short tail). While one worker runs an `exclusive` test, the
-    other thus finds process tests to run beside it, each confined to one CPU (:func:`run_lock`), rather than
+    other thus finds process tests to run beside it, each yielding to it (:func:`run_lock`), rather than
     waiting with nothing to do once the in-process tests are gone. Within each tier the collection order is kept;
     a module cut in two by an `exclusive` test sets its (in-process) module fixtures up twice, as a module spread
     over two workers already does."""
@@ -144,30 +145,67 @@ def spread_exclusive(items: list[pytest.Item]) -> list[pytest.Item]:
 
 
 def worker_cpu(cpus: set[int]) -> set[int] | None:
-    """The one CPU every worker confines a process test to beside an `exclusive` test (the last of the run's: all
-    the workers' confined tests share it, so that they take one CPU together however many workers run), or None
-    where the run has a single CPU (nothing to confine to: such a test waits its turn instead)."""
+    """The one CPU every worker confines a process test to beside an `exclusive` test where it cannot lower its
+    priority instead (:func:`can_renice`; the last of the run's: all the workers' confined tests share it, so that
+    they take one CPU together however many workers run), or None where the run has a single CPU (nothing to
+    confine to: such a test waits its turn instead)."""
     return {max(cpus)} if len(cpus) > 1 else None
 
 
+# Beside an `exclusive` test, a process test and every process it starts run at this niceness: weighed 110 against
+# the exclusive test's 1024 (nice 0), they take the CPU time it leaves, on any CPU, and about a tenth of a CPU it
+# wants too. Pinned to one CPU at nice 0 instead, they left half the other CPU idle behind the exclusive tests'
+# timers, and took half of theirs from any exclusive process that ran on it.
+BESIDE_NICENESS = 10
+
+
+def _thread_niceness(change: int) -> bool:
+    tid = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + change)
+    except PermissionError:
+        return False
+    return True
+
+
+def can_renice() -> bool:
+    """Whether this process can lower a thread's niceness back once raised (CAP_SYS_NICE, or an RLIMIT_NICE that
+    allows it): tried on a thread of its own, which ends with the try."""
+    undone: list[bool] = []
+    probe = threading.Thread(target=lambda: undone.append(_thread_niceness(1) and _thread_niceness(-1)))
+    probe.start()
+    probe.join()
+    return undone == [True]
+
+
 @contextlib.contextmanager
-def confined(cpus: set[int]) -> Iterator[None]:
-    """Every thread of this process on ``cpus`` (and so every process it starts meanwhile, which inherits it),
+def confined(cpus: set[int], renice: bool) -> Iterator[None]:
+    """Every thread of this process (and so every process it starts meanwhile, which inherits it) yielding to an
+    `exclusive` test: at BESIDE_NICENESS (or above) where ``renice`` (:func:`can_renice`), else on ``cpus`` only;
     then back to where each was."""
 
     def tasks() -> list[int]:
         return [int(tid) for tid in os.listdir("/proc/self/task")]
 
-    before = os.sched_getaffinity(0)
-    for tid in tasks():
+    def apply(tid: int, setting: object) -> None:
         with contextlib.suppress(OSError):  # a thread that ended since it was listed
-            os.sched_setaffinity(tid, cpus)
+            if renice:
+                os.setpriority(os.PRIO_PROCESS, tid, setting)
+            else:
+                os.sched_setaffinity(tid, setting)
+
+    if renice:
+        before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        beside = max(before, BESIDE_NICENESS)
+    else:
+        before, beside = os.sched_getaffinity(0), cpus
+    for tid in tasks():
+        apply(tid, beside)
     try:
         yield
     finally:
         for tid in tasks():
-            with contextlib.suppress(OSError):
-                os.sched_setaffinity(tid, before)
+            apply(tid, before)
 
 
 def _try_flock(file: object, operation: int) -> bool:
@@ -185,13 +223,15 @@ def run_lock(
     process: bool = True,
     own_cpu: set[int] | None = None,
     all_cpus: bool = False,
+    renice: bool = False,
 ) -> Iterator[None]:
     """Held by every `process` test of an xdist run from its setup to its teardown. An `exclusive` test holds it
-    alone, so that no other test's servers, clients or compilers take more than one CPU beside it: a process
-    test holds it shared where no `exclusive` test runs or waits for its turn; beside one, it runs at once,
-    holding nothing, with itself and every process it starts confined to ``own_cpu`` (the worker's CPU), as an
-    in-process test (``process`` False, no lock) already is by its one interpreter. ``all_cpus``: a process test
-    that needs every CPU (CPU pinning) never runs confined; it waits its turn for a shared hold. A test waiting
+    alone, so that no other test's servers, clients or compilers take CPU time it wants: a process test holds it
+    shared where no `exclusive` test runs or waits for its turn; beside one, it runs at once, holding nothing,
+    with itself and every process it starts at a lower priority (``renice``) or confined to ``own_cpu`` (the
+    worker's CPU) where it cannot undo that (:func:`confined`); an in-process test (``process`` False, no lock)
+    takes one CPU at most, by its one interpreter. ``own_cpu`` None (a single CPU) or ``all_cpus`` (a process test
+    that needs every CPU: CPU pinning): it never runs beside one; it waits its turn for a shared hold. A test waiting
     to hold the lock alone holds the turnstile meanwhile, so that the other workers' next tests do not keep a
     shared hold forever. ``directory`` None (no workers): no lock."""
     if directory is None or not (process or exclusive):
@@ -215,7 +255,7 @@ def run_lock(
             held = False
         if not held:
             assert own_cpu is not None
-            with confined(own_cpu):
+            with confined(own_cpu, renice):
                 yield
             return
         try:

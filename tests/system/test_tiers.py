@@ -1,5 +1,6 @@
 """tests/tiers.py's scheduling rules under pytest-xdist: the order the workers run the tests in, and the run lock
-that lets beside an `exclusive` test only in-process tests and process tests confined to one CPU."""
+that lets beside an `exclusive` test only in-process tests and process tests that yield to it (at a lower priority,
+or confined to one CPU)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from testkit.paths import REPO
-from tests.tiers import read_groups, run_lock, spread_exclusive, write_groups
+from tests.tiers import (
+    BESIDE_NICENESS,
+    can_renice,
+    read_groups,
+    run_lock,
+    spread_exclusive,
+    write_groups,
+)
 
 
 @dataclass
@@ -76,29 +84,37 @@ def test_beside_an_exclusive_test_only_in_process_tests_and_confined_process_tes
         assert _holds_while(tmp_path, held, expected, **wants) is expected, (held, wants)
 
 
-def test_a_process_test_beside_an_exclusive_one_and_what_it_starts_run_on_its_cpu_only(tmp_path: Path) -> None:
+def test_a_process_test_beside_an_exclusive_one_and_what_it_starts_yield_to_it(tmp_path: Path) -> None:
+    """At a lower priority where the worker can undo it, else on its CPU only; in both, back after the test."""
     everywhere = os.sched_getaffinity(0)
+    niceness = os.getpriority(os.PRIO_PROCESS, 0)
     own_cpu = {max(everywhere)}
-    seen: dict[str, object] = {}
+    beside = max(niceness, BESIDE_NICENESS)
+    where = "import os; print(sorted(os.sched_getaffinity(0)), os.getpriority(os.PRIO_PROCESS, 0))"
 
-    def process_test() -> None:
-        with run_lock(str(tmp_path), exclusive=False, process=True, own_cpu=own_cpu):
-            seen["test"] = os.sched_getaffinity(0)
+    def process_test(renice: bool, seen: dict[str, object]) -> None:
+        with run_lock(str(tmp_path), exclusive=False, process=True, own_cpu=own_cpu, renice=renice):
+            seen["test"] = os.sched_getaffinity(0), os.getpriority(os.PRIO_PROCESS, 0)
             child = subprocess.run(
-                [sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"],
-                capture_output=True, text=True, timeout=60, check=True,
-            )  # fmt: skip
-            seen["child"] = set(json.loads(child.stdout))
-        seen["after"] = os.sched_getaffinity(0)
+                [sys.executable, "-c", where], capture_output=True, text=True, timeout=60, check=True
+            ).stdout.split("]")
+            seen["child"] = set(json.loads(child[0] + "]")), int(child[1])
+        seen["after"] = os.sched_getaffinity(0), os.getpriority(os.PRIO_PROCESS, 0)
 
-    with run_lock(str(tmp_path), exclusive=True, process=True, own_cpu=own_cpu):
-        thread = threading.Thread(target=process_test)
-        thread.start()
-        thread.join(60)
-    assert seen == {"test": own_cpu, "child": own_cpu, "after": everywhere}
-    # Beside no exclusive test, nothing is confined.
-    with run_lock(str(tmp_path), exclusive=False, process=True, own_cpu=own_cpu):
-        assert os.sched_getaffinity(0) == everywhere
+    expected = {
+        True: {"test": (everywhere, beside), "child": (everywhere, beside), "after": (everywhere, niceness)},
+        False: {"test": (own_cpu, niceness), "child": (own_cpu, niceness), "after": (everywhere, niceness)},
+    }
+    for renice in {can_renice(), False}:  # this run's way, and the one it falls back to
+        seen: dict[str, object] = {}
+        with run_lock(str(tmp_path), exclusive=True, process=True, own_cpu=own_cpu):
+            thread = threading.Thread(target=process_test, args=(renice, seen))
+            thread.start()
+            thread.join(60)
+        assert seen == expected[renice], renice
+    # Beside no exclusive test, nothing yields.
+    with run_lock(str(tmp_path), exclusive=False, process=True, own_cpu=own_cpu, renice=True):
+        assert (os.sched_getaffinity(0), os.getpriority(os.PRIO_PROCESS, 0)) == (everywhere, niceness)
 
 
 def test_the_groups_the_workers_write_are_the_ones_the_scheduler_reads(tmp_path: Path) -> None:
