@@ -62,7 +62,9 @@ class RawGrpcConnection:
 
     ``initial_window_size`` is what the client advertises for the streams the server sends on (0: the server
     may send no DATA until a WINDOW_UPDATE). With ``acknowledge_data`` the client grants credit back for the
-    DATA it receives, as a normal client does; without it no WINDOW_UPDATE is ever sent. Frames are read on a
+    DATA it receives, as a normal client does; without it no WINDOW_UPDATE is ever sent but by :meth:`grant`. With
+    ``read_past_goaway`` a GOAWAY does not end the connection for the client: the streams a draining server still
+    answers are read to their end. Frames are read on a
     daemon thread until :meth:`close`; every outcome is recorded in :attr:`streams`. A connection to LOOPBACK
     comes from FLOOD_PEER: an attacker is another peer than the victims on LOOPBACK.
     """
@@ -74,8 +76,10 @@ class RawGrpcConnection:
         initial_window_size: int = 65535,
         acknowledge_data: bool = False,
         connect_timeout: float = 5.0,
+        read_past_goaway: bool = False,
     ) -> None:
         self.acknowledge_data = acknowledge_data
+        self.read_past_goaway = read_past_goaway
         self.host, self.port = host, port
         source = (FLOOD_PEER, 0) if host == LOOPBACK else None
         self.sock = socket.create_connection((host, port), timeout=connect_timeout, source_address=source)
@@ -85,6 +89,8 @@ class RawGrpcConnection:
         self.h2.local_settings = h2.settings.Settings(
             client=True, initial_values={h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: initial_window_size}
         )
+        if read_past_goaway:  # a graceful GOAWAY lets the streams it names finish, where h2 would close at once
+            self._stay_open_past_goaway()
         self.streams: dict[int, StreamOutcome] = {}
         self.goaway: h2.events.ConnectionTerminated | None = None
         self.closed = threading.Event()  # the server closed the socket, or GOAWAY, or close()
@@ -97,6 +103,15 @@ class RawGrpcConnection:
             self._flush_locked()
         self._reader = threading.Thread(target=self._read_loop, name=f"h2raw-{port}", daemon=True)
         self._reader.start()
+
+    def _stay_open_past_goaway(self) -> None:
+        machine = self.h2.state_machine
+        process = machine.process_input
+
+        def process_input(received: h2.connection.ConnectionInputs) -> list[h2.events.Event]:
+            return [] if received is h2.connection.ConnectionInputs.RECV_GOAWAY else process(received)
+
+        machine.process_input = process_input
 
     # --- sending --------------------------------------------------------------------------------------------
 
@@ -158,6 +173,14 @@ class RawGrpcConnection:
         with self._lock:
             self._send_or_close_locked()
 
+    def grant(self, stream_id: int, nbytes: int) -> None:
+        """Give the server ``nbytes`` of flow-control credit on ``stream_id`` and on the connection: what a client
+        that stalled a stream (``initial_window_size`` 0) does when it starts reading."""
+        with self._lock:
+            self.h2.increment_flow_control_window(nbytes)
+            self.h2.increment_flow_control_window(nbytes, stream_id)
+            self._send_or_close_locked()
+
     def _send_or_close_locked(self) -> None:
         try:
             self._flush_locked()
@@ -200,7 +223,8 @@ class RawGrpcConnection:
             self.settings_received.set()
         elif isinstance(event, h2.events.ConnectionTerminated):
             self.goaway = event
-            self.closed.set()
+            if not self.read_past_goaway:
+                self.closed.set()
         stream = self.streams.get(getattr(event, "stream_id", None) or 0)
         if stream is None:
             return

@@ -199,6 +199,9 @@ class CallGate:
         self.on_never_started: Callable[[str, ShedReason, str], None] = lambda method, reason, peer: None
         # (method, seconds from its request in to a thread taking it, seconds from its request in to its end)
         self.timed: Callable[[str, float, float], None] = lambda method, wait, total: None
+        # The calls a transport's behaviour opened that gRPC has not ended yet (its end callback removes each): a
+        # behaviour that has returned may still have its answer on the way, which the server's stop must not cancel.
+        self.open_calls: set[object] = set()
         self._ids = itertools.count()
         self._threads: list[threading.Thread] = []
         self._stop = threading.Event()
@@ -413,8 +416,9 @@ class CallGate:
         return True
 
     def idle(self) -> bool:
-        """No call in any lane: none waiting for its request, queued or running."""
-        return not any(lane.live or lane.waiting for lane in self.lanes)
+        """No call in any lane (none waiting for its request, queued or running) and none whose answer gRPC is still
+        sending (:attr:`open_calls`)."""
+        return not self.open_calls and not any(lane.live or lane.waiting for lane in self.lanes)
 
     def held(self, lane: Lane) -> int:
         """Calls holding a place in ``lane`` now."""

@@ -11,7 +11,6 @@ caller has not read it within ``response_drain_seconds``.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable
 
@@ -52,7 +51,7 @@ class GrpcCaller(Caller):
     caller's. :meth:`cancel_unread` is what the drain watchdog calls for an answer not read in time. ``open_call``
     reads and sets all that (service/adapters/grpcio.py: on grpcio's call state, or through the public methods)."""
 
-    __slots__ = ("_context", "_method", "_plane", "gone_at_start", "metadata")
+    __slots__ = ("_context", "_method", "_open_calls", "_plane", "gone_at_start", "metadata")
     port = Port.GRPC
 
     def __init__(
@@ -61,6 +60,7 @@ class GrpcCaller(Caller):
         plane: DataPlane,
         method: str,
         trailers: Metadata,
+        open_calls: set[object],
         open_call: Callable[..., tuple] = grpcio.open_call_fast,
     ) -> None:
         # Caller's fields set here rather than by its __init__ (the tests hold the two equal)
@@ -73,14 +73,19 @@ class GrpcCaller(Caller):
         # False before end() can run: end() only ever sets it True, and a cancel that ends the call as soon as the
         # call's lock is released must not be overwritten by this reading (the ticket would never be released)
         self.ended = False
+        # In before end() is added: end() may run on gRPC's polling thread as soon as open_call has added it
+        self._open_calls = open_calls
+        open_calls.add(self)
         self.peer, self.deadline, self.metadata, ended = open_call(context, trailers, self.end)
         if ended:
             self.ended = True
+            open_calls.discard(self)
         # A call that waited for a thread may start past its deadline or after its caller left.
         self.gone_at_start = self.gone()
 
     def end(self) -> None:
         self.ended = True
+        self._open_calls.discard(self)
         ticket = self.ticket
         if ticket is not None:
             ticket.budget.give_back(ticket, None)  # Ticket.release, written out (docs/performance.md)
@@ -139,10 +144,8 @@ def rpc_handlers(
     refusals = {reason: refusal(reason) for reason in (ShedReason.CONCURRENCY, ShedReason.PEER_SHARE)}
     handlers = {}
     for method in RPCS:
-        behavior = served(plane, method, plane.call, watchdog, gate.started)
-        refusing = {
-            reason: served(plane, method, refuse, watchdog, gate.started) for reason, refuse in refusals.items()
-        }
+        behavior = served(plane, method, plane.call, watchdog, gate)
+        refusing = {reason: served(plane, method, refuse, watchdog, gate) for reason, refuse in refusals.items()}
         gate.route(behavior, method, lane, unary_request=True, refusing=refusing, count_never_started=True)
         handlers[method] = grpc.unary_unary_rpc_method_handler(behavior)  # no (de)serializers: bytes both ways
     return handlers
@@ -153,7 +156,7 @@ def served(
     method: str,
     serve: Callable[..., bytes],
     watchdog: DrainWatchdog,
-    started: threading.local,
+    gate: CallGate,
 ) -> Behavior:
     """The one behaviour of a call to this server (KServe's interceptors in one function: each wrapper is a Python
     frame per call; grpcio's own interceptor pipeline rebuilds its wrappers on every call): ``serve(method, request,
@@ -171,8 +174,10 @@ def served(
     Trailing, not initial, metadata: the trailers go out in the one batch that carries the answer and the
     status, where ``send_initial_metadata`` starts a batch of its own per call (one more completion on the
     polling thread), which costs server CPU and wall time on every call where the trailers cost nothing measurable
-    (docs/performance.md; docs/service.md, "Request ids")."""
+    (docs/performance.md; docs/service.md, "Request ids"). ``gate``: the server's pool, whose ``started`` flag the
+    behaviour sets and whose ``open_calls`` holds each call until gRPC has ended it."""
     failed, tracer, watch = plane.failed_calls, plane.tracer, watchdog.watch_ticket
+    started, open_calls = gate.started, gate.open_calls
     debug = log.isEnabledFor(logging.DEBUG)  # the level is set once, at start, before the server is made
     open_call = grpcio.call_opener()
 
@@ -180,7 +185,7 @@ def served(
         started.value = True  # the gate's flag, set inline (docs/performance.md)
         start = time.perf_counter()
         trailers: list[tuple[str, str]] = []  # the request id, once known; sent with the status
-        call = GrpcCaller(context, plane, method, trailers, open_call)
+        call = GrpcCaller(context, plane, method, trailers, open_calls, open_call)
         supplied = None
         for key, value in call.metadata:  # a loop, not next() over a generator (docs/performance.md)
             if key == REQUEST_ID_HEADER:
@@ -243,6 +248,4 @@ class UnknownMethodHandler(grpc.GenericRpcHandler):
             plane.unknown_method()
             raise UnknownMethod(f"unknown method {name[:200]!r}: this server has {SERVICE_NAME}'s {', '.join(RPCS)}")
 
-        return grpc.stream_stream_rpc_method_handler(
-            served(plane, UNKNOWN_METHOD, refuse, self.watchdog, self.gate.started)
-        )
+        return grpc.stream_stream_rpc_method_handler(served(plane, UNKNOWN_METHOD, refuse, self.watchdog, self.gate))

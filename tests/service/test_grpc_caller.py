@@ -26,6 +26,8 @@ class Seen:
 
     def __init__(self) -> None:
         self.caller: GrpcCaller | None = None
+        self.open_calls: set[object] = set()  # the gate's, for the callers made here
+        self.open_while_running = False
         self.peer = ""
         self.remaining = 0.0
         self.at = 0.0
@@ -43,7 +45,8 @@ def serve() -> Iterator[Callable[[Callable[[grpc.ServicerContext], None]], tuple
         def behavior(request: bytes, context: grpc.ServicerContext) -> bytes:
             before(context)
             seen.peer, seen.remaining, seen.at = context.peer(), context.time_remaining(), time.time()
-            seen.caller = GrpcCaller(context, None, METHOD, TRAILERS)
+            seen.caller = GrpcCaller(context, None, METHOD, TRAILERS, seen.open_calls)
+            seen.open_while_running = seen.caller in seen.open_calls
             seen.made.set()
             return b"ok"
 
@@ -83,6 +86,8 @@ def test_a_caller_learns_what_the_public_methods_say_and_its_trailers_and_end_fo
     assert caller.deadline == pytest.approx(seen.at + seen.remaining, abs=0.5)  # the same deadline, read once
     assert caller.gone_at_start is None
     assert ended_within(caller)  # its end ran once the call was over
+    # open from its making until gRPC ended the call, answer sent: what the server's stop waits for
+    assert seen.open_while_running and not seen.open_calls
     # Caller's fields, set by GrpcCaller itself: each as Caller's own __init__ sets it, but what the call told
     plain = Caller(caller.peer)
     own = {"peer", "deadline", "ended"}
@@ -141,5 +146,7 @@ def test_an_end_that_runs_as_the_calls_lock_is_released_is_not_lost() -> None:
         call_details=SimpleNamespace(deadline=9.2e18),
         invocation_metadata=(),
     )
-    caller = GrpcCaller(SimpleNamespace(_rpc_event=event, _state=state), None, METHOD, TRAILERS)
+    open_calls: set[object] = set()
+    caller = GrpcCaller(SimpleNamespace(_rpc_event=event, _state=state), None, METHOD, TRAILERS, open_calls)
     assert caller.ended and caller.gone() is Code.CANCELLED and state.trailing_metadata == TRAILERS
+    assert not open_calls  # ended as it was opened: nothing left for the server's stop to wait for
