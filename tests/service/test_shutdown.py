@@ -21,7 +21,7 @@ from indexer_service.protos.indexer.v1 import indexer_pb2_grpc as pb_grpc
 from indexer_service.service.codec import SERVICE_NAME, chunk_inputs_to_proto, encode_int32
 from testkit.batches import make_inputs
 from testkit.h2raw import RawGrpcConnection
-from testkit.harness import INDEXER_SERVICE, clean_env, http_get, listen_flags
+from testkit.harness import INDEXER_SERVICE, ServiceProcess, clean_env, http_get, listen_flags
 from testkit.payloads import grpc_frame
 from tests.service.conftest import StartServer, scrape
 
@@ -72,21 +72,25 @@ def burst(address: str, calls: list[Call], stop: threading.Event) -> None:
                 time.sleep(0.01)
 
 
-@pytest.mark.exclusive  # calls sent in the delay's first half must reach the server in time
-def test_sigterm_during_a_burst_drains_and_exits_0(start_server: StartServer) -> None:
-    server = start_server(
+def draining_server(start_server: StartServer, delay: float, *flags: str) -> ServiceProcess:
+    """A numpy server with no warmup, ``flags``, and the drain's delay and GRACE."""
+    return start_server(
         "--backend",
         "numpy",
         "--warmup-target",
         "none",
-        "--max-num-batched-tokens",
-        str(LONG_ROWS),
-        "--max-plan-chunks",
-        str(LONG_ROWS),
+        *flags,
         "--shutdown-delay-seconds",
-        str(SHUTDOWN_DELAY),
+        str(delay),
         "--shutdown-grace-seconds",
         str(GRACE),
+    )
+
+
+@pytest.mark.exclusive  # calls sent in the delay's first half must reach the server in time
+def test_sigterm_during_a_burst_drains_and_exits_0(start_server: StartServer) -> None:
+    server = draining_server(
+        start_server, SHUTDOWN_DELAY, "--max-num-batched-tokens", str(LONG_ROWS), "--max-plan-chunks", str(LONG_ROWS)
     )
     calls: list[Call] = []
     stop = threading.Event()
@@ -207,18 +211,7 @@ def test_an_answer_still_being_sent_is_delivered_during_the_grace(start_server: 
     """A call whose handler has returned but whose answer gRPC is still sending (its reader granted no credit yet)
     is a call in flight: the drain's stop waits for it within the grace rather than cancelling every call once no
     handler runs, and the answer arrives whole with status OK once the reader reads."""
-    server = start_server(
-        "--backend",
-        "numpy",
-        "--warmup-target",
-        "none",
-        "--max-num-batched-tokens",
-        str(2 * MEDIUM_QUERY_TOKENS),
-        "--shutdown-delay-seconds",
-        "0",
-        "--shutdown-grace-seconds",
-        str(GRACE),
-    )
+    server = draining_server(start_server, 0.0, "--max-num-batched-tokens", str(2 * MEDIUM_QUERY_TOKENS))
     request = chunk_inputs_to_proto(make_inputs("medium-64")).SerializeToString()
     with grpc.insecure_channel(server.address) as channel:
         answer = channel.unary_unary(f"/{SERVICE_NAME}/BuildChunk")(request, timeout=10)
