@@ -42,6 +42,9 @@ log = logging.getLogger(__name__)
 HEALTH_NAMES = ("", SERVICE_NAME)
 
 
+# How long the drain leaves connections open once no call is left, for their clients to read their last answers
+# and close them (a client closes a connection the server has sent a GOAWAY on once its calls are over).
+SETTLE_SECONDS = 0.5
 # How long, once gRPC has stopped (and cancelled what still ran), the RPC threads get to leave the calls they
 # were in: a computation is milliseconds; a thread stuck longer is logged and left (the threads are daemons).
 POOL_STOP_SECONDS = 2.0
@@ -83,11 +86,19 @@ class GrpcServer:
             self.watch.stop()
         self.gate.end_waiting()  # calls that never sent their request do not hold the grace
         stopped, end = self.server.stop(grace), time.monotonic() + (grace or 0.0)
+        idle_since = None
         while not stopped.wait(0.05) and time.monotonic() < end:
             # A call that reached the gate between the first end_waiting and the stop (an attacker replacing each
             # silent call as it is ended does) would otherwise wait for its request through the whole grace.
             self.gate.end_waiting()
-            if self.gate.idle():  # no call of ours left: what remains is connections that ignore the GOAWAY
+            now = time.monotonic()
+            if not self.gate.idle():
+                idle_since = None
+            elif idle_since is None:
+                idle_since = now
+            elif now - idle_since >= SETTLE_SECONDS:
+                # No call of ours left for a while: what remains is connections that ignore the GOAWAY. Closed
+                # sooner, a connection whose last answer its client is still reading is reset, and the answer lost.
                 self.server.stop(0)
         stopped.wait()
         busy = self.gate.shutdown(POOL_STOP_SECONDS)
