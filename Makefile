@@ -34,7 +34,7 @@ serve: $(STAMP)
 # pytest-xdist workers for `make test` (0: none; TEST_WORKERS=0 runs without). 3 on this 2-core machine: one runs
 # the `exclusive` tests one after the other (mostly waiting on their sieges' timers, about half a CPU), the other
 # two run beside them at niceness 10 (tests/tiers.py), taking the CPU time they leave, so that one's waits (servers
-# starting, timers, tools) are the other's CPU time: 337-378 s here (pytest's figure; 374-413 s with those two pinned
+# starting, timers, tools) are the other's CPU time: 322-378 s here (pytest's figure; 374-413 s with those two pinned
 # to one CPU instead, 394 s with 4 workers, all in December 2026; 466-468 s with 2 workers, measured earlier).
 # The suite then keeps both CPUs about 92 % busy: its own CPU time, not its waits, is what makes it last.
 # loadgroup spreads tests one by one, except the groups tests/tiers.py makes (process tests sharing a module-scoped
