@@ -21,7 +21,7 @@ from indexer_service.protos.indexer.v1 import indexer_pb2_grpc as pb_grpc
 from indexer_service.service.codec import SERVICE_NAME, chunk_inputs_to_proto, encode_int32
 from testkit.batches import make_inputs
 from testkit.h2raw import RawGrpcConnection
-from testkit.harness import INDEXER_SERVICE, ServiceProcess, clean_env, http_get, listen_flags
+from testkit.harness import INDEXER_SERVICE, ServiceProcess, clean_env, http_get, listen_flags, poll
 from testkit.payloads import grpc_frame
 from tests.service.conftest import StartServer, scrape
 
@@ -203,16 +203,15 @@ def test_a_signal_at_any_moment_ends_the_process_with_0(
     assert f"shutdown signal={signum.name}" in text, text
 
 
-MEDIUM_QUERY_TOKENS = 8_886  # testkit.batches' medium batch, whose answer (346 KB) is many flow-control windows
-
-
 @pytest.mark.exclusive  # the stalled answer must still be unsent when SIGTERM's stop begins
 def test_an_answer_still_being_sent_is_delivered_during_the_grace(start_server: StartServer) -> None:
     """A call whose handler has returned but whose answer gRPC is still sending (its reader granted no credit yet)
     is a call in flight: the drain's stop waits for it within the grace rather than cancelling every call once no
     handler runs, and the answer arrives whole with status OK once the reader reads."""
-    server = draining_server(start_server, 0.0, "--max-num-batched-tokens", str(2 * MEDIUM_QUERY_TOKENS))
-    request = chunk_inputs_to_proto(make_inputs("medium-64")).SerializeToString()
+    medium = make_inputs("medium-64")  # its answer (346 KB) is many flow-control windows
+    query_tokens = int(medium.query_start_loc[-1])
+    server = draining_server(start_server, 0.0, "--max-num-batched-tokens", str(2 * query_tokens))
+    request = chunk_inputs_to_proto(medium).SerializeToString()
     with grpc.insecure_channel(server.address) as channel:
         answer = channel.unary_unary(f"/{SERVICE_NAME}/BuildChunk")(request, timeout=10)
     raw = RawGrpcConnection(server.grpc_host, server.grpc_port, initial_window_size=0, read_past_goaway=True)
@@ -220,21 +219,20 @@ def test_an_answer_still_being_sent_is_delivered_during_the_grace(start_server: 
         assert raw.wait_settings()
         stream = raw.start_call(f"/{SERVICE_NAME}/BuildChunk", request)
         assert stream is not None
-        deadline = time.monotonic() + 10
-        while raw.streams[stream].headers_at is None or scrape(server).value(
-            "indexer_requests_in_flight", method="BuildChunk"
-        ):
-            assert time.monotonic() < deadline, server.log()
-            time.sleep(0.02)
+        answered = poll(
+            lambda: (
+                raw.streams[stream].headers_at is not None
+                and not scrape(server).value("indexer_requests_in_flight", method="BuildChunk")
+            ),
+            10.0,
+        )
+        assert answered, server.log()
         server.process.send_signal(signal.SIGTERM)
         time.sleep(1.0)  # twenty turns of the stop's loop: each found no handler running
         outcome = raw.streams[stream]
         assert not outcome.ended and server.process.poll() is None, (outcome, server.log())
         raw.grant(stream, 2 * len(answer))
-        deadline = time.monotonic() + 10
-        while not outcome.ended:
-            assert time.monotonic() < deadline, (outcome, server.log())
-            time.sleep(0.02)
+        assert poll(lambda: outcome.ended, 10.0), (outcome, server.log())
         assert (outcome.grpc_status, outcome.reset_code) == (0, None), outcome
         assert outcome.data_bytes == len(grpc_frame(answer))
         assert server.process.wait(GRACE) == 0, server.log()
