@@ -48,7 +48,8 @@ class GrpcCaller(Caller):
     ticket, so one callback per call does both; a ticket granted after :meth:`end` ran is released by the data
     plane, whose last look at the caller after the reservation then sees ``ended``. ``trailers``: the call's
     trailing metadata. ``gone_at_start``: what :meth:`gone` said when the caller was made. ``metadata``: the
-    caller's. :meth:`cancel_unread` is what the drain watchdog calls for an answer not read in time. ``open_call``
+    caller's. ``open_calls``: the gate's set of calls gRPC has not ended, which holds this one from its making to
+    :meth:`end`. :meth:`cancel_unread` is what the drain watchdog calls for an answer not read in time. ``open_call``
     reads and sets all that (service/adapters/grpcio.py: on grpcio's call state, or through the public methods)."""
 
     __slots__ = ("_context", "_method", "_open_calls", "_plane", "gone_at_start", "metadata")

@@ -99,7 +99,8 @@ class GrpcServer:
             elif now - idle_since >= SETTLE_SECONDS:
                 # No call of ours left for a while: what remains is connections that ignore the GOAWAY. Closed
                 # sooner, a connection whose last answer its client is still reading is reset, and the answer lost.
-                self.server.stop(0)
+                self.server.stop(0)  # once: the wait below sees it through
+                break
         stopped.wait()
         busy = self.gate.shutdown(POOL_STOP_SECONDS)
         if busy:
