@@ -8,7 +8,8 @@ Servers start with the numpy backend and no warmup (FAST_START: ready at once, a
 memory ratios are the strictest); ``--deployed-start`` starts them as deployed (default backend and warmup).
 
 Prints per attack what was tried, the RSS before and after, the victim's success, the probes answered within
-1 s, what the server's metrics counted, and for each server still running how long its RSS took to come back
+1 s, the same victim's and probes' figures in a quiet run of 5 s on the same server just before the attack
+(``control``: the baseline from the same run), what the server's metrics counted, and for each server still running how long its RSS took to come back
 within 1.2x of its idle value (``memory_back``, at most 60 s); ``--out`` writes the same as JSON.
 ``--server-pythonpath`` serves from another source tree, for "before" figures: ``git archive <commit> | tar -x
 -C /tmp/before`` (copy the built service/compute/_fastpath*.so too), then ``--server-pythonpath /tmp/before``.
@@ -75,7 +76,7 @@ from testkit.payloads import (
     one_row_chunks_plan_batch,
 )
 from testkit.record import write_json
-from testkit.siege import BYTES_HELD, Siege, health_address
+from testkit.siege import BYTES_HELD, Siege, control_run, health_address
 from testkit.streams import WATCH_PATH, BlockedWatchers, SilentCalls
 
 DEFAULT_DRAIN_SECONDS = 30.0  # response_drain_seconds' default: stalled answers are held at least this long
@@ -90,6 +91,17 @@ FRESH_CLIENT_INTERVAL = 1.0  # issue 19's stream floods: a fresh health-checking
 MEMORY_BACK_SECONDS = 60.0  # issue 10: idle RSS back within 1.2x of its value before, within 60 s of the end
 DEFAULT_IDLE_CONNECTION_SECONDS = 120.0  # connection_idle_seconds' default
 SCALE = {"factor": 1.0}  # --scale: the issue 19 floods' sizes
+# Each siege's quiet run on the same server just before its attack: long enough for about 250 victim calls and 50
+# probes of each kind.
+CONTROL_SECONDS = 5.0
+CONTROL_FIGURES = (
+    "seconds",
+    "victim_ok_ratio",
+    "victim_codes",
+    "probes_in_time_ratio",
+    "probes",
+    "fresh_client_ok_ratio",
+)
 
 
 class Bench:
@@ -144,6 +156,20 @@ class Bench:
         self.servers, self.idle_rss = [], {}
 
 
+class ControlledSiege(Siege):
+    """A :class:`Siege` preceded by a quiet run of the same siege on the same server (:func:`control_run`,
+    ``CONTROL_SECONDS``): its figures carry the quiet run's under ``control``, the baseline from the same run that
+    the attacked figures are read against."""
+
+    def __init__(self, server: ServiceProcess, **options: object) -> None:
+        self.control = control_run(server, CONTROL_SECONDS, **options)
+        super().__init__(server, **options)
+
+    def figures(self) -> dict[str, object]:
+        quiet = self.control.figures()
+        return super().figures() | {"control": {key: quiet[key] for key in CONTROL_FIGURES if key in quiet}}
+
+
 def _wait_rss(server: ServiceProcess, seconds: float) -> float:
     time.sleep(seconds)
     return round(mib(server.rss_bytes()), 1)
@@ -157,7 +183,10 @@ def stalled_streams(bench: Bench) -> dict:
     response_drain_seconds; then 100 window-0 streams on one connection (how many does the server take?)."""
     server = bench.serve()
     hold = DEFAULT_DRAIN_SECONDS + 5.0
-    with Siege(server) as siege, StalledStreams(LOOPBACK, server.grpc_port, BUILD_CHUNK_PATH, BIG_ANSWER, 10, 2) as st:
+    with (
+        ControlledSiege(server) as siege,
+        StalledStreams(LOOPBACK, server.grpc_port, BUILD_CHUNK_PATH, BIG_ANSWER, 10, 2) as st,
+    ):
         time.sleep(hold)
         stalled = st.snapshot()
     figures = siege.figures()
@@ -183,7 +212,10 @@ def cpu_amplification(bench: Bench) -> dict:
     figures = {}
     for name, flags in (("default", ()), ("max_plan_chunks_8192", ("--max-plan-chunks", "8192"))):
         server = bench.serve(*flags)
-        with Siege(server) as siege, Callers(server.address, PLAN_BATCH_PATH, amplifier, 30.0, 10, 0.0) as amp:
+        with (
+            ControlledSiege(server) as siege,
+            Callers(server.address, PLAN_BATCH_PATH, amplifier, 30.0, 10, 0.0) as amp,
+        ):
             time.sleep(30.0)
         figures[name] = siege.figures() | {"attacker_codes": amp.run().codes(), "memory_back": bench.memory_back()}
         server.kill()  # the next configuration gets the CPU to itself
@@ -195,7 +227,7 @@ def rapid_reset(bench: Bench) -> dict:
     """4 connections x 5,000 HEADERS + DATA + RST_STREAM, from 4 processes."""
     server = bench.serve()
     small = SMALL_BUILD_CHUNK.SerializeToString()
-    with Siege(server) as siege:
+    with ControlledSiege(server) as siege:
         reports = rapid_reset_parallel(LOOPBACK, server.grpc_port, BUILD_CHUNK_PATH, small, 4, 5000, 120.0)
         time.sleep(1.0)
     figures = siege.figures()
@@ -214,7 +246,7 @@ def _flood(bench: Bench, path: str, message: bytes, grpc_timeout: str | None) ->
     """Issue 19's floods: FLOOD_CONNECTIONS processes, one connection each, each sending ``message`` again as
     soon as the last call ended, for FLOOD_SECONDS; the victim's success counts its calls during the flood."""
     server = bench.serve()
-    with Siege(server, victim_pause=FLOOD_VICTIM_PAUSE) as siege:
+    with ControlledSiege(server, victim_pause=FLOOD_VICTIM_PAUSE) as siege:
         reports = call_loop_parallel(
             LOOPBACK, server.grpc_port, path, message, FLOOD_CONNECTIONS, FLOOD_SECONDS, grpc_timeout
         )
@@ -248,7 +280,7 @@ def expiring_flood(bench: Bench) -> dict:
 def http_big_header(bench: Bench) -> dict:
     """One request with a 64 MiB header, streamed in 64 KiB pieces."""
     server = bench.serve()
-    with Siege(server, probe_interval=0.05) as siege:
+    with ControlledSiege(server, probe_interval=0.05) as siege:
         report = huge_header(LOOPBACK, server.http_rpc_port, 64 * 2**20, max_seconds=120.0)
         time.sleep(1.0)
     figures = siege.figures()
@@ -266,7 +298,7 @@ def http_idle(bench: Bench) -> dict:
     """50 HTTP connections that never send, checked after http_idle_timeout_seconds + 5 s."""
     server = bench.serve()
     wait = DEFAULT_IDLE_SECONDS + 5.0
-    with Siege(server) as siege, IdleConnections(LOOPBACK, server.http_rpc_port, 50) as idle:
+    with ControlledSiege(server) as siege, IdleConnections(LOOPBACK, server.http_rpc_port, 50) as idle:
         time.sleep(wait)
         still_open = idle.still_open()
     figures = siege.figures()
@@ -279,7 +311,7 @@ def http_never_read(bench: Bench) -> dict:
     server = bench.serve()
     hold = DEFAULT_DRAIN_SECONDS + 5.0
     with (
-        Siege(server) as siege,
+        ControlledSiege(server) as siege,
         UnreadAnswers(LOOPBACK, server.http_rpc_port, f"{BUILD_CHUNK_PATH}", BIG_ANSWER, 10) as unread,
     ):
         time.sleep(hold)
@@ -302,7 +334,7 @@ def shedding(bench: Bench) -> dict:
     the callers see show up in the metrics?"""
     server = bench.serve("--max-concurrent-rpcs", "8")
     channels = [channel(server.address) for _ in range(10)]
-    with Siege(server, victim=False) as siege:
+    with ControlledSiege(server, victim=False) as siege:
         futures = [channels[n % 10].unary_unary(PLAN_BATCH_PATH).future(HEAVY_PLAN, timeout=60.0) for n in range(300)]
         codes: dict[str, int] = {}
         for future in futures:
@@ -404,7 +436,7 @@ def reflection_streams(bench: Bench) -> dict:
     server = bench.serve()
     connections = _scaled(6)
     flood = SilentCalls(server.address, connections=connections, streams_each=10, reopen_pause=0.05)
-    with Siege(server, fresh_client_interval=FRESH_CLIENT_INTERVAL) as siege, flood:
+    with ControlledSiege(server, fresh_client_interval=FRESH_CLIENT_INTERVAL) as siege, flood:
         time.sleep(30.0)
     figures = siege.figures()
     figures.update(tried=f"{connections} connections x 10 idle reflection streams, 30 s", opened=flood.opened)
@@ -420,7 +452,7 @@ def silent_unary_calls(bench: Bench) -> dict:
     for name, connections, each in (("one_connection_16", 1, 16), ("three_connections_300", 3, 100)):
         server = bench.serve()
         flood = shapes.silent_unary_calls(server, connections, each)
-        with Siege(server) as siege:
+        with ControlledSiege(server) as siege:
             with flood:
                 time.sleep(15.0)
             endings = flood.close()
@@ -437,7 +469,7 @@ def undecodable_health(bench: Bench) -> dict:
     server = bench.serve()
     flood_seconds = 30.0
     idle = server.rss_bytes()
-    with Siege(server) as siege:
+    with ControlledSiege(server) as siege:
         ports = {server.health_port: _scaled(4), server.grpc_port: _scaled(2)}
         reports = shapes.undecodable_calls(ports, (WATCH_PATH, shapes.HEALTH_CHECK_PATH), flood_seconds / 2)
     endings = merged_counts(r.endings for r in reports)
@@ -459,7 +491,7 @@ def silent_watches(bench: Bench) -> dict:
     server = bench.serve()
     flood = shapes.silent_watches(server)
     with flood[0], flood[1]:
-        with Siege(server, fresh_client_interval=FRESH_CLIENT_INTERVAL) as siege:
+        with ControlledSiege(server, fresh_client_interval=FRESH_CLIENT_INTERVAL) as siege:
             time.sleep(15.0)
         start = time.monotonic()
         code = server.terminate()
@@ -479,7 +511,7 @@ def http_trailers(bench: Bench) -> dict:
     connections took RSS from 64 to 725 MiB and an HTTP victim to 2.4 %)."""
     server = bench.serve()
     body = SMALL_BUILD_CHUNK.SerializeToString()
-    with Siege(server) as siege, HttpVictim(server.http_rpc_url, BUILD_CHUNK_PATH, body) as victim:
+    with ControlledSiege(server) as siege, HttpVictim(server.http_rpc_url, BUILD_CHUNK_PATH, body) as victim:
         flood = shapes.trailer_waves(server.http_rpc_port, 48, 15.0)
     figures = siege.figures()
     figures.update(
@@ -506,7 +538,7 @@ def idle_connections_many_peers(bench: Bench) -> dict:
     server = bench.serve()
     peers = shapes.many_peers(_scaled(79))
     floods = shapes.idle_connections_of_many_peers(server, peers, _scaled(200) // 4)
-    with Siege(server) as siege:
+    with ControlledSiege(server) as siege:
         for flood in floods:
             flood.open()
         try:
@@ -529,7 +561,7 @@ def blocked_watchers(bench: Bench) -> dict:
     """8 new connections a second, each with 2 health Watch streams whose flow-control window stays 0, 30 s."""
     server = bench.serve()
     flood = BlockedWatchers(LOOPBACK, server.grpc_port, rate=8.0 * SCALE["factor"], max_connections=_scaled(240))
-    with Siege(server, fresh_client_interval=FRESH_CLIENT_INTERVAL) as siege, flood:
+    with ControlledSiege(server, fresh_client_interval=FRESH_CLIENT_INTERVAL) as siege, flood:
         time.sleep(30.0)
     figures = siege.figures()
     figures.update(
@@ -554,7 +586,7 @@ def _idle_connections(
     ``credentials``)."""
     idle = server.rss_bytes()
     with (
-        Siege(server, victim=greeting == H2_PREFACE, grpc_credentials=credentials) as siege,
+        ControlledSiege(server, victim=greeting == H2_PREFACE, grpc_credentials=credentials) as siege,
         IdleConnections(LOOPBACK, port, count, greeting, source=FLOOD_PEER) as flood,
     ):
         time.sleep(1.0)

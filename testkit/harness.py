@@ -205,12 +205,24 @@ class ServiceProcess:
         while True:
             try:
                 if http_get(f"{self.http_url}/readyz", timeout=2.0)[0] == 200:
+                    self._note_pinned_workers()
                     return time.perf_counter() - self.started_at
             except OSError:
                 pass  # the listener is up but a probe can still race a slow accept; poll again
             if self.process is None or self.process.poll() is not None or time.monotonic() > deadline:
                 raise self._fail("server not ready")
             time.sleep(poll)
+
+    def _note_pinned_workers(self) -> None:
+        """Name in the run record the CPUs of each worker that the service pinned itself (``pin_workers``), which
+        :meth:`start`'s note does not see."""
+        try:
+            own = os.sched_getaffinity(self.pid)
+            for worker in psutil.Process(self.pid).children():
+                if set(cpus := worker.cpu_affinity()) != own:
+                    note_pinned([*self.command[:2], "worker"], cpus)
+        except (psutil.Error, OSError):  # it exited meanwhile: the next wait says so
+            pass
 
     def __enter__(self) -> ServiceProcess:
         self.start().wait_listening()

@@ -20,8 +20,10 @@ from pathlib import Path
 
 import pytest
 
+from indexer_service.service.process import cgroups
 from testkit import record as record_module
 from testkit.batches import make_inputs
+from testkit.harness import FAST_START, ServiceProcess
 from testkit.paths import REPO
 from testkit.record import note_pinned, process_name, run_record
 
@@ -243,3 +245,18 @@ def test_the_run_record_names_where_each_process_ran(monkeypatch: pytest.MonkeyP
     assert {"process": "python3 -m benchmarks.bench_rpc --serve-echo", "cpus": [0]} in record["pinned"]
     assert {"grpcio", "numpy", "torch", "triton"} <= set(record["packages"])
     assert process_name(["/bin/goecho", "-canned", "/tmp/x"]) == "goecho"
+
+
+def test_the_run_record_names_the_cpus_the_service_pinned_its_workers_to(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bench_workers' replicas pin their workers themselves (``pin_workers on``), which the benchmark did not ask
+    for: the record must name those CPUs, not say nothing was pinned."""
+    cpus = cgroups.cpu_set()
+    if len(cpus) < 2:
+        pytest.skip(f"pin_workers needs a CPU per worker: this machine's CPU set is {cpus}")
+    monkeypatch.setattr(record_module, "_pinned", [])
+    with ServiceProcess(*FAST_START, "--workers", "2", "--pin-workers", "on"):
+        pinned = run_record()["pinned"]
+    assert sorted(pinned, key=lambda entry: entry["cpus"]) == [
+        {"process": "indexer-service serve worker", "cpus": [cpus[0]]},
+        {"process": "indexer-service serve worker", "cpus": [cpus[1]]},
+    ]
