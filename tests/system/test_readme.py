@@ -11,6 +11,9 @@ import json
 import re
 import shlex
 
+from indexer_service.kernels.numpy_backend import build_chunk_metadata_numpy
+from indexer_service.service.codec import build_chunk_response_bytes
+from testkit.batches import make_inputs
 from testkit.paths import REPO
 from tests.deploy.support import markdown_anchors
 from tests.system.test_docs import blocks
@@ -97,6 +100,27 @@ def test_each_headline_figure_is_a_number_of_its_run() -> None:
                 assert any(round(v * scale, digits) == target for v in values), (
                     f"{number}{percent} of {row}: not in {name}"
                 )
+
+
+def test_the_batches_are_the_ones_the_benchmarks_send() -> None:
+    """The Performance section's small, medium and large: their requests and query tokens as testkit.batches makes
+    them, and their answers' sizes as the server encodes them (KB and MB of 1,000 and 1,000,000 bytes, as rounded
+    there)."""
+    text = " ".join(section("Performance").split())
+    for name, batch in (("small", "small-8"), ("medium", "medium-64"), ("large", "large-256")):
+        inputs = make_inputs(batch)
+        answer = len(build_chunk_response_bytes(build_chunk_metadata_numpy(inputs), omit_token_to_seq=False))
+        stated = re.search(
+            rf"\*\*{name}\*\* = ([\d,]+) requests, ([\d,]+) query tokens \((?:an? )?(\d+(?:\.\d+)?) (KB|MB)\b", text
+        )
+        assert stated, f"the Performance section does not define **{name}** as N requests, N query tokens (N KB|MB)"
+        requests, tokens, size, unit = stated.groups()
+        assert (int(requests.replace(",", "")), int(tokens.replace(",", ""))) == (
+            len(inputs.seq_lens),
+            int(inputs.query_start_loc[-1]),
+        ), name
+        decimals = len(size.partition(".")[2])
+        assert round(answer / {"KB": 1e3, "MB": 1e6}[unit], decimals) == float(size), f"{name}: {answer} bytes"
 
 
 def test_one_call_example_each_for_python_grpcurl_and_curl_runs_against_a_server() -> None:
