@@ -61,8 +61,8 @@ test-deps: $(STAMP)
 	$(PY) scripts/test-deps.py
 
 # The inner loop: the kernels and the in-process service tests, without the tests that start processes (marked
-# `process` at collection: tests/tiers.py), the `slow` ones and the GPU ones. No workers: each would import torch
-# and Triton first (26 s serial against 29-36 s on 2 workers, measured back to back here).
+# `process` at collection: tests/tiers.py), the `slow` ones and the GPU ones: 72-81 s on 2 CPUs (docs/testing.md).
+# No workers: each would import torch and Triton first, and 2 workers took longer than none, back to back here.
 test-quick: $(STAMP)
 	$(PY) -m pytest -q -m "not process and not slow and not gpu" tests/kernels tests/service
 

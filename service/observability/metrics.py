@@ -30,8 +30,9 @@ from indexer_service.service.reasons import HttpRefusal, Port, RestartReason
 
 M = TypeVar("M", Counter, Gauge, Histogram, ThreadGauge, ThreadHistogram)
 
-# Request latency spans ~100 us (tiny batch, loopback) to seconds (huge batch through the interpreter). One row,
-# as the other bucket sets, so the 1-2.5-5 steps read across (the formatter would put one value a line).
+# Request latency spans from a tiny batch over loopback (the first bucket, 100 us) to seconds (a huge batch through
+# the interpreter). One row, as the other bucket sets, so the 1-2.5-5 steps read across (the formatter would put
+# one value a line).
 LATENCY_BUCKETS = (
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
 )  # fmt: skip

@@ -130,8 +130,9 @@ class IdleTrim:
     (:meth:`start`, :meth:`stop`). Quiet: no call ended
     (``last_call_end``, a ``time.monotonic()`` reading) and no connection closed (its descriptors did not fall); or,
     while calls go on, at least ``FLOOD_CONNECTIONS`` descriptors fewer than at their peak since the last trim and
-    none closed for ``idle_seconds``. Without the closing connections, memory that thousands of them held (gRPC
-    core's buffers, about 18 KiB each idle) stayed resident after they left, under steady traffic for good."""
+    none closed for ``idle_seconds``. Without that second rule, the memory thousands of connections held (gRPC
+    core's buffers; what one costs: docs/overload.md, "Connections") would stay resident after they closed, under
+    steady traffic for good."""
 
     def __init__(
         self,

@@ -11,10 +11,10 @@ normal interpreter exit: the warmup runs on a daemon thread that spends most of 
 compiler (MLIR and LLVM through pybind11). When the interpreter finalizes while that thread is inside C++,
 the thread is torn down on its next return to Python (CPython 3.11 calls ``pthread_exit``, a forced unwind),
 the unwind crosses C++ frames that do not allow it, and the process aborts: exit -6, "terminate called after
-throwing an instance of ''" / "FATAL: exception not rethrown" (reproduced: SIGTERM 0.3 s into a cold-cache
-warmup). A compile cannot be interrupted, and waiting for it could outlast any shutdown grace, so the process
-ends without finalizing: nothing it owns needs finalizing once the drain is done (Triton writes its cache
-entries atomically; the port file and the logs are written and flushed).
+throwing an instance of ''" / "FATAL: exception not rethrown" (a SIGTERM early in a cold-cache warmup;
+docs/service.md, "Shutdown"). A compile cannot be interrupted, and waiting for it could outlast any shutdown
+grace, so the process ends without finalizing: nothing it owns needs finalizing once the drain is done (Triton
+writes its cache entries atomically; the port file and the logs are written and flushed).
 """
 
 from __future__ import annotations

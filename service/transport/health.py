@@ -51,7 +51,7 @@ SendResponse = Callable[[health_pb2.HealthCheckResponse | None], None]
 SEND_TIMEOUT_SECONDS = 5.0
 # Open Watch streams a peer (an address) may hold, and the process: far above a client's health checking (one or
 # two names per connection, a client's few connections; a NAT's many clients), far below what would cost memory that
-# matters (each ~10 KiB: 20 MiB at the total).
+# matters (what a stream holds: docs/overload.md, "Long-lived streams: health Watch and reflection").
 WATCH_STREAMS_PER_PEER = 256
 WATCH_STREAMS = 2048
 

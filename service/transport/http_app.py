@@ -105,9 +105,9 @@ TRANSPORT_ERROR_CODES: dict[int, str] = {
 }
 # Answers are written this much at a time: a reader that stops holds at most one piece in the socket buffer.
 SEND_PIECE_BYTES = 2**20
-# A JSON answer holds, at the peak of its encoding, the protobuf answer and 4x its size more (the parsed
-# message, the base64 strings, the text and its bytes; tracemalloc over an 8 MB answer): its budget ticket
-# is taken for 5 bytes per answer byte, and shrinks to the text once encoded.
+# A JSON answer holds, at the peak of its encoding, the protobuf answer and several times its size more (the
+# parsed message, the base64 strings, the text and its bytes; docs/performance.md): its budget ticket is taken
+# for 5 bytes per answer byte, and shrinks to the text once encoded.
 JSON_HELD_PER_ANSWER_BYTE = 5.0
 
 

@@ -11,9 +11,11 @@ from pathlib import Path
 
 from testkit.paths import REPO, cited_path_exists, cited_paths
 
-# Hand-written sources and documents, by suffix; generated code (protos' *_pb2*.py), recorded results
-# (benchmarks/results/) and test data are not read.
-SOURCE_FOLDERS = ("service", "kernels", "testkit", "benchmarks", "tests", "scripts")
+# Hand-written sources and documents, by suffix; generated code (protos' *_pb2*.py, clients/python/generated/),
+# recorded results (benchmarks/results/) and test data are not read. The Python client is clients/python/client/.
+SOURCE_FOLDERS = ("service", "kernels", "testkit", "benchmarks", "tests", "scripts", "clients/python/client")
+# The Python client's build and generation scripts, beside its package.
+CLIENT_SCRIPTS = ("clients/python/build.py", "clients/python/generate.py")
 SOURCE_SUFFIXES = {".py", ".pyi", ".c", ".toml", ".md", ".sh", ".go"}
 SKIPPED_FOLDERS = {"results", "data", "__pycache__", "bin"}
 
@@ -51,6 +53,7 @@ def citing_files() -> Iterator[Path]:
             if path.is_file() and path.suffix in SOURCE_SUFFIXES and not skipped:
                 yield path
     yield from (path for path in sorted((REPO / "protos").rglob("*.py")) if "_pb2" not in path.name)
+    yield from (REPO / script for script in CLIENT_SCRIPTS)
     yield from sorted((REPO / "docs").glob("*.md"))
     yield REPO / "README.md"
     yield REPO / "deploy" / "README.md"
@@ -58,9 +61,16 @@ def citing_files() -> Iterator[Path]:
 
 
 def test_the_scan_reads_code_and_documents() -> None:
-    """Not vacuous: the scan reads this file, the fast path's C source and the deploy guide, and finds citations."""
+    """Not vacuous: the scan reads this file, the fast path's C source, the Python client and its build script and
+    the deploy guide, and finds citations."""
     read = set(citing_files())
-    assert {Path(__file__), REPO / "service" / "compute" / "fastpath.c", REPO / "deploy" / "README.md"} <= read
+    assert {
+        Path(__file__),
+        REPO / "service" / "compute" / "fastpath.c",
+        REPO / "clients" / "python" / "client" / "__init__.py",
+        REPO / "clients" / "python" / "build.py",
+        REPO / "deploy" / "README.md",
+    } <= read
     assert "testkit/paths.py" in cited_paths((Path(__file__)).read_text())
 
 

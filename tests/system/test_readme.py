@@ -1,7 +1,8 @@
 """The README's shape, where it is cheap to hold: a newcomer reads what the service does, how to start it, how to
 call it and how to deploy it before the figures, the tests and the rest; the figures fit on a screen, name their
-machine and come from runs that record it; the call examples are there (tests/system/test_docs.py runs them
-against a server and compares what they print).
+machine, come from runs that record it and are the values of the keys each row names; the batches are the
+benchmarks'; the call examples are there (tests/system/test_docs.py runs them against a server and compares what
+they print).
 
 Which commands the README's blocks may name bare, and the install's steps: tests/system/test_install.py."""
 
@@ -11,9 +12,13 @@ import json
 import re
 import shlex
 
+from indexer_service.kernels.numpy_backend import build_chunk_metadata_numpy
+from indexer_service.service.codec import build_chunk_response_bytes
+from testkit.batches import make_inputs
 from testkit.paths import REPO
 from tests.deploy.support import markdown_anchors
 from tests.system.test_docs import blocks
+from tests.system.test_results_summary import check_figures, shown_numbers
 
 README = REPO / "README.md"
 TEXT = README.read_text()
@@ -22,6 +27,9 @@ RESULTS = REPO / "benchmarks" / "results"
 # The sections a newcomer reads, in this order (others may come between or after them).
 ORDER = ["Quick start", "Calling it", "Deploy", "Performance", "Tests"]
 MAX_ROWS, MAX_CELL = 12, 120
+# Below the headline table, a comment names the keys of each row's figures, one line a row, written as RESULTS.md's
+# last column writes them (```results/FILE.json` `PREFIX`: `KEY`, ...``).
+ROW_KEYS = re.compile(r"^<!-- The figures of each row above[^`]*?\n((?:`results/[^\n]*\n)+)-->$", re.M)
 
 
 def section(title: str) -> str:
@@ -72,31 +80,43 @@ def test_each_headline_figure_cites_a_run_that_records_its_commit_date_and_machi
         assert run["commit"].startswith(commit) and run["date"].startswith(date), (row, run)
 
 
-def json_numbers(data: object) -> list[float]:
-    """Every number a benchmark's JSON holds, its run record aside."""
-    if isinstance(data, dict):
-        return [n for key, value in data.items() if key != "run" for n in json_numbers(value)]
-    if isinstance(data, list):
-        return [n for value in data for n in json_numbers(value)]
-    return [float(data)] if isinstance(data, int | float) and not isinstance(data, bool) else []
-
-
-def test_each_headline_figure_is_a_number_of_its_run() -> None:
-    """Every number of a row's result and baseline, as rounded there (a % is the value times 100), is a value of the
-    JSON it cites: a figure copied wrong, or left behind when its file was replaced, fails here."""
+def test_each_headline_figure_is_the_value_of_the_key_its_row_names() -> None:
+    """Every number of a row's result and then its baseline, as rounded there (a % is the value times 100), is in
+    order the value of one key its line of the comment below the table names, in the JSON the row cites
+    (RESULTS.md's check, ``check_figures``): a figure copied wrong, bound to another key of the same file (a 100 %
+    that is some other ratio's 1.0), or left behind when its file was replaced fails here."""
     header, rows = first_table(section("Performance"))
+    keys = ROW_KEYS.search(section("Performance"))
+    assert keys, "no comment below the headline table names the keys of its rows' figures"
+    lines = keys.group(1).splitlines()
+    assert len(lines) == len(rows), f"{len(rows)} rows, {len(lines)} lines of keys"
     shown = [header.index("result"), header.index("baseline, same run")]
-    for row in rows:
-        (name,) = re.findall(r"`([\w.-]+\.json)`", row[header.index("run (commit, date)")])
-        values = json_numbers(json.loads((RESULTS / name).read_text()))
-        for cell in (row[column] for column in shown):
-            for number, percent in re.findall(r"(?<![\w.])(\d[\d,]*(?:\.\d+)?)(\s?%)?", cell):
-                digits = len(number.partition(".")[2])
-                target = float(number.replace(",", ""))
-                scale = 100 if percent else 1
-                assert any(round(v * scale, digits) == target for v in values), (
-                    f"{number}{percent} of {row}: not in {name}"
-                )
+    for number, (row, line) in enumerate(zip(rows, lines, strict=True), 1):
+        where = f"README.md, headline row {number} ({row[0]})"
+        figures = [figure for column in shown for figure in shown_numbers(row[column])]
+        (cited,) = re.findall(r"`([\w.-]+\.json)`", row[header.index("run (commit, date)")])
+        assert check_figures(where, line, figures) == cited, f"{where}: cites {cited}, its keys are another file's"
+
+
+def test_the_batches_are_the_ones_the_benchmarks_send() -> None:
+    """The Performance section's small, medium and large: their requests and query tokens as testkit.batches makes
+    them, and their answers' sizes as the server encodes them (KB and MB of 1,000 and 1,000,000 bytes, as rounded
+    there)."""
+    text = " ".join(section("Performance").split())
+    for name, batch in (("small", "small-8"), ("medium", "medium-64"), ("large", "large-256")):
+        inputs = make_inputs(batch)
+        answer = len(build_chunk_response_bytes(build_chunk_metadata_numpy(inputs), omit_token_to_seq=False))
+        stated = re.search(
+            rf"\*\*{name}\*\* = ([\d,]+) requests, ([\d,]+) query tokens \((?:an? )?(\d+(?:\.\d+)?) (KB|MB)\b", text
+        )
+        assert stated, f"the Performance section does not define **{name}** as N requests, N query tokens (N KB|MB)"
+        requests, tokens, size, unit = stated.groups()
+        assert (int(requests.replace(",", "")), int(tokens.replace(",", ""))) == (
+            len(inputs.seq_lens),
+            int(inputs.query_start_loc[-1]),
+        ), name
+        decimals = len(size.partition(".")[2])
+        assert round(answer / {"KB": 1e3, "MB": 1e6}[unit], decimals) == float(size), f"{name}: {answer} bytes"
 
 
 def test_one_call_example_each_for_python_grpcurl_and_curl_runs_against_a_server() -> None:

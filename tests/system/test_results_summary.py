@@ -81,6 +81,22 @@ def shown_numbers(text: str) -> list[tuple[float, int, bool]]:
     ]
 
 
+def check_figures(where: str, json_cell: str, shown: list[tuple[float, int, bool]]) -> str:
+    """Each figure ``shown`` (:func:`shown_numbers`) is, in order, the value of one key that ``json_cell`` names
+    (```results/FILE.json` `PREFIX`: `KEY`, ...``), rounded as shown; returns the file's name."""
+    cell = _JSON_CELL.match(json_cell)
+    assert cell, f"{where}: not `results/FILE.json` `PREFIX`: `KEY`, ...: {json_cell!r}"
+    path = RESULTS / cell["file"]
+    assert path.exists(), f"{where}: cites {path.relative_to(REPO)}, which is not there"
+    data = json.loads(path.read_text())
+    keys = _CODE.findall(cell["keys"])
+    assert len(shown) == len(keys), f"{where}: {len(shown)} figures shown, {len(keys)} keys named"
+    for key, (number, decimals, percent) in zip(keys, shown, strict=True):
+        value = key_value(data, cell["prefix"] or "", key) * (100 if percent else 1)
+        assert abs(value - number) <= 0.5 * 10**-decimals + 1e-9, f"{where}: {key} is {value}, the row shows {number}"
+    return cell["file"]
+
+
 def cpus_text(cpus: list[int]) -> str:
     """How a row writes a set of CPUs: ``CPU 0``, ``CPUs 1-15``, ``CPUs 0, 2``."""
     if len(cpus) == 1:
@@ -128,17 +144,8 @@ def test_the_summary_is_one_page_and_every_row_is_read() -> None:
 
 @pytest.mark.parametrize(("where", "row", "checked"), ROWS, ids=[where for where, _, _ in ROWS])
 def test_each_figure_is_its_json_files(where: str, row: dict[str, str], checked: list[str]) -> None:
-    cell = _JSON_CELL.match(row["JSON: keys"])
-    assert cell, f"{where}: the last cell is not `results/FILE.json` `PREFIX`: `KEY`, ...: {row['JSON: keys']!r}"
-    path = RESULTS / cell["file"]
-    assert path.exists(), f"{where}: cites {path.relative_to(REPO)}, which is not there"
-    data = json.loads(path.read_text())
-    keys = _CODE.findall(cell["keys"])
     shown = [number for header in checked for number in shown_numbers(row[header])]
-    assert len(shown) == len(keys), f"{where}: {len(shown)} figures shown, {len(keys)} keys named"
-    for key, (number, decimals, percent) in zip(keys, shown, strict=True):
-        value = key_value(data, cell["prefix"] or "", key) * (100 if percent else 1)
-        assert abs(value - number) <= 0.5 * 10**-decimals + 1e-9, f"{where}: {key} is {value}, the row shows {number}"
+    check_figures(f"{where}, the last cell", row["JSON: keys"], shown)
 
 
 @pytest.mark.parametrize(("where", "row"), [(where, row) for where, row, _ in ROWS], ids=[w for w, _, _ in ROWS])
