@@ -1,7 +1,7 @@
 """End-to-end RPC latency and throughput of BuildChunk on 127.0.0.1, against a bare gRPC echo of the same bytes.
 
     python -m benchmarks.bench_rpc [--seconds 1] [--rounds 5] [--backend numpy|triton|auto[,...]] [--no-pin]
-        [--out rpc.json] [--plot rpc.png]
+        [--loadgen-window BYTES] [--out rpc.json] [--plot rpc.png]
 
 Batches: bench_kernel's small (8 requests, 352 query tokens), medium (64, 8,886) and large (256, 65,956) at ratio
 4, each sent whole as one chunk (``--batches`` picks some). Per batch: p50 and p99 with one call at a time, then
@@ -12,7 +12,10 @@ on those medians, and a ``rounds`` line under each service shows the same ratios
 highest, and in how many rounds the target held), which the JSON keeps with every round's figures. The client is
 the Go load generator (benchmarks/loadgen, ``python -m benchmarks.loadgen`` builds it), request bytes out and
 response bytes back: a Python client saturated before either server did and hid the service's per-call cost
-(0.9-1.1x the echo against 0.70x with Go on the H200 host).
+(0.9-1.1x the echo against 0.70x with Go on the H200 host). ``--loadgen-window BYTES`` gives its connections static
+receive windows (BDP estimation off): Debian's grpc-go fails about one medium call in 10,000 on the GPU machine's
+Xeon with a client-side "unexpected EOF" under its dynamic windows (benchmarks/loadgen/main.go says why), and a
+latency benchmark allows no failed call.
 
 Beside it, the stack's limit: a grpc-go echo of the same bytes (benchmarks/goecho, built like the load generator)
 on the same CPU, printed with its ratios to the Python echo and no target.
@@ -140,22 +143,28 @@ def record_responses(service: ServiceProcess, canned: Path) -> None:
             (canned / f"{n}.response").write_bytes(response)
 
 
-def run_loadgen(binary: Path, server: ServiceProcess, request_file: Path, in_flight: int, seconds: float) -> dict:
-    """One run of the Go load generator (pinned where this process is: off the servers' CPU); its JSON row. A
-    latency benchmark allows no failed call."""
+def run_loadgen(
+    binary: Path, server: ServiceProcess, request_file: Path, in_flight: int, seconds: float, window: int = 0
+) -> dict:
+    """One run of the Go load generator (pinned where this process is: off the servers' CPU; ``window``: its
+    static receive windows, 0 grpc-go's dynamic ones); its JSON row. A latency benchmark allows no failed call."""
     connections = 1 if in_flight == 1 else LOADGEN_CONNECTIONS
-    return loadgen.run(binary, [server], METHOD, request_file, in_flight, connections, seconds, failures_allowed=0.0)
+    return loadgen.run(
+        binary, [server], METHOD, request_file, in_flight, connections, seconds, failures_allowed=0.0, window=window
+    )
 
 
-def measure(binary: Path, server: ServiceProcess, request_file: Path, seconds: float) -> dict[str, float]:
+def measure(
+    binary: Path, server: ServiceProcess, request_file: Path, seconds: float, window: int = 0
+) -> dict[str, float]:
     """p50/p99 with one call at a time, then calls/s and the server's CPU per call (user + system, microseconds:
     what a shared machine's neighbours disturb least) at each IN_FLIGHT, all from the Go load generator."""
-    single = run_loadgen(binary, server, request_file, 1, seconds)
+    single = run_loadgen(binary, server, request_file, 1, seconds, window)
     row = {"calls": single["calls"], "p50_us": single["p50_us"], "p99_us": single["p99_us"]}
     process = psutil.Process(server.pid)
     for k in IN_FLIGHT:
         before = sum(process.cpu_times()[:2])
-        loaded = run_loadgen(binary, server, request_file, k, seconds)
+        loaded = run_loadgen(binary, server, request_file, k, seconds, window)
         used = sum(process.cpu_times()[:2]) - before
         row[f"calls_per_s_{k}"] = loaded["calls"] / loaded["elapsed"]
         row[f"server_cpu_us_per_call_{k}"] = used / loaded["calls"] * 1e6
@@ -198,7 +207,12 @@ Rounds = dict[str, list[dict[str, float]]]  # each server's measure() rows, one 
 
 
 def alternate(
-    binary: Path, servers: dict[str, ServiceProcess], request_file: Path, rounds: int, seconds: float
+    binary: Path,
+    servers: dict[str, ServiceProcess],
+    request_file: Path,
+    rounds: int,
+    seconds: float,
+    window: int = 0,
 ) -> tuple[dict[str, dict[str, float]], Rounds]:
     """Each server's :func:`measure` figures, the servers alternating in ``rounds`` short rounds: each figure the
     median of its rounds (a noisy neighbour hits every server, not one whole phase), and the rounds themselves. The
@@ -208,7 +222,7 @@ def alternate(
     for turn in range(rounds):
         first = turn % len(names)
         for server in names[first:] + names[:first]:
-            rows[server].append(measure(binary, servers[server], request_file, seconds))
+            rows[server].append(measure(binary, servers[server], request_file, seconds, window))
     return {server: median_row(figures) for server, figures in rows.items()}, rows
 
 
@@ -300,6 +314,12 @@ def main() -> None:
     parser.add_argument(
         "--no-pin", action="store_true", help="do not pin the servers to CPU 0 and the client to the other CPUs"
     )
+    parser.add_argument(
+        "--loadgen-window",
+        type=int,
+        default=0,
+        help="the load generator's static receive windows in bytes (its -window), 0: grpc-go's dynamic ones",
+    )
     parser.add_argument("--out", type=Path, help="write the figures as JSON here")
     parser.add_argument("--plot", type=Path, help="write a PNG of the figures here")
     parser.add_argument("--serve-echo", type=Path, help=argparse.SUPPRESS)
@@ -335,7 +355,9 @@ def main() -> None:
         servers = {"echo": echo, "go-echo": go_echo, **services}
         for name in args.batches.split(","):
             request_file = canned / f"{BATCHES.index(name)}.request"
-            results[name], per_round[name] = alternate(binary, servers, request_file, args.rounds, args.seconds)
+            results[name], per_round[name] = alternate(
+                binary, servers, request_file, args.rounds, args.seconds, args.loadgen_window
+            )
             print(f"measured {name}", file=sys.stderr)
         if "auto" in services:
             auto = auto_report(services)
@@ -436,6 +458,7 @@ def main() -> None:
             "pinned": pin,
             "seconds": args.seconds,
             "rounds": args.rounds,
+            "loadgen_window": args.loadgen_window,
             "auto": auto,
             "batches": results,
             "per_round": per_round,

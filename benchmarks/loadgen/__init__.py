@@ -42,10 +42,12 @@ def command(
     connections: int,
     seconds: float,
     start_at: float | None = None,
+    window: int = 0,
 ) -> list[str]:
     """The command line of one run: ``in_flight`` calls of ``method`` (``request_file``'s bytes) over
     ``connections`` ClientConns to ``addresses`` (round_robin where several) for ``seconds``, from ``start_at``
-    (Unix time) when given."""
+    (Unix time) when given; with ``window`` (bytes) static receive windows in place of grpc-go's dynamic ones
+    (main.go's ``-window``: why)."""
     flags = [
         f"-address={','.join(addresses)}",
         f"-method={method}",
@@ -54,6 +56,7 @@ def command(
         f"-connections={connections}",
         f"-seconds={seconds}",
         *([f"-start-at={start_at}"] if start_at is not None else []),
+        *([f"-window={window}"] if window else []),
     ]
     return [str(binary), *flags]
 
@@ -103,11 +106,13 @@ def run(
     seconds: float,
     failures_allowed: float,
     cpus: Collection[int] | None = None,
+    window: int = 0,
 ) -> dict:
-    """One run of the load generator against ``servers`` (:func:`command`, on ``cpus`` when given): its JSON row
-    (calls, elapsed, errors, error_messages, p50_us, p99_us, per_connection_calls, per_address_calls), once
-    :func:`judge_failures` has let ``failures_allowed`` (a share of the calls) pass."""
-    argv = command(binary, [s.address for s in servers], method, request_file, in_flight, connections, seconds)
+    """One run of the load generator against ``servers`` (:func:`command`, on ``cpus`` when given, ``window`` its
+    receive windows): its JSON row (calls, elapsed, errors, error_messages, p50_us, p99_us, per_connection_calls,
+    per_address_calls), once :func:`judge_failures` has let ``failures_allowed`` (a share of the calls) pass."""
+    addresses = [s.address for s in servers]
+    argv = command(binary, addresses, method, request_file, in_flight, connections, seconds, window=window)
     row = result(start(argv, cpus), seconds)
     judge_failures(row["calls"], row["errors"], row["error_messages"], servers, failures_allowed)
     return row

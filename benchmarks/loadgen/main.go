@@ -9,7 +9,7 @@
 // Usage:
 //
 //	loadgen -address HOST:PORT[,HOST:PORT...] -request-file PATH [-method /indexer.v1.PrefillMetadata/BuildChunk]
-//	    [-in-flight 32] [-connections 4] [-seconds 2] [-start-at UNIX_EPOCH_SECONDS]
+//	    [-in-flight 32] [-connections 4] [-seconds 2] [-start-at UNIX_EPOCH_SECONDS] [-window BYTES]
 //
 // The request file holds the serialized request; a codec that passes bytes through sends it as is and keeps the
 // answers' bytes unparsed. Each of -connections is its own grpc.ClientConn; each call goes to the ClientConn with
@@ -21,6 +21,12 @@
 // DNS. Every ClientConn is warmed until each address has answered a call, then the loop starts at -start-at (if
 // given) and keeps -in-flight calls going for -seconds; calls in flight at the end finish and count. Retries off,
 // 64 MiB answers accepted, 60 s deadline per call.
+//
+// -window (bytes, at least 65535) sets each ClientConn's stream and connection receive windows and turns grpc-go's
+// BDP estimation off; 0 (the default) keeps the dynamic windows. Debian's grpc-go (1.33) races a stream's creation
+// against a BDP window update (grpc-go issue 5358, fixed in 1.48 by PR 5494): the new stream keeps the old window
+// while the server was told the new one, its answer then overruns it, and the call fails with Internal "unexpected
+// EOF" (a client-side FLOW_CONTROL_ERROR; about one call in 10,000 at the medium batch on the GPU machine's Xeon).
 //
 // Prints one JSON line: calls (all finished calls of the loop, warm-up calls excluded), elapsed (seconds, start
 // to the last call's end), errors (non-OK calls by gRPC code name), p50_us and p99_us (OK calls, nearest rank;
@@ -141,6 +147,7 @@ func main() {
 	connections := flag.Int("connections", 4, "connections (one grpc.ClientConn each)")
 	seconds := flag.Float64("seconds", 2, "length of the loop in seconds")
 	startAt := flag.Float64("start-at", 0, "Unix time (seconds, fractional) to start the loop at, after the warm-up")
+	window := flag.Int("window", 0, "stream and connection receive window in bytes, BDP estimation off (0: dynamic)")
 	flag.Parse()
 	switch {
 	case flag.NArg() > 0:
@@ -151,6 +158,8 @@ func main() {
 		usage("-in-flight and -connections must be >= 1")
 	case !(*seconds > 0):
 		usage("-seconds must be > 0")
+	case *window != 0 && (*window < 65535 || *window > math.MaxInt32):
+		usage("-window must be 0 or from 65535 to %d", math.MaxInt32)
 	}
 	request, err := os.ReadFile(*requestFile)
 	if err != nil {
@@ -158,10 +167,14 @@ func main() {
 	}
 	addresses := strings.Split(*address, ",")
 
+	options := []grpc.DialOption{grpc.WithInsecure(), grpc.WithDisableRetry(),
+		grpc.WithDefaultCallOptions(grpc.ForceCodec(rawCodec{}), grpc.MaxCallRecvMsgSize(64<<20))}
+	if *window > 0 {
+		options = append(options, grpc.WithInitialWindowSize(int32(*window)), grpc.WithInitialConnWindowSize(int32(*window)))
+	}
 	conns := make([]*grpc.ClientConn, *connections)
 	for i := range conns {
-		conns[i], err = dial(addresses, i, grpc.WithInsecure(), grpc.WithDisableRetry(),
-			grpc.WithDefaultCallOptions(grpc.ForceCodec(rawCodec{}), grpc.MaxCallRecvMsgSize(64<<20)))
+		conns[i], err = dial(addresses, i, options...)
 		if err != nil {
 			fail("dial %s: %v", *address, err)
 		}

@@ -56,6 +56,14 @@ def test_loadgen_bad_flag_is_a_usage_error(loadgen: Path) -> None:
     assert "no-such-flag" in run.stderr
 
 
+def test_loadgen_window_out_of_range_is_a_usage_error(loadgen: Path) -> None:
+    """-window is 0 (grpc-go's dynamic windows) or a static window HTTP/2 allows, never below its 65,535 bytes."""
+    flags = "-address 127.0.0.1:1 -request-file /dev/null -window 100"
+    run = subprocess.run([str(loadgen), *flags.split()], capture_output=True, text=True, timeout=10)
+    assert run.returncode == 2
+    assert "-window must be 0 or from 65535" in run.stderr
+
+
 def test_one_connection_per_address_reaches_every_pod(loadgen: Path, tmp_path: Path) -> None:
     """The deployment shape of docs/clients.md: single-process servers (pods of one worker), and a client that
     opens one connection per address with round_robin, as grpc-go, grpc-js and tonic do by default: every server
