@@ -9,8 +9,9 @@ memory ratios are the strictest); ``--deployed-start`` starts them as deployed (
 
 Prints per attack what was tried, the RSS before and after, the victim's success, the probes answered within
 1 s, the same victim's and probes' figures in a quiet run of 5 s on the same server just before the attack
-(``control``: the baseline from the same run), what the server's metrics counted, and for each server still running how long its RSS took to come back
-within 1.2x of its idle value (``memory_back``, at most 60 s); ``--out`` writes the same as JSON.
+(``control``: the baseline from the same run), what the server's metrics counted, and for each server still
+running how long its RSS took to come back within 1.2x of its idle value (``memory_back``, at most 60 s);
+``--out`` writes the same as JSON.
 ``--server-pythonpath`` serves from another source tree, for "before" figures: ``git archive <commit> | tar -x
 -C /tmp/before`` (copy the built service/compute/_fastpath*.so too), then ``--server-pythonpath /tmp/before``.
 
