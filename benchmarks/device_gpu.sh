@@ -12,15 +12,6 @@ cd "$(git rev-parse --show-toplevel 2>/dev/null || pwd)"
 . scripts/device-env.sh
 set +e
 set -o pipefail
-O=${OUT:-/tmp}
-elapsed() { echo $(($(date +%s) - T0)); }
-step() {
-    local limit=$1
-    shift
-    echo "== $* (limit ${limit} s, at $(elapsed) s)"
-    timeout "$limit" "$@"
-    echo "== rc $? at $(elapsed) s"
-}
 {
     nproc
     lscpu | grep -m1 "Model name"

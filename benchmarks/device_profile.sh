@@ -16,17 +16,8 @@ cd "$(git rev-parse --show-toplevel 2>/dev/null || pwd)"
 . scripts/device-env.sh
 set +e
 set -o pipefail
-O=${OUT:-/tmp}
 SRC=service/compute/fastpath.c
 W=${LOADGEN_WINDOW:-16777216}
-elapsed() { echo $(($(date +%s) - T0)); }
-step() {
-    local limit=$1
-    shift
-    echo "== $* (limit ${limit} s, at $(elapsed) s)"
-    timeout "$limit" "$@"
-    echo "== rc $? at $(elapsed) s"
-}
 rebuild() {
     rm -f service/compute/_fastpath*.so
     "$PY" setup.py -q build_ext --inplace 2>&1 | tail -2

@@ -15,3 +15,16 @@ $PY setup.py -q build_ext --inplace 2>&1 | tail -2
 printf '#!/bin/sh\nexport PYTHONPATH=%s\nexec %s -m indexer_service.service.process.cli "$@"\n' "$PYTHONPATH" "$PY" > "$(dirname "$PY")/indexer-service"
 chmod +x "$(dirname "$PY")/indexer-service"
 $PY -c "import grpc, indexer_service.service.compute._fastpath as f; print('grpc', grpc.__version__, 'fastpath', f.__file__)"
+# The device scripts' timed steps (benchmarks/device_gpu.sh, benchmarks/device_profile.sh): `step LIMIT COMMAND...`
+# runs COMMAND under `timeout LIMIT` and prints its start and exit code in seconds since T0 (the sourcing script's
+# start); O is where their files go.
+T0=${T0:-$(date +%s)}
+O=${OUT:-/tmp}
+elapsed() { echo $(($(date +%s) - T0)); }
+step() {
+    local limit=$1
+    shift
+    echo "== $* (limit ${limit} s, at $(elapsed) s)"
+    timeout "$limit" "$@"
+    echo "== rc $? at $(elapsed) s"
+}
