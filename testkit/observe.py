@@ -214,6 +214,17 @@ class Callers(Paced):
         for ch in self._channels:
             ch.close()
 
+    def connect(self, timeout: float) -> bool:
+        """Open every caller's connection now, waiting at most ``timeout`` seconds in all: a caller already
+        connected when an attack begins, as a scheduler's long-lived channel is. Whether all are ready."""
+        deadline = time.monotonic() + timeout
+        try:
+            for ch in self._channels:
+                grpc.channel_ready_future(ch).result(timeout=max(deadline - time.monotonic(), 0.0))
+        except grpc.FutureTimeoutError:
+            return False
+        return True
+
     def run(self) -> LoadRun:
         """The calls so far as a :class:`LoadRun` (codes, latencies)."""
         with self._lock:

@@ -20,6 +20,7 @@ HTTP_REFUSED = "indexer_http_refused_total"
 PEER_CLOSED = "indexer_peer_connections_closed_total"
 BYTES_HELD = "indexer_response_bytes_held"
 VICTIM_DEADLINE_SECONDS = 1.0
+VICTIM_CONNECT_SECONDS = 5.0
 
 Samples = dict[tuple[str, frozenset], float]
 
@@ -88,6 +89,9 @@ class Siege:
         self.rss.__enter__()
         self.probes.start()
         if self.victim is not None:
+            # Its connection open before the attack's: what the attack does to a connected caller is measured, not
+            # a race between the victim's first connect and the flood's (refused at accept when the flood wins).
+            self.victim.connect(VICTIM_CONNECT_SECONDS)
             self.victim.start()
         if self.fresh is not None:
             self.fresh.start()
