@@ -34,8 +34,9 @@ serve: $(STAMP)
 # pytest-xdist workers for `make test` (0: none; TEST_WORKERS=0 runs without). 3 on this 2-core machine: one runs
 # the `exclusive` tests one after the other (mostly waiting on their sieges' timers, about half a CPU), the other
 # two run beside them at niceness 10 (tests/tiers.py), taking the CPU time they leave, so that one's waits (servers
-# starting, timers, tools) are the other's CPU time: 322-378 s here (pytest's figure; 374-413 s with those two pinned
-# to one CPU instead, 394 s with 4 workers, all in December 2026; 466-468 s with 2 workers, measured earlier).
+# starting, timers, tools) are the other's CPU time: 267-282 s for pytest on the 2-CPU Intel Xeon VM, `make test` 4 min
+# 41 s with the tools present (322-378 s on the earlier AMD EPYC VM; there 374-413 s with those two pinned to one
+# CPU instead, 394 s with 4 workers, 466-468 s with 2 workers).
 # The suite then keeps both CPUs about 92 % busy: its own CPU time, not its waits, is what makes it last.
 # loadgroup spreads tests one by one, except the groups tests/tiers.py makes (process tests sharing a module-scoped
 # fixture).
@@ -61,7 +62,7 @@ test-deps: $(STAMP)
 	$(PY) scripts/test-deps.py
 
 # The inner loop: the kernels and the in-process service tests, without the tests that start processes (marked
-# `process` at collection: tests/tiers.py), the `slow` ones and the GPU ones: 72-81 s on 2 CPUs (docs/testing.md).
+# `process` at collection: tests/tiers.py), the `slow` ones and the GPU ones: 57 s on 2 CPUs (docs/testing.md).
 # No workers: each would import torch and Triton first, and 2 workers took longer than none, back to back here.
 test-quick: $(STAMP)
 	$(PY) -m pytest -q -m "not process and not slow and not gpu" tests/kernels tests/service
