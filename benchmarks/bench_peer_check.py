@@ -27,8 +27,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry
 
+from indexer_service.service.observability.metrics import PeerCapMetrics
 from indexer_service.service.overload import peers, sockdiag
 from indexer_service.service.reasons import Port
 from testkit.record import write_json
@@ -134,10 +135,10 @@ def main() -> int:
             "time_wait_rows": rows.get("06", 0),
             "own_fds": peers.open_fds(),
         }
-        counter = Counter("closed", "bench", ["port"], registry=CollectorRegistry())
+        metrics = PeerCapMetrics(CollectorRegistry())
         for name, read in (("sock_diag", sockdiag.established), ("proc", peers.established)):
             assert len(read([port])) == args.connections, name
-            cap = peers.PeerCap(args.connections // len(PEERS), {port: Port.GRPC}, counter, read=read)
+            cap = peers.PeerCap(args.connections // len(PEERS), {port: Port.GRPC}, metrics, read=read)
             figures[name] = {
                 "read": timed(lambda read=read: read([port]), args.rounds),
                 "check": timed(lambda cap=cap: cap.check(peers.open_fds()), args.rounds),

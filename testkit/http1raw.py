@@ -11,7 +11,10 @@
 
 from __future__ import annotations
 
+import errno
+import os
 import select
+import selectors
 import socket
 import time
 from dataclasses import dataclass
@@ -20,6 +23,9 @@ from typing import Self
 _PIECE_BYTES = 64 * 1024
 # The client's receive buffer for sockets that never read: small, so the answer stays on the server's side.
 _SMALL_RCVBUF = 4096
+# How many of :class:`IdleConnections`' connects wait for the server's answer at once: a flood's pace, within the
+# listen backlog of the ports attacked (1,024 and more).
+CONNECTS_IN_FLIGHT = 512
 
 
 def _connect(
@@ -189,23 +195,76 @@ class IdleConnections(_Sockets):
     """``count`` connections that send ``greeting`` (by default not a byte) and then nothing, open from
     :meth:`open` to :meth:`close` (a ``with``). Any protocol: an HTTP/2 preface makes an idle gRPC connection,
     the first bytes of a TLS ClientHello a handshake that never ends. ``source``: the address they come from
-    (another peer than the default)."""
+    (another peer than the default). They are opened as a flood is: :data:`CONNECTS_IN_FLIGHT` connects at once,
+    each counted ``refused`` when the server refuses or resets it and ``unanswered`` when it has not completed
+    ``connect_seconds`` after the first began (its SYNs were dropped: the peer is at its cap, or the listener's
+    queue is full), then given up."""
 
-    def __init__(self, host: str, port: int, count: int, greeting: bytes = b"", source: str | None = None) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        count: int,
+        greeting: bytes = b"",
+        source: str | None = None,
+        connect_seconds: float = 5.0,
+    ) -> None:
         self.host, self.port, self.count, self.greeting, self.source = host, port, count, greeting, source
+        self.connect_seconds = connect_seconds
         self.sockets: list[socket.socket] = []
         self.refused = 0  # connections the server refused outright
+        self.unanswered = 0  # connects still waiting for the server's answer when given up
 
     def open(self) -> IdleConnections:
-        for _ in range(self.count):
-            try:
-                sock = _connect(self.host, self.port, source=self.source)
-                if self.greeting:
-                    sock.sendall(self.greeting)
-                self.sockets.append(sock)
-            except OSError:
-                self.refused += 1
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        deadline = time.monotonic() + self.connect_seconds
+        waiting = selectors.DefaultSelector()
+        started = 0
+        with waiting:
+            while started < self.count or waiting.get_map():
+                while started < self.count and len(waiting.get_map()) < CONNECTS_IN_FLIGHT:
+                    started += 1
+                    sock = socket.socket(family, socket.SOCK_STREAM)
+                    try:
+                        if self.source is not None:
+                            sock.bind((self.source, 0))
+                        sock.setblocking(False)
+                        error = sock.connect_ex((self.host, self.port))
+                    except OSError:
+                        sock.close()
+                        self.refused += 1
+                        continue
+                    if error in (0, errno.EINPROGRESS):
+                        waiting.register(sock, selectors.EVENT_WRITE)
+                    else:
+                        sock.close()
+                        self.refused += 1
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                for key, _ in waiting.select(min(left, 0.05)):
+                    sock = key.fileobj
+                    waiting.unregister(sock)
+                    self._connected(sock)
+            for key in list(waiting.get_map().values()):
+                key.fileobj.close()
+                self.unanswered += 1
         return self
+
+    def _connected(self, sock: socket.socket) -> None:
+        """A connect that completed or failed: kept with its greeting sent, or counted refused."""
+        sock.settimeout(5.0)
+        try:
+            error = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+            if error:
+                raise OSError(error, os.strerror(error))
+            if self.greeting:
+                sock.sendall(self.greeting)
+        except OSError:
+            sock.close()
+            self.refused += 1
+            return
+        self.sockets.append(sock)
 
     def still_connected(self) -> int:
         """How many of the connections the server has not closed (or reset), whatever it sent on them; reads and

@@ -18,6 +18,7 @@ SHED = "indexer_requests_shed_total"
 ERRORS = "indexer_request_errors_total"
 HTTP_REFUSED = "indexer_http_refused_total"
 PEER_CLOSED = "indexer_peer_connections_closed_total"
+DROPPED_BEFORE_ACCEPT = "indexer_connections_dropped_before_accept_total"
 BYTES_HELD = "indexer_response_bytes_held"
 VICTIM_DEADLINE_SECONDS = 1.0
 VICTIM_CONNECT_SECONDS = 5.0
@@ -136,6 +137,10 @@ class Siege:
         """indexer_peer_connections_closed_total's growth during the siege, per port."""
         return counter_delta(self.metrics_before, self.metrics_after, PEER_CLOSED, "port")
 
+    def dropped_before_accept(self) -> dict[str, float]:
+        """indexer_connections_dropped_before_accept_total's growth during the siege, per port."""
+        return counter_delta(self.metrics_before, self.metrics_after, DROPPED_BEFORE_ACCEPT, "port")
+
     def probe_report(self) -> str:
         """Each probe target's probes answered in time, and its slowest, as one line."""
         return ", ".join(
@@ -174,6 +179,7 @@ class Siege:
             "errors": self.errors(),
             "http_refused": self.http_refused(),
             "peer_connections_closed": self.peer_connections_closed(),
+            "dropped_before_accept": self.dropped_before_accept(),
         }
         if self.victim is not None:
             run = self.victim.run()

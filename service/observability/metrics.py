@@ -207,7 +207,7 @@ class Metrics:
             "indexer_http_connections", "Open HTTP connections.", registry=r, multiprocess_mode="livesum"
         )
         self.open_fds = _open_fds_gauge(r)
-        self.peer_connections_closed_total = _peer_closed_counter(r)
+        self.peer_cap = PeerCapMetrics(r)
         self.http_refused_total = Counter(
             "indexer_http_refused_total",
             "HTTP connections or requests refused by a limit, by reason.",
@@ -302,18 +302,37 @@ def _open_fds_gauge(registry: CollectorRegistry) -> Gauge:
     )
 
 
-def _peer_closed_counter(registry: CollectorRegistry) -> Counter:
-    """Connections shut down because their peer held more than ``max_connections_per_peer`` on a port
-    (service/overload/peers.py), by port: grpc, health, http, http_rpc."""
-    counter = Counter(
-        "indexer_peer_connections_closed_total",
-        "Connections closed because their peer held more than max_connections_per_peer on the port, by port.",
-        ["port"],
-        registry=registry,
-    )
-    for port in Port:
-        counter.labels(port=port)
-    return counter
+class PeerCapMetrics:
+    """The per-peer connection cap's series (service/overload/peers.py), by port (grpc, health, http, http_rpc),
+    in every process that caps its ports."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.peer_connections_closed_total = Counter(
+            "indexer_peer_connections_closed_total",
+            "Connections closed because their peer held more than max_connections_per_peer on the port, by port.",
+            ["port"],
+            registry=registry,
+        )
+        # SYNs of peers at the cap (the listener's filter: service/overload/listenfilter.py) and connections past a
+        # full accept queue; each process counts the listeners it alone holds (not the HTTP ports' with workers).
+        self.connections_dropped_before_accept_total = Counter(
+            "indexer_connections_dropped_before_accept_total",
+            "New connections dropped by the kernel before accept (peers at max_connections_per_peer, a full "
+            "accept queue), by port.",
+            ["port"],
+            registry=registry,
+        )
+        self.peers_at_connection_cap = Gauge(
+            "indexer_peers_at_connection_cap",
+            "Peers at max_connections_per_peer whose new connections are dropped before accept, by port.",
+            ["port"],
+            registry=registry,
+            multiprocess_mode="livesum",
+        )
+        for port in Port:
+            self.peer_connections_closed_total.labels(port=port)
+            self.connections_dropped_before_accept_total.labels(port=port)
+            self.peers_at_connection_cap.labels(port=port)
 
 
 def multiprocess_dir() -> str | None:
@@ -450,7 +469,7 @@ class SupervisorMetrics:
         )
         self.ready = _ready_gauge(r)
         self.open_fds = _open_fds_gauge(r)
-        self.peer_connections_closed_total = _peer_closed_counter(r)
+        self.peer_cap = PeerCapMetrics(r)
         # The health port's refusals (Watch streams over their cap, watchers that do not read): admission.ShedLog.
         self.requests_shed_total = _shed_counter(r)
         # The health port's calls to other methods, and exceptions on its gRPC polling thread.

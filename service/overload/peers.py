@@ -19,6 +19,7 @@ the port's own cap still bounds the total (docs/overload.md, "Connections").
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import logging
 import os
@@ -32,24 +33,27 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING
 
 from indexer_service.service.observability.logs import RateLimitedLog
-from indexer_service.service.overload import sockdiag
+from indexer_service.service.overload import listenfilter, sockdiag
 from indexer_service.service.overload.allocator import open_fds
 from indexer_service.service.overload.sockdiag import Address
 from indexer_service.service.reasons import Port
 
 if TYPE_CHECKING:  # the supervisor imports this module before it names the multiprocess directory
-    from prometheus_client import Counter
+    from indexer_service.service.observability.metrics import PeerCapMetrics
 
 log = logging.getLogger(__name__)
 
 TCP_TABLES = ("/proc/net/tcp", "/proc/net/tcp6")
-_ESTABLISHED = "01"  # st in /proc/net/tcp: TCP_ESTABLISHED
+_ESTABLISHED, _LISTEN = "01", "0A"  # st in /proc/net/tcp: TCP_ESTABLISHED, TCP_LISTEN
 LOG_INTERVAL_SECONDS = 10.0
-# How often the cap is checked: every fifth of a second, and every twentieth while the last check cut connections.
-# A peer that connects as fast as gRPC core accepts fills the port's free room within a few tenths of a second,
-# from its first connection and again after each cut, and other peers' connections are refused meanwhile
-# (docs/performance.md). While the process holds no more descriptors than the cap a check costs one listing of them.
-CHECK_SECONDS, CUTTING_CHECK_SECONDS = 0.2, 0.05
+# How often the cap is checked: every fifth of a second, every twentieth while the last check cut connections, and
+# at once (within POLL_SECONDS, the pace at which the descriptor count is read) when the process's descriptors grew
+# by FLOOD_STEP since the last check. A peer that connects as fast as gRPC core accepts fills a port's free room
+# within a few tenths of a second, and other peers' connections are refused meanwhile (docs/overload.md); once the
+# check has seen it at its cap, the kernel drops its new connections before accept. While the process holds no
+# more descriptors than the cap a check costs one reading of the listeners' drop counts.
+CHECK_SECONDS, CUTTING_CHECK_SECONDS, POLL_SECONDS = 0.2, 0.05, 0.02
+FLOOD_STEP = 64
 # A check's reading takes at most this share of the time between checks (of a CPU and of the GIL): what it reads
 # grows with the connections of its ports, and on the /proc fallback with every socket of the network namespace,
 # TIME_WAIT ones included (a long reconnecting flood leaves up to net.ipv4.tcp_max_tw_buckets of them:
@@ -58,6 +62,25 @@ CHECK_SECONDS, CUTTING_CHECK_SECONDS = 0.2, 0.05
 CHECK_SHARE = 0.1
 MAX_CHECK_SECONDS = 5.0  # however costly the check, the cap is applied at least this often
 _clock = time.thread_time  # a check's cost: its thread's CPU time (a test's fake clock)
+
+
+class CheckSchedule:
+    """When the next check is due, from what the last one cost and found (times from ``time.monotonic()``)."""
+
+    def __init__(self) -> None:
+        self.due = self.earliest = 0.0  # the next check at ``due``, or from ``earliest`` on if descriptors jump
+        self.fds = 0  # the descriptors at the last check
+
+    def is_due(self, now: float, fds: int) -> bool:
+        return now >= self.due or (now >= self.earliest and fds >= self.fds + FLOOD_STEP)
+
+    def checked(self, now: float, fds: int, spent: float, closed: int) -> None:
+        """A check began at ``now`` with ``fds`` descriptors, read for ``spent`` seconds of its thread's CPU time
+        (its shutdowns not counted) and shut ``closed`` connections down."""
+        floor = spent / CHECK_SHARE
+        self.earliest = now + min(MAX_CHECK_SECONDS, max(CUTTING_CHECK_SECONDS, floor))
+        self.due = now + min(MAX_CHECK_SECONDS, max(CUTTING_CHECK_SECONDS if closed else CHECK_SECONDS, floor))
+        self.fds = fds
 
 
 def socket_inodes(fd_dir: str = "/proc/self/fd") -> dict[int, int]:
@@ -100,6 +123,16 @@ def peer_of(address: Address) -> str:
 def established(ports: Iterable[int], tables: Iterable[str] = TCP_TABLES) -> list[tuple[int, int, Address]]:
     """``(local port, inode, peer address)`` of each established TCP connection to one of ``ports`` in this network
     namespace, any process's, read from /proc (where :func:`sockdiag.established` cannot ask the kernel)."""
+    return _proc_rows(ports, tables, _ESTABLISHED)
+
+
+def listening(ports: Iterable[int], tables: Iterable[str] = TCP_TABLES) -> list[tuple[int, int]]:
+    """``(local port, inode)`` of each listening TCP socket on one of ``ports``, read from /proc (where
+    :func:`sockdiag.listening` cannot ask the kernel)."""
+    return [(port, inode) for port, inode, _ in _proc_rows(ports, tables, _LISTEN)]
+
+
+def _proc_rows(ports: Iterable[int], tables: Iterable[str], state: str) -> list[tuple[int, int, Address]]:
     wanted = set(ports)
     rows = []
     addresses: dict[str, Address] = {}  # each peer decoded once
@@ -114,7 +147,7 @@ def established(ports: Iterable[int], tables: Iterable[str] = TCP_TABLES) -> lis
                 # sl, local, remote, st, then the rest (split only for the rows kept: after a flood is cut, its
                 # connections linger by the thousand in TIME_WAIT)
                 fields = line.split(None, 4)
-                if len(fields) < 5 or fields[3] != _ESTABLISHED:
+                if len(fields) < 5 or fields[3] != state:
                     continue
                 local, remote = fields[1], fields[2]
                 port = int(local[local.rindex(":") + 1 :], 16)
@@ -152,24 +185,33 @@ def shut_down(fd: int, inode: int) -> bool:
 
 class PeerCap:
     """At most ``cap`` established connections per peer on each of ``ports`` (local port -> its name) among this
-    process's own; ``cap`` 0: no cap. :meth:`check` is one reading; ``closed_total`` (a counter by ``port``)
-    counts what it shut down."""
+    process's own; ``cap`` 0: no cap. :meth:`check` is one reading: a peer past the cap has its latest connections
+    shut down, and a peer at the cap has its new ones dropped by the kernel before accept (:mod:`.listenfilter`)
+    on the listeners of the port this process alone holds (not those of ``shared``, which other processes accept
+    on too), until it holds fewer."""
 
     def __init__(
         self,
         cap: int,
         ports: Mapping[int, Port],
-        closed_total: Counter,
+        metrics: PeerCapMetrics,
         read: Callable[[Iterable[int]], list[tuple[int, int, Address]]] | None = None,
+        shared: Iterable[int] = (),
     ) -> None:
         self.cap = cap
         self._read = read  # None: sockdiag's, until the kernel refuses it, then /proc's (established)
         self.ports: dict[int, Port] = {}
         for port, name in ports.items():
             self.add_port(port, name)
-        self.closed_total = closed_total
+        self.metrics = metrics
+        self._shared = frozenset(shared)
         self._seen: set[int] = set()  # the inodes of the last check's connections
         self._cutting_seconds = 0.0  # what the last check's shutdowns cost (_clock)
+        self._listeners: dict[int, list[tuple[int, int]]] = {}  # port -> its listeners here, (fd, inode)
+        self._looked: set[int] = set()  # the ports whose listeners were looked for
+        self._dropping: dict[int, frozenset[str]] = {}  # port -> the peers its listeners' filter names
+        self._drops: dict[tuple[int, int], int] = {}  # listener -> its sk_drops at the last reading
+        self._filtering = True  # until the kernel refuses a filter
         self._log = RateLimitedLog(log, LOG_INTERVAL_SECONDS)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="peer-cap", daemon=True)
@@ -184,21 +226,21 @@ class PeerCap:
         self._stop.set()
 
     def _run(self) -> None:
-        interval = CHECK_SECONDS
-        while not self._stop.wait(interval):
+        schedule = CheckSchedule()
+        while not self._stop.wait(POLL_SECONDS):
+            now, fds = time.monotonic(), open_fds()
+            if not schedule.is_due(now, fds):
+                continue
             started = _clock()
             try:
-                closed = self.check(open_fds())
+                closed = self.check(fds)
             except Exception as exc:  # a /proc format it does not know: say so (rate-limited), keep serving
                 self._log.write(
                     "failed",
                     lambda count, exc=exc: log.error("connection cap check failed count=%d", count, exc_info=exc),
                 )
                 closed = 0
-            spent = _clock() - started - self._cutting_seconds
-            interval = min(
-                MAX_CHECK_SECONDS, max(CUTTING_CHECK_SECONDS if closed else CHECK_SECONDS, spent / CHECK_SHARE)
-            )
+            schedule.checked(now, fds, _clock() - started - self._cutting_seconds, closed)
 
     def add_port(self, port: int, name: Port) -> None:
         """A port bound after start (a worker joins the gRPC port once warmed up)."""
@@ -206,7 +248,7 @@ class PeerCap:
             log.warning(
                 "ports %s and %s share the number %d: their connections count together", self.ports[port], name, port
             )
-        self.ports = {**self.ports, port: name}
+        self.ports = {**self.ports, port: name}  # a new dict: the check thread reads it meanwhile
 
     def _established(self) -> list[tuple[int, int, Address]]:
         """The established connections of this process's ports, through netlink where the kernel answers."""
@@ -222,14 +264,103 @@ class PeerCap:
                 self._read = established
         return self._read(self.ports)
 
+    def _find_listeners(self) -> None:
+        """This process's own listeners of the ports whose new connections it may drop, each port's once."""
+        ports = [port for port in self.ports if port not in self._shared and port not in self._looked]
+        if not ports or not self._filtering:
+            return
+        self._looked.update(ports)
+        mine = socket_inodes()
+        try:
+            rows = sockdiag.listening(ports) if self._read is None else listening(ports)
+        except OSError:
+            rows = listening(ports)
+        for port, inode in rows:
+            if inode in mine:
+                self._listeners.setdefault(port, []).append((mine[inode], inode))
+
+    def _listener_gone(self, port: int) -> None:
+        """A listener's descriptor holds something else: find the port's listeners again at the next check."""
+        self._listeners.pop(port, None)
+        self._dropping.pop(port, None)
+        self._looked.discard(port)
+
+    def _count_drops(self) -> None:
+        """What the kernel dropped before accept on each listener since the last reading, counted by port."""
+        for port, listeners in list(self._listeners.items()):
+            for fd, inode in listeners:
+                try:
+                    now = listenfilter.drops(fd, inode)
+                except OSError:
+                    self._listener_gone(port)
+                    break
+                before = self._drops.get((fd, inode), 0)
+                self._drops[fd, inode] = now
+                if now > before:
+                    self.metrics.connections_dropped_before_accept_total.labels(port=self.ports[port]).inc(now - before)
+
+    def _drop_new_connections(self, at_cap: Mapping[int, Mapping[str, int]]) -> None:
+        """Have the kernel drop new connections of the peers ``at_cap`` (port -> peer -> connections held), the
+        :data:`listenfilter.MAX_PEERS` holding most on each port, and no longer those of the others."""
+        if not self._filtering:
+            return
+        for port, listeners in list(self._listeners.items()):
+            holding = at_cap.get(port, {})
+            wanted = frozenset(sorted(holding, key=holding.__getitem__, reverse=True)[: listenfilter.MAX_PEERS])
+            if wanted == self._dropping.get(port, frozenset()):
+                continue
+            program = listenfilter.program(wanted) if wanted else None
+            try:
+                for fd, inode in listeners:
+                    if program is None:
+                        listenfilter.detach(fd, inode)
+                    else:
+                        listenfilter.attach(fd, inode, program)
+            except OSError as exc:
+                if exc.errno == errno.ESTALE:
+                    self._listener_gone(port)
+                    continue
+                self._filtering = False
+                log.warning(
+                    "connection cap cannot have the kernel drop a peer's new connections before accept (%s): a peer "
+                    "past max_connections_per_peer has them accepted, then shut down "
+                    '(docs/overload.md, "Connections")',
+                    exc,
+                )
+                return
+            name = self.ports[port]
+            self._dropping[port] = wanted
+            self.metrics.peers_at_connection_cap.labels(port=name).set(len(wanted))
+            if wanted:
+                worst, peers = max(wanted, key=holding.__getitem__), len(wanted)
+                self._log.write(
+                    ("dropping", name),
+                    lambda count, name=name, peers=peers, worst=worst, held=holding[worst]: log.warning(
+                        "peers at their connection cap: new connections dropped before accept port=%s peers=%d "
+                        "worst_peer=%s held=%d max_connections_per_peer=%d count=%d",
+                        name,
+                        peers,
+                        worst,
+                        held,
+                        self.cap,
+                        count,
+                    ),
+                )
+
     def check(self, fds: int) -> int:
-        """With ``fds`` open descriptors: shut down each peer's connections past the cap; how many. A peer's
-        connections that were there at the last check are kept before those that came since (then by inode,
-        roughly in the order they came: the kernel hands inodes out in blocks per CPU)."""
+        """With ``fds`` open descriptors: shut down each peer's connections past the cap, have the kernel drop new
+        ones of each peer at it; how many were shut down. A peer's connections that were there at the last check
+        are kept before those that came since (then by inode, roughly in the order they came: the kernel hands
+        inodes out in blocks per CPU)."""
         self._cutting_seconds = 0.0
-        if self.cap <= 0 or fds <= self.cap or not self.ports:
+        if self.cap <= 0 or not self.ports:
+            return 0
+        self._find_listeners()
+        self._count_drops()
+        if fds <= self.cap:
             self._seen = set()
-            return 0  # no peer can hold more connections than the process has descriptors
+            self._drop_new_connections({})
+            return 0  # no peer can hold as many connections as the process has descriptors
         peers: dict[Address, str] = {}  # each remote address, read once per check
         # a set: a busy table may list a connection twice
         by_peer: dict[tuple[int, str], set[int]] = defaultdict(set)
@@ -239,23 +370,28 @@ class PeerCap:
                 peer = peers[remote] = peer_of(remote)
             by_peer[port, peer].add(inode)
         seen, self._seen = self._seen, set().union(*by_peer.values())
-        over = {key: inodes for key, inodes in by_peer.items() if len(inodes) > self.cap}
-        if not over:
+        full = {key: inodes for key, inodes in by_peer.items() if len(inodes) >= self.cap}
+        if not full:
+            self._drop_new_connections({})
             return 0
         mine = socket_inodes()
+        at_cap: dict[int, dict[str, int]] = defaultdict(dict)  # port -> peer -> connections held here
         cut: dict[int, list[tuple[int, str, int]]] = defaultdict(list)  # port -> (held, peer, closed)
         cutting = _clock()
-        for (port, peer), inodes in over.items():
+        for (port, peer), inodes in full.items():
             own = sorted((inode for inode in inodes if inode in mine), key=lambda inode: (inode not in seen, inode))
+            if len(own) >= self.cap:
+                at_cap[port][peer] = len(own)
             closed = sum(shut_down(mine[inode], inode) for inode in own[self.cap :])
             if closed:
                 cut[port].append((len(own), peer, closed))
         self._cutting_seconds = _clock() - cutting
+        self._drop_new_connections(at_cap)
         total = 0
         for port, peers_cut in cut.items():
             name, closed = self.ports[port], sum(closed for _, _, closed in peers_cut)
             total += closed
-            self.closed_total.labels(port=name).inc(closed)
+            self.metrics.peer_connections_closed_total.labels(port=name).inc(closed)
             held, worst, _ = max(peers_cut)
             peers = len(peers_cut)
             self._log.write(  # per port, not per peer: many peers make one line, not many

@@ -46,6 +46,7 @@ SOCK_DIAG_BY_FAMILY = 20
 NLMSG_ERROR, NLMSG_DONE = 2, 3
 NLM_F_REQUEST, NLM_F_DUMP = 0x1, 0x300
 TCPF_ESTABLISHED = 1 << 1  # 1 << TCP_ESTABLISHED
+TCPF_LISTEN = 1 << 10  # 1 << TCP_LISTEN
 INET_DIAG_REQ_BYTECODE = 1
 INET_DIAG_BC_JMP, INET_DIAG_BC_S_GE, INET_DIAG_BC_S_LE = 1, 2, 3
 RECEIVE_BYTES = 64 * 1024  # twice what the kernel puts in one receive of a dump
@@ -82,10 +83,10 @@ def port_filter(ports: Iterable[int]) -> bytes:
     return bytes(program)
 
 
-def dump_request(family: int, program: bytes, seq: int = 1) -> bytes:
-    """A SOCK_DIAG_BY_FAMILY dump of ``family``'s established TCP sockets that pass ``program``."""
+def dump_request(family: int, program: bytes, seq: int = 1, states: int = TCPF_ESTABLISHED) -> bytes:
+    """A SOCK_DIAG_BY_FAMILY dump of ``family``'s TCP sockets in ``states`` that pass ``program``."""
     attribute = _ATTRIBUTE.pack(_ATTRIBUTE.size + len(program), INET_DIAG_REQ_BYTECODE) + program
-    body = _REQUEST.pack(family, socket.IPPROTO_TCP, 0, TCPF_ESTABLISHED) + attribute
+    body = _REQUEST.pack(family, socket.IPPROTO_TCP, 0, states) + attribute
     return _HEADER.pack(_HEADER.size + len(body), SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST | NLM_F_DUMP, seq, 0) + body
 
 
@@ -101,6 +102,16 @@ def established(ports: Iterable[int]) -> list[tuple[int, int, Address]]:
     """``(local port, inode, peer address)`` of each established TCP connection to one of ``ports`` in this network
     namespace, any process's, as :func:`indexer_service.service.overload.peers.established` reads them from /proc.
     OSError where the kernel does not answer sock_diag requests."""
+    return _dump(ports, TCPF_ESTABLISHED)
+
+
+def listening(ports: Iterable[int]) -> list[tuple[int, int]]:
+    """``(local port, inode)`` of each listening TCP socket on one of ``ports`` in this network namespace, any
+    process's (a port that workers share with SO_REUSEPORT has one each). OSError as :func:`established`."""
+    return [(port, inode) for port, inode, _ in _dump(ports, TCPF_LISTEN)]
+
+
+def _dump(ports: Iterable[int], states: int) -> list[tuple[int, int, Address]]:
     by_wire = {socket.htons(port): port for port in ports}  # a record's port as it unpacks: network order
     rows: list[tuple[int, int, Address]] = []
     if not by_wire:
@@ -112,7 +123,7 @@ def established(ports: Iterable[int]) -> list[tuple[int, int, Address]]:
     buffer = bytearray(RECEIVE_BYTES + _RECORD_BYTES)
     with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_SOCK_DIAG) as netlink:
         for seq, family in enumerate((socket.AF_INET, socket.AF_INET6), 1):
-            netlink.sendto(dump_request(family, program, seq), (0, 0))
+            netlink.sendto(dump_request(family, program, seq, states), (0, 0))
             record = _RECORDS[family]
             done = False
             while not done:

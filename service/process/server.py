@@ -218,9 +218,12 @@ class IndexerServer:
         ports = {self.http_port: Port.HTTP}
         if self.http_rpc_port is not None:
             ports[self.http_rpc_port] = Port.HTTP_RPC
+        shared = ()
         if worker is None:
             ports |= {self.grpc_port: Port.GRPC, self.health_port: Port.HEALTH}
-        self.peer_cap = PeerCap(config.max_connections_per_peer, ports, self.metrics.peer_connections_closed_total)
+        else:  # the HTTP ports' listeners are the supervisor's, inherited by every worker
+            shared = tuple(ports)
+        self.peer_cap = PeerCap(config.max_connections_per_peer, ports, self.metrics.peer_cap, shared=shared)
 
     def _rpc_port(self, problem: str, broken: bool) -> None:
         self.plane.readiness.set_rpc_port(problem, broken)

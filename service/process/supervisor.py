@@ -334,9 +334,7 @@ class Supervisor:
         (self.runtime.path / CONFIG_FILE).write_text(config_to_json(self.config))
         self.health_server.server.start()
         # The health port's connections come and go here too: counted, and their memory handed back.
-        self.peer_cap = PeerCap(
-            config.max_connections_per_peer, {health_port: Port.HEALTH}, self.metrics.peer_connections_closed_total
-        )
+        self.peer_cap = PeerCap(config.max_connections_per_peer, {health_port: Port.HEALTH}, self.metrics.peer_cap)
         self._idle_trim = IdleTrim(config.idle_trim_seconds, on_fds=self.metrics.open_fds.set)
         self._idle_trim.start()
         self.peer_cap.start()

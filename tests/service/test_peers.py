@@ -16,14 +16,18 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry
 
+from indexer_service.service.observability.metrics import PeerCapMetrics
 from indexer_service.service.overload import sockdiag
 from indexer_service.service.overload.peers import (
     CHECK_SECONDS,
     CHECK_SHARE,
     CUTTING_CHECK_SECONDS,
+    FLOOD_STEP,
     MAX_CHECK_SECONDS,
+    POLL_SECONDS,
+    CheckSchedule,
     PeerCap,
     established,
     peer_of,
@@ -36,8 +40,12 @@ from indexer_service.service.reasons import Port
 pytestmark = pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="needs Linux /proc")
 
 
-def closed_counter() -> Counter:
-    return Counter("closed", "test", ["port"], registry=CollectorRegistry())
+def cap_metrics() -> PeerCapMetrics:
+    return PeerCapMetrics(CollectorRegistry())
+
+
+def closed(metrics: PeerCapMetrics, port: str = "grpc") -> float:
+    return metrics.peer_connections_closed_total.labels(port=port)._value.get()
 
 
 @contextmanager
@@ -104,21 +112,94 @@ READERS = [pytest.param(None, id="sock_diag"), pytest.param(established, id="pro
 
 @pytest.mark.parametrize("read", READERS)
 def test_a_peers_connections_past_the_cap_are_shut_down_those_that_came_since_the_last_check_first(read) -> None:
-    counter = closed_counter()
+    metrics = cap_metrics()
     with listener() as server, listener() as other_port, ExitStack() as stack:
         port = server.getsockname()[1]
-        cap = PeerCap(2, {port: Port.GRPC}, counter, read=read)
-        held = [connect(stack, server, "127.0.0.2") for _ in range(2)]
-        assert cap.check(fds=len(os.listdir("/proc/self/fd"))) == 0  # at the cap: nothing cut, both seen
-        flood = [connect(stack, server, "127.0.0.2") for _ in range(3)]
+        cap = PeerCap(2, {port: Port.GRPC}, metrics, read=read)
+        held = [connect(stack, server, "127.0.0.2")]
+        assert cap.check(fds=len(os.listdir("/proc/self/fd"))) == 0  # under the cap: nothing cut, seen
+        flood = [connect(stack, server, "127.0.0.2") for _ in range(4)]  # all come before the next check
         neighbour = [connect(stack, server, "127.0.0.3") for _ in range(2)]
         elsewhere = [connect(stack, other_port, "127.0.0.2") for _ in range(4)]  # a port not capped here
         assert cap.check(fds=len(os.listdir("/proc/self/fd"))) == 3
         # The kernel hands inodes out in blocks per CPU: not their order, the last check decides what is new.
-        assert [ended(client) for client, _ in held + flood] == [False, False, True, True, True]
+        assert not ended(held[0][0])
+        assert [ended(client) for client, _ in flood].count(True) == 3
         assert not any(ended(client) for client, _ in neighbour + elsewhere)
-        assert counter.labels(port="grpc")._value.get() == 3
+        assert closed(metrics) == 3
         assert cap.check(fds=len(os.listdir("/proc/self/fd"))) == 0  # the shut ones are no longer established
+
+
+def attempt(server: socket.socket, source: str) -> bool:
+    """Whether a new connection from ``source`` completes (a dropped SYN is sent again only after 1 s)."""
+    with socket.socket() as client:
+        client.bind((source, 0))
+        client.settimeout(0.4)
+        try:
+            client.connect(server.getsockname())
+        except TimeoutError:
+            return False
+        server.accept()[0].close()
+        return True
+
+
+@pytest.mark.parametrize("read", READERS)
+def test_a_peer_at_the_cap_has_its_new_connections_dropped_before_accept_until_it_holds_fewer(read, caplog) -> None:
+    """At the cap, the listener's filter drops the peer's SYNs (its connections are never accepted, so never need
+    cutting), counted by port, the peer named in a gauge and a log line; other peers connect as before; once it
+    holds fewer than the cap, its new connections are accepted again."""
+    metrics = cap_metrics()
+    with listener() as server, ExitStack() as stack:
+        port = server.getsockname()[1]
+        cap = PeerCap(2, {port: Port.GRPC}, metrics, read=read)
+        held = [connect(stack, server, "127.0.0.2") for _ in range(2)]
+        assert cap.check(fds=len(os.listdir("/proc/self/fd"))) == 0
+        assert metrics.peers_at_connection_cap.labels(port="grpc")._value.get() == 1
+        assert not attempt(server, "127.0.0.2")
+        assert attempt(server, "127.0.0.3")
+        cap.check(fds=len(os.listdir("/proc/self/fd")))
+        dropped = metrics.connections_dropped_before_accept_total.labels(port="grpc")._value.get()
+        assert dropped == 1, dropped
+        assert closed(metrics) == 0
+        assert any(
+            "new connections dropped before accept port=grpc peers=1 worst_peer=127.0.0.2 held=2" in r.getMessage()
+            for r in caplog.records
+        )
+        held[0][0].close()
+        held[0][1].close()
+        assert cap.check(fds=len(os.listdir("/proc/self/fd"))) == 0
+        assert metrics.peers_at_connection_cap.labels(port="grpc")._value.get() == 0
+        assert attempt(server, "127.0.0.2")
+
+
+def test_a_listener_other_processes_share_is_not_filtered() -> None:
+    """With workers, the HTTP ports' listener is the supervisor's, inherited by each worker: a worker's filter
+    would replace another's, so on such a port a peer past the cap is only cut."""
+    metrics = cap_metrics()
+    with listener() as server, ExitStack() as stack:
+        port = server.getsockname()[1]
+        cap = PeerCap(1, {port: Port.HTTP}, metrics, shared=[port])
+        [connect(stack, server, "127.0.0.2") for _ in range(2)]
+        assert cap.check(fds=len(os.listdir("/proc/self/fd"))) == 1
+        assert attempt(server, "127.0.0.2")
+        assert metrics.peers_at_connection_cap.labels(port="http")._value.get() == 0
+
+
+def test_where_the_kernel_refuses_a_filter_the_cap_says_so_once_and_cuts(monkeypatch, caplog) -> None:
+    def refused(fd: int, inode: int, program: bytes) -> None:
+        raise OSError(errno.ENOPROTOOPT, "Protocol not available")
+
+    monkeypatch.setattr("indexer_service.service.overload.listenfilter.attach", refused)
+    metrics = cap_metrics()
+    with listener() as server, ExitStack() as stack:
+        port = server.getsockname()[1]
+        cap = PeerCap(1, {port: Port.GRPC}, metrics)
+        [connect(stack, server, "127.0.0.2") for _ in range(2)]
+        assert cap.check(fds=len(os.listdir("/proc/self/fd"))) == 1
+        connect(stack, server, "127.0.0.2")
+        assert cap.check(fds=len(os.listdir("/proc/self/fd"))) == 1
+        said = [r.getMessage() for r in caplog.records if "cannot have the kernel drop" in r.getMessage()]
+        assert len(said) == 1 and "Protocol not available" in said[0], said
 
 
 @pytest.mark.parametrize(
@@ -133,8 +214,8 @@ def test_nothing_is_read_while_the_process_holds_fewer_descriptors_than_the_cap(
     def unexpected(*args: object) -> list:
         raise AssertionError("read the connections although no peer can be over the cap")
 
-    assert PeerCap(256, {1: Port.GRPC}, closed_counter(), read=unexpected).check(fds=100) == 0
-    assert PeerCap(0, {1: Port.GRPC}, closed_counter(), read=unexpected).check(fds=100_000) == 0
+    assert PeerCap(256, {1: Port.GRPC}, cap_metrics(), read=unexpected).check(fds=100) == 0
+    assert PeerCap(0, {1: Port.GRPC}, cap_metrics(), read=unexpected).check(fds=100_000) == 0
 
 
 def test_where_the_kernel_refuses_sock_diag_the_cap_reads_proc_and_says_so_once_at_start(monkeypatch, caplog) -> None:
@@ -152,10 +233,10 @@ def test_where_the_kernel_refuses_sock_diag_the_cap_reads_proc_and_says_so_once_
         return established(ports)
 
     monkeypatch.setattr("indexer_service.service.overload.peers.established", proc)
-    counter = closed_counter()
+    metrics = cap_metrics()
     with listener() as server, ExitStack() as stack:
         port = server.getsockname()[1]
-        cap = PeerCap(1, {port: Port.GRPC}, counter)
+        cap = PeerCap(1, {port: Port.GRPC}, metrics)
         cap.start()
         cap.stop()
         fallback = [r.getMessage() for r in caplog.records if "sock_diag" in r.getMessage()]
@@ -181,59 +262,67 @@ def test_a_descriptor_that_now_holds_another_connection_is_not_shut() -> None:
         assert os.fstat(accepted.fileno()).st_ino == inode  # the descriptor itself stays open: its owner closes it
 
 
-def test_checks_come_sooner_while_a_flood_is_being_cut(monkeypatch) -> None:
+def test_checks_come_sooner_while_a_flood_is_being_cut_and_at_once_when_descriptors_jump() -> None:
     """A peer that reconnects as fast as it is cut takes the port's free room between two checks: while the last
-    check cut something the next comes after CUTTING_CHECK_SECONDS, else after CHECK_SECONDS."""
-    cap = PeerCap(2, {1: Port.GRPC}, closed_counter())
-    cut = iter([0, 5, 3, 0, 0])
-    monkeypatch.setattr(cap, "check", lambda fds: next(cut))
-    waits: list[float] = []
-
-    class Stop:
-        def wait(self, seconds: float) -> bool:
-            waits.append(seconds)
-            return len(waits) > 5  # stop after five checks
-
-    monkeypatch.setattr(cap, "_stop", Stop())
-    cap._run()
-    assert waits == [
-        CHECK_SECONDS,
-        CHECK_SECONDS,
-        CUTTING_CHECK_SECONDS,
-        CUTTING_CHECK_SECONDS,
-        CHECK_SECONDS,
-        CHECK_SECONDS,
-    ]
+    check cut something the next is due after CUTTING_CHECK_SECONDS, else after CHECK_SECONDS; and a flood's first
+    connections (FLOOD_STEP more descriptors than at the last check) bring the next check forward to
+    CUTTING_CHECK_SECONDS after the last."""
+    schedule = CheckSchedule()
+    assert schedule.is_due(0.0, 10)
+    schedule.checked(0.0, 10, spent=0.001, closed=0)
+    assert not schedule.is_due(CHECK_SECONDS - 0.01, 10 + FLOOD_STEP - 1)
+    assert schedule.is_due(CHECK_SECONDS, 10)
+    assert not schedule.is_due(CUTTING_CHECK_SECONDS - 0.01, 10 + FLOOD_STEP)
+    assert schedule.is_due(CUTTING_CHECK_SECONDS, 10 + FLOOD_STEP)
+    schedule.checked(1.0, 500, spent=0.001, closed=5)
+    assert not schedule.is_due(1.0 + CUTTING_CHECK_SECONDS - 0.01, 500)
+    assert schedule.is_due(1.0 + CUTTING_CHECK_SECONDS, 300)
 
 
-def test_a_costly_check_waits_longer_for_the_next(monkeypatch) -> None:
-    """A check that read huge tables (TIME_WAIT sockets by the hundred thousand) takes at most CHECK_SHARE of
-    its thread's time: 0.2 s spent, the next check 0.2 / CHECK_SHARE s later, whether or not it cut anything; 0.5 s
-    spent reading and 0.3 s shutting connections down, the same (the shutdowns are not counted); 1 s spent
-    reading, the next after MAX_CHECK_SECONDS all the same."""
-    cap = PeerCap(2, {1: Port.GRPC}, closed_counter())
-    cut = iter([(5, 0.0), (0, 0.0), (5, 0.3), (0, 0.0)])
+@pytest.mark.parametrize(
+    ("spent", "closed", "after"),
+    [
+        (0.2, 0, 0.2 / CHECK_SHARE),
+        (0.2, 5, 0.2 / CHECK_SHARE),
+        (1.0, 0, MAX_CHECK_SECONDS),
+    ],
+    ids=["costly", "costly-while-cutting", "costliest"],
+)
+def test_a_costly_check_waits_longer_for_the_next_whatever_the_descriptors(spent, closed, after) -> None:
+    """A check that read huge tables (TIME_WAIT sockets by the hundred thousand) takes at most CHECK_SHARE of its
+    thread's time, whether or not it cut anything and however fast descriptors come; MAX_CHECK_SECONDS at most."""
+    schedule = CheckSchedule()
+    schedule.checked(10.0, 1000, spent=spent, closed=closed)
+    assert not schedule.is_due(10.0 + after - 0.01, 100_000)
+    assert schedule.is_due(10.0 + after, 1000)
+
+
+def test_the_checking_thread_checks_when_the_schedule_says(monkeypatch) -> None:
+    """Descriptors read every POLL_SECONDS; a check only when due, with what it spent reading (its own shutdowns
+    not counted) and what it cut."""
+    cap = PeerCap(2, {1: Port.GRPC}, cap_metrics())
+    fds = iter([10, 10, 10 + FLOOD_STEP, 10 + FLOOD_STEP, 10 + FLOOD_STEP])
+    monkeypatch.setattr("indexer_service.service.overload.peers.open_fds", lambda: next(fds))
+    clock = iter([0.0, 0.01, 0.02, 0.06, 0.07])
+    monkeypatch.setattr("indexer_service.service.overload.peers.time", SimpleNamespace(monotonic=lambda: next(clock)))
+    checks: list[int] = []
 
     def check(fds: int) -> int:
-        closed, cap._cutting_seconds = next(cut)
-        return closed
+        checks.append(fds)
+        cap._cutting_seconds = 0.0
+        return 0
 
     monkeypatch.setattr(cap, "check", check)
-    clock = iter([10.0, 10.2, 20.0, 20.2, 30.0, 30.5, 40.0, 41.0])
-    monkeypatch.setattr("indexer_service.service.overload.peers._clock", lambda: next(clock))
+    monkeypatch.setattr("indexer_service.service.overload.peers._clock", lambda: 0.0)
     waits: list[float] = []
 
     class Stop:
         def wait(self, seconds: float) -> bool:
             waits.append(seconds)
-            return len(waits) > 4
+            return len(waits) > 5
 
     monkeypatch.setattr(cap, "_stop", Stop())
     cap._run()
-    assert waits == [
-        CHECK_SECONDS,
-        pytest.approx(0.2 / CHECK_SHARE),
-        pytest.approx(0.2 / CHECK_SHARE),
-        pytest.approx(0.2 / CHECK_SHARE),
-        MAX_CHECK_SECONDS,
-    ]
+    assert set(waits) == {POLL_SECONDS}
+    # at once; not at 0.01 (no jump) nor at 0.02 (a jump, before CUTTING_CHECK_SECONDS); at 0.06 the jump
+    assert checks == [10, 10 + FLOOD_STEP]

@@ -112,6 +112,19 @@ def test_ipv6_connections_and_ipv4_peers_of_a_dual_stack_listener() -> None:
 
 
 @needs_sock_diag
+def test_listeners_of_the_ports_asked_and_none_of_their_connections() -> None:
+    with listener() as first, listener() as second, listener() as other, ExitStack() as stack:
+        connect(stack, first, "127.0.0.2")
+        ports = [first.getsockname()[1], second.getsockname()[1]]
+        rows = sockdiag.listening(ports)
+        assert sorted(rows) == sorted(
+            (sock.getsockname()[1], os.fstat(sock.fileno()).st_ino) for sock in (first, second)
+        )
+        assert sorted(rows) == sorted(peers.listening(ports))
+        assert other.getsockname()[1] not in {port for port, _ in rows}
+
+
+@needs_sock_diag
 def test_nothing_asked_nothing_read() -> None:
     with listener() as server, ExitStack() as stack:
         connect(stack, server, "127.0.0.2")
