@@ -603,6 +603,7 @@ def _idle_connections(
     figures.update(
         connections=count,
         refused_at_connect=flood.refused,
+        unanswered_at_connect=flood.unanswered,
         held_after_1s=held,
         all_closed_after_s=all_closed_after,
         still_open_at_end=left,
