@@ -1,20 +1,24 @@
-"""Connections per peer: a cap that gRPC core cannot apply, applied just after accept.
+"""Connections per peer: a cap that gRPC core cannot apply, applied just after accept and then before it.
 
 gRPC core caps a port's connections (``grpc.max_allowed_incoming_connections``) but knows nothing of who opened
 them, and grpcio offers no hook at accept; so one peer that opens connections and holds them could fill a port and
 turn every other client (and the probes) away. The kernel knows each connection's peer: every fifth of a second
-(every twentieth while it is cutting a flood, less often while the reading costs more), while the process holds
-more descriptors than ``max_connections_per_peer``, :class:`PeerCap` asks the kernel for the established TCP
-connections of its ports (netlink sock_diag, :mod:`.sockdiag`; where the kernel refuses it, /proc/net/tcp and tcp6,
-said once in a WARNING), and where a peer (an IPv4 address, or an IPv6 /64) is past the cap on a port, finds its
-own sockets (/proc/self/fd) and shuts that peer's connections down, those that came since the last check first.
-``shutdown(2)`` on a duplicate of the descriptor: the owner (gRPC core, uvicorn) sees the connection end and closes
-its own descriptor; nothing is closed under it, and a descriptor reused meanwhile by another connection is told
-apart by its inode. Each process caps its own connections (with workers, each worker's share of the shared port, as
-``grpc_max_connections``). Counted in ``indexer_peer_connections_closed_total{port}`` and logged, rate-limited.
+(every twentieth while it is cutting a flood, at once when the process's descriptors jump, less often while the
+reading costs more), while the process holds more descriptors than ``max_connections_per_peer``, :class:`PeerCap`
+asks the kernel for the established TCP connections of its ports (netlink sock_diag, :mod:`.sockdiag`; where the
+kernel refuses it, /proc/net/tcp and tcp6, said once in a WARNING), and where a peer (an IPv4 address, or an IPv6
+/64) is past the cap on a port, finds its own sockets (/proc/self/fd) and shuts that peer's connections down, those
+that came since the last check first. ``shutdown(2)`` on a duplicate of the descriptor: the owner (gRPC core,
+uvicorn) sees the connection end and closes its own descriptor; nothing is closed under it, and a descriptor reused
+meanwhile by another connection is told apart by its inode. While a peer holds the cap, the listeners of that port
+that this process alone holds drop its new connections before accept (:mod:`.listenfilter`): a peer that reconnects
+as fast as it is cut gets nothing more, and costs gRPC core nothing. Each process caps its own connections (with
+workers, each worker's share of the shared port, as ``grpc_max_connections``). Counted in
+``indexer_peer_connections_closed_total{port}``, ``indexer_peers_at_connection_cap{port}`` and
+``indexer_connections_dropped_before_accept_total{port}``, and logged, rate-limited.
 
-A peer that reconnects as fast as it is cut still takes the room each cut frees, at its own connection rate;
-the port's own cap still bounds the total (docs/overload.md, "Connections").
+What it does not stop: a flood's first burst, which reaches the port before the first check that sees it, and many
+peers each under the cap; the port's own cap still bounds the total (docs/overload.md, "Connections").
 """
 
 from __future__ import annotations
