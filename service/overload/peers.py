@@ -379,18 +379,22 @@ class PeerCap:
             self._drop_new_connections({})
             return 0
         mine = socket_inodes()
+        own: dict[tuple[int, str], list[int]] = {}  # (port, peer) -> its connections here, the kept ones first
         at_cap: dict[int, dict[str, int]] = defaultdict(dict)  # port -> peer -> connections held here
+        for (port, peer), inodes in full.items():
+            held = own[port, peer] = sorted(
+                (inode for inode in inodes if inode in mine), key=lambda inode: (inode not in seen, inode)
+            )
+            if len(held) >= self.cap:
+                at_cap[port][peer] = len(held)
+        self._drop_new_connections(at_cap)  # first: a flood's connections stop coming while it is cut
         cut: dict[int, list[tuple[int, str, int]]] = defaultdict(list)  # port -> (held, peer, closed)
         cutting = _clock()
-        for (port, peer), inodes in full.items():
-            own = sorted((inode for inode in inodes if inode in mine), key=lambda inode: (inode not in seen, inode))
-            if len(own) >= self.cap:
-                at_cap[port][peer] = len(own)
-            closed = sum(shut_down(mine[inode], inode) for inode in own[self.cap :])
+        for (port, peer), held in own.items():
+            closed = sum(shut_down(mine[inode], inode) for inode in held[self.cap :])
             if closed:
-                cut[port].append((len(own), peer, closed))
+                cut[port].append((len(held), peer, closed))
         self._cutting_seconds = _clock() - cutting
-        self._drop_new_connections(at_cap)
         total = 0
         for port, peers_cut in cut.items():
             name, closed = self.ports[port], sum(closed for _, _, closed in peers_cut)
