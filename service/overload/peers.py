@@ -52,10 +52,11 @@ _ESTABLISHED, _LISTEN = "01", "0A"  # st in /proc/net/tcp: TCP_ESTABLISHED, TCP_
 LOG_INTERVAL_SECONDS = 10.0
 # How often the cap is checked: every fifth of a second, every twentieth while the last check cut connections, and
 # at once (within POLL_SECONDS, the pace at which the descriptor count is read) when the process's descriptors grew
-# by FLOOD_STEP since the last check. A peer that connects as fast as gRPC core accepts fills a port's free room
-# within a few tenths of a second, and other peers' connections are refused meanwhile (docs/overload.md); once the
-# check has seen it at its cap, the kernel drops its new connections before accept. While the process holds no
-# more descriptors than the cap a check costs one reading of the listeners' drop counts.
+# by FLOOD_STEP since the last check, while the checks' cost stays within CHECK_SHARE. A peer that connects as fast
+# as gRPC core accepts fills a port's free room within a few tenths of a second, and other peers' connections are
+# refused meanwhile (docs/overload.md); once a check has seen it at its cap, the kernel drops its new connections
+# before accept. While the process holds no more descriptors than the cap a check costs one reading of the
+# listeners' drop counts.
 CHECK_SECONDS, CUTTING_CHECK_SECONDS, POLL_SECONDS = 0.2, 0.05, 0.02
 FLOOD_STEP = 64
 # A check's reading takes at most this share of the time between checks (of a CPU and of the GIL): what it reads
@@ -69,7 +70,9 @@ _clock = time.thread_time  # a check's cost: its thread's CPU time (a test's fak
 
 
 class CheckSchedule:
-    """When the next check is due, from what the last one cost and found (times from ``time.monotonic()``)."""
+    """When the next check is due, from what the last one cost and found (times from ``time.monotonic()``): after
+    CHECK_SECONDS, or CUTTING_CHECK_SECONDS if it cut connections; sooner once descriptors jump, as soon as the last
+    one's cost allows."""
 
     def __init__(self) -> None:
         self.due = self.earliest = 0.0  # the next check at ``due``, or from ``earliest`` on if descriptors jump
@@ -82,7 +85,7 @@ class CheckSchedule:
         """A check began at ``now`` with ``fds`` descriptors, read for ``spent`` seconds of its thread's CPU time
         (its shutdowns not counted) and shut ``closed`` connections down."""
         floor = spent / CHECK_SHARE
-        self.earliest = now + min(MAX_CHECK_SECONDS, max(CUTTING_CHECK_SECONDS, floor))
+        self.earliest = now + min(MAX_CHECK_SECONDS, floor)
         self.due = now + min(MAX_CHECK_SECONDS, max(CUTTING_CHECK_SECONDS if closed else CHECK_SECONDS, floor))
         self.fds = fds
 

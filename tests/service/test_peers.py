@@ -265,15 +265,17 @@ def test_a_descriptor_that_now_holds_another_connection_is_not_shut() -> None:
 def test_checks_come_sooner_while_a_flood_is_being_cut_and_at_once_when_descriptors_jump() -> None:
     """A peer that reconnects as fast as it is cut takes the port's free room between two checks: while the last
     check cut something the next is due after CUTTING_CHECK_SECONDS, else after CHECK_SECONDS; and a flood's first
-    connections (FLOOD_STEP more descriptors than at the last check) bring the next check forward to
-    CUTTING_CHECK_SECONDS after the last."""
+    connections (FLOOD_STEP more descriptors than at the last check) bring the next check forward, as soon as the
+    last one's cost share allows (a check that read nothing at once; one that spent 5 ms 50 ms after it)."""
     schedule = CheckSchedule()
     assert schedule.is_due(0.0, 10)
-    schedule.checked(0.0, 10, spent=0.001, closed=0)
+    schedule.checked(0.0, 10, spent=0.0001, closed=0)
     assert not schedule.is_due(CHECK_SECONDS - 0.01, 10 + FLOOD_STEP - 1)
     assert schedule.is_due(CHECK_SECONDS, 10)
-    assert not schedule.is_due(CUTTING_CHECK_SECONDS - 0.01, 10 + FLOOD_STEP)
-    assert schedule.is_due(CUTTING_CHECK_SECONDS, 10 + FLOOD_STEP)
+    assert schedule.is_due(0.002, 10 + FLOOD_STEP)
+    schedule.checked(0.5, 10, spent=0.005, closed=0)
+    assert not schedule.is_due(0.5 + 0.005 / CHECK_SHARE - 0.001, 10 + FLOOD_STEP)
+    assert schedule.is_due(0.5 + 0.005 / CHECK_SHARE, 10 + FLOOD_STEP)
     schedule.checked(1.0, 500, spent=0.001, closed=5)
     assert not schedule.is_due(1.0 + CUTTING_CHECK_SECONDS - 0.01, 500)
     assert schedule.is_due(1.0 + CUTTING_CHECK_SECONDS, 300)
@@ -302,6 +304,7 @@ def test_the_checking_thread_checks_when_the_schedule_says(monkeypatch) -> None:
     not counted) and what it cut."""
     cap = PeerCap(2, {1: Port.GRPC}, cap_metrics())
     fds = iter([10, 10, 10 + FLOOD_STEP, 10 + FLOOD_STEP, 10 + FLOOD_STEP])
+    spent = iter([0.0, 0.003, 0.003, 0.0, 0.0])  # the first check's reading cost 3 ms: no jump check for 30 ms
     monkeypatch.setattr("indexer_service.service.overload.peers.open_fds", lambda: next(fds))
     clock = iter([0.0, 0.01, 0.02, 0.06, 0.07])
     monkeypatch.setattr("indexer_service.service.overload.peers.time", SimpleNamespace(monotonic=lambda: next(clock)))
@@ -313,7 +316,7 @@ def test_the_checking_thread_checks_when_the_schedule_says(monkeypatch) -> None:
         return 0
 
     monkeypatch.setattr(cap, "check", check)
-    monkeypatch.setattr("indexer_service.service.overload.peers._clock", lambda: 0.0)
+    monkeypatch.setattr("indexer_service.service.overload.peers._clock", lambda: next(spent))
     waits: list[float] = []
 
     class Stop:
@@ -324,5 +327,5 @@ def test_the_checking_thread_checks_when_the_schedule_says(monkeypatch) -> None:
     monkeypatch.setattr(cap, "_stop", Stop())
     cap._run()
     assert set(waits) == {POLL_SECONDS}
-    # at once; not at 0.01 (no jump) nor at 0.02 (a jump, before CUTTING_CHECK_SECONDS); at 0.06 the jump
+    # at once; not at 0.01 (no jump) nor at 0.02 (a jump, before the first check's cost allows); at 0.06 the jump
     assert checks == [10, 10 + FLOOD_STEP]

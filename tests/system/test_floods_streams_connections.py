@@ -173,8 +173,9 @@ def test_one_peer_cannot_fill_a_port(serve) -> None:
     connections from everyone else were turned away, the RPC port's probe 18.6 % in the full-size row). Within a
     few seconds the peer holds max_connections_per_peer (50) on each port: those past it shut down (gRPC core and
     uvicorn close their side), the rest of its first burst refused by the port's own cap or never accepted (the
-    listener's filter drops its SYNs once a check has seen it at the cap), all counted and logged; a second wave from it gets no connection at all; then the victim, a fresh client
-    and every probe, all from 127.0.0.1 and opening connections as they go, are served as in the control run."""
+    listener's filter drops its SYNs once a check has seen it at the cap), all counted and logged; a second wave
+    from it gets no connection at all; then the victim, a fresh client and every probe, all from 127.0.0.1 and
+    opening connections as they go, are served as in the control run."""
     server = serve(
         "--grpc-max-connections=300",
         "--health-max-connections=300",
