@@ -17,6 +17,8 @@ import select
 import selectors
 import socket
 import time
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Self
 
@@ -274,6 +276,13 @@ class IdleConnections(_Sockets):
     def still_open(self) -> int:
         """How many of the connections the server has neither closed nor answered (with a refusal)."""
         return sum(_silent(sock) for sock in self.sockets)
+
+
+def open_together(floods: Iterable[IdleConnections], threads: int = 32) -> None:
+    """Open every flood at once, as many peers would (each on a thread of its own, ``threads`` at most): one
+    whose connects the server drops waits out its ``connect_seconds`` without holding the others back."""
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(IdleConnections.open, floods))
 
 
 @dataclass

@@ -43,6 +43,7 @@ from indexer_service.service.overload.sockdiag import Address
 from indexer_service.service.reasons import Port
 
 if TYPE_CHECKING:  # the supervisor imports this module before it names the multiprocess directory
+    from indexer_service.service.config import ServiceConfig
     from indexer_service.service.observability.metrics import PeerCapMetrics
 
 log = logging.getLogger(__name__)
@@ -66,6 +67,11 @@ FLOOD_STEP = 64
 # connections a flood opened since the last check, which the port's own cap bounds.
 CHECK_SHARE = 0.1
 MAX_CHECK_SECONDS = 5.0  # however costly the check, the cap is applied at least this often
+# A port whose own connections reach CROWDED of its cap (grpc_max_connections and so on) is crowded until they fall
+# under UNCROWDED: meanwhile each peer may hold only its share of CROWDED_SHARE of the cap (over the peers holding
+# its connections, at least 1), those past it shut down and its new ones dropped before accept, so that a fifth of
+# the port stays free for the peers that hold none, the kubelet's probes among them, however many peers fill it.
+CROWDED, UNCROWDED, CROWDED_SHARE = 0.9, 0.7, 0.8
 _clock = time.thread_time  # a check's cost: its thread's CPU time (a test's fake clock)
 
 
@@ -190,6 +196,16 @@ def shut_down(fd: int, inode: int) -> bool:
         connection.close()  # the duplicate only
 
 
+def connection_limits(config: ServiceConfig) -> dict[Port, int]:
+    """Each port's own connection cap, as its server applies it in each process."""
+    return {
+        Port.GRPC: config.grpc_max_connections,
+        Port.HEALTH: config.health_max_connections,
+        Port.HTTP: config.http_max_connections,
+        Port.HTTP_RPC: config.http_max_connections,
+    }
+
+
 class PeerCap:
     """At most ``cap`` established connections per peer on each of ``ports`` (local port -> its name) among this
     process's own; ``cap`` 0: no cap. :meth:`check` is one reading: a peer past the cap has its latest connections
@@ -204,6 +220,7 @@ class PeerCap:
         metrics: PeerCapMetrics,
         read: Callable[[Iterable[int]], list[tuple[int, int, Address]]] | None = None,
         shared: Iterable[int] = (),
+        limits: Mapping[Port, int] | None = None,
     ) -> None:
         self.cap = cap
         self._read = read  # None: sockdiag's, until the kernel refuses it, then /proc's (established)
@@ -212,6 +229,8 @@ class PeerCap:
             self.add_port(port, name)
         self.metrics = metrics
         self._shared = frozenset(shared)
+        self.limits = dict(limits or {})  # each port's own connection cap, by name
+        self._crowded: set[int] = set()  # the ports crowded at the last check
         self._seen: set[int] = set()  # the inodes of the last check's connections
         self._cutting_seconds = 0.0  # what the last check's shutdowns cost (_clock)
         self._listeners: dict[int, list[tuple[int, int]]] = {}  # port -> its listeners here, (fd, inode)
@@ -354,20 +373,35 @@ class PeerCap:
                     ),
                 )
 
+    def _limit_of(self, port: int) -> int:
+        """The port's own connection cap (``grpc_max_connections`` and so on), 0 where none is known."""
+        return self.limits.get(self.ports[port], 0)
+
+    def _crowd_floor(self, port: int) -> float:
+        """How many connections make the port crowded: CROWDED of its cap, and while it is, UNCROWDED."""
+        limit = self._limit_of(port)
+        if limit <= 0:
+            return float("inf")
+        return limit * (UNCROWDED if port in self._crowded else CROWDED)
+
+    def _least_crowd(self) -> float:
+        """The fewest descriptors with which a port could be crowded."""
+        return min((self._crowd_floor(port) for port in self.ports), default=float("inf"))
+
     def check(self, fds: int) -> int:
-        """With ``fds`` open descriptors: shut down each peer's connections past the cap, have the kernel drop new
-        ones of each peer at it; how many were shut down. A peer's connections that were there at the last check
-        are kept before those that came since (then by inode, roughly in the order they came: the kernel hands
-        inodes out in blocks per CPU)."""
+        """With ``fds`` open descriptors: shut down each peer's connections past its share (the cap, or on a crowded
+        port less), have the kernel drop new ones of each peer at it; how many were shut down. A peer's connections
+        that were there at the last check are kept before those that came since (then by inode, roughly in the
+        order they came: the kernel hands inodes out in blocks per CPU)."""
         self._cutting_seconds = 0.0
         if self.cap <= 0 or not self.ports:
             return 0
         self._find_listeners()
         self._count_drops()
-        if fds <= self.cap:
-            self._seen = set()
+        if fds <= min(self.cap, self._least_crowd()):
+            self._seen, self._crowded = set(), set()
             self._drop_new_connections({})
-            return 0  # no peer can hold as many connections as the process has descriptors
+            return 0  # no peer can hold as many connections as the process has descriptors, no port be crowded
         peers: dict[Address, str] = {}  # each remote address, read once per check
         # a set: a busy table may list a connection twice
         by_peer: dict[tuple[int, str], set[int]] = defaultdict(set)
@@ -377,24 +411,31 @@ class PeerCap:
                 peer = peers[remote] = peer_of(remote)
             by_peer[port, peer].add(inode)
         seen, self._seen = self._seen, set().union(*by_peer.values())
-        full = {key: inodes for key, inodes in by_peer.items() if len(inodes) >= self.cap}
-        if not full:
+        totals: dict[int, int] = defaultdict(int)  # every process's, so at least this one's
+        for (port, _), inodes in by_peer.items():
+            totals[port] += len(inodes)
+        crowding = {port for port, total in totals.items() if total >= self._crowd_floor(port)}
+        wanted = {key: inodes for key, inodes in by_peer.items() if len(inodes) >= self.cap or key[0] in crowding}
+        if not wanted:
+            self._crowded = set()
             self._drop_new_connections({})
             return 0
         mine = socket_inodes()
         own: dict[tuple[int, str], list[int]] = {}  # (port, peer) -> its connections here, the kept ones first
-        at_cap: dict[int, dict[str, int]] = defaultdict(dict)  # port -> peer -> connections held here
-        for (port, peer), inodes in full.items():
-            held = own[port, peer] = sorted(
+        for key, inodes in wanted.items():
+            own[key] = sorted(
                 (inode for inode in inodes if inode in mine), key=lambda inode: (inode not in seen, inode)
             )
-            if len(held) >= self.cap:
+        shares = self._shares(crowding, own)
+        at_cap: dict[int, dict[str, int]] = defaultdict(dict)  # port -> peer -> connections held here
+        for (port, peer), held in own.items():
+            if len(held) >= shares.get(port, self.cap):
                 at_cap[port][peer] = len(held)
         self._drop_new_connections(at_cap)  # first: a flood's connections stop coming while it is cut
         cut: dict[int, list[tuple[int, str, int]]] = defaultdict(list)  # port -> (held, peer, closed)
         cutting = _clock()
         for (port, peer), held in own.items():
-            closed = sum(shut_down(mine[inode], inode) for inode in held[self.cap :])
+            closed = sum(shut_down(mine[inode], inode) for inode in held[shares.get(port, self.cap) :])
             if closed:
                 cut[port].append((len(held), peer, closed))
         self._cutting_seconds = _clock() - cutting
@@ -404,19 +445,56 @@ class PeerCap:
             total += closed
             self.metrics.peer_connections_closed_total.labels(port=name).inc(closed)
             held, worst, _ = max(peers_cut)
-            peers = len(peers_cut)
+            peers_over, share = len(peers_cut), shares.get(port, self.cap)
             self._log.write(  # per port, not per peer: many peers make one line, not many
                 name,
-                lambda count, name=name, peers=peers, worst=worst, held=held, closed=closed: log.warning(
-                    "peers over their connection cap port=%s peers=%d worst_peer=%s held=%d "
-                    "max_connections_per_peer=%d closed=%d count=%d",
-                    name,
-                    peers,
-                    worst,
-                    held,
-                    self.cap,
-                    closed,
-                    count,
+                lambda count, name=name, peers=peers_over, worst=worst, held=held, share=share, closed=closed: (
+                    log.warning(
+                        "peers over their connection cap port=%s peers=%d worst_peer=%s held=%d share=%d "
+                        "max_connections_per_peer=%d closed=%d count=%d",
+                        name,
+                        peers,
+                        worst,
+                        held,
+                        share,
+                        self.cap,
+                        closed,
+                        count,
+                    )
                 ),
             )
         return total
+
+    def _shares(self, crowding: set[int], own: Mapping[tuple[int, str], list[int]]) -> dict[int, int]:
+        """Each crowded port's share per peer (the others': the cap): CROWDED_SHARE of its cap over the peers that
+        hold its connections here, at least 1 and at most the cap; which ports are crowded is kept for the next
+        check (a port stays crowded until under UNCROWDED of its cap)."""
+        totals: dict[int, int] = defaultdict(int)
+        peers: dict[int, int] = defaultdict(int)
+        for (port, _), held in own.items():
+            if port in crowding and held:
+                totals[port] += len(held)
+                peers[port] += 1
+        was, self._crowded = self._crowded, {port for port in crowding if totals[port] >= self._crowd_floor(port)}
+        shares = {}
+        for port in self._crowded:
+            limit = self._limit_of(port)
+            shares[port] = min(self.cap, max(1, int(limit * CROWDED_SHARE) // peers[port]))
+            if port not in was:
+                name = self.ports[port]
+                self._log.write(
+                    ("crowded", name),
+                    lambda count, name=name, held=totals[port], limit=limit, peers=peers[port], share=shares[port]: (
+                        log.warning(
+                            "port crowded: each peer held to its share port=%s connections=%d limit=%d peers=%d "
+                            "share=%d count=%d",
+                            name,
+                            held,
+                            limit,
+                            peers,
+                            share,
+                            count,
+                        )
+                    ),
+                )
+        return shares

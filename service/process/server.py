@@ -38,7 +38,7 @@ from indexer_service.service.observability.tracing import start_tracing
 from indexer_service.service.observability.version import VERSION, build
 from indexer_service.service.overload.allocator import IdleTrim, configure_malloc, idle_trim_caveat
 from indexer_service.service.overload.limits import strict_admission
-from indexer_service.service.overload.peers import PeerCap
+from indexer_service.service.overload.peers import PeerCap, connection_limits
 from indexer_service.service.process.addresses import host_port
 from indexer_service.service.process.lifecycle import ShutdownSignals, raise_open_files_limit
 from indexer_service.service.process.listeners import bind_shared
@@ -223,7 +223,13 @@ class IndexerServer:
             ports |= {self.grpc_port: Port.GRPC, self.health_port: Port.HEALTH}
         else:  # the HTTP ports' listeners are the supervisor's, inherited by every worker
             shared = tuple(ports)
-        self.peer_cap = PeerCap(config.max_connections_per_peer, ports, self.metrics.peer_cap, shared=shared)
+        self.peer_cap = PeerCap(
+            config.max_connections_per_peer,
+            ports,
+            self.metrics.peer_cap,
+            shared=shared,
+            limits=connection_limits(config),
+        )
 
     def _rpc_port(self, problem: str, broken: bool) -> None:
         self.plane.readiness.set_rpc_port(problem, broken)

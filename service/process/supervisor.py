@@ -306,7 +306,7 @@ class Supervisor:
     def start(self) -> None:
         from indexer_service.service.observability.metrics import SupervisorMetrics
         from indexer_service.service.overload.admission import ShedLog
-        from indexer_service.service.overload.peers import PeerCap
+        from indexer_service.service.overload.peers import PeerCap, connection_limits
         from indexer_service.service.process.server import listening_addresses
         from indexer_service.service.transport.gate import Accounting
         from indexer_service.service.transport.grpc_server import HEALTH_NAMES, create_health_server
@@ -334,7 +334,12 @@ class Supervisor:
         (self.runtime.path / CONFIG_FILE).write_text(config_to_json(self.config))
         self.health_server.server.start()
         # The health port's connections come and go here too: counted, and their memory handed back.
-        self.peer_cap = PeerCap(config.max_connections_per_peer, {health_port: Port.HEALTH}, self.metrics.peer_cap)
+        self.peer_cap = PeerCap(
+            config.max_connections_per_peer,
+            {health_port: Port.HEALTH},
+            self.metrics.peer_cap,
+            limits=connection_limits(config),
+        )
         self._idle_trim = IdleTrim(config.idle_trim_seconds, on_fds=self.metrics.open_fds.set)
         self._idle_trim.start()
         self.peer_cap.start()

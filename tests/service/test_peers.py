@@ -172,6 +172,35 @@ def test_a_peer_at_the_cap_has_its_new_connections_dropped_before_accept_until_i
         assert attempt(server, "127.0.0.2")
 
 
+@pytest.mark.parametrize("read", READERS)
+def test_a_crowded_port_holds_each_peer_to_its_share_so_a_newcomer_finds_room(read, caplog) -> None:
+    """Many peers, each far under max_connections_per_peer, fill 90 % of the port's own cap (here 10): the port is
+    crowded, each peer is held to its share of 80 % of the cap (8 over 4 peers: 2), those past it shut down and its
+    new connections dropped before accept, while a peer that holds none connects; once the port is under 70 % of its
+    cap the shares are lifted."""
+    metrics = cap_metrics()
+    with listener() as server, ExitStack() as stack:
+        port = server.getsockname()[1]
+        cap = PeerCap(256, {port: Port.GRPC}, metrics, read=read, limits={Port.GRPC: 10})
+        crowd = {f"127.0.0.{n}": [connect(stack, server, f"127.0.0.{n}") for _ in range(3)] for n in range(2, 6)}
+        assert cap.check(fds=len(os.listdir("/proc/self/fd"))) == 4
+        assert [[ended(client) for client, _ in held].count(True) for held in crowd.values()] == [1, 1, 1, 1]
+        assert metrics.peers_at_connection_cap.labels(port="grpc")._value.get() == 4
+        assert not attempt(server, "127.0.0.2")
+        assert attempt(server, "127.0.0.9")
+        said = [r.getMessage() for r in caplog.records]
+        assert any(
+            "port crowded: each peer held to its share port=grpc connections=12 limit=10 peers=4 share=2" in m
+            for m in said
+        ), said
+        for client, accepted in crowd["127.0.0.2"] + crowd["127.0.0.3"]:
+            client.close()
+            accepted.close()
+        assert cap.check(fds=len(os.listdir("/proc/self/fd"))) == 0  # 4 left of 10: no longer crowded
+        assert metrics.peers_at_connection_cap.labels(port="grpc")._value.get() == 0
+        assert attempt(server, "127.0.0.2")
+
+
 def test_a_listener_other_processes_share_is_not_filtered() -> None:
     """With workers, the HTTP ports' listener is the supervisor's, inherited by each worker: a worker's filter
     would replace another's, so on such a port a peer past the cap is only cut."""
