@@ -65,7 +65,7 @@ from testkit.harness import (
     mib,
     scrape,
 )
-from testkit.http1raw import IdleConnections, UnreadAnswers, huge_header
+from testkit.http1raw import IdleConnections, UnreadAnswers, huge_header, open_together
 from testkit.observe import Callers, HealthWatch, HttpVictim
 from testkit.payloads import (
     AMPLIFIER_PLAN_BATCH,
@@ -542,8 +542,7 @@ def idle_connections_many_peers(bench: Bench) -> dict:
     peers = shapes.many_peers(_scaled(79))
     floods = shapes.idle_connections_of_many_peers(server, peers, _scaled(200) // 4)
     with ControlledSiege(server) as siege:
-        for flood in floods:
-            flood.open()
+        open_together(floods)
         try:
             time.sleep(30.0)
             held = sum(flood.still_connected() for flood in floods)
@@ -555,6 +554,7 @@ def idle_connections_many_peers(bench: Bench) -> dict:
         tried=f"{len(peers)} peers x 4 ports x {_scaled(200) // 4} idle connections, 30 s",
         opened=sum(flood.count for flood in floods),
         refused_at_connect=sum(flood.refused for flood in floods),
+        unanswered_at_connect=sum(flood.unanswered for flood in floods),
         held_after_30s=held,
     )
     return figures

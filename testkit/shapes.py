@@ -99,11 +99,17 @@ def many_peers(count: int) -> list[str]:
     return [f"127.0.0.{n}" for n in range(2, 2 + count)]
 
 
-def idle_connections_of_many_peers(server: ServiceProcess, peers: list[str], each: int) -> list[IdleConnections]:
+def idle_connections_of_many_peers(
+    server: ServiceProcess, peers: list[str], each: int, connect_seconds: float = 5.0
+) -> list[IdleConnections]:
     """From each of ``peers``, ``each`` connections to every port of ``server`` (the HTTP/2 preface on the gRPC
     ports, nothing on the HTTP ones), sending nothing more; to be opened (and closed) by the caller. Each peer stays
-    under its per-peer cap, so only the ports' own caps bound them."""
+    under its per-peer cap, so only the ports' own caps, and their shares once crowded, bound them."""
     ports = [(server.grpc_port, H2_PREFACE), (server.health_port, H2_PREFACE), (server.http_port, b"")]
     if server.http_rpc_port:
         ports.append((server.http_rpc_port, b""))
-    return [IdleConnections(LOOPBACK, port, each, greeting, source=peer) for peer in peers for port, greeting in ports]
+    return [
+        IdleConnections(LOOPBACK, port, each, greeting, source=peer, connect_seconds=connect_seconds)
+        for peer in peers
+        for port, greeting in ports
+    ]
