@@ -66,6 +66,9 @@ FLOOD_STEP = 64
 # docs/performance.md), so a costly reading waits longer for the next. The shutdowns are not counted: at most the
 # connections a flood opened since the last check, which the port's own cap bounds.
 CHECK_SHARE = 0.1
+# While the last check cut connections, a flood is filling a port and others' connections are being refused: the
+# next check may take up to half its thread's time, so that the cut keeps up.
+CUTTING_CHECK_SHARE = 0.5
 MAX_CHECK_SECONDS = 5.0  # however costly the check, the cap is applied at least this often
 # A port whose own connections reach CROWDED of its cap (grpc_max_connections and so on) is crowded until they fall
 # under UNCROWDED: meanwhile each peer may hold only its share of CROWDED_SHARE of the cap (over the peers holding
@@ -78,7 +81,7 @@ _clock = time.thread_time  # a check's cost: its thread's CPU time (a test's fak
 class CheckSchedule:
     """When the next check is due, from what the last one cost and found (times from ``time.monotonic()``): after
     CHECK_SECONDS, or CUTTING_CHECK_SECONDS if it cut connections; sooner once descriptors jump, as soon as the last
-    one's cost allows."""
+    one's cost allows (CHECK_SHARE of the time between, CUTTING_CHECK_SHARE after one that cut)."""
 
     def __init__(self) -> None:
         self.due = self.earliest = 0.0  # the next check at ``due``, or from ``earliest`` on if descriptors jump
@@ -90,7 +93,7 @@ class CheckSchedule:
     def checked(self, now: float, fds: int, spent: float, closed: int) -> None:
         """A check began at ``now`` with ``fds`` descriptors, read for ``spent`` seconds of its thread's CPU time
         (its shutdowns not counted) and shut ``closed`` connections down."""
-        floor = spent / CHECK_SHARE
+        floor = spent / (CUTTING_CHECK_SHARE if closed else CHECK_SHARE)
         self.earliest = now + min(MAX_CHECK_SECONDS, floor)
         self.due = now + min(MAX_CHECK_SECONDS, max(CUTTING_CHECK_SECONDS if closed else CHECK_SECONDS, floor))
         self.fds = fds
