@@ -9,38 +9,17 @@ from __future__ import annotations
 import errno
 import os
 import socket
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
 from indexer_service.service.overload import listenfilter
+from tests.service.sockets_support import ipv6_loopback, listener
 
 pytestmark = pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="needs Linux")
 
 # A dropped SYN is sent again after 1 s: a connect that has not completed in this long was dropped.
 DROPPED_AFTER_SECONDS = 0.4
-
-
-def has_ipv6() -> bool:
-    try:
-        with socket.socket(socket.AF_INET6) as probe:
-            probe.bind(("::1", 0))
-    except OSError:
-        return False
-    return True
-
-
-@contextmanager
-def listener(host: str = "127.0.0.1") -> Iterator[socket.socket]:
-    server = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-    if host == "::":
-        server.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)  # dual-stack: IPv4 clients too
-    server.bind((host, 0))
-    server.listen(64)
-    with server:
-        yield server
 
 
 def inode(sock: socket.socket) -> int:
@@ -107,9 +86,9 @@ def test_connections_accepted_before_and_after_the_filter_keep_working() -> None
                 assert carries_data(later, later_accepted)
 
 
-@pytest.mark.skipif(not has_ipv6(), reason="no IPv6 loopback")
+@pytest.mark.skipif(not ipv6_loopback(), reason="no IPv6 loopback")
 def test_ipv6_peers_by_their_64_and_ipv4_clients_of_a_dual_stack_listener_as_ipv4() -> None:
-    with listener("::") as server:
+    with listener("::", v6only=False) as server:
         fd, ino = server.fileno(), inode(server)
         listenfilter.attach(fd, ino, listenfilter.program(["::/64"]))  # ::1's /64
         assert not connects(server, "::1", "::1")

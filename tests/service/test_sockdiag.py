@@ -10,14 +10,14 @@ import ipaddress
 import os
 import socket
 import struct
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
 from indexer_service.service.overload import peers, sockdiag
+from tests.service.sockets_support import ipv6_loopback, listener
 
 pytestmark = pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="needs Linux")
 
@@ -31,26 +31,6 @@ def netlink_answers() -> bool:
 
 
 needs_sock_diag = pytest.mark.skipif(not netlink_answers(), reason="the kernel does not answer sock_diag here")
-
-
-def ipv6_loopback() -> bool:
-    try:
-        with socket.socket(socket.AF_INET6) as probe:
-            probe.bind(("::1", 0))
-    except OSError:
-        return False
-    return True
-
-
-@contextmanager
-def listener(host: str = "127.0.0.1", v6only: bool = True) -> Iterator[socket.socket]:
-    server = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-    if ":" in host:
-        server.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, int(v6only))
-    server.bind((host, 0))
-    server.listen(64)
-    with server:
-        yield server
 
 
 def connect(stack: ExitStack, server: socket.socket, source: str, to: str | None = None) -> socket.socket:
