@@ -17,8 +17,10 @@ workers, each worker's share of the shared port, as ``grpc_max_connections``). C
 ``indexer_peer_connections_closed_total{port}``, ``indexer_peers_at_connection_cap{port}`` and
 ``indexer_connections_dropped_before_accept_total{port}``, and logged, rate-limited.
 
-What it does not stop: a flood's first burst, which reaches the port before the first check that sees it, and many
-peers each under the cap; the port's own cap still bounds the total (docs/overload.md, "Connections").
+Many peers each under the cap can still fill a port together: once a port's connections reach CROWDED of its own cap,
+each peer is held to a share of it the same way, so that room stays for the peers that hold none. What it does not
+stop: a flood's first burst, which reaches the port before the first check that sees it; the port's own cap bounds
+that (docs/overload.md, "Connections").
 """
 
 from __future__ import annotations
@@ -320,9 +322,11 @@ class PeerCap:
             for fd, inode in listeners:
                 try:
                     now = listenfilter.drops(fd, inode)
-                except OSError:
-                    self._listener_gone(port)
-                    break
+                except OSError as exc:
+                    if exc.errno in (errno.ESTALE, errno.EBADF):  # the listener closed, or its number reused
+                        self._listener_gone(port)
+                        break
+                    return  # a kernel without SO_MEMINFO (before 4.12): nothing to count
                 before = self._drops.get((fd, inode), 0)
                 self._drops[fd, inode] = now
                 if now > before:

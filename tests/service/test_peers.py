@@ -202,6 +202,22 @@ def test_a_crowded_port_holds_each_peer_to_its_share_so_a_newcomer_finds_room(re
         assert attempt(server, "127.0.0.2")
 
 
+def test_a_listener_closed_meanwhile_is_forgotten_not_an_error() -> None:
+    """Its owner closed it (a server stopping) or its number now holds another file: the check goes on, and looks
+    for the port's listeners again."""
+    metrics = cap_metrics()
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(4)
+    port = server.getsockname()[1]
+    cap = PeerCap(2, {port: Port.GRPC}, metrics)
+    cap.check(fds=1)
+    assert [fd for fd, _ in cap._listeners[port]] == [server.fileno()]
+    server.close()
+    assert cap.check(fds=1) == 0
+    assert port not in cap._listeners
+
+
 def test_a_listener_other_processes_share_is_not_filtered() -> None:
     """With workers, the HTTP ports' listener is the supervisor's, inherited by each worker: a worker's filter
     would replace another's, so on such a port a peer past the cap is only cut."""
