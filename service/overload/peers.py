@@ -25,10 +25,12 @@ that (docs/overload.md, "Connections").
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import ipaddress
 import logging
 import os
+import select
 import socket
 import stat
 import sys
@@ -54,13 +56,15 @@ TCP_TABLES = ("/proc/net/tcp", "/proc/net/tcp6")
 _ESTABLISHED, _LISTEN = "01", "0A"  # st in /proc/net/tcp: TCP_ESTABLISHED, TCP_LISTEN
 LOG_INTERVAL_SECONDS = 10.0
 # How often the cap is checked: every fifth of a second, every twentieth while the last check cut connections, and
-# at once (within POLL_SECONDS, the pace at which the descriptor count is read) when the process's descriptors grew
-# by FLOOD_STEP since the last check, while the checks' cost stays within CHECK_SHARE. A peer that connects as fast
+# at once when the process's descriptors grew by FLOOD_STEP since the last check, while the checks' cost stays within
+# CHECK_SHARE: a connection reaching one of the process's own listeners wakes the checking thread, which reads the
+# descriptor count POLL_SECONDS later (the rest of a burst lands meanwhile), so at most that often while connections
+# keep coming, and never in between while none come. A peer that connects as fast
 # as gRPC core accepts fills a port's free room within a few tenths of a second, and other peers' connections are
 # refused meanwhile (docs/overload.md); once a check has seen it at its cap, the kernel drops its new connections
 # before accept. While the process holds no more descriptors than the cap a check costs one reading of the
 # listeners' drop counts.
-CHECK_SECONDS, CUTTING_CHECK_SECONDS, POLL_SECONDS = 0.2, 0.05, 0.02
+CHECK_SECONDS, CUTTING_CHECK_SECONDS, POLL_SECONDS = 0.2, 0.05, 0.01
 FLOOD_STEP = 64
 # A check's reading takes at most this share of the time between checks (of a CPU and of the GIL): what it reads
 # grows with the connections of its ports, and on the /proc fallback with every socket of the network namespace,
@@ -240,6 +244,7 @@ class PeerCap:
         self._cutting_seconds = 0.0  # what the last check's shutdowns cost (_clock)
         self._listeners: dict[int, list[tuple[int, int]]] = {}  # port -> its listeners here, (fd, inode)
         self._looked: set[int] = set()  # the ports whose listeners were looked for
+        self._watched: set[tuple[int, int]] = set()  # the listeners whose arrivals wake the checking thread
         self._dropping: dict[int, frozenset[str]] = {}  # port -> the peers its listeners' filter names
         self._drops: dict[tuple[int, int], int] = {}  # listener -> its sk_drops at the last reading
         self._filtering = True  # until the kernel refuses a filter
@@ -258,20 +263,38 @@ class PeerCap:
 
     def _run(self) -> None:
         schedule = CheckSchedule()
-        while not self._stop.wait(POLL_SECONDS):
-            now, fds = time.monotonic(), open_fds()
-            if not schedule.is_due(now, fds):
-                continue
-            started = _clock()
-            try:
-                closed = self.check(fds)
-            except Exception as exc:  # a /proc format it does not know: say so (rate-limited), keep serving
-                self._log.write(
-                    "failed",
-                    lambda count, exc=exc: log.error("connection cap check failed count=%d", count, exc_info=exc),
-                )
-                closed = 0
-            schedule.checked(now, fds, _clock() - started - self._cutting_seconds, closed)
+        schedule.due = time.monotonic() + POLL_SECONDS
+        with select.epoll() as arrivals:
+            while True:
+                self._watch(arrivals)
+                arrived = arrivals.poll(max(0.0, schedule.due - time.monotonic()))
+                # after an arrival, the rest of its burst lands meanwhile
+                if self._stop.is_set() or (arrived and self._stop.wait(POLL_SECONDS)):
+                    break
+                now, fds = time.monotonic(), open_fds()
+                if not schedule.is_due(now, fds):
+                    continue
+                started = _clock()
+                try:
+                    closed = self.check(fds)
+                except Exception as exc:  # a /proc format it does not know: say so (rate-limited), keep serving
+                    self._log.write(
+                        "failed",
+                        lambda count, exc=exc: log.error("connection cap check failed count=%d", count, exc_info=exc),
+                    )
+                    closed = 0
+                schedule.checked(now, fds, _clock() - started - self._cutting_seconds, closed)
+
+    def _watch(self, arrivals: select.epoll) -> None:
+        """Have ``arrivals`` wake the checking thread when a connection reaches one of this process's own listeners
+        (edge-triggered: once per burst that finds the accept queue empty). The owner's descriptor is registered
+        as it is: the kernel forgets it once the owner closes it."""
+        for listeners in list(self._listeners.values()):
+            for listener in listeners:
+                if listener not in self._watched:
+                    self._watched.add(listener)
+                    with contextlib.suppress(OSError):  # closed meanwhile: found again if its port has another
+                        arrivals.register(listener[0], select.EPOLLIN | select.EPOLLET)
 
     def add_port(self, port: int, name: Port) -> None:
         """A port bound after start (a worker joins the gRPC port once warmed up)."""

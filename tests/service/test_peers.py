@@ -10,6 +10,7 @@ import ipaddress
 import os
 import socket
 import sys
+import time
 from collections.abc import Iterable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -27,7 +28,6 @@ from indexer_service.service.overload.peers import (
     CUTTING_CHECK_SHARE,
     FLOOD_STEP,
     MAX_CHECK_SECONDS,
-    POLL_SECONDS,
     CheckSchedule,
     PeerCap,
     established,
@@ -37,6 +37,7 @@ from indexer_service.service.overload.peers import (
     socket_inodes,
 )
 from indexer_service.service.reasons import Port
+from testkit.harness import poll
 
 pytestmark = pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="needs Linux /proc")
 
@@ -346,33 +347,24 @@ def test_a_costly_check_waits_longer_for_the_next_whatever_the_descriptors(spent
     assert schedule.is_due(10.0 + after, 1000)
 
 
-def test_the_checking_thread_checks_when_the_schedule_says(monkeypatch) -> None:
-    """Descriptors read every POLL_SECONDS; a check only when due, with what it spent reading (its own shutdowns
-    not counted) and what it cut."""
-    cap = PeerCap(2, {1: Port.GRPC}, cap_metrics())
-    fds = iter([10, 10, 10 + FLOOD_STEP, 10 + FLOOD_STEP, 10 + FLOOD_STEP])
-    spent = iter([0.0, 0.003, 0.003, 0.0, 0.0])  # the first check's reading cost 3 ms: no jump check for 30 ms
-    monkeypatch.setattr("indexer_service.service.overload.peers.open_fds", lambda: next(fds))
-    clock = iter([0.0, 0.01, 0.02, 0.06, 0.07])
-    monkeypatch.setattr("indexer_service.service.overload.peers.time", SimpleNamespace(monotonic=lambda: next(clock)))
+def test_a_burst_of_connections_wakes_the_checking_thread_between_its_regular_checks(monkeypatch) -> None:
+    """No poll in between: the regular checks are pushed out of the way (every 30 s here), and a burst of
+    connections to the process's own listener (accepted here, as gRPC core would) still brings a check within
+    moments, with the descriptors the burst added; with no connection coming, no check."""
+    monkeypatch.setattr("indexer_service.service.overload.peers.CHECK_SECONDS", 30.0)
     checks: list[int] = []
-
-    def check(fds: int) -> int:
-        checks.append(fds)
-        cap._cutting_seconds = 0.0
-        return 0
-
-    monkeypatch.setattr(cap, "check", check)
-    monkeypatch.setattr("indexer_service.service.overload.peers._clock", lambda: next(spent))
-    waits: list[float] = []
-
-    class Stop:
-        def wait(self, seconds: float) -> bool:
-            waits.append(seconds)
-            return len(waits) > 5
-
-    monkeypatch.setattr(cap, "_stop", Stop())
-    cap._run()
-    assert set(waits) == {POLL_SECONDS}
-    # at once; not at 0.01 (no jump) nor at 0.02 (a jump, before the first check's cost allows); at 0.06 the jump
-    assert checks == [10, 10 + FLOOD_STEP]
+    with listener() as server, ExitStack() as stack:
+        port = server.getsockname()[1]
+        cap = PeerCap(2, {port: Port.GRPC}, cap_metrics())
+        real_check = cap.check
+        monkeypatch.setattr(cap, "check", lambda fds: checks.append(fds) or real_check(fds))
+        cap.start()
+        stack.callback(cap.stop)
+        assert poll(lambda: len(checks) == 1 and port in cap._listeners, 5.0)  # the first, at once
+        time.sleep(0.3)
+        assert len(checks) == 1  # nothing came, nothing woke it
+        before = len(os.listdir("/proc/self/fd"))
+        for _ in range(FLOOD_STEP + 8):
+            connect(stack, server, "127.0.0.1")
+        assert poll(lambda: len(checks) >= 2, 5.0), checks
+        assert checks[1] >= before + FLOOD_STEP, (before, checks)
