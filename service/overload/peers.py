@@ -244,6 +244,7 @@ class PeerCap:
         self._cutting_seconds = 0.0  # what the last check's shutdowns cost (_clock)
         self._listeners: dict[int, list[tuple[int, int]]] = {}  # port -> its listeners here, (fd, inode)
         self._looked: set[int] = set()  # the ports whose listeners were looked for
+        self._sole: set[int] = set()  # the ports whose every listener in the network namespace is this process's
         self._watched: set[tuple[int, int]] = set()  # the listeners whose arrivals wake the checking thread
         self._dropping: dict[int, frozenset[str]] = {}  # port -> the peers its listeners' filter names
         self._drops: dict[tuple[int, int], int] = {}  # listener -> its sk_drops at the last reading
@@ -329,13 +330,18 @@ class PeerCap:
             rows = sockdiag.listening(ports) if self._read is None else listening(ports)
         except OSError:
             rows = listening(ports)
+        theirs = set()
         for port, inode in rows:
             if inode in mine:
                 self._listeners.setdefault(port, []).append((mine[inode], inode))
+            else:
+                theirs.add(port)
+        self._sole.update(port for port in self._listeners if port in ports and port not in theirs)
 
     def _listener_gone(self, port: int) -> None:
         """A listener's descriptor holds something else: find the port's listeners again at the next check."""
         self._listeners.pop(port, None)
+        self._sole.discard(port)
         self._dropping.pop(port, None)
         self._looked.discard(port)
 
@@ -441,6 +447,19 @@ class PeerCap:
                 peer = peers[remote] = peer_of(remote)
             by_peer[port, peer].add(inode)
         seen, self._seen = self._seen, set().union(*by_peer.values())
+        # Where every listener of a port is this process's, every connection there is its own (or waits in its accept
+        # queue): a peer at the cap is known without listing the descriptors, an fstat each, which under load wait on
+        # the GIL one by one while the flood goes on. Added to the peers dropped now; the full reading below decides.
+        early = {
+            (port, peer): len(inodes)
+            for (port, peer), inodes in by_peer.items()
+            if port in self._sole and len(inodes) >= self.cap and peer not in self._dropping.get(port, ())
+        }
+        if early:
+            dropping = {port: dict.fromkeys(peers, self.cap) for port, peers in self._dropping.items()}
+            for (port, peer), held in early.items():
+                dropping.setdefault(port, {})[peer] = held
+            self._drop_new_connections(dropping)
         totals: dict[int, int] = defaultdict(int)  # every process's, so at least this one's
         for (port, _), inodes in by_peer.items():
             totals[port] += len(inodes)
