@@ -20,7 +20,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from indexer_service.service.observability.metrics import PeerCapMetrics
-from indexer_service.service.overload import sockdiag
+from indexer_service.service.overload import listenfilter, sockdiag
+from indexer_service.service.overload import peers as peers_module
 from indexer_service.service.overload.peers import (
     CHECK_SECONDS,
     CHECK_SHARE,
@@ -217,6 +218,26 @@ def test_a_listener_closed_meanwhile_is_forgotten_not_an_error() -> None:
     server.close()
     assert cap.check(fds=1) == 0
     assert port not in cap._listeners
+
+
+def test_on_a_port_whose_listeners_are_all_its_own_the_filter_goes_on_before_the_descriptors_are_listed(
+    monkeypatch,
+) -> None:
+    """Every connection of such a port is the process's: the sock_diag reading alone names the peer at its cap, and
+    the filter is set before the listing of descriptors (an fstat each) that the cut needs."""
+    order: list[str] = []
+    real_attach, real_inodes = listenfilter.attach, peers_module.socket_inodes
+    monkeypatch.setattr(listenfilter, "attach", lambda *args: order.append("filter") or real_attach(*args))
+    monkeypatch.setattr(peers_module, "socket_inodes", lambda *args: order.append("listing") or real_inodes(*args))
+    with listener() as server, ExitStack() as stack:
+        port = server.getsockname()[1]
+        cap = PeerCap(2, {port: Port.GRPC}, cap_metrics())
+        cap.check(fds=1)  # finds its listener
+        order.clear()
+        [connect(stack, server, "127.0.0.2") for _ in range(3)]
+        assert cap.check(fds=len(os.listdir("/proc/self/fd"))) == 1
+        assert order == ["filter", "listing"], order
+        assert not attempt(server, "127.0.0.2")
 
 
 def test_a_listener_other_processes_share_is_not_filtered() -> None:
