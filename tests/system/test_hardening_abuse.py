@@ -118,7 +118,7 @@ def test_rapid_reset_leaves_other_callers_served(serve) -> None:
     victim = siege.victim
     attack = attack_window(reports, victim.begin_wall)
     during = victim.calls_in(*attack)
-    # About one victim call every 0.1 s: 40 in a 4 s window on a quiet machine, 39 seen under the whole suite's load.
+    # About one victim call every 0.1 s: some 40 in the window, fewer under the whole suite's load.
     assert len(during) >= 30, f"{len(during)} victim calls during the attack {attack}: {siege.summary()}"
     assert victim.ok_ratio(*attack) >= bar(0.95, quiet.victim_ok_ratio), f"during {attack}: {siege.summary()}; {quiet}"
     assert siege.probes.overall().ratio >= bar(PROBES_IN_TIME, quiet.probes_in_time), (siege.probe_report(), quiet)
