@@ -456,7 +456,7 @@ class PeerCap:
             if port in self._sole and len(inodes) >= self.cap and peer not in self._dropping.get(port, ())
         }
         if early:
-            dropping = {port: dict.fromkeys(peers, self.cap) for port, peers in self._dropping.items()}
+            dropping = {port: dict.fromkeys(named, self.cap) for port, named in self._dropping.items()}
             for (port, peer), held in early.items():
                 dropping.setdefault(port, {})[peer] = held
             self._drop_new_connections(dropping)
