@@ -309,7 +309,8 @@ class PeerCapMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.peer_connections_closed_total = Counter(
             "indexer_peer_connections_closed_total",
-            "Connections closed because their peer held more than max_connections_per_peer on the port, by port.",
+            "Connections closed because their peer held more than its share of the port (max_connections_per_peer, "
+            "less on a crowded port), by port.",
             ["port"],
             registry=registry,
         )
@@ -317,14 +318,14 @@ class PeerCapMetrics:
         # full accept queue; each process counts the listeners it alone holds (not the HTTP ports' with workers).
         self.connections_dropped_before_accept_total = Counter(
             "indexer_connections_dropped_before_accept_total",
-            "New connections dropped by the kernel before accept (peers at max_connections_per_peer, a full "
-            "accept queue), by port.",
+            "New connections dropped by the kernel before accept (peers at their share, a full accept queue), by port.",
             ["port"],
             registry=registry,
         )
         self.peers_at_connection_cap = Gauge(
             "indexer_peers_at_connection_cap",
-            "Peers at max_connections_per_peer whose new connections are dropped before accept, by port.",
+            "Peers at their share of the port (max_connections_per_peer, less on a crowded port) whose new connections "
+            "are dropped before accept, by port.",
             ["port"],
             registry=registry,
             multiprocess_mode="livesum",
