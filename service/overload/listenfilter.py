@@ -7,7 +7,7 @@ listener's included (``tcp_filter`` in ``tcp_v4_rcv`` / ``tcp_v6_rcv``, before t
 drops the segment where the filter returns 0: a SYN from a peer that is at its cap never becomes a connection,
 costs gRPC core nothing, and its sender retransmits it (after 1 s, then 3 s, 7 s, ...) until the peer has room again
 or it gives up. The filter is set and replaced with ``SO_ATTACH_FILTER`` on a duplicate of the listener's
-descriptor (the socket is the owner's; its inode is checked first, as :func:`.peers.shut_down` does), which needs
+descriptor (the socket is the owner's: :mod:`.borrowed`), which needs
 no privilege; ``SO_DETACH_FILTER`` removes it.
 
 The program (``linux/filter.h``: each instruction {u16 code, u8 jt, u8 jf, u32 k}; jumps count instructions from
@@ -28,10 +28,11 @@ from __future__ import annotations
 import ctypes
 import errno
 import ipaddress
-import os
 import socket
 import struct
 from collections.abc import Iterable
+
+from indexer_service.service.overload.borrowed import borrowed
 
 SO_ATTACH_FILTER, SO_DETACH_FILTER, SO_MEMINFO = 26, 27, 55
 SK_MEMINFO_DROPS, SK_MEMINFO_VARS = 8, 9
@@ -91,30 +92,17 @@ def program(peers: Iterable[str]) -> bytes:
     return b"".join(head + v4_block + v6_block)
 
 
-def _listener(fd: int, inode: int) -> socket.socket:
-    """A socket object on a duplicate of ``fd``, which must still be the socket ``inode``; closing it closes the
-    duplicate only. OSError (ESTALE) where the descriptor now holds something else."""
-    duplicate = os.dup(fd)
-    try:
-        if os.fstat(duplicate).st_ino != inode:
-            raise OSError(errno.ESTALE, "the listener's descriptor now holds another file")
-        return socket.socket(fileno=duplicate)
-    except BaseException:
-        os.close(duplicate)
-        raise
-
-
 def attach(fd: int, inode: int, filter_program: bytes) -> None:
     """Set (or replace) the filter of the listener on ``fd``; OSError where the kernel refuses it."""
     instructions = ctypes.create_string_buffer(filter_program, len(filter_program))
     fprog = struct.pack("@HP", len(filter_program) // _INSTRUCTION.size, ctypes.addressof(instructions))
-    with _listener(fd, inode) as listener:
+    with borrowed(fd, inode) as listener:
         listener.setsockopt(socket.SOL_SOCKET, SO_ATTACH_FILTER, fprog)
 
 
 def detach(fd: int, inode: int) -> None:
     """Remove the filter of the listener on ``fd``, if it has one."""
-    with _listener(fd, inode) as listener:
+    with borrowed(fd, inode) as listener:
         try:
             listener.setsockopt(socket.SOL_SOCKET, SO_DETACH_FILTER, 0)
         except OSError as exc:
@@ -124,6 +112,6 @@ def detach(fd: int, inode: int) -> None:
 
 def drops(fd: int, inode: int) -> int:
     """The listener's ``sk_drops``: segments its filter dropped and connections its full accept queue dropped."""
-    with _listener(fd, inode) as listener:
+    with borrowed(fd, inode) as listener:
         info = listener.getsockopt(socket.SOL_SOCKET, SO_MEMINFO, _MEMINFO.size)
     return _MEMINFO.unpack(info.ljust(_MEMINFO.size, b"\0"))[SK_MEMINFO_DROPS]

@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING
 from indexer_service.service.observability.logs import RateLimitedLog
 from indexer_service.service.overload import listenfilter, sockdiag
 from indexer_service.service.overload.allocator import open_fds
+from indexer_service.service.overload.borrowed import borrowed
 from indexer_service.service.overload.sockdiag import Address
 from indexer_service.service.reasons import Port
 
@@ -59,11 +60,10 @@ LOG_INTERVAL_SECONDS = 10.0
 # at once when the process's descriptors grew by FLOOD_STEP since the last check, while the checks' cost stays within
 # CHECK_SHARE: a connection reaching one of the process's own listeners wakes the checking thread, which reads the
 # descriptor count POLL_SECONDS later (the rest of a burst lands meanwhile), so at most that often while connections
-# keep coming, and never in between while none come. A peer that connects as fast
-# as gRPC core accepts fills a port's free room within a few tenths of a second, and other peers' connections are
-# refused meanwhile (docs/overload.md); once a check has seen it at its cap, the kernel drops its new connections
-# before accept. While the process holds no more descriptors than the cap a check costs one reading of the
-# listeners' drop counts.
+# keep coming, and never in between while none come. A peer that connects as fast as gRPC core accepts fills a
+# port's free room within a few tenths of a second, and other peers' connections are refused meanwhile
+# (docs/overload.md); once a check has seen it at its cap, the kernel drops its new connections before accept. While
+# the process holds no more descriptors than the cap a check costs one reading of the listeners' drop counts.
 CHECK_SECONDS, CUTTING_CHECK_SECONDS, POLL_SECONDS = 0.2, 0.05, 0.01
 FLOOD_STEP = 64
 # A check's reading takes at most this share of the time between checks (of a CPU and of the GIL): what it reads
@@ -186,23 +186,11 @@ def _proc_rows(ports: Iterable[int], tables: Iterable[str], state: str) -> list[
 def shut_down(fd: int, inode: int) -> bool:
     """Shut the connection on ``fd`` down both ways if ``fd`` is still the socket ``inode``; its owner closes it."""
     try:
-        duplicate = os.dup(fd)
-    except OSError:  # closed meanwhile
+        with borrowed(fd, inode) as connection:
+            connection.shutdown(socket.SHUT_RDWR)
+    except OSError:  # closed meanwhile, the number now another connection's, or already gone
         return False
-    try:
-        if os.fstat(duplicate).st_ino != inode:  # the descriptor now holds another connection
-            return False
-        connection = socket.socket(fileno=duplicate)
-    except OSError:
-        os.close(duplicate)
-        return False
-    try:
-        connection.shutdown(socket.SHUT_RDWR)
-        return True
-    except OSError:  # already gone
-        return False
-    finally:
-        connection.close()  # the duplicate only
+    return True
 
 
 def connection_limits(config: ServiceConfig) -> dict[Port, int]:

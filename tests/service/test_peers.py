@@ -11,8 +11,8 @@ import os
 import socket
 import sys
 import time
-from collections.abc import Iterable, Iterator
-from contextlib import ExitStack, contextmanager
+from collections.abc import Iterable
+from contextlib import ExitStack
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -39,6 +39,7 @@ from indexer_service.service.overload.peers import (
 )
 from indexer_service.service.reasons import Port
 from testkit.harness import poll
+from tests.service.sockets_support import listener
 
 pytestmark = pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="needs Linux /proc")
 
@@ -49,15 +50,6 @@ def cap_metrics() -> PeerCapMetrics:
 
 def closed(metrics: PeerCapMetrics, port: str = "grpc") -> float:
     return metrics.peer_connections_closed_total.labels(port=port)._value.get()
-
-
-@contextmanager
-def listener() -> Iterator[socket.socket]:
-    server = socket.socket()
-    server.bind(("127.0.0.1", 0))
-    server.listen(64)
-    with server:
-        yield server
 
 
 def connect(stack: ExitStack, server: socket.socket, source: str) -> tuple[socket.socket, socket.socket]:
@@ -323,7 +315,9 @@ def test_a_descriptor_that_now_holds_another_connection_is_not_shut() -> None:
         client, accepted = connect(stack, server, "127.0.0.2")
         inode = os.fstat(accepted.fileno()).st_ino
         assert socket_inodes()[inode] == accepted.fileno()
+        descriptors = len(os.listdir("/proc/self/fd"))
         assert not shut_down(accepted.fileno(), inode + 1)  # what the scan saw is gone, the number reused
+        assert len(os.listdir("/proc/self/fd")) == descriptors  # its duplicate closed too
         assert not ended(client)
         assert shut_down(accepted.fileno(), inode)
         assert ended(client)
