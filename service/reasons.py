@@ -38,6 +38,7 @@ class HttpRefusal(StrEnum):
     HEADER_TOO_LARGE = "header_too_large"  # a request head above http_max_header_bytes
     IDLE_TIMEOUT = "idle_timeout"  # idle for http_idle_timeout_seconds: closed (counted, not logged)
     TOO_MANY_CONNECTIONS = "too_many_connections"  # a connection above a port's http_max_connections
+    PEER_SHARE = "peer_share"  # a connection of a peer holding its share of the port (max_connections_per_peer)
     BODY_TOO_LARGE = "body_too_large"  # a body larger than any request within the server's limits
     RPC_ON_METRICS_PORT = "rpc_on_metrics_port"  # an RPC posted to http_port: a client set up for an older layout
 

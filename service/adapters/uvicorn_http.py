@@ -12,7 +12,8 @@ The limited protocol (feature ``limited_protocol``) is uvicorn's ``HttpToolsProt
 - **Time.** The connection closes after ``idle_seconds`` with no request in progress (from its accept, or from the
   last answer), and a request must arrive whole within ``idle_seconds`` of its first byte. A request that has
   arrived is in progress until it is answered; the transport bounds that time.
-- **Connections.** Above ``max_connections`` open on the port, a new connection gets 503 and is closed.
+- **Connections.** Above ``max_connections`` open on the port, or where the transport refuses its peer
+  (:meth:`ConnectionEvents.opened`), a new connection gets 503 and is closed.
 - **Dropping.** The ASGI scope carries :data:`ABORT_KEY`, a callable that drops the connection at once.
 - **Faults.** An exception raised by this module's own code in a callback or timer on the event loop is reported
   through :meth:`ConnectionEvents.failed` and drops that connection; the loop and every other connection go on.
@@ -110,11 +111,12 @@ class HttpLimits:
 class ConnectionEvents(Protocol):
     """What the limited protocol tells the transport. Each runs on the event loop and returns at once."""
 
-    def opened(self) -> None:
-        """A connection was accepted within the limit."""
+    def opened(self, address: Any, open_connections: int) -> HttpRefusal | None:
+        """A connection from ``address`` arrived within the limit, with ``open_connections`` open on the port: None
+        where it is taken (it counts until :meth:`closed`), else why it is refused."""
 
-    def closed(self) -> None:
-        """An accepted connection ended."""
+    def closed(self, address: Any) -> None:
+        """A taken connection from ``address`` ended."""
 
     def refused(self, reason: HttpRefusal, address: Any) -> bytes:
         """A connection or request refused for ``reason`` (too many connections, head and trailers too large),
@@ -272,18 +274,24 @@ class _Limiter:
 
     @_guarded
     def admit(self) -> bool:
-        port = self.port
+        port, address = self.port, self.link.get_extra_info("peername")
         if port.open >= port.limits.max_connections:
-            self.stopped = True
-            self.link.write(self.events.refused(HttpRefusal.TOO_MANY_CONNECTIONS, self.link.get_extra_info("peername")))
-            self.link.close()
-            return False
+            return self._refuse_at_accept(HttpRefusal.TOO_MANY_CONNECTIONS, address)
         self.loop = asyncio.get_running_loop()
         self.arm()
-        self.events.opened()
+        refusal = self.events.opened(address, port.open)  # last: from here the transport counts it
+        if refusal is not None:
+            self.disarm()
+            return self._refuse_at_accept(refusal, address)
         port.open += 1
         self.admitted = True
         return True
+
+    def _refuse_at_accept(self, reason: HttpRefusal, address: Any) -> bool:
+        self.stopped = True
+        self.link.write(self.events.refused(reason, address))
+        self.link.close()
+        return False
 
     @_guarded
     def end(self) -> bool:
@@ -292,7 +300,7 @@ class _Limiter:
         if self.admitted:
             self.admitted = False
             self.port.open -= 1
-            self.events.closed()
+            self.events.closed(self.link.get_extra_info("peername"))
         return True
 
     @_guarded

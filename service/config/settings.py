@@ -97,8 +97,9 @@ class ServiceConfig:
     health_max_connections: int = _setting("most open connections on the health port; more are closed at accept")
     max_connections_per_peer: int = _setting(
         "most connections one peer (an IPv4 address, an IPv6 /64) may hold on each port of a process; those past it "
-        "are closed, the latest first, and while it holds that many the kernel drops its new ones before accept, "
-        "all counted; on a port crowded by many peers (90 % of its own cap) each peer gets a share of 80 % of it "
+        "are closed, the latest first, and while it holds that many the kernel drops its new ones before accept "
+        "(the HTTP ports refuse them at accept, 503), all counted; on a port crowded by many peers (90 % of its own "
+        "cap) each peer gets a share of 80 % of it "
         "(0: no cap; behind a proxy all clients are one peer) "
         "([overload.md](overload.md#connections))"
     )

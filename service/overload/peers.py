@@ -84,6 +84,50 @@ CROWDED, UNCROWDED, CROWDED_SHARE = 0.9, 0.7, 0.8
 _clock = time.thread_time  # a check's cost: its thread's CPU time (a test's fake clock)
 
 
+def crowd_floor(limit: int, crowded: bool) -> float:
+    """How many connections make a port with ``limit`` (its own cap) crowded: CROWDED of it, UNCROWDED while it
+    already is; never where it has no cap (0)."""
+    return limit * (UNCROWDED if crowded else CROWDED) if limit > 0 else float("inf")
+
+
+def crowded_share(limit: int, cap: int, peers: int) -> int:
+    """Each peer's share of a crowded port with ``limit`` among ``peers`` peers: CROWDED_SHARE of the limit over
+    them, at least 1 and at most ``cap``."""
+    return min(cap, max(1, int(limit * CROWDED_SHARE) // max(1, peers)))
+
+
+class PortShares:
+    """One port's connections in this process, by peer, as a transport that sees each one arrive counts them (the
+    HTTP ports' protocol): the rule :class:`PeerCap` applies after accept, applied at accept instead, so a peer's
+    burst gets no more than its share however fast it comes. ``cap``: ``max_connections_per_peer`` (0: no cap);
+    ``limit``: the port's own cap."""
+
+    def __init__(self, cap: int, limit: int) -> None:
+        self.cap, self.limit = cap, limit
+        self.held: dict[str, int] = {}  # peer -> its open connections
+        self.crowded = False
+
+    def admit(self, peer: str | None, open_connections: int) -> bool:
+        """Whether ``peer`` (None: not an IP peer, not capped) may open one more connection while the port has
+        ``open_connections``; counted if so, until :meth:`release`."""
+        if peer is None or self.cap <= 0:
+            return True
+        self.crowded = open_connections >= crowd_floor(self.limit, self.crowded)
+        held = self.held.get(peer, 0)
+        share = crowded_share(self.limit, self.cap, len(self.held) + (not held)) if self.crowded else self.cap
+        if held >= share:
+            return False
+        self.held[peer] = held + 1
+        return True
+
+    def release(self, peer: str | None) -> None:
+        """One admitted connection of ``peer`` has closed."""
+        if peer is not None and self.cap > 0:
+            held = self.held.pop(peer) - 1
+            if held:
+                self.held[peer] = held
+
+
 class CheckSchedule:
     """When the next check is due, from what the last one cost and found (times from ``time.monotonic()``): after
     CHECK_SECONDS, or CUTTING_CHECK_SECONDS if it cut connections; sooner once descriptors jump, as soon as the last
@@ -132,6 +176,18 @@ def proc_address(hex_address: str) -> Address:
     if sys.byteorder == "little":
         raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
     return sockdiag.address_of(raw)
+
+
+def peer_of_host(host: str) -> str | None:
+    """:func:`peer_of` a host as a socket's peer name gives it (IPv4-mapped IPv6 as IPv4); None where it is no IP
+    address (a unix socket's peer)."""
+    try:
+        address = ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return None
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return peer_of(address)
 
 
 def peer_of(address: Address) -> str:
@@ -402,11 +458,7 @@ class PeerCap:
         return self.limits.get(self.ports[port], 0)
 
     def _crowd_floor(self, port: int) -> float:
-        """How many connections make the port crowded: CROWDED of its cap, and while it is, UNCROWDED."""
-        limit = self._limit_of(port)
-        if limit <= 0:
-            return float("inf")
-        return limit * (UNCROWDED if port in self._crowded else CROWDED)
+        return crowd_floor(self._limit_of(port), port in self._crowded)
 
     def _least_crowd(self) -> float:
         """The fewest descriptors with which a port could be crowded."""
@@ -516,7 +568,7 @@ class PeerCap:
         shares = {}
         for port in self._crowded:
             limit = self._limit_of(port)
-            shares[port] = min(self.cap, max(1, int(limit * CROWDED_SHARE) // peers[port]))
+            shares[port] = crowded_share(limit, self.cap, peers[port])
             if port not in was:
                 name = self.ports[port]
                 self._log.write(

@@ -34,7 +34,6 @@ where a share is set.
 from __future__ import annotations
 
 import functools
-import ipaddress
 import itertools
 import logging
 import threading
@@ -48,7 +47,7 @@ from indexer_service.service.adapters import grpcio
 from indexer_service.service.observability.logs import LibraryCallbackErrors
 from indexer_service.service.observability.metrics import UNKNOWN_METHOD
 from indexer_service.service.overload.admission import SHED_LOG_INTERVAL_SECONDS
-from indexer_service.service.overload.peers import peer_of
+from indexer_service.service.overload.peers import peer_of_host
 from indexer_service.service.reasons import ShedReason
 
 log = logging.getLogger(__name__)
@@ -66,11 +65,8 @@ def peer_key(peer: str) -> str:
     kind, _, rest = peer.partition(":")
     if kind not in ("ipv4", "ipv6"):
         return peer
-    host = rest.rpartition(":")[0].strip("[]")
-    try:
-        return peer_of(ipaddress.ip_address(host.split("%")[0]))
-    except ValueError:
-        return peer
+    key = peer_of_host(rest.rpartition(":")[0].strip("[]"))
+    return peer if key is None else key
 
 
 # A deadline this close after its request was in is its caller's doing: gRPC core keeps deadlines to the millisecond

@@ -69,6 +69,7 @@ from indexer_service.service.observability.logs import (
 from indexer_service.service.observability.metrics import UNKNOWN_METHOD, Metrics, exposition_registry
 from indexer_service.service.overload.admission import SHED_LOG_INTERVAL_SECONDS, Caller
 from indexer_service.service.overload.limits import max_request_bytes
+from indexer_service.service.overload.peers import PortShares, peer_of_host
 from indexer_service.service.reasons import HttpRefusal, Port, ShedReason
 from indexer_service.service.rpcs import REQUEST_TYPES, RESPONSE_TYPES
 from indexer_service.service.transport.json_mapping import message_from_json
@@ -144,6 +145,7 @@ class HttpConnectionEvents:
         self.connections = metrics.http_connections  # both ports': each counts only its own against the limit
         self.refusals = refusals
         self.port = port
+        self.shares = PortShares(config.max_connections_per_peer, config.http_max_connections)
         self.errors = LibraryCallbackErrors(log, metrics, SHED_LOG_INTERVAL_SECONDS)
         max_head, max_connections = config.http_max_header_bytes, config.http_max_connections
         self._answers = {
@@ -157,12 +159,22 @@ class HttpConnectionEvents:
                 "Service Unavailable",
                 f"too many connections: {max_connections} open on this port (http_max_connections)",
             ),
+            HttpRefusal.PEER_SHARE: (
+                503,
+                "Service Unavailable",
+                f"too many connections from one peer: at most {config.max_connections_per_peer} on this port "
+                "(max_connections_per_peer), fewer while many peers fill it",
+            ),
         }
 
-    def opened(self) -> None:
+    def opened(self, address: tuple | None, open_connections: int) -> HttpRefusal | None:
+        if not self.shares.admit(_peer_key(address), open_connections):
+            return HttpRefusal.PEER_SHARE
         self.connections.inc()
+        return None
 
-    def closed(self) -> None:
+    def closed(self, address: tuple | None) -> None:
+        self.shares.release(_peer_key(address))
         self.connections.dec()
 
     def refused(self, reason: HttpRefusal, address: tuple | None) -> bytes:
@@ -413,6 +425,11 @@ class RpcApp:
 def _no_such_method(path: str) -> str:
     name = path.removeprefix(RPC_PATH_PREFIX)[:200]
     return f"{SERVICE_NAME} has no method {name!r}; its methods are {', '.join(REQUEST_TYPES)}"
+
+
+def _peer_key(address: tuple | None) -> str | None:
+    """Whom a connection from ``address`` (a socket's peer name) counts against: :func:`peer_of_host`."""
+    return peer_of_host(address[0]) if address else None
 
 
 def _peer_name(address: tuple | None) -> str:

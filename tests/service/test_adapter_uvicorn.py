@@ -28,7 +28,7 @@ from indexer_service.service.observability.metrics import Metrics
 from indexer_service.service.process.server import IndexerServer
 from indexer_service.service.reasons import HttpRefusal, Port
 from indexer_service.service.transport.http_app import HttpConnectionEvents, HttpRefusals
-from testkit.harness import LOOPBACK, http_get, wait_for
+from testkit.harness import FLOOD_PEER, LOOPBACK, http_get, wait_for
 from testkit.http1raw import chunked_request, seconds_until_closed
 from testkit.payloads import BUILD_CHUNK_PATH, SMALL_BUILD_CHUNK
 
@@ -135,12 +135,13 @@ class FaultyEvents:
         self.failures: list[tuple[str, str]] = []
         self.opened_once = False
 
-    def opened(self) -> None:
+    def opened(self, address: object, open_connections: int) -> HttpRefusal | None:
         if not self.opened_once:
             self.opened_once = True
             raise RuntimeError("opened failed")
+        return None
 
-    def closed(self) -> None:
+    def closed(self, address: object) -> None:
         pass
 
     def refused(self, reason: HttpRefusal, address: object) -> bytes:
@@ -223,10 +224,12 @@ class CountingEvents(FaultyEvents):
         self.opened_once = True
         self.open = 0
 
-    def opened(self) -> None:
+    def opened(self, address: object, open_connections: int) -> HttpRefusal | None:
+        assert open_connections == self.open, "the port's count and the transport's agree"
         self.open += 1
+        return None
 
-    def closed(self) -> None:
+    def closed(self, address: object) -> None:
         self.open -= 1
 
 
@@ -261,6 +264,43 @@ def test_a_request_answered_before_it_arrived_whole_leaves_its_connection_idle_t
         sock.sendall(b"hello")
         closed = seconds_until_closed(sock, time.monotonic(), LIMITS.idle_seconds + 2.0)
     assert closed is not None and closed <= LIMITS.idle_seconds + 0.5, closed
+
+
+def test_a_peer_past_its_share_is_answered_503_at_accept_counted_and_others_are_served() -> None:
+    """The transport's events decide at accept (max_connections_per_peer 2 here): the third connection of one peer
+    gets 503 and is closed before uvicorn sees it, counted peer_share; another peer is served; once the first
+    peer closes one, it may open one again; a refused connection is never counted open."""
+    metrics = Metrics()
+    config = load_config({"max_connections_per_peer": "2"}, env={})
+    events = HttpConnectionEvents(config, metrics, HttpRefusals(metrics), Port.HTTP_RPC)
+    refused = {"reason": "peer_share"}
+
+    def connect(source: str) -> socket.socket:
+        sock = socket.socket()
+        sock.settimeout(5)
+        sock.bind((source, 0))
+        sock.connect((LOOPBACK, port))
+        return sock
+
+    def served(sock: socket.socket) -> bool:
+        sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        return sock.recv(65536).startswith(b"HTTP/1.1 200 ")
+
+    with serving(uvicorn_http.protocol_settings(LIMITS, events)) as port, contextlib.ExitStack() as stack:
+        first, second = (stack.enter_context(connect(LOOPBACK)) for _ in range(2))
+        assert served(first) and served(second)
+        with connect(LOOPBACK) as third:
+            answer = third.recv(65536)
+            assert answer.startswith(b"HTTP/1.1 503 ") and b"max_connections_per_peer" in answer, answer
+            assert closed_without_answer(third)
+        assert metrics.registry.get_sample_value("indexer_http_refused_total", refused) == 1
+        other = stack.enter_context(connect(FLOOD_PEER))
+        assert served(other), "another peer is served"
+        first.close()
+        wait_for(lambda: events.shares.held.get(LOOPBACK) == 1, 5.0, "the closed connection released")
+        assert served(stack.enter_context(connect(LOOPBACK)))
+        assert metrics.registry.get_sample_value("indexer_http_refused_total", refused) == 1
+        assert metrics.registry.get_sample_value("indexer_http_connections") == 3
 
 
 def test_protocol_errors_are_counted_and_logged_rate_limited(caplog) -> None:

@@ -31,8 +31,10 @@ from indexer_service.service.overload.peers import (
     MAX_CHECK_SECONDS,
     CheckSchedule,
     PeerCap,
+    PortShares,
     established,
     peer_of,
+    peer_of_host,
     proc_address,
     shut_down,
     socket_inodes,
@@ -268,6 +270,62 @@ def test_where_the_kernel_refuses_a_filter_the_cap_says_so_once_and_cuts(monkeyp
 )
 def test_an_ipv6_peer_is_its_64(address: str, peer: str) -> None:
     assert peer_of(ipaddress.ip_address(address)) == peer
+
+
+@pytest.mark.parametrize(
+    ("host", "peer"),
+    [
+        ("10.0.3.7", "10.0.3.7"),
+        ("::ffff:10.0.3.7", "10.0.3.7"),
+        ("fe80::1%eth0", "fe80::/64"),
+        ("2001:db8::1", "2001:db8::/64"),
+        ("", None),
+        ("/run/indexer.sock", None),
+    ],
+)
+def test_a_peer_name_is_counted_as_its_address_would_be(host: str, peer: str | None) -> None:
+    assert peer_of_host(host) == peer
+
+
+def test_at_accept_a_peer_gets_the_cap_then_on_a_crowded_port_its_share_and_a_newcomer_always_one() -> None:
+    """PortShares, the rule applied as connections arrive (the HTTP ports): the cap per peer; once the port's
+    connections reach 90 % of its limit, each peer's share of 80 % of it over the peers holding connections (a
+    newcomer counted among them); crowded until under 70 %."""
+    shares = PortShares(cap=4, limit=20)  # crowded from 18 open until under 14; a share is 16 // peers
+    held = 0
+
+    def open_from(peer: str) -> bool:
+        nonlocal held
+        taken = shares.admit(peer, held)
+        held += taken
+        return taken
+
+    def close_from(peer: str, count: int) -> None:
+        nonlocal held
+        for _ in range(count):
+            shares.release(peer)
+            held -= 1
+
+    assert [open_from("a") for _ in range(5)] == [True] * 4 + [False]  # the cap
+    for peer in "bcd":
+        assert all(open_from(peer) for _ in range(4))
+    assert [open_from("e") for _ in range(4)] == [True, True, True, False]  # crowded at 18: 5 peers, 3 each
+    assert held == 19 and shares.crowded
+    assert open_from("f"), "a newcomer gets one: 6 peers, 2 each, and it holds none"
+    assert held == 20 and not open_from("a"), "a peer past its share gets nothing more"
+    close_from("a", 4)
+    assert "a" not in shares.held, "a peer holding none is forgotten"
+    assert held == 16 and open_from("g") and shares.crowded  # 16 is over 70 % of 20: still crowded
+    close_from("b", 4)
+    assert held == 13 and open_from("b") and not shares.crowded  # under 70 %: the cap again
+    assert all(open_from("b") for _ in range(3)) and not open_from("b")
+
+
+def test_at_accept_no_cap_and_no_ip_peer_are_never_refused() -> None:
+    assert all(PortShares(cap=0, limit=2).admit("a", 100) for _ in range(10))
+    shares = PortShares(cap=1, limit=2)
+    assert all(shares.admit(None, 100) for _ in range(10)) and not shares.held
+    shares.release(None)
 
 
 def test_nothing_is_read_while_the_process_holds_fewer_descriptors_than_the_cap() -> None:

@@ -171,8 +171,9 @@ def test_one_peer_cannot_fill_a_port(serve) -> None:
     """1,000 idle connections from one peer, 127.0.0.2, against each gRPC port (HTTP/2 preface) capped at 300 and
     the HTTP port (nothing sent) capped at 300 too (before the per-peer cap: the flood took all 300 and new
     connections from everyone else were turned away, the RPC port's probe 18.6 % in the full-size row). Within a
-    few seconds the peer holds max_connections_per_peer (50) on each port: those past it shut down (gRPC core and
-    uvicorn close their side), the rest of its first burst refused by the port's own cap or never accepted (the
+    few seconds the peer holds max_connections_per_peer (50) on each port: on the gRPC ports those past it shut down
+    (gRPC core closes its side), on the HTTP port refused at accept (503), the rest of its first burst refused by
+    the port's own cap or never accepted (the
     listener's filter drops its SYNs once a check has seen it at the cap), all counted and logged; a second wave
     from it gets no connection at all; then the victim, a fresh client and every probe, all from 127.0.0.1 and
     opening connections as they go, are served as in the control run."""
@@ -222,10 +223,11 @@ def test_one_peer_cannot_fill_a_port(serve) -> None:
     assert cut and cut_again, summary
     assert all(1 <= n <= 50 for n in kept.values()), summary  # the peer keeps its share: a cap, not a ban
     # The first wave's burst reached the port before the first check saw the peer at its cap (connections that a
-    # full queue held, then gRPC core refused at its own cap, count as connected here): what the server took past
-    # the cap was shut down. The second wave never got a connection: its SYNs and their retransmissions were
-    # dropped, and counted.
-    assert all(closed[name] > 0 for name in ports), summary
+    # full queue held, then gRPC core refused at its own cap, count as connected here): what the gRPC servers took
+    # past the cap was shut down; the HTTP port refused it at accept (503). The second wave never got a connection:
+    # its SYNs and their retransmissions were dropped, and counted.
+    refused_at_accept = metric_total(samples, "indexer_http_refused_total", reason="peer_share")
+    assert closed["grpc"] > 0 and closed["health"] > 0 and refused_at_accept > 0, f"{summary}; {refused_at_accept}"
     assert all(second[name] == (300, 0) for name in ports), summary
     assert all(dropped[name] >= 300 for name in ports), summary
     assert by_port("indexer_peers_at_connection_cap") == {name: 1.0 for name in ports}, summary
