@@ -30,13 +30,23 @@ _SMALL_RCVBUF = 4096
 CONNECTS_IN_FLIGHT = 512
 
 
+def _unconnected(host: str, source: str | None) -> socket.socket:
+    """A TCP socket of ``host``'s family, bound to ``source`` where given (another peer address: any of
+    127.0.0.0/8 reaches 127.0.0.1)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    if source is not None:
+        try:
+            sock.bind((source, 0))
+        except OSError:
+            sock.close()
+            raise
+    return sock
+
+
 def _connect(
     host: str, port: int, rcvbuf: int | None = None, timeout: float = 5.0, source: str | None = None
 ) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    if source is not None:  # another peer address (any of 127.0.0.0/8 reaches 127.0.0.1)
-        sock.bind((source, 0))
+    sock = _unconnected(host, source)
     if rcvbuf is not None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)  # before connect: it sizes the TCP window
     sock.settimeout(timeout)
@@ -218,7 +228,6 @@ class IdleConnections(_Sockets):
         self.unanswered = 0  # connects still waiting for the server's answer when given up
 
     def open(self) -> IdleConnections:
-        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         deadline = time.monotonic() + self.connect_seconds
         waiting = selectors.DefaultSelector()
         started = 0
@@ -226,16 +235,13 @@ class IdleConnections(_Sockets):
             while started < self.count or waiting.get_map():
                 while started < self.count and len(waiting.get_map()) < CONNECTS_IN_FLIGHT:
                     started += 1
-                    sock = socket.socket(family, socket.SOCK_STREAM)
                     try:
-                        if self.source is not None:
-                            sock.bind((self.source, 0))
-                        sock.setblocking(False)
-                        error = sock.connect_ex((self.host, self.port))
-                    except OSError:
-                        sock.close()
+                        sock = _unconnected(self.host, self.source)
+                    except OSError:  # no local port left for this source
                         self.refused += 1
                         continue
+                    sock.setblocking(False)
+                    error = sock.connect_ex((self.host, self.port))
                     if error in (0, errno.EINPROGRESS):
                         waiting.register(sock, selectors.EVENT_WRITE)
                     else:

@@ -20,7 +20,8 @@ workers, each worker's share of the shared port, as ``grpc_max_connections``). C
 Many peers each under the cap can still fill a port together: once a port's connections reach CROWDED of its own cap,
 each peer is held to a share of it the same way, so that room stays for the peers that hold none. What it does not
 stop: a flood's first burst, which reaches the port before the first check that sees it; the port's own cap bounds
-that (docs/overload.md, "Connections").
+that (docs/overload.md, "Connections"). Where a transport sees each connection arrive (the HTTP ports' protocol),
+:class:`PortShares` applies the same rule at accept, and no burst passes.
 """
 
 from __future__ import annotations
