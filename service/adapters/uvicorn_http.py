@@ -108,15 +108,27 @@ class HttpLimits:
         return cls(config.http_max_header_bytes, config.http_idle_timeout_seconds, config.http_max_connections)
 
 
+class Connection(Protocol):
+    """One connection, as the transport sees it."""
+
+    @property
+    def address(self) -> Any:
+        """The peer's address, as the socket gives it."""
+
+    def drop(self) -> None:
+        """Close the connection at once (its end is told through :meth:`ConnectionEvents.closed`)."""
+
+
 class ConnectionEvents(Protocol):
     """What the limited protocol tells the transport. Each runs on the event loop and returns at once."""
 
-    def opened(self, address: Any, open_connections: int) -> HttpRefusal | None:
-        """A connection from ``address`` arrived within the limit, with ``open_connections`` open on the port: None
-        where it is taken (it counts until :meth:`closed`), else why it is refused."""
+    def opened(self, connection: Connection, open_connections: int) -> HttpRefusal | None:
+        """``connection`` arrived within the limit, with ``open_connections`` open on the port: None where it is
+        taken (it counts until :meth:`closed`), else why it is refused. The transport may close any connection it
+        took meanwhile (:meth:`Connection.drop`)."""
 
-    def closed(self, address: Any) -> None:
-        """A taken connection from ``address`` ended."""
+    def closed(self, connection: Connection) -> None:
+        """A taken connection ended."""
 
     def refused(self, reason: HttpRefusal, address: Any) -> bytes:
         """A connection or request refused for ``reason`` (too many connections, head and trailers too large),
@@ -267,29 +279,37 @@ class _Limiter:
     def fail(self, step: str, error: Exception) -> None:
         self.stopped = True
         try:
-            self.events.failed(step, self.link.get_extra_info("peername"), error)
+            self.events.failed(step, self.address, error)
         except Exception:
             log.exception("reporting an HTTP protocol error failed; the error: %r", error)
         self.link.abort()
 
+    @property
+    def address(self) -> Any:
+        return self.link.get_extra_info("peername")
+
+    def drop(self) -> None:
+        self.stopped = True
+        self.link.abort()
+
     @_guarded
     def admit(self) -> bool:
-        port, address = self.port, self.link.get_extra_info("peername")
+        port = self.port
         if port.open >= port.limits.max_connections:
-            return self._refuse_at_accept(HttpRefusal.TOO_MANY_CONNECTIONS, address)
+            return self._refuse_at_accept(HttpRefusal.TOO_MANY_CONNECTIONS)
         self.loop = asyncio.get_running_loop()
         self.arm()
-        refusal = self.events.opened(address, port.open)  # last: from here the transport counts it
+        refusal = self.events.opened(self, port.open)  # last: from here the transport counts it
         if refusal is not None:
             self.disarm()
-            return self._refuse_at_accept(refusal, address)
+            return self._refuse_at_accept(refusal)
         port.open += 1
         self.admitted = True
         return True
 
-    def _refuse_at_accept(self, reason: HttpRefusal, address: Any) -> bool:
+    def _refuse_at_accept(self, reason: HttpRefusal) -> bool:
         self.stopped = True
-        self.link.write(self.events.refused(reason, address))
+        self.link.write(self.events.refused(reason, self.address))
         self.link.close()
         return False
 
@@ -300,7 +320,7 @@ class _Limiter:
         if self.admitted:
             self.admitted = False
             self.port.open -= 1
-            self.events.closed(self.link.get_extra_info("peername"))
+            self.events.closed(self)
         return True
 
     @_guarded

@@ -39,7 +39,7 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 from indexer_service.service.observability.logs import RateLimitedLog
 from indexer_service.service.overload import listenfilter, sockdiag
@@ -55,6 +55,7 @@ if TYPE_CHECKING:  # the supervisor imports this module before it names the mult
 log = logging.getLogger(__name__)
 
 TCP_TABLES = ("/proc/net/tcp", "/proc/net/tcp6")
+Held = TypeVar("Held")  # a transport's handle on one connection (PortShares)
 _ESTABLISHED, _LISTEN = "01", "0A"  # st in /proc/net/tcp: TCP_ESTABLISHED, TCP_LISTEN
 LOG_INTERVAL_SECONDS = 10.0
 # How often the cap is checked: every fifth of a second, every twentieth while the last check cut connections, and
@@ -97,36 +98,51 @@ def crowded_share(limit: int, cap: int, peers: int) -> int:
     return min(cap, max(1, int(limit * CROWDED_SHARE) // max(1, peers)))
 
 
-class PortShares:
+class PortShares(Generic[Held]):
     """One port's connections in this process, by peer, as a transport that sees each one arrive counts them (the
-    HTTP ports' protocol): the rule :class:`PeerCap` applies after accept, applied at accept instead, so a peer's
-    burst gets no more than its share however fast it comes. ``cap``: ``max_connections_per_peer`` (0: no cap);
-    ``limit``: the port's own cap."""
+    HTTP ports' protocol): the rule :class:`PeerCap` applies after accept, applied at accept instead. A connection
+    that would take its peer past its share is refused; on a crowded port, one within its peer's share displaces the
+    latest connection of the peer most past its own share (shares shrink as peers arrive), so however fast they come
+    the port stays at CROWDED of its cap and a newcomer (the kubelet's probe) finds room, as long as its connections
+    there outnumber its peers.
+    ``cap``: ``max_connections_per_peer`` (0: no cap); ``limit``: the port's own cap. Each connection is a handle
+    of the transport's, given back by :meth:`admit` when it is to be closed."""
 
     def __init__(self, cap: int, limit: int) -> None:
         self.cap, self.limit = cap, limit
-        self.held: dict[str, int] = {}  # peer -> its open connections
+        self.held: dict[str, dict[Held, None]] = {}  # peer -> its open connections, in the order they came
         self.crowded = False
 
-    def admit(self, peer: str | None, open_connections: int) -> bool:
-        """Whether ``peer`` (None: not an IP peer, not capped) may open one more connection while the port has
-        ``open_connections``; counted if so, until :meth:`release`."""
+    def admit(self, peer: str | None, connection: Held, open_connections: int) -> tuple[bool, Held | None]:
+        """Whether ``connection`` of ``peer`` (None: not an IP peer, not capped) may open while the port has
+        ``open_connections``; if so it is counted until :meth:`release`. With it, the connection to close to make
+        room (already released), or None."""
         if peer is None or self.cap <= 0:
-            return True
+            return True, None
         self.crowded = open_connections >= crowd_floor(self.limit, self.crowded)
-        held = self.held.get(peer, 0)
-        share = crowded_share(self.limit, self.cap, len(self.held) + (not held)) if self.crowded else self.cap
-        if held >= share:
-            return False
-        self.held[peer] = held + 1
-        return True
+        mine = self.held.get(peer)
+        held = len(mine) if mine else 0
+        shares = crowded_share(self.limit, self.cap, len(self.held) + (not held)) if self.crowded else self.cap
+        if held >= shares:
+            return False, None
+        self.held.setdefault(peer, {})[connection] = None
+        if not self.crowded or open_connections < self.limit * CROWDED:
+            return True, None
+        most = max(self.held, key=lambda other: len(self.held[other]))
+        if len(self.held[most]) <= shares:
+            return True, None
+        displaced = next(reversed(self.held[most]))
+        self.release(most, displaced)
+        return True, displaced
 
-    def release(self, peer: str | None) -> None:
-        """One admitted connection of ``peer`` has closed."""
-        if peer is not None and self.cap > 0:
-            held = self.held.pop(peer) - 1
-            if held:
-                self.held[peer] = held
+    def release(self, peer: str | None, connection: Held) -> None:
+        """``connection`` of ``peer`` has closed (or is closing); nothing where it was released already."""
+        mine = self.held.get(peer) if peer is not None else None
+        if mine is None or connection not in mine:
+            return
+        del mine[connection]
+        if not mine:
+            del self.held[peer]
 
 
 class CheckSchedule:

@@ -46,7 +46,7 @@ from concurrent.futures import ThreadPoolExecutor
 from google.protobuf import json_format
 from prometheus_client import make_asgi_app
 
-from indexer_service.service.adapters.uvicorn_http import ABORT_KEY, FEATURE
+from indexer_service.service.adapters.uvicorn_http import ABORT_KEY, FEATURE, Connection
 from indexer_service.service.codec import SERVICE_NAME
 from indexer_service.service.config import ServiceConfig
 from indexer_service.service.dataplane import DataPlane
@@ -145,7 +145,9 @@ class HttpConnectionEvents:
         self.connections = metrics.http_connections  # both ports': each counts only its own against the limit
         self.refusals = refusals
         self.port = port
-        self.shares = PortShares(config.max_connections_per_peer, config.http_max_connections)
+        self.shares: PortShares[Connection] = PortShares(config.max_connections_per_peer, config.http_max_connections)
+        self.displaced = metrics.peer_cap.peer_connections_closed_total.labels(port=port)
+        self._log = RateLimitedLog(log, SHED_LOG_INTERVAL_SECONDS)
         self.errors = LibraryCallbackErrors(log, metrics, SHED_LOG_INTERVAL_SECONDS)
         max_head, max_connections = config.http_max_header_bytes, config.http_max_connections
         self._answers = {
@@ -167,14 +169,32 @@ class HttpConnectionEvents:
             ),
         }
 
-    def opened(self, address: tuple | None, open_connections: int) -> HttpRefusal | None:
-        if not self.shares.admit(_peer_key(address), open_connections):
+    def opened(self, connection: Connection, open_connections: int) -> HttpRefusal | None:
+        peer = _peer_key(connection.address)
+        taken, displaced = self.shares.admit(peer, connection, open_connections)
+        if not taken:
             return HttpRefusal.PEER_SHARE
         self.connections.inc()
+        if displaced is not None:  # the port is crowded: the latest of the peer most past its share makes room
+            displaced.drop()
+            self.displaced.inc()
+            most = _peer_key(displaced.address) or "?"
+            held = len(self.shares.held.get(most, ()))
+            self._log.write(
+                "displaced",
+                lambda count, most=most, held=held: log.warning(
+                    "port crowded: the latest connection of the peer most past its share closed to make room "
+                    "port=%s peer=%s held=%d count=%d",
+                    self.port,
+                    most,
+                    held,
+                    count,
+                ),
+            )
         return None
 
-    def closed(self, address: tuple | None) -> None:
-        self.shares.release(_peer_key(address))
+    def closed(self, connection: Connection) -> None:
+        self.shares.release(_peer_key(connection.address), connection)
         self.connections.dec()
 
     def refused(self, reason: HttpRefusal, address: tuple | None) -> bytes:

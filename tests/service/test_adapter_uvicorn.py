@@ -135,13 +135,13 @@ class FaultyEvents:
         self.failures: list[tuple[str, str]] = []
         self.opened_once = False
 
-    def opened(self, address: object, open_connections: int) -> HttpRefusal | None:
+    def opened(self, connection: object, open_connections: int) -> HttpRefusal | None:
         if not self.opened_once:
             self.opened_once = True
             raise RuntimeError("opened failed")
         return None
 
-    def closed(self, address: object) -> None:
+    def closed(self, connection: object) -> None:
         pass
 
     def refused(self, reason: HttpRefusal, address: object) -> bytes:
@@ -224,12 +224,12 @@ class CountingEvents(FaultyEvents):
         self.opened_once = True
         self.open = 0
 
-    def opened(self, address: object, open_connections: int) -> HttpRefusal | None:
+    def opened(self, connection: object, open_connections: int) -> HttpRefusal | None:
         assert open_connections == self.open, "the port's count and the transport's agree"
         self.open += 1
         return None
 
-    def closed(self, address: object) -> None:
+    def closed(self, connection: object) -> None:
         self.open -= 1
 
 
@@ -297,10 +297,52 @@ def test_a_peer_past_its_share_is_answered_503_at_accept_counted_and_others_are_
         other = stack.enter_context(connect(FLOOD_PEER))
         assert served(other), "another peer is served"
         first.close()
-        wait_for(lambda: events.shares.held.get(LOOPBACK) == 1, 5.0, "the closed connection released")
+        wait_for(lambda: len(events.shares.held[LOOPBACK]) == 1, 5.0, "the closed connection released")
         assert served(stack.enter_context(connect(LOOPBACK)))
         assert metrics.registry.get_sample_value("indexer_http_refused_total", refused) == 1
         assert metrics.registry.get_sample_value("indexer_http_connections") == 3
+
+
+def test_on_a_crowded_port_a_newcomer_displaces_the_latest_connection_of_the_peer_most_past_its_share(caplog) -> None:
+    """http_max_connections 10 (crowded from 9), max_connections_per_peer 8: one peer takes 8, a second peer one;
+    a third peer's connection finds the port crowded (a share of 8 // 3 = 2 each) and is served, the first peer's
+    latest connection closed to make room, counted in indexer_peer_connections_closed_total and logged; the first
+    peer's next connection is refused (503, peer_share)."""
+    metrics = Metrics()
+    config = load_config({"max_connections_per_peer": "8", "http_max_connections": "10"}, env={})
+    events = HttpConnectionEvents(config, metrics, HttpRefusals(metrics), Port.HTTP_RPC)
+    limits = uvicorn_http.HttpLimits(max_head_bytes=1024, idle_seconds=30.0, max_connections=10)
+
+    def connect(source: str) -> socket.socket:
+        sock = socket.socket()
+        sock.settimeout(5)
+        sock.bind((source, 0))
+        sock.connect((LOOPBACK, port))
+        return sock
+
+    def served(sock: socket.socket) -> bool:
+        sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        return sock.recv(65536).startswith(b"HTTP/1.1 200 ")
+
+    with (
+        serving(uvicorn_http.protocol_settings(limits, events)) as port,
+        contextlib.ExitStack() as stack,
+        caplog.at_level(logging.WARNING),
+    ):
+        first = [stack.enter_context(connect(LOOPBACK)) for _ in range(8)]
+        assert all(served(sock) for sock in first)
+        assert served(stack.enter_context(connect(FLOOD_PEER)))
+        newcomer = stack.enter_context(connect("127.0.0.3"))
+        assert served(newcomer), "the newcomer is served"
+        assert closed_without_answer(first[-1]), "the first peer's latest connection made room"
+        assert all(served(sock) for sock in first[:-1])
+        closed = {"port": "http_rpc"}
+        assert metrics.registry.get_sample_value("indexer_peer_connections_closed_total", closed) == 1
+        with connect(LOOPBACK) as again:
+            assert again.recv(65536).startswith(b"HTTP/1.1 503 ")
+        assert metrics.registry.get_sample_value("indexer_http_refused_total", {"reason": "peer_share"}) == 1
+    lines = [r.getMessage() for r in caplog.records if "closed to make room" in r.getMessage()]
+    assert lines and "port=http_rpc peer=127.0.0.1 held=7 count=1" in lines[0], lines
 
 
 def test_protocol_errors_are_counted_and_logged_rate_limited(caplog) -> None:

@@ -287,45 +287,62 @@ def test_a_peer_name_is_counted_as_its_address_would_be(host: str, peer: str | N
     assert peer_of_host(host) == peer
 
 
-def test_at_accept_a_peer_gets_the_cap_then_on_a_crowded_port_its_share_and_a_newcomer_always_one() -> None:
-    """PortShares, the rule applied as connections arrive (the HTTP ports): the cap per peer; once the port's
-    connections reach 90 % of its limit, each peer's share of 80 % of it over the peers holding connections (a
-    newcomer counted among them); crowded until under 70 %."""
-    shares = PortShares(cap=4, limit=20)  # crowded from 18 open until under 14; a share is 16 // peers
-    held = 0
+class Arrivals:
+    """Connections arriving at a PortShares one at a time, counted as the HTTP protocol counts them: a displaced
+    connection closes at once."""
 
-    def open_from(peer: str) -> bool:
-        nonlocal held
-        taken = shares.admit(peer, held)
-        held += taken
+    def __init__(self, shares: PortShares) -> None:
+        self.shares, self.open, self.serial = shares, 0, 0
+        self.displaced: list[tuple[str, int]] = []
+
+    def arrive(self, peer: str) -> bool:
+        self.serial += 1
+        taken, displaced = self.shares.admit(peer, (peer, self.serial), self.open)
+        self.open += taken
+        if displaced is not None:
+            self.displaced.append(displaced)
+            self.open -= 1
         return taken
 
-    def close_from(peer: str, count: int) -> None:
-        nonlocal held
-        for _ in range(count):
-            shares.release(peer)
-            held -= 1
+    def leave(self, peer: str, count: int) -> None:
+        for connection in list(self.shares.held[peer])[:count]:
+            self.shares.release(peer, connection)
+            self.open -= 1
 
-    assert [open_from("a") for _ in range(5)] == [True] * 4 + [False]  # the cap
+
+def test_at_accept_a_peer_gets_the_cap_then_on_a_crowded_port_its_share_and_a_newcomer_always_room() -> None:
+    """PortShares, the rule applied as connections arrive (the HTTP ports): the cap per peer; once the port's
+    connections reach 90 % of its limit, each peer's share of 80 % of it over the peers holding connections (a
+    newcomer counted among them), and a connection within its share displaces the latest of the peer most past
+    its share, so the port stays at 90 % while more of its connections than its peers are there; crowded until
+    under 70 %."""
+    port = Arrivals(PortShares(cap=4, limit=20))  # crowded from 18 open until under 14; a share is 16 // peers
+    assert [port.arrive("a") for _ in range(5)] == [True] * 4 + [False]  # the cap
     for peer in "bcd":
-        assert all(open_from(peer) for _ in range(4))
-    assert [open_from("e") for _ in range(4)] == [True, True, True, False]  # crowded at 18: 5 peers, 3 each
-    assert held == 19 and shares.crowded
-    assert open_from("f"), "a newcomer gets one: 6 peers, 2 each, and it holds none"
-    assert held == 20 and not open_from("a"), "a peer past its share gets nothing more"
-    close_from("a", 4)
-    assert "a" not in shares.held, "a peer holding none is forgotten"
-    assert held == 16 and open_from("g") and shares.crowded  # 16 is over 70 % of 20: still crowded
-    close_from("b", 4)
-    assert held == 13 and open_from("b") and not shares.crowded  # under 70 %: the cap again
-    assert all(open_from("b") for _ in range(3)) and not open_from("b")
+        assert all(port.arrive(peer) for _ in range(4))
+    assert [port.arrive("e") for _ in range(4)] == [True, True, True, False]  # crowded at 18: 5 peers, 3 each
+    assert port.displaced == [("a", 4)], "the third made room: the latest of the first peer holding the most"
+    assert port.open == 18 and port.shares.crowded
+    for newcomer in "fghijklm":  # while the port's 18 have fewer peers than that, someone is past the share
+        assert port.arrive(newcomer), "a newcomer always gets one"
+        assert port.open == 18, "each displaces one: the port stays at 90 % of its cap"
+    assert {peer: len(held) for peer, held in port.shares.held.items()} == dict.fromkeys("abcde", 2) | dict.fromkeys(
+        "fghijklm", 1
+    )
+    assert not port.arrive("b"), "a peer at its share gets nothing more"
+    port.shares.release("a", ("a", 4))  # its end, told after it was displaced: nothing more to release
+    port.leave("f", 1), port.leave("g", 1), port.leave("h", 1), port.leave("i", 1)
+    assert port.open == 14 and port.arrive("f") and port.shares.crowded  # 14 is 70 %: still crowded
+    port.leave("f", 1), port.leave("j", 1)
+    assert port.open == 13 and port.arrive("f") and not port.shares.crowded  # under 70 %: the cap again
+    assert "g" not in port.shares.held, "a peer holding none is forgotten"
 
 
 def test_at_accept_no_cap_and_no_ip_peer_are_never_refused() -> None:
-    assert all(PortShares(cap=0, limit=2).admit("a", 100) for _ in range(10))
+    assert all(PortShares(cap=0, limit=2).admit("a", n, 100) == (True, None) for n in range(10))
     shares = PortShares(cap=1, limit=2)
-    assert all(shares.admit(None, 100) for _ in range(10)) and not shares.held
-    shares.release(None)
+    assert all(shares.admit(None, n, 100) == (True, None) for n in range(10)) and not shares.held
+    shares.release(None, 0)
 
 
 def test_nothing_is_read_while_the_process_holds_fewer_descriptors_than_the_cap() -> None:
