@@ -266,6 +266,21 @@ def test_a_request_answered_before_it_arrived_whole_leaves_its_connection_idle_t
     assert closed is not None and closed <= LIMITS.idle_seconds + 0.5, closed
 
 
+def connect_from(source: str, port: int) -> socket.socket:
+    """A connection to ``port`` on LOOPBACK from the peer address ``source``."""
+    sock = socket.socket()
+    sock.settimeout(5)
+    sock.bind((source, 0))
+    sock.connect((LOOPBACK, port))
+    return sock
+
+
+def served(sock: socket.socket) -> bool:
+    """Whether a GET on ``sock`` is answered 200."""
+    sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+    return sock.recv(65536).startswith(b"HTTP/1.1 200 ")
+
+
 def test_a_peer_past_its_share_is_answered_503_at_accept_counted_and_others_are_served() -> None:
     """The transport's events decide at accept (max_connections_per_peer 2 here): the third connection of one peer
     gets 503 and is closed before uvicorn sees it, counted peer_share; another peer is served; once the first
@@ -275,30 +290,19 @@ def test_a_peer_past_its_share_is_answered_503_at_accept_counted_and_others_are_
     events = HttpConnectionEvents(config, metrics, HttpRefusals(metrics), Port.HTTP_RPC)
     refused = {"reason": "peer_share"}
 
-    def connect(source: str) -> socket.socket:
-        sock = socket.socket()
-        sock.settimeout(5)
-        sock.bind((source, 0))
-        sock.connect((LOOPBACK, port))
-        return sock
-
-    def served(sock: socket.socket) -> bool:
-        sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
-        return sock.recv(65536).startswith(b"HTTP/1.1 200 ")
-
     with serving(uvicorn_http.protocol_settings(LIMITS, events)) as port, contextlib.ExitStack() as stack:
-        first, second = (stack.enter_context(connect(LOOPBACK)) for _ in range(2))
+        first, second = (stack.enter_context(connect_from(LOOPBACK, port)) for _ in range(2))
         assert served(first) and served(second)
-        with connect(LOOPBACK) as third:
+        with connect_from(LOOPBACK, port) as third:
             answer = third.recv(65536)
             assert answer.startswith(b"HTTP/1.1 503 ") and b"max_connections_per_peer" in answer, answer
             assert closed_without_answer(third)
         assert metrics.registry.get_sample_value("indexer_http_refused_total", refused) == 1
-        other = stack.enter_context(connect(FLOOD_PEER))
+        other = stack.enter_context(connect_from(FLOOD_PEER, port))
         assert served(other), "another peer is served"
         first.close()
         wait_for(lambda: len(events.shares.held[LOOPBACK]) == 1, 5.0, "the closed connection released")
-        assert served(stack.enter_context(connect(LOOPBACK)))
+        assert served(stack.enter_context(connect_from(LOOPBACK, port)))
         assert metrics.registry.get_sample_value("indexer_http_refused_total", refused) == 1
         assert metrics.registry.get_sample_value("indexer_http_connections") == 3
 
@@ -313,32 +317,21 @@ def test_on_a_crowded_port_a_newcomer_displaces_the_latest_connection_of_the_pee
     events = HttpConnectionEvents(config, metrics, HttpRefusals(metrics), Port.HTTP_RPC)
     limits = uvicorn_http.HttpLimits(max_head_bytes=1024, idle_seconds=30.0, max_connections=10)
 
-    def connect(source: str) -> socket.socket:
-        sock = socket.socket()
-        sock.settimeout(5)
-        sock.bind((source, 0))
-        sock.connect((LOOPBACK, port))
-        return sock
-
-    def served(sock: socket.socket) -> bool:
-        sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
-        return sock.recv(65536).startswith(b"HTTP/1.1 200 ")
-
     with (
         serving(uvicorn_http.protocol_settings(limits, events)) as port,
         contextlib.ExitStack() as stack,
         caplog.at_level(logging.WARNING),
     ):
-        first = [stack.enter_context(connect(LOOPBACK)) for _ in range(8)]
+        first = [stack.enter_context(connect_from(LOOPBACK, port)) for _ in range(8)]
         assert all(served(sock) for sock in first)
-        assert served(stack.enter_context(connect(FLOOD_PEER)))
-        newcomer = stack.enter_context(connect("127.0.0.3"))
+        assert served(stack.enter_context(connect_from(FLOOD_PEER, port)))
+        newcomer = stack.enter_context(connect_from("127.0.0.3", port))
         assert served(newcomer), "the newcomer is served"
         assert closed_without_answer(first[-1]), "the first peer's latest connection made room"
         assert all(served(sock) for sock in first[:-1])
         closed = {"port": "http_rpc"}
         assert metrics.registry.get_sample_value("indexer_peer_connections_closed_total", closed) == 1
-        with connect(LOOPBACK) as again:
+        with connect_from(LOOPBACK, port) as again:
             assert again.recv(65536).startswith(b"HTTP/1.1 503 ")
         assert metrics.registry.get_sample_value("indexer_http_refused_total", {"reason": "peer_share"}) == 1
     lines = [r.getMessage() for r in caplog.records if "closed to make room" in r.getMessage()]
