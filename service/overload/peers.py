@@ -504,19 +504,6 @@ class PeerCap:
                 peer = peers[remote] = peer_of(remote)
             by_peer[port, peer].add(inode)
         seen, self._seen = self._seen, set().union(*by_peer.values())
-        # Where every listener of a port is this process's, every connection there is its own (or waits in its accept
-        # queue): a peer at the cap is known without listing the descriptors, an fstat each, which under load wait on
-        # the GIL one by one while the flood goes on. Added to the peers dropped now; the full reading below decides.
-        early = {
-            (port, peer): len(inodes)
-            for (port, peer), inodes in by_peer.items()
-            if port in self._sole and len(inodes) >= self.cap and peer not in self._dropping.get(port, ())
-        }
-        if early:
-            dropping = {port: dict.fromkeys(named, self.cap) for port, named in self._dropping.items()}
-            for (port, peer), held in early.items():
-                dropping.setdefault(port, {})[peer] = held
-            self._drop_new_connections(dropping)
         totals: dict[int, int] = defaultdict(int)  # every process's, so at least this one's
         for (port, _), inodes in by_peer.items():
             totals[port] += len(inodes)
@@ -526,24 +513,39 @@ class PeerCap:
             self._crowded = set()
             self._drop_new_connections({})
             return 0
-        mine = socket_inodes()
-        own: dict[tuple[int, str], list[int]] = {}  # (port, peer) -> its connections here, the kept ones first
-        for key, inodes in wanted.items():
-            own[key] = sorted(
-                (inode for inode in inodes if inode in mine), key=lambda inode: (inode not in seen, inode)
-            )
-        shares = self._shares(crowding, own)
+        # What each peer holds here. Where every listener of a port is this process's, every connection there is its
+        # own (or waits in its accept queue): the kernel's count, known without listing the descriptors (an fstat
+        # each, which under load wait on the GIL one by one while the flood goes on), so that the filter goes on
+        # before the listing. Elsewhere (a port other processes listen on too), its own descriptors'.
+        held = {key: len(inodes) for key, inodes in wanted.items() if key[0] in self._sole}
+        mine = None
+        if len(held) < len(wanted):
+            mine = socket_inodes()
+            for key, inodes in wanted.items():
+                if key not in held:
+                    held[key] = sum(inode in mine for inode in inodes)
+        shares = self._shares(crowding, held)
         at_cap: dict[int, dict[str, int]] = defaultdict(dict)  # port -> peer -> connections held here
-        for (port, peer), held in own.items():
-            if len(held) >= shares.get(port, self.cap):
-                at_cap[port][peer] = len(held)
+        for (port, peer), count in held.items():
+            if count >= shares.get(port, self.cap):
+                at_cap[port][peer] = count
         self._drop_new_connections(at_cap)  # first: a flood's connections stop coming while it is cut
+        over = [key for key, count in held.items() if count > shares.get(key[0], self.cap)]
+        if not over:
+            return 0
+        if mine is None:
+            mine = socket_inodes()
+        own: dict[tuple[int, str], list[int]] = {}  # (port, peer) -> its connections here, the kept ones first
+        for key in over:
+            own[key] = sorted(
+                (inode for inode in wanted[key] if inode in mine), key=lambda inode: (inode not in seen, inode)
+            )
         cut: dict[int, list[tuple[int, str, int]]] = defaultdict(list)  # port -> (held, peer, closed)
         cutting = _clock()
-        for (port, peer), held in own.items():
-            closed = sum(shut_down(mine[inode], inode) for inode in held[shares.get(port, self.cap) :])
+        for (port, peer), connections in own.items():
+            closed = sum(shut_down(mine[inode], inode) for inode in connections[shares.get(port, self.cap) :])
             if closed:
-                cut[port].append((len(held), peer, closed))
+                cut[port].append((len(connections), peer, closed))
         self._cutting_seconds = _clock() - cutting
         total = 0
         for port, peers_cut in cut.items():
@@ -571,15 +573,15 @@ class PeerCap:
             )
         return total
 
-    def _shares(self, crowding: set[int], own: Mapping[tuple[int, str], list[int]]) -> dict[int, int]:
+    def _shares(self, crowding: set[int], held: Mapping[tuple[int, str], int]) -> dict[int, int]:
         """Each crowded port's share per peer (the others': the cap): CROWDED_SHARE of its cap over the peers that
-        hold its connections here, at least 1 and at most the cap; which ports are crowded is kept for the next
-        check (a port stays crowded until under UNCROWDED of its cap)."""
+        hold its connections here (``held``: (port, peer) -> how many), at least 1 and at most the cap; which ports
+        are crowded is kept for the next check (a port stays crowded until under UNCROWDED of its cap)."""
         totals: dict[int, int] = defaultdict(int)
         peers: dict[int, int] = defaultdict(int)
-        for (port, _), held in own.items():
-            if port in crowding and held:
-                totals[port] += len(held)
+        for (port, _), count in held.items():
+            if port in crowding and count:
+                totals[port] += count
                 peers[port] += 1
         was, self._crowded = self._crowded, {port for port in crowding if totals[port] >= self._crowd_floor(port)}
         shares = {}
