@@ -122,14 +122,14 @@ class PortShares(Generic[Held]):
         self.crowded = open_connections >= crowd_floor(self.limit, self.crowded)
         mine = self.held.get(peer)
         held = len(mine) if mine else 0
-        shares = crowded_share(self.limit, self.cap, len(self.held) + (not held)) if self.crowded else self.cap
-        if held >= shares:
+        share = crowded_share(self.limit, self.cap, len(self.held) + (not held)) if self.crowded else self.cap
+        if held >= share:
             return False, None
         self.held.setdefault(peer, {})[connection] = None
         if not self.crowded or open_connections < self.limit * CROWDED:
             return True, None
         most = max(self.held, key=lambda other: len(self.held[other]))
-        if len(self.held[most]) <= shares:
+        if len(self.held[most]) <= share:
             return True, None
         displaced = next(reversed(self.held[most]))
         self.release(most, displaced)
