@@ -35,6 +35,7 @@ from testkit.harness import FLOOD_PEER, LOOPBACK
 from testkit.payloads import grpc_frame
 
 _READ_BYTES = 65536
+_SLOW_READ_BYTES = 16384
 
 _Report = TypeVar("_Report")
 
@@ -64,7 +65,8 @@ class RawGrpcConnection:
     may send no DATA until a WINDOW_UPDATE). With ``acknowledge_data`` the client grants credit back for the
     DATA it receives, as a normal client does; without it no WINDOW_UPDATE is ever sent but by :meth:`grant`. With
     ``read_past_goaway`` a GOAWAY does not end the connection for the client: the streams a draining server still
-    answers are read to their end. Frames are read on a
+    answers are read to their end. With ``read_pause`` the client reads at most 16 KiB, then waits that long (a
+    slow reader). Frames are read on a
     daemon thread until :meth:`close`; every outcome is recorded in :attr:`streams`. A connection to LOOPBACK
     comes from FLOOD_PEER: an attacker is another peer than the victims on LOOPBACK.
     """
@@ -77,9 +79,11 @@ class RawGrpcConnection:
         acknowledge_data: bool = False,
         connect_timeout: float = 5.0,
         read_past_goaway: bool = False,
+        read_pause: float = 0.0,
     ) -> None:
         self.acknowledge_data = acknowledge_data
         self.read_past_goaway = read_past_goaway
+        self.read_pause = read_pause
         self.host, self.port = host, port
         source = (FLOOD_PEER, 0) if host == LOOPBACK else None
         self.sock = socket.create_connection((host, port), timeout=connect_timeout, source_address=source)
@@ -197,10 +201,28 @@ class RawGrpcConnection:
 
     # --- receiving ------------------------------------------------------------------------------------------
 
+    def keep_sending(self, interval: float) -> None:
+        """Until the connection ends, a 1-byte connection WINDOW_UPDATE every ``interval`` seconds, on a daemon
+        thread: a client that keeps sending frames while it reads, as a gRPC client's window updates do."""
+
+        def send() -> None:
+            while not self.closed.wait(interval):
+                with self._lock:
+                    try:
+                        self.h2.increment_flow_control_window(1)
+                    except h2.exceptions.ProtocolError:
+                        return
+                    self._send_or_close_locked()
+
+        threading.Thread(target=send, name=f"h2raw-send-{self.port}", daemon=True).start()
+
     def _read_loop(self) -> None:
+        size = _SLOW_READ_BYTES if self.read_pause else _READ_BYTES
         while not self.closed.is_set():
+            if self.read_pause:
+                time.sleep(self.read_pause)
             try:
-                data = self.sock.recv(_READ_BYTES)
+                data = self.sock.recv(size)
             except OSError:
                 break
             if not data:

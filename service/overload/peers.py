@@ -28,13 +28,16 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import ipaddress
 import logging
 import os
 import select
 import socket
 import stat
+import struct
 import sys
+import termios
 import threading
 import time
 from collections import defaultdict
@@ -56,6 +59,7 @@ log = logging.getLogger(__name__)
 
 TCP_TABLES = ("/proc/net/tcp", "/proc/net/tcp6")
 Held = TypeVar("Held")  # a transport's handle on one connection (PortShares)
+_INT = struct.Struct("i")  # an ioctl's int argument
 _ESTABLISHED, _LISTEN = "01", "0A"  # st in /proc/net/tcp: TCP_ESTABLISHED, TCP_LISTEN
 LOG_INTERVAL_SECONDS = 10.0
 # How often the cap is checked: every fifth of a second, every twentieth while the last check cut connections, and
@@ -264,6 +268,29 @@ def shut_down(fd: int, inode: int) -> bool:
     except OSError:  # closed meanwhile, the number now another connection's, or already gone
         return False
     return True
+
+
+def unacknowledged_bytes(ports: Iterable[int]) -> int:
+    """Bytes this process's connections on ``ports`` have sent that their peers have not acknowledged yet (each
+    socket's SIOCOUTQ, the same request number as TIOCOUTQ): answers still on their way. Connections another
+    process holds on a shared port are not counted."""
+    try:
+        rows = sockdiag.established(ports)
+    except OSError:
+        rows = established(ports)
+    mine = socket_inodes()
+    pending = 0
+    for _, inode, _ in rows:
+        fd = mine.get(inode)
+        if fd is None:
+            continue
+        try:
+            with borrowed(fd, inode) as connection:
+                queued = fcntl.ioctl(connection.fileno(), termios.TIOCOUTQ, _INT.pack(0))
+        except OSError:  # closed meanwhile
+            continue
+        pending += _INT.unpack(queued)[0]
+    return pending
 
 
 def connection_limits(config: ServiceConfig) -> dict[Port, int]:

@@ -27,6 +27,7 @@ from indexer_service.service.codec import SERVICE_NAME
 from indexer_service.service.config import ServiceConfig
 from indexer_service.service.dataplane import DataPlane
 from indexer_service.service.overload.admission import DrainWatchdog
+from indexer_service.service.overload.peers import unacknowledged_bytes
 from indexer_service.service.process.addresses import host_port
 from indexer_service.service.reasons import Port
 from indexer_service.service.transport.gate import Accounting, CallGate, Lane
@@ -48,6 +49,8 @@ SETTLE_SECONDS = 0.5
 # How long, once gRPC has stopped (and cancelled what still ran), the RPC threads get to leave the calls they
 # were in: a computation is milliseconds; a thread stuck longer is logged and left (the threads are daemons).
 POOL_STOP_SECONDS = 2.0
+# How often the drain looks again at what it waits for.
+SETTLE_POLL_SECONDS = 0.05
 
 
 # Health's lane on each gRPC port: Check, List and the start of a Watch, each quick (nothing there waits for a
@@ -81,13 +84,18 @@ class GrpcServer:
             self.watch.start()
 
     def stop(self, grace: float | None) -> None:
-        """Stop taking calls, give those in flight ``grace`` seconds (None: none), then end the gate's threads."""
+        """Within ``grace`` seconds (None: none, every call cancelled): let the RPCs in flight finish and their
+        answers reach their clients (:meth:`_deliver_in_flight`), stop taking calls (the GOAWAY), give those then in
+        flight what is left of the grace; then end the gate's threads."""
         if self.watch is not None:
             self.watch.stop()
         self.gate.end_waiting()  # calls that never sent their request do not hold the grace
-        stopped, end = self.server.stop(grace), time.monotonic() + (grace or 0.0)
+        end = time.monotonic() + (grace or 0.0)
+        if grace:
+            self._deliver_in_flight(end)
+        stopped = self.server.stop(None if grace is None else max(0.0, end - time.monotonic()))
         idle_since = None
-        while not stopped.wait(0.05) and time.monotonic() < end:
+        while not stopped.wait(SETTLE_POLL_SECONDS) and time.monotonic() < end:
             # A call that reached the gate between the first end_waiting and the stop (an attacker replacing each
             # silent call as it is ended does) would otherwise wait for its request through the whole grace.
             self.gate.end_waiting()
@@ -107,6 +115,33 @@ class GrpcServer:
             log.warning("rpc_threads_still_busy count=%d after_seconds=%.1f", busy, POOL_STOP_SECONDS)
         self.watchdog.stop()
         self.reflection.close()
+
+    def _deliver_in_flight(self, end: float) -> None:
+        """Before the GOAWAY, until ``end`` at most: the RPCs queued or running now finish, then every answer being
+        sent then is sent, then every byte sent on the port has reached its client (none of this process's
+        connections there has any unacknowledged). The server takes calls meanwhile. After the GOAWAY, gRPC core
+        closes a connection as soon as its last call's answer is in the kernel's send buffer; a client frame that
+        arrives then (a window update as it reads) resets the connection, and the rest of that answer is lost
+        (docs/service.md, "Shutdown")."""
+        live, open_calls = self.lane.live, self.gate.open_calls
+
+        def wait_for(done: Callable[[], bool]) -> bool:
+            while not done():
+                if time.monotonic() >= end:
+                    return False
+                time.sleep(SETTLE_POLL_SECONDS)
+            return True
+
+        running = set(live)
+        if not wait_for(lambda: running.isdisjoint(live)):
+            return
+        sending = set(open_calls)
+        if not wait_for(lambda: sending.isdisjoint(open_calls)):
+            return
+        # A client that stopped reading holds its bytes unacknowledged for good: given up, as an unread answer is,
+        # after response_drain_seconds.
+        end = min(end, time.monotonic() + self.watchdog.seconds)
+        wait_for(lambda: not unacknowledged_bytes((self.port,)))
 
 
 def create_grpc_server(

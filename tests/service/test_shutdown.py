@@ -238,3 +238,34 @@ def test_an_answer_still_being_sent_is_delivered_during_the_grace(start_server: 
         assert server.process.wait(GRACE) == 0, server.log()
     finally:
         raw.close()
+
+
+@pytest.mark.exclusive  # the reader's pace sets how long the answer takes to arrive
+def test_a_slow_reader_that_keeps_sending_gets_its_whole_answer(start_server: StartServer) -> None:
+    """SIGTERM while a call with a 5.5 MB answer runs, its client reading 16 KiB every 20 ms and sending a window
+    update every 2 ms (as a gRPC client's updates come while it reads). After a GOAWAY, gRPC core closes a connection
+    as soon as its last answer is in the kernel's send buffer, and the client's next frame then resets it, the
+    rest of the answer lost (1.2 to 2.9 MB of it arrived, three runs of three). So the drain sends the GOAWAY only
+    once the calls in flight have ended and every byte sent has reached its client: the whole answer arrives, with
+    status OK, and the process exits 0."""
+    server = draining_server(
+        start_server, 0.0, "--max-num-batched-tokens", str(LONG_ROWS), "--max-plan-chunks", str(LONG_ROWS)
+    )
+    raw = RawGrpcConnection(server.grpc_host, server.grpc_port, read_past_goaway=True, read_pause=0.02)
+    try:
+        assert raw.wait_settings()
+        stream = raw.start_call(f"/{SERVICE_NAME}/PlanBatch", LONG.SerializeToString())
+        assert stream is not None
+        raw.grant(stream, 2**30)  # credit for the whole answer: the pace is the reader's, not the window's
+        raw.acknowledge_data = True
+        raw.keep_sending(0.002)
+        accepted = poll(lambda: scrape(server).value("indexer_requests_in_flight", method="PlanBatch") == 1, 30.0)
+        assert accepted, server.log()
+        server.process.send_signal(signal.SIGTERM)
+        assert server.process.wait(GRACE + 10) == 0, server.log()
+        outcome = raw.streams[stream]
+        assert poll(lambda: outcome.ended, 10.0), (outcome, server.log())
+        assert (outcome.grpc_status, outcome.reset_code) == (0, None), outcome
+        assert outcome.data_bytes > 5_000_000, outcome
+    finally:
+        raw.close()
