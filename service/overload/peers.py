@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import functools
 import ipaddress
 import logging
 import os
@@ -130,7 +131,7 @@ class PortShares(Generic[Held]):
         if held >= share:
             return False, None
         self.held.setdefault(peer, {})[connection] = None
-        if not self.crowded or open_connections < self.limit * CROWDED:
+        if not self.crowded or open_connections < crowd_floor(self.limit, crowded=False):
             return True, None
         most = max(self.held, key=lambda other: len(self.held[other]))
         if len(self.held[most]) <= share:
@@ -199,6 +200,7 @@ def proc_address(hex_address: str) -> Address:
     return sockdiag.address_of(raw)
 
 
+@functools.lru_cache(maxsize=8192)
 def peer_of_host(host: str) -> str | None:
     """:func:`peer_of` a host as a socket's peer name gives it (IPv4-mapped IPv6 as IPv4); None where it is no IP
     address (a unix socket's peer)."""

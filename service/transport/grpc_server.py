@@ -124,24 +124,24 @@ class GrpcServer:
         arrives then (a window update as it reads) resets the connection, and the rest of that answer is lost
         (docs/service.md, "Shutdown")."""
         live, open_calls = self.lane.live, self.gate.open_calls
-
-        def wait_for(done: Callable[[], bool]) -> bool:
-            while not done():
-                if time.monotonic() >= end:
-                    return False
-                time.sleep(SETTLE_POLL_SECONDS)
-            return True
-
         running = set(live)
-        if not wait_for(lambda: running.isdisjoint(live)):
+        if not _wait_for(lambda: running.isdisjoint(live), end):
             return
         sending = set(open_calls)
-        if not wait_for(lambda: sending.isdisjoint(open_calls)):
+        if not _wait_for(lambda: sending.isdisjoint(open_calls), end):
             return
         # A client that stopped reading holds its bytes unacknowledged for good: given up, as an unread answer is,
         # after response_drain_seconds.
-        end = min(end, time.monotonic() + self.watchdog.seconds)
-        wait_for(lambda: not unacknowledged_bytes((self.port,)))
+        _wait_for(lambda: not unacknowledged_bytes((self.port,)), min(end, time.monotonic() + self.watchdog.seconds))
+
+
+def _wait_for(done: Callable[[], bool], end: float) -> bool:
+    """Whether ``done()`` came true before ``end`` (``time.monotonic()``), looked at every SETTLE_POLL_SECONDS."""
+    while not done():
+        if time.monotonic() >= end:
+            return False
+        time.sleep(SETTLE_POLL_SECONDS)
+    return True
 
 
 def create_grpc_server(
