@@ -42,7 +42,7 @@ import termios
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Generic, TypeVar
 
 from indexer_service.service.observability.logs import RateLimitedLog
@@ -116,6 +116,7 @@ class PortShares(Generic[Held]):
     def __init__(self, cap: int, limit: int) -> None:
         self.cap, self.limit = cap, limit
         self.held: dict[str, dict[Held, None]] = {}  # peer -> its open connections, in the order they came
+        self._peer_of: dict[Held, str] = {}  # each counted connection's peer
         self.crowded = False
 
     def admit(self, peer: str | None, connection: Held, open_connections: int) -> tuple[bool, Held | None]:
@@ -131,20 +132,22 @@ class PortShares(Generic[Held]):
         if held >= share:
             return False, None
         self.held.setdefault(peer, {})[connection] = None
+        self._peer_of[connection] = peer
         if not self.crowded or open_connections < crowd_floor(self.limit, crowded=False):
             return True, None
         most = max(self.held, key=lambda other: len(self.held[other]))
         if len(self.held[most]) <= share:
             return True, None
         displaced = next(reversed(self.held[most]))
-        self.release(most, displaced)
+        self.release(displaced)
         return True, displaced
 
-    def release(self, peer: str | None, connection: Held) -> None:
-        """``connection`` of ``peer`` has closed (or is closing); nothing where it was released already."""
-        mine = self.held.get(peer) if peer is not None else None
-        if mine is None or connection not in mine:
+    def release(self, connection: Held) -> None:
+        """``connection`` has closed (or is closing); nothing where it was never counted or is released already."""
+        peer = self._peer_of.pop(connection, None)
+        if peer is None:
             return
+        mine = self.held[peer]
         del mine[connection]
         if not mine:
             del self.held[peer]
@@ -262,6 +265,45 @@ def _proc_rows(ports: Iterable[int], tables: Iterable[str], state: str) -> list[
     return rows
 
 
+class SocketTables:
+    """This network namespace's TCP sockets on given ports, any process's: asked of the kernel over netlink
+    sock_diag, or, once the kernel refuses it (gVisor, a seccomp profile that forbids netlink, no inet_diag
+    module), read from /proc/net/tcp and tcp6 from then on, said once in a WARNING. ``netlink`` False: /proc only."""
+
+    def __init__(self, netlink: bool = True) -> None:
+        self.netlink = netlink
+
+    def established(self, ports: Iterable[int]) -> list[tuple[int, int, Address]]:
+        """``(local port, inode, peer address)`` of each established connection to one of ``ports``."""
+        if self.netlink:
+            try:
+                return sockdiag.established(ports)
+            except OSError as exc:
+                self._refused(exc)
+        return established(ports)
+
+    def listening(self, ports: Iterable[int]) -> list[tuple[int, int]]:
+        """``(local port, inode)`` of each listening socket on one of ``ports``."""
+        if self.netlink:
+            try:
+                return sockdiag.listening(ports)
+            except OSError as exc:
+                self._refused(exc)
+        return listening(ports)
+
+    def _refused(self, exc: OSError) -> None:
+        self.netlink = False
+        log.warning(
+            "connection cap reads /proc/net/tcp and tcp6: netlink sock_diag unavailable (%s); each check "
+            'costs more as the network namespace\'s TCP tables grow (docs/overload.md, "Connections")',
+            exc,
+        )
+
+
+# The process's tables: the per-peer cap and the drain read connections through it, and find out once.
+SOCKETS = SocketTables()
+
+
 def shut_down(fd: int, inode: int) -> bool:
     """Shut the connection on ``fd`` down both ways if ``fd`` is still the socket ``inode``; its owner closes it."""
     try:
@@ -276,13 +318,9 @@ def unacknowledged_bytes(ports: Iterable[int]) -> int:
     """Bytes this process's connections on ``ports`` have sent that their peers have not acknowledged yet (each
     socket's SIOCOUTQ, the same request number as TIOCOUTQ): answers still on their way. Connections another
     process holds on a shared port are not counted."""
-    try:
-        rows = sockdiag.established(ports)
-    except OSError:
-        rows = established(ports)
     mine = socket_inodes()
     pending = 0
-    for _, inode, _ in rows:
+    for _, inode, _ in SOCKETS.established(ports):
         fd = mine.get(inode)
         if fd is None:
             continue
@@ -317,12 +355,12 @@ class PeerCap:
         cap: int,
         ports: Mapping[int, Port],
         metrics: PeerCapMetrics,
-        read: Callable[[Iterable[int]], list[tuple[int, int, Address]]] | None = None,
+        tables: SocketTables = SOCKETS,
         shared: Iterable[int] = (),
         limits: Mapping[Port, int] | None = None,
     ) -> None:
         self.cap = cap
-        self._read = read  # None: sockdiag's, until the kernel refuses it, then /proc's (established)
+        self.tables = tables
         self.ports: dict[int, Port] = {}
         for port, name in ports.items():
             self.add_port(port, name)
@@ -346,7 +384,7 @@ class PeerCap:
     def start(self) -> None:
         """Check on a daemon thread until :meth:`stop` (nothing to do without a cap)."""
         if self.cap > 0:
-            self._established()  # the reader picked now: its fallback, if any, said at start
+            self.tables.established(self.ports)  # the reader picked now: its fallback, if any, said at start
             self._thread.start()
 
     def stop(self) -> None:
@@ -395,20 +433,6 @@ class PeerCap:
             )
         self.ports = {**self.ports, port: name}  # a new dict: the check thread reads it meanwhile
 
-    def _established(self) -> list[tuple[int, int, Address]]:
-        """The established connections of this process's ports, through netlink where the kernel answers."""
-        if self._read is None:
-            try:
-                return sockdiag.established(self.ports)
-            except OSError as exc:
-                log.warning(
-                    "connection cap reads /proc/net/tcp and tcp6: netlink sock_diag unavailable (%s); each check "
-                    'costs more as the network namespace\'s TCP tables grow (docs/overload.md, "Connections")',
-                    exc,
-                )
-                self._read = established
-        return self._read(self.ports)
-
     def _find_listeners(self) -> None:
         """This process's own listeners of the ports whose new connections it may drop, each port's once."""
         ports = [port for port in self.ports if port not in self._shared and port not in self._looked]
@@ -416,12 +440,8 @@ class PeerCap:
             return
         self._looked.update(ports)
         mine = socket_inodes()
-        try:
-            rows = sockdiag.listening(ports) if self._read is None else listening(ports)
-        except OSError:
-            rows = listening(ports)
         theirs = set()
-        for port, inode in rows:
+        for port, inode in self.tables.listening(ports):
             if inode in mine:
                 self._listeners.setdefault(port, []).append((mine[inode], inode))
             else:
@@ -527,7 +547,7 @@ class PeerCap:
         peers: dict[Address, str] = {}  # each remote address, read once per check
         # a set: a busy table may list a connection twice
         by_peer: dict[tuple[int, str], set[int]] = defaultdict(set)
-        for port, inode, remote in self._established():
+        for port, inode, remote in self.tables.established(self.ports):
             peer = peers.get(remote)
             if peer is None:
                 peer = peers[remote] = peer_of(remote)

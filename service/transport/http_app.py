@@ -194,7 +194,7 @@ class HttpConnectionEvents:
         return None
 
     def closed(self, connection: Connection) -> None:
-        self.shares.release(_peer_key(connection.address), connection)
+        self.shares.release(connection)
         self.connections.dec()
 
     def refused(self, reason: HttpRefusal, address: tuple | None) -> bytes:

@@ -32,6 +32,7 @@ from indexer_service.service.overload.peers import (
     CheckSchedule,
     PeerCap,
     PortShares,
+    SocketTables,
     established,
     peer_of,
     peer_of_host,
@@ -103,16 +104,16 @@ def test_tables_keep_established_connections_to_the_ports_asked(tmp_path: Path) 
     assert rows == [(0xC351, 101, ipaddress.ip_address("127.0.0.2"))]
 
 
-# Each reader of the established connections: netlink sock_diag with /proc as its fallback (the default), /proc.
-READERS = [pytest.param(None, id="sock_diag"), pytest.param(established, id="proc")]
+# How the connections are read: netlink sock_diag with /proc as its fallback (the default), /proc only.
+READERS = [pytest.param(True, id="sock_diag"), pytest.param(False, id="proc")]
 
 
-@pytest.mark.parametrize("read", READERS)
-def test_a_peers_connections_past_the_cap_are_shut_down_those_that_came_since_the_last_check_first(read) -> None:
+@pytest.mark.parametrize("netlink", READERS)
+def test_a_peers_connections_past_the_cap_are_shut_down_those_that_came_since_the_last_check_first(netlink) -> None:
     metrics = cap_metrics()
     with listener() as server, listener() as other_port, ExitStack() as stack:
         port = server.getsockname()[1]
-        cap = PeerCap(2, {port: Port.GRPC}, metrics, read=read)
+        cap = PeerCap(2, {port: Port.GRPC}, metrics, tables=SocketTables(netlink))
         held = [connect(stack, server, "127.0.0.2")]
         assert cap.check(fds=len(os.listdir("/proc/self/fd"))) == 0  # under the cap: nothing cut, seen
         flood = [connect(stack, server, "127.0.0.2") for _ in range(4)]  # all come before the next check
@@ -140,15 +141,15 @@ def attempt(server: socket.socket, source: str) -> bool:
         return True
 
 
-@pytest.mark.parametrize("read", READERS)
-def test_a_peer_at_the_cap_has_its_new_connections_dropped_before_accept_until_it_holds_fewer(read, caplog) -> None:
+@pytest.mark.parametrize("netlink", READERS)
+def test_a_peer_at_the_cap_has_its_new_connections_dropped_before_accept_until_it_holds_fewer(netlink, caplog) -> None:
     """At the cap, the listener's filter drops the peer's SYNs (its connections are never accepted, so never need
     cutting), counted by port, the peer named in a gauge and a log line; other peers connect as before; once it
     holds fewer than the cap, its new connections are accepted again."""
     metrics = cap_metrics()
     with listener() as server, ExitStack() as stack:
         port = server.getsockname()[1]
-        cap = PeerCap(2, {port: Port.GRPC}, metrics, read=read)
+        cap = PeerCap(2, {port: Port.GRPC}, metrics, tables=SocketTables(netlink))
         held = [connect(stack, server, "127.0.0.2") for _ in range(2)]
         assert cap.check(fds=len(os.listdir("/proc/self/fd"))) == 0
         assert metrics.peers_at_connection_cap.labels(port="grpc")._value.get() == 1
@@ -169,8 +170,8 @@ def test_a_peer_at_the_cap_has_its_new_connections_dropped_before_accept_until_i
         assert attempt(server, "127.0.0.2")
 
 
-@pytest.mark.parametrize("read", READERS)
-def test_a_crowded_port_holds_each_peer_to_its_share_so_a_newcomer_finds_room(read, caplog) -> None:
+@pytest.mark.parametrize("netlink", READERS)
+def test_a_crowded_port_holds_each_peer_to_its_share_so_a_newcomer_finds_room(netlink, caplog) -> None:
     """Many peers, each far under max_connections_per_peer, fill 90 % of the port's own cap (here 10): the port is
     crowded, each peer is held to its share of 80 % of the cap (8 over 4 peers: 2), those past it shut down and its
     new connections dropped before accept, while a peer that holds none connects; once the port is under 70 % of its
@@ -178,7 +179,7 @@ def test_a_crowded_port_holds_each_peer_to_its_share_so_a_newcomer_finds_room(re
     metrics = cap_metrics()
     with listener() as server, ExitStack() as stack:
         port = server.getsockname()[1]
-        cap = PeerCap(256, {port: Port.GRPC}, metrics, read=read, limits={Port.GRPC: 10})
+        cap = PeerCap(256, {port: Port.GRPC}, metrics, tables=SocketTables(netlink), limits={Port.GRPC: 10})
         crowd = {f"127.0.0.{n}": [connect(stack, server, f"127.0.0.{n}") for _ in range(3)] for n in range(2, 6)}
         assert cap.check(fds=len(os.listdir("/proc/self/fd"))) == 4
         assert [[ended(client) for client, _ in held].count(True) for held in crowd.values()] == [1, 1, 1, 1]
@@ -306,7 +307,7 @@ class Arrivals:
 
     def leave(self, peer: str, count: int) -> None:
         for connection in list(self.shares.held[peer])[:count]:
-            self.shares.release(peer, connection)
+            self.shares.release(connection)
             self.open -= 1
 
 
@@ -330,7 +331,7 @@ def test_at_accept_a_peer_gets_the_cap_then_on_a_crowded_port_its_share_and_a_ne
         "fghijklm", 1
     )
     assert not port.arrive("b"), "a peer at its share gets nothing more"
-    port.shares.release("a", ("a", 4))  # its end, told after it was displaced: nothing more to release
+    port.shares.release(("a", 4))  # its end, told after it was displaced: nothing more to release
     port.leave("f", 1), port.leave("g", 1), port.leave("h", 1), port.leave("i", 1)
     assert port.open == 14 and port.arrive("f") and port.shares.crowded  # 14 is 70 %: still crowded
     port.leave("f", 1), port.leave("j", 1)
@@ -342,15 +343,16 @@ def test_at_accept_no_cap_and_no_ip_peer_are_never_refused() -> None:
     assert all(PortShares(cap=0, limit=2).admit("a", n, 100) == (True, None) for n in range(10))
     shares = PortShares(cap=1, limit=2)
     assert all(shares.admit(None, n, 100) == (True, None) for n in range(10)) and not shares.held
-    shares.release(None, 0)
+    shares.release(0)  # never counted: nothing to release
 
 
 def test_nothing_is_read_while_the_process_holds_fewer_descriptors_than_the_cap() -> None:
-    def unexpected(*args: object) -> list:
-        raise AssertionError("read the connections although no peer can be over the cap")
+    class Unexpected(SocketTables):
+        def established(self, ports: Iterable[int]) -> list:
+            raise AssertionError("read the connections although no peer can be over the cap")
 
-    assert PeerCap(256, {1: Port.GRPC}, cap_metrics(), read=unexpected).check(fds=100) == 0
-    assert PeerCap(0, {1: Port.GRPC}, cap_metrics(), read=unexpected).check(fds=100_000) == 0
+    assert PeerCap(256, {1: Port.GRPC}, cap_metrics(), tables=Unexpected()).check(fds=100) == 0
+    assert PeerCap(0, {1: Port.GRPC}, cap_metrics(), tables=Unexpected()).check(fds=100_000) == 0
 
 
 def test_where_the_kernel_refuses_sock_diag_the_cap_reads_proc_and_says_so_once_at_start(monkeypatch, caplog) -> None:
@@ -371,7 +373,7 @@ def test_where_the_kernel_refuses_sock_diag_the_cap_reads_proc_and_says_so_once_
     metrics = cap_metrics()
     with listener() as server, ExitStack() as stack:
         port = server.getsockname()[1]
-        cap = PeerCap(1, {port: Port.GRPC}, metrics)
+        cap = PeerCap(1, {port: Port.GRPC}, metrics, tables=SocketTables())
         cap.start()
         cap.stop()
         fallback = [r.getMessage() for r in caplog.records if "sock_diag" in r.getMessage()]
