@@ -42,7 +42,7 @@ import termios
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Generic, TypeVar
 
 from indexer_service.service.observability.logs import RateLimitedLog
@@ -275,21 +275,21 @@ class SocketTables:
 
     def established(self, ports: Iterable[int]) -> list[tuple[int, int, Address]]:
         """``(local port, inode, peer address)`` of each established connection to one of ``ports``."""
-        if self.netlink:
-            try:
-                return sockdiag.established(ports)
-            except OSError as exc:
-                self._refused(exc)
-        return established(ports)
+        return self._read(sockdiag.established, established, ports)
 
     def listening(self, ports: Iterable[int]) -> list[tuple[int, int]]:
         """``(local port, inode)`` of each listening socket on one of ``ports``."""
+        return self._read(sockdiag.listening, listening, ports)
+
+    def _read(
+        self, ask: Callable[[Iterable[int]], list], parse: Callable[[Iterable[int]], list], ports: Iterable[int]
+    ) -> list:
         if self.netlink:
             try:
-                return sockdiag.listening(ports)
+                return ask(ports)
             except OSError as exc:
                 self._refused(exc)
-        return listening(ports)
+        return parse(ports)
 
     def _refused(self, exc: OSError) -> None:
         self.netlink = False
