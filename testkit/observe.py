@@ -75,12 +75,19 @@ class ProbeRecord:
     ok: bool  # answered 200 / SERVING (slower than the timeout counts as a miss too)
 
 
+# How many of a target's misses a summary dates: enough to tell one stall of the host from a flood's opening.
+MISSES_DATED = 20
+
+
 @dataclass
 class ProbeSummary:
     target: str
     probes: int
     in_time: int  # ok within the timeout
     worst_seconds: float
+    # when the first MISSES_DATED probes that failed or came late started, in seconds since the probes started: misses
+    # of every target at one moment are a stall of the host (or of the server), not a refusal of one port
+    missed_at: tuple[float, ...] = ()
 
     @property
     def ratio(self) -> float:
@@ -158,6 +165,7 @@ class Probes(Paced):
                 sum(r.target == name for r in records),
                 sum(r.ok for r in records if r.target == name),
                 max((r.seconds for r in records if r.target == name), default=0.0),
+                tuple(sorted(r.start for r in records if r.target == name and not r.ok)[:MISSES_DATED]),
             )
             for name in self._names
         }

@@ -165,6 +165,7 @@ class Siege:
                 "in_time": s.in_time,
                 "ratio": round(s.ratio, 4),
                 "worst_s": round(s.worst_seconds, 3),
+                "missed_at_s": [round(start, 2) for start in s.missed_at],
             }
             for name, s in self.probes.summaries().items()
         }
