@@ -167,8 +167,12 @@ HEALTHCHECK --interval=15s --timeout=10s --start-period=5m --retries=3 \
 
 # The commit the image is built from (--build-arg REVISION=$(git rev-parse HEAD)): its revision label and, through
 # the environment, the commit that --version, the start line, GetWarmupStatus and indexer_build_info name. Last, so
-# a new commit changes only this layer.
+# a new commit changes only these layers. The RUN keys the layer cache on the value: buildah (podman build --layers)
+# reuses a cached LABEL or ENV whose ARG changed (containers/buildah#5501), and would label a commit that changed
+# only documentation with the previous commit; a RUN's cache key holds its build arguments, and a new parent
+# rebuilds the two steps after it.
 ARG REVISION=unknown
+RUN echo "indexer-service image of commit ${REVISION}"
 LABEL org.opencontainers.image.revision="${REVISION}"
 ENV INDEXER_BUILD_COMMIT=${REVISION} \
     INDEXER_IMAGE_REVISION=${REVISION}

@@ -18,7 +18,9 @@ from outside, each step timed.
    base's, on the image's platform: the GPU variant is not built here, its lock is checked.
 4. **build**: `--build-arg VARIANT=cpu`, each step's seconds printed.
 5. **image**: size (at most 2.0 GB), no C compiler, both C extensions load, no build tree or pip configuration,
-   the HEALTHCHECK kept (podman keeps it in the docker format only).
+   the HEALTHCHECK kept (podman keeps it in the docker format only), the commit named (label and environment).
+   **revision**: the tree built again for another commit on that layer cache names the new commit (buildah reuses
+   a cached LABEL or ENV whose ARG changed) and shares every other layer with the image.
 6. **pod**: the initContainer seeds the Triton cache into a volume, then the server runs as deploy/base's container
    does: uid/gid 10001, read-only root, every capability dropped, no new privileges, tmpfs /tmp, the model
    ConfigMap read-only, the pod's environment and memory limit; its ports published on 127.0.0.1 only. Then:
@@ -535,7 +537,7 @@ def machine_pip_cert() -> str | None:
     return cert if cert and Path(cert).is_file() else None
 
 
-def build_command(engine: Engine, base: str) -> list[str]:
+def build_command(engine: Engine, base: str, revision: str = REVISION, tag: str = TAG) -> list[str]:
     """The build: the CPU variant on ``base``, pip reading the wheelhouse alone. The machine's CA bundle goes in as
     the `pip-cert` build secret, mounted for the install step and kept in no layer (the image's check below looks
     for it); not its pip.conf, whose paths (find-links, constraints) lie on this machine, not in the build."""
@@ -543,9 +545,9 @@ def build_command(engine: Engine, base: str) -> list[str]:
         *engine.builder,
         "--build-arg=VARIANT=cpu",
         f"--build-arg=CPU_BASE={base}",
-        f"--build-arg=REVISION={REVISION}",
+        f"--build-arg=REVISION={revision}",
     ]
-    args += [f"--build-arg=PIP_WHEELHOUSE={WHEELHOUSE}", "--tag", TAG, "--file", str(DOCKERFILE)]
+    args += [f"--build-arg=PIP_WHEELHOUSE={WHEELHOUSE}", "--tag", tag, "--file", str(DOCKERFILE)]
     if cert := machine_pip_cert():
         args.append(f"--secret=id=pip-cert,src={cert}")
     if engine.podman:
@@ -556,10 +558,12 @@ def build_command(engine: Engine, base: str) -> list[str]:
     return engine.argv(*args, str(REPO))
 
 
-def build(engine: Engine, base: str, steps: Steps) -> str:
+def build(
+    engine: Engine, base: str, steps: Steps, revision: str = REVISION, tag: str = TAG, log_name: str = "build.log"
+) -> str:
     """Builds the image, printing each build step that took a second or more; returns the build's output."""
     WORK.mkdir(parents=True, exist_ok=True)
-    log_path = WORK / "build.log"
+    log_path = WORK / log_name
     env = {**os.environ, **engine.build_env}
     lines: list[str] = []
     timings: list[tuple[float, str]] = []
@@ -567,7 +571,11 @@ def build(engine: Engine, base: str, steps: Steps) -> str:
     with (
         log_path.open("w") as log,
         subprocess.Popen(
-            build_command(engine, base), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+            build_command(engine, base, revision, tag),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
         ) as process,
     ):
         for line in process.stdout:
@@ -612,6 +620,36 @@ def check_build_log(text: str) -> None:
 
 def grep(text: str, needle: str) -> str:
     return "\n".join(line for line in text.splitlines() if needle in line)
+
+
+def check_revision_rebuild(engine: Engine, base: str, steps: Steps) -> None:
+    """The same tree built again for another commit, on the layer cache the build above left: the image must name
+    that commit, not the one its cached layers were built for, and share every layer but the revision's own with
+    the image above (the environment, the project and the compiled cache come from the cache)."""
+    other, tag = f"rebuilt-{REVISION}", f"{TAG}-revision"
+    build(engine, base, steps, revision=other, tag=tag, log_name="build-revision.log")
+    try:
+        rebuilt = engine.inspect("image", tag)
+    finally:
+        engine("rmi", tag, check_rc=False)
+    config = rebuilt.get("Config") or {}
+    env = dict(item.partition("=")[::2] for item in config.get("Env", []))
+    named = (config.get("Labels") or {}).get("org.opencontainers.image.revision")
+    check(
+        named == other == env.get("INDEXER_BUILD_COMMIT") == env.get("INDEXER_IMAGE_REVISION"),
+        f"built again for {other}, the image names {named} (env {env}): a layer cached for another commit",
+    )
+    before, after = engine.inspect("image", TAG)["RootFS"]["Layers"], rebuilt["RootFS"]["Layers"]
+    check(
+        len(after) == len(before) and after[:-1] == before[:-1],
+        f"a new commit must change only the revision's own layer, not the environment, the project or the "
+        f"compiled cache: layers before {before}, after {after}",
+    )
+    steps.note(
+        "revision",
+        f"built again for another commit: names it, and shares {len(before) - 1} of its "
+        f"{len(before)} layers with the image above",
+    )
 
 
 # --- the image ------------------------------------------------------------------------------------------------
@@ -1248,6 +1286,8 @@ def main() -> int:
             check_build_log(build(engine, base, steps))
         with steps.step("image"):
             healthcheck = check_image(engine, steps)
+        with steps.step("revision"):
+            check_revision_rebuild(engine, base, steps)
         serve_and_check(engine, healthcheck, steps)
     except CheckFailed as exc:
         print(f"\nimage-test FAILED: {exc}", file=sys.stderr)
