@@ -1,6 +1,6 @@
 """The warmup proves each variant: after a key compiles, one launch on a tiny input is checked against numpy.
 
-A deliberately wrong variant (this module's kernel writes ``ke + 1``) is injected through the seam the compile
+A deliberately wrong variant (the kernel's own source with ``ke + 1`` stored) is injected through the seam the compile
 engine and the builder read at call time, the kernel in ``kernels.triton_kernel``: no flag in the service. It
 fails its key with the first wrong index in the message and keeps a real server process not ready, on CPU (the
 ahead-of-time warmup proves through Triton's interpreter) and on a CUDA GPU (the in-process warmup proves on the
@@ -9,15 +9,17 @@ device; skipped without one).
 
 from __future__ import annotations
 
+import inspect
 import json
+import linecache
 import sys
 import time
+from collections.abc import Callable
 
 import grpc
 import numpy as np
 import pytest
 import triton
-import triton.language as tl
 
 from indexer_service.client import IndexerClient
 from indexer_service.kernels import triton_kernel
@@ -36,57 +38,34 @@ from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
 from testkit.harness import ServiceProcess, clean_env, http_get, listen_flags
 from tests.conftest import cuda_available
 
-_TABLE_WIDTH = tl.constexpr(len(triton_kernel.TABLE_COLUMNS))
+# The defect: every ``ke`` one too large. Made from the kernel's own source, so the wrong kernel is the real one
+# with this one change, whatever else the real one becomes.
+KE_STORE = "tl.store(cu_seqlen_ke_ptr + rows, row_start + visible, mask=mask)"
+WRONG_KE_STORE = "tl.store(cu_seqlen_ke_ptr + rows, row_start + visible + 1, mask=mask)"
+# Triton reads a kernel's source through inspect, which finds it for a file name linecache holds.
+WRONG_KERNEL_FILE = "<the service's kernel with ke + 1>"
 
 
-def _build_prefill_metadata_kernel_fn(
-    program_table_ptr,
-    token_to_seq_ptr,
-    cu_seqlen_ks_ptr,
-    cu_seqlen_ke_ptr,
-    dcp_rank,
-    dcp_world_size,
-    dcp_interleave,
-    BLOCK_SIZE: tl.constexpr,
-    COMPRESS_RATIO: tl.constexpr,
-):
-    """The service's kernel with one defect: every ``ke`` is one too large. Compiles like the real one."""
-    row = program_table_ptr + tl.program_id(0) * _TABLE_WIDTH
-    owner = tl.load(row + 0)
-    kv_lo = tl.load(row + 1)
-    kv_hi = tl.load(row + 2)
-    row_lo = tl.load(row + 3)
-    row_hi = tl.load(row + 4)
-    first_position = tl.load(row + 5)
-    row_start = tl.load(row + 6)
-    offsets = tl.arange(0, BLOCK_SIZE)
-    owner_block = tl.full([BLOCK_SIZE], 0, dtype=tl.int32) + owner
-    for block in range(kv_lo, kv_hi, BLOCK_SIZE):
-        idx = block + offsets
-        tl.store(token_to_seq_ptr + idx, owner_block, mask=idx < kv_hi)
-    ks_block = tl.full([BLOCK_SIZE], 0, dtype=tl.int32) + row_start
-    for block in range(row_lo, row_hi, BLOCK_SIZE):
-        rows = block + offsets
-        mask = rows < row_hi
-        visible = first_position + (rows - row_lo)
-        if COMPRESS_RATIO > 1:
-            visible = visible // COMPRESS_RATIO
-        if dcp_world_size > 1:
-            base = ((visible // dcp_interleave) // dcp_world_size) * dcp_interleave
-            remainder = visible - base * dcp_world_size
-            visible = base + tl.minimum(tl.maximum(remainder - dcp_rank * dcp_interleave, 0), dcp_interleave)
-        tl.store(cu_seqlen_ks_ptr + rows, ks_block, mask=mask)
-        tl.store(cu_seqlen_ke_ptr + rows, row_start + visible + 1, mask=mask)  # the defect
+def wrong_kernel_fn() -> Callable:
+    """The service's kernel function with KE_STORE replaced by WRONG_KE_STORE, in a copy of its module's globals."""
+    source = inspect.getsource(triton_kernel._build_prefill_metadata_kernel_fn)
+    assert source.count(KE_STORE) == 1, f"the kernel no longer stores ke as {KE_STORE!r}: update the defect"
+    source = source.replace(KE_STORE, WRONG_KE_STORE)
+    linecache.cache[WRONG_KERNEL_FILE] = (len(source), None, source.splitlines(keepends=True), WRONG_KERNEL_FILE)
+    namespace = dict(vars(triton_kernel))
+    exec(compile(source, WRONG_KERNEL_FILE, "exec"), namespace)
+    return namespace["_build_prefill_metadata_kernel_fn"]
 
 
 def inject_wrong_kernel(target) -> None:
     """Swap the kernel every launch and compile reads (``target``: the module, or pytest's monkeypatch)."""
-    wrong = triton.jit(_build_prefill_metadata_kernel_fn, **triton_kernel.KERNEL_JIT_OPTIONS)
+    wrong_fn = wrong_kernel_fn()
+    wrong = triton.jit(wrong_fn, **triton_kernel.KERNEL_JIT_OPTIONS)
     if hasattr(target, "setattr"):
-        target.setattr(triton_kernel, "_build_prefill_metadata_kernel_fn", _build_prefill_metadata_kernel_fn)
+        target.setattr(triton_kernel, "_build_prefill_metadata_kernel_fn", wrong_fn)
         target.setattr(triton_kernel, "_build_prefill_metadata_kernel", wrong)
     else:
-        target._build_prefill_metadata_kernel_fn = _build_prefill_metadata_kernel_fn
+        target._build_prefill_metadata_kernel_fn = wrong_fn
         target._build_prefill_metadata_kernel = wrong
 
 
