@@ -37,9 +37,12 @@ def test_the_attacker_runs_in_another_process_and_brings_back_what_it_keeps() ->
 
 def test_a_stream_flood_apart_reaches_the_server_and_reports_its_streams() -> None:
     with ServiceProcess(*FAST_START) as server:
-        flood = Apart(SilentCalls, server.address, 1, 2, 0.1, keep=("opened", "ended"))
+        # Two connections of one stream each: a channel connects once its first call is made, so both connections
+        # on the server mean both streams were opened (one connection alone left the second stream unopened).
+        flood = Apart(SilentCalls, server.address, 2, 1, 0.1, keep=("opened", "ended"))
         with flood:
-            assert poll(lambda: server.connections_on(server.grpc_port), 10.0), "the flood never connected"
+            connected = poll(lambda: server.connections_on(server.grpc_port) >= 2, 10.0)
+            assert connected, "the flood never opened its two connections"
             assert poll(lambda: psutil.Process(flood.pid).is_running(), 1.0)
     assert flood.kept["opened"] >= 2, flood.kept
     assert set(flood.kept["ended"]) <= {"CANCELLED", "RESOURCE_EXHAUSTED", "OK"}, flood.kept
