@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 import numpy as np
 import triton
@@ -103,7 +103,7 @@ class _StandInDriver(DriverBase):
 
         return torch.device("cpu")
 
-    def get_benchmarker(self):
+    def get_benchmarker(self) -> NoReturn:
         raise NotImplementedError("the stand-in driver cannot run kernels")
 
     def get_current_device(self) -> int:
@@ -195,7 +195,7 @@ def proof_inputs(ratio: int) -> ChunkInputs:
     return ChunkInputs(qsl, seq_lens, ratio, 0, query_lens.size)
 
 
-def first_difference(got, expected) -> str | None:
+def first_difference(got: Sequence[np.ndarray], expected: Sequence[np.ndarray]) -> str | None:
     """``name[i] = got, numpy gives expected (n of m wrong)`` for the first wrong element of the three arrays."""
     for name, g, e in zip(("token_to_seq", "cu_seqlen_ks", "cu_seqlen_ke"), got, expected, strict=True):
         if g.shape != e.shape:

@@ -28,6 +28,11 @@ from indexer_service.kernels.specialization import BLOCK_SIZE, SCALAR_ARGS, Comp
 
 if TYPE_CHECKING:  # the launch's tensors; the kernel itself never needs torch imported (seconds, on a CPU start)
     import torch
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    # What triton.jit makes of the kernel: compiled for a device, or run by Triton's CPU interpreter.
+    Kernel = JITFunction | InterpretedFunction
 
 # The DCP scalars only pick a branch and bound a min/max: specializing them on ==1 / %16 would multiply the
 # compiled variants for no speed (kernel times with and without: benchmarks/bench_kernel.py).
@@ -124,7 +129,7 @@ def _build_prefill_metadata_kernel_fn(
 _build_prefill_metadata_kernel = triton.jit(_build_prefill_metadata_kernel_fn, **KERNEL_JIT_OPTIONS)
 
 
-def interpreted_kernel():
+def interpreted_kernel() -> Kernel:
     """The same kernel under Triton's CPU interpreter (tests on machines with no GPU)."""
     with triton.knobs.runtime.scope():
         triton.knobs.runtime.interpret = True
@@ -144,7 +149,7 @@ def launch_prefill_metadata_kernel(
     *,
     dcp: DcpConfig,
     compress_ratio: int,
-    kernel=None,
+    kernel: Kernel | None = None,
     admit: Callable[[CompileKey], None] | None = None,
 ) -> CompileKey:
     """Launch the kernel on int32 tensors of one device; returns the compiled variant the launch used.

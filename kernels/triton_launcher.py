@@ -36,6 +36,8 @@ from indexer_service.kernels.triton_kernel import TABLE_COLUMNS, launch_prefill_
 if TYPE_CHECKING:
     import torch
 
+    from indexer_service.kernels.triton_kernel import Kernel
+
 # Most elements of one kind (tokens or rows) a program writes: a long request gets several programs, so one
 # 86k-token request is not a single program walking 85 blocks in turn.
 PROGRAM_SPAN = 8 * BLOCK_SIZE
@@ -251,7 +253,7 @@ class TritonChunkBuilder:
     def __init__(
         self,
         device: str | torch.device = "cuda",
-        kernel=None,
+        kernel: Kernel | None = None,
         admit: Callable[[CompileKey], None] | None = None,
         *,
         pool: PinnedPool | None = None,

@@ -59,7 +59,9 @@ def crossover_of(points: Sequence[CalibrationPoint]) -> int:
     return crossover
 
 
-def batch_with_tokens(rng: np.random.Generator, num_requests: int, query_tokens: int, context_per_request: int):
+def batch_with_tokens(
+    rng: np.random.Generator, num_requests: int, query_tokens: int, context_per_request: int
+) -> tuple[np.ndarray, np.ndarray]:
     """A synthetic batch of ``num_requests`` whose query lengths add up to about ``query_tokens``, each request
     with about ``context_per_request`` tokens of context: what the calibration times (the benchmarks' batches
     are made the same way, testkit/batches.py)."""

@@ -19,7 +19,7 @@ import fcntl
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
@@ -27,6 +27,9 @@ from indexer_service.service import adapters
 from indexer_service.service.observability.threadmetrics import LevelGauge, ThreadGauge, ThreadHistogram
 from indexer_service.service.observability.version import build_labels
 from indexer_service.service.reasons import HttpRefusal, Port, RestartReason
+
+if TYPE_CHECKING:
+    from prometheus_client.core import Metric
 
 M = TypeVar("M", Counter, Gauge, Histogram, ThreadGauge, ThreadHistogram)
 
@@ -366,7 +369,7 @@ class _ReplicaCollector:
         self.path = path
         self.own = own
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         from prometheus_client.core import Metric
 
         seen = set()

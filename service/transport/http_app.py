@@ -40,7 +40,7 @@ import contextvars
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from google.protobuf import json_format
@@ -83,6 +83,8 @@ JSON = b"application/json"
 ACCEPTED_TYPES = (PROTOBUF, JSON)
 RPC_PATH_PREFIX = f"/{SERVICE_NAME}/"
 PROBE_PATHS = ("/metrics", "/livez", "/readyz")
+# ASGI's send: each message of the answer, awaited.
+AsgiSend = Callable[[dict], Awaitable[None]]
 # The data plane's outcomes as HTTP statuses, as in google/api/http.proto's mapping: the one place this transport
 # maps them. The error body's "code" is the outcome's name, the same the gRPC caller sees.
 HTTP_STATUS: dict[Code, int] = {
@@ -508,7 +510,9 @@ async def _reply(
     await send({"type": "http.response.body", "body": body})
 
 
-async def reply_error(send, status: int, message: str, extra_headers: list[tuple[bytes, bytes]] | None = None) -> None:
+async def reply_error(
+    send: AsgiSend, status: int, message: str, extra_headers: list[tuple[bytes, bytes]] | None = None
+) -> None:
     """An error of the HTTP layer itself (:data:`TRANSPORT_ERROR_CODES`), as JSON."""
     await _reply(send, status, error_body(TRANSPORT_ERROR_CODES[status], message), extra_headers, JSON)
 
