@@ -12,7 +12,8 @@ Every fenced code block carries a marker comment on the line above it:
 - docs/clients.md's ``<!-- run|output|file: NAME -->`` blocks: run by tests/system/test_clients_doc.py.
 
 And what the prose cites exists: Python module paths (importable), ``indexer-service`` flags, the ports of the
-README's table (each a setting with that default), warmup and key state names (the proto's), repository files;
+README's table (each a setting with that default), a default quoted beside a setting's name (that setting's
+default), warmup and key state names (the proto's), repository files;
 docs/service.md's settings table is the one ``python -m indexer_service.service.config.settings_table`` writes.
 """
 
@@ -271,6 +272,33 @@ def test_each_port_of_the_readme_is_the_default_of_its_setting(port: str, settin
     defaults = tomllib.loads((REPO / "service" / "config" / "default_config.toml").read_text())
     assert setting in defaults, f"README names a port setting that does not exist: {setting}"
     assert defaults[setting] == int(port)
+
+
+# A setting's name in code with a number in parentheses right after it: "`grpc_max_connections` (2,000)",
+# "`malloc_retain_bytes` (256 MiB)", "`shutdown_grace_seconds` (default 10)". The number is the default.
+_QUOTED_DEFAULT = re.compile(r"`([a-z_]+)` \((?:default:? )?(\d[\d,]*(?:\.\d+)?)(?: ?(KiB|MiB|GiB|ms|s)\b)?")
+_UNIT_SCALE = {None: 1, "s": 1, "ms": 1e-3, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
+
+
+def quoted_defaults() -> list[tuple[str, str, float]]:
+    """Each ``(where, setting, value)`` the documents quote beside a setting's name."""
+    found = []
+    for document in DOCUMENTS:
+        for span in re.split(r"\n\s*\n", prose(document)):
+            for match in _QUOTED_DEFAULT.finditer(" ".join(span.split())):
+                name, number, unit = match.groups()
+                if name in SETTINGS:
+                    value = float(number.replace(",", "")) * _UNIT_SCALE[unit]
+                    found.append((f"{document.relative_to(REPO)}: {match.group(0)}", name, value))
+    return found
+
+
+def test_each_default_quoted_beside_a_setting_is_its_default() -> None:
+    defaults = tomllib.loads((REPO / "service" / "config" / "default_config.toml").read_text())
+    quoted = quoted_defaults()
+    assert len(quoted) >= 20, f"the pattern no longer finds the documents' quoted defaults: {quoted}"
+    wrong = [f"{where}: the default is {defaults[name]}" for where, name, value in quoted if value != defaults[name]]
+    assert not wrong, "\n".join(wrong)
 
 
 def test_state_names_are_the_protos() -> None:
