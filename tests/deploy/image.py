@@ -441,24 +441,29 @@ def lock_python(text: str) -> str:
     return f"{match.group(1)}.{match.group(2)}"
 
 
-def wheel_download_command(requirements: Path, destination: Path, python: str = "3.11") -> list[str]:
-    """The machine's own pip (its configuration, indexes, CA bundle) fetching the lock's files for the image's
-    Python and platform, by hash, nothing resolved."""
-    platforms = [f"--platform={p}" for p in WHEEL_PLATFORMS]
-    abi = "cp" + python.replace(".", "")
+def image_platform_pip(command: str, python: str, *options: str) -> list[str]:
+    """This machine's pip (its configuration, indexes, CA bundle) running ``command`` for a lock's files on the
+    image's platform and ``python``: binary files only, nothing resolved beyond the lock."""
     return [
         sys.executable,
         "-m",
         "pip",
-        "download",
+        command,
         "--quiet",
+        *options,
         "--no-deps",
-        "--require-hashes",
         "--only-binary=:all:",
         f"--python-version={python}",
         "--implementation=cp",
-        f"--abi={abi}",
-        *platforms,
+        f"--abi=cp{python.replace('.', '')}",
+        *(f"--platform={p}" for p in WHEEL_PLATFORMS),
+    ]
+
+
+def wheel_download_command(requirements: Path, destination: Path, python: str = "3.11") -> list[str]:
+    """The lock's files fetched by hash for the image's Python and platform."""
+    return [
+        *image_platform_pip("download", python, "--require-hashes"),
         f"--dest={destination}",
         f"--requirement={requirements}",
     ]
@@ -467,22 +472,8 @@ def wheel_download_command(requirements: Path, destination: Path, python: str = 
 def lock_resolution_command(requirements: Path, python: str) -> list[str]:
     """pip finding, for every requirement of a lock, a file for ``python`` on the image's platform, downloading
     nothing: the GPU lock cannot be installed here (no GPU base), but it can be resolved for its Python."""
-    platforms = [f"--platform={p}" for p in WHEEL_PLATFORMS]
-    abi = "cp" + python.replace(".", "")
     return [
-        sys.executable,
-        "-m",
-        "pip",
-        "install",
-        "--dry-run",
-        "--quiet",
-        "--ignore-installed",
-        "--no-deps",
-        "--only-binary=:all:",
-        f"--python-version={python}",
-        "--implementation=cp",
-        f"--abi={abi}",
-        *platforms,
+        *image_platform_pip("install", python, "--dry-run", "--ignore-installed"),
         f"--target={WORK / 'lock-resolution'}",
         f"--requirement={requirements}",
     ]
