@@ -6,6 +6,8 @@ import re
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+# The product's source folders (pyproject's packages): what ships, as against tests, testkit and benchmarks.
+PRODUCT_FOLDERS = ("service", "kernels", "protos", "clients/python/client")
 
 # A repository path cited in a text: a top-level entry of the repository, then more path; placeholders (<x>, *,
 # $VAR, ...) are not paths. A sentence's full stop after it is not part of it.

@@ -35,7 +35,7 @@ from pathlib import Path
 import pytest
 
 from indexer_service.protos.indexer.v1 import indexer_pb2 as pb
-from indexer_service.service.config import SETTINGS
+from indexer_service.service.config import SETTINGS, embedded_defaults
 from indexer_service.service.process.cli import build_parser
 from testkit.harness import FAST_START, ServiceProcess
 from testkit.paths import cited_path_exists, cited_paths
@@ -269,7 +269,7 @@ def test_the_readme_lists_every_port_setting() -> None:
 
 @pytest.mark.parametrize(("port", "setting"), README_PORTS, ids=[s for _, s in README_PORTS])
 def test_each_port_of_the_readme_is_the_default_of_its_setting(port: str, setting: str) -> None:
-    defaults = tomllib.loads((REPO / "service" / "config" / "default_config.toml").read_text())
+    defaults = embedded_defaults()
     assert setting in defaults, f"README names a port setting that does not exist: {setting}"
     assert defaults[setting] == int(port)
 
@@ -294,7 +294,7 @@ def quoted_defaults() -> list[tuple[str, str, float]]:
 
 
 def test_each_default_quoted_beside_a_setting_is_its_default() -> None:
-    defaults = tomllib.loads((REPO / "service" / "config" / "default_config.toml").read_text())
+    defaults = embedded_defaults()
     quoted = quoted_defaults()
     assert len(quoted) >= 20, f"the pattern no longer finds the documents' quoted defaults: {quoted}"
     wrong = [f"{where}: the default is {defaults[name]}" for where, name, value in quoted if value != defaults[name]]

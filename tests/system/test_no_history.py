@@ -12,9 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from testkit.paths import REPO
+from testkit.paths import PRODUCT_FOLDERS, REPO
 
-PRODUCT_FOLDERS = ("service", "kernels", "protos", "clients/python/client")
 PRODUCT_SUFFIXES = {".py", ".pyi", ".c", ".h", ".proto", ".toml"}
 # "issue 20", "issues 10 and 12", "Issue #7": a tracker's number, which means nothing to a reader of the code.
 ISSUE_REFERENCE = re.compile(r"\bissues?\s*#?\d", re.IGNORECASE)

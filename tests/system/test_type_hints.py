@@ -1,6 +1,6 @@
 """Every public function of the product says its types: each parameter but ``self`` and ``cls`` annotated, and its
 return. Public: a module-level function, or a method of a public class, whose name has no leading underscore, in
-service/, kernels/ or the Python client (generated protobuf code aside). Functions nested in others are their
+the product's folders (generated protobuf code aside). Functions nested in others are their
 enclosing function's business."""
 
 from __future__ import annotations
@@ -9,9 +9,7 @@ import ast
 from collections.abc import Iterator
 from pathlib import Path
 
-from testkit.paths import REPO
-
-PRODUCT_FOLDERS = ("service", "kernels", "clients/python/client")
+from testkit.paths import PRODUCT_FOLDERS, REPO
 
 
 def product_modules() -> Iterator[Path]:
