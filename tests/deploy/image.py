@@ -77,6 +77,7 @@ TAG = os.environ.get("IMAGE_TAG", "localhost/indexer-service:image-test-cpu")
 REVISION = (
     subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip() or "unknown"
 )
+REVISION_LABEL = "org.opencontainers.image.revision"  # the Dockerfile's, from that build argument
 # The targets of the issue this test holds the image to.
 IMAGE_SIZE_LIMIT = 2_000_000_000
 READY_SECONDS = float(os.environ.get("IMAGE_READY_SECONDS", "2.0"))
@@ -613,6 +614,20 @@ def grep(text: str, needle: str) -> str:
     return "\n".join(line for line in text.splitlines() if needle in line)
 
 
+def image_env(info: dict) -> dict[str, str]:
+    """An image's environment (its inspected config's ``NAME=value`` list)."""
+    return dict(item.partition("=")[::2] for item in (info.get("Config") or {}).get("Env", []))
+
+
+def check_names_commit(info: dict, revision: str) -> None:
+    """The inspected image names ``revision`` in its revision label and in both variables the server reads it from
+    (``--version``, the start line, ``indexer_build_info``)."""
+    labels = (info.get("Config") or {}).get("Labels") or info.get("Labels") or {}
+    env = image_env(info)
+    named = (labels.get(REVISION_LABEL), env.get("INDEXER_BUILD_COMMIT"), env.get("INDEXER_IMAGE_REVISION"))
+    check(named == (revision,) * 3, f"the image does not name its commit {revision}: labels {labels}, env {env}")
+
+
 def check_revision_rebuild(engine: Engine, base: str, steps: Steps) -> None:
     """The same tree built again for another commit, on the layer cache the build above left: the image must name
     that commit, not the one its cached layers were built for, and share every layer but the revision's own with
@@ -623,13 +638,7 @@ def check_revision_rebuild(engine: Engine, base: str, steps: Steps) -> None:
         rebuilt = engine.inspect("image", tag)
     finally:
         engine("rmi", tag, check_rc=False)
-    config = rebuilt.get("Config") or {}
-    env = dict(item.partition("=")[::2] for item in config.get("Env", []))
-    named = (config.get("Labels") or {}).get("org.opencontainers.image.revision")
-    check(
-        named == other == env.get("INDEXER_BUILD_COMMIT") == env.get("INDEXER_IMAGE_REVISION"),
-        f"built again for {other}, the image names {named} (env {env}): a layer cached for another commit",
-    )
+    check_names_commit(rebuilt, other)  # else a LABEL or ENV layer cached for another commit was reused
     before, after = engine.inspect("image", TAG)["RootFS"]["Layers"], rebuilt["RootFS"]["Layers"]
     check(
         len(after) == len(before) and after[:-1] == before[:-1],
@@ -674,13 +683,9 @@ def check_image(engine: Engine, steps: Steps) -> dict:
     healthcheck = config.get("Healthcheck") or info.get("Healthcheck") or {}
     check(healthcheck.get("Test"), f"the image has no HEALTHCHECK (podman keeps it in the docker format): {info}")
     check(config.get("User") == "10001:10001", f"the image runs as {config.get('User')!r}, not 10001:10001")
-    env = dict(item.partition("=")[::2] for item in config.get("Env", []))
+    env = image_env(info)
     check(not [k for k in env if k.startswith("PIP_")], f"pip settings in the image's environment: {env}")
-    labels = config.get("Labels") or info.get("Labels") or {}
-    check(
-        labels.get("org.opencontainers.image.revision") == REVISION == env.get("INDEXER_BUILD_COMMIT"),
-        f"the image does not name its commit {REVISION}: labels {labels}, env {env}",
-    )
+    check_names_commit(info, REVISION)
     probe = run_in_image(
         engine,
         "set -e; for cc in gcc cc c99 clang tcc x86_64-linux-gnu-gcc; do if command -v $cc; then exit 3; fi; done; "
