@@ -159,15 +159,18 @@ class Probes(Paced):
     def summaries(self) -> dict[str, ProbeSummary]:
         with self._lock:
             records = list(self.records)
+        by_target: dict[str, list[ProbeRecord]] = {name: [] for name in self._names}
+        for record in records:
+            by_target[record.target].append(record)
         return {
             name: ProbeSummary(
                 name,
-                sum(r.target == name for r in records),
-                sum(r.ok for r in records if r.target == name),
-                max((r.seconds for r in records if r.target == name), default=0.0),
-                tuple(sorted(r.start for r in records if r.target == name and not r.ok)[:MISSES_DATED]),
+                len(mine),
+                sum(r.ok for r in mine),
+                max((r.seconds for r in mine), default=0.0),
+                tuple(sorted(r.start for r in mine if not r.ok)[:MISSES_DATED]),
             )
-            for name in self._names
+            for name, mine in by_target.items()
         }
 
     def overall(self) -> ProbeSummary:
